@@ -1,0 +1,86 @@
+"""Typed configs, validated once at construction and never mutated afterwards. No torch here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SCHEDULING_POLICIES = ("fcfs", "priority", "srtf", "fair")
+PREEMPTION_MODES = ("recompute", "swap", "auto")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """How the paged KV cache is laid out and sized."""
+
+    block_size: int = 16
+    """Tokens per KV cache block."""
+    kv_cache_memory: int | None = None
+    """Bytes for the KV cache; None picks a default from the machine's free memory."""
+    num_kv_blocks: int | None = None
+    """Exact number of KV blocks (overrides kv_cache_memory)."""
+    enable_prefix_caching: bool = True
+    """Reuse cached KV blocks across requests that share a prefix."""
+    swap_space: float = 4.0
+    """GiB of host memory for blocks of swapped-out requests (preemption mode swap/auto)."""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size > 1024:
+            raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be non-negative, got {self.swap_space}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How each step's token budget is shared among requests."""
+
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step (decode tokens plus prompt chunks)."""
+    max_num_seqs: int = 256
+    """Most requests running at once."""
+    max_model_len: int = 8192
+    """Longest sequence (prompt plus output) a request may reach."""
+    policy: str = "fcfs"
+    """Order of service: fcfs, priority, srtf or fair."""
+    preemption_mode: str = "recompute"
+    """What happens to a request evicted for lack of blocks: recompute, swap or auto."""
+    long_prefill_token_threshold: int = 0
+    """Cap on one request's prompt chunk per step (0 = no cap beyond the budget)."""
+    max_num_partial_prefills: int = 0
+    """Most requests with unfinished prompts scheduled in one step (0 = no limit)."""
+    time_slice: int = 64
+    """Fair share: steps a running request keeps its place while other users wait."""
+    user_weights: dict[str, float] = field(default_factory=dict)
+    """Fair share: weight per user (default 1)."""
+    max_waiting_steps: int = 10_000
+    """Aging bound: a request waiting this many steps is served before every other waiting one."""
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                f"long_prefill_token_threshold must be non-negative, got {self.long_prefill_token_threshold}"
+            )
+        if self.max_num_partial_prefills < 0:
+            raise ValueError(f"max_num_partial_prefills must be non-negative, got {self.max_num_partial_prefills}")
+        if self.time_slice < 1:
+            raise ValueError(f"time_slice must be at least 1, got {self.time_slice}")
+        if self.max_waiting_steps < 1:
+            raise ValueError(f"max_waiting_steps must be at least 1, got {self.max_waiting_steps}")
+        for user, w in self.user_weights.items():
+            if not w > 0:
+                raise ValueError(f"user weight must be positive, got {w} for user {user!r}")

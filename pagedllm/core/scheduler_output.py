@@ -1,0 +1,87 @@
+"""The engine <-> worker contract: what to compute this step, and what came out. No torch here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the worker has not seen (or must forget and re-learn after a recompute preemption)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: set[int] | frozenset[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """A request the worker already holds: only what changed."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    new_reqs: list[NewRequestData]
+    cached_reqs: list[CachedRequestData]
+    # req_id -> tokens to compute this step, in batch order (new requests after cached ones).
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests the worker must forget: finished, aborted or preempted since the last step.
+    finished_req_ids: set[str] = field(default_factory=set)
+    # Swap-based preemption: (block id on device, block id in host pool) pairs to move before the pass.
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # Copy-on-write: (source block, destination block) pairs to copy before the pass.
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    num_preempted: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class Logprobs:
+    """Logprobs for a run of positions: for each, the chosen token first, then the top-k."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]
+    # Per request in req_ids: the tokens sampled this step (empty while its prompt is unfinished).
+    sampled_token_ids: list[list[int]]
+    logprobs: dict[str, Logprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, Logprobs] = field(default_factory=dict)
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step produced for one request, handed from the scheduler to the engine."""
+
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: Logprobs | None = None
+    prompt_logprobs: Logprobs | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
