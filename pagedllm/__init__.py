@@ -1,1 +1,33 @@
+"""pagedllm: an LLM inference and serving engine with a paged KV cache and continuous batching."""
+
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineArgs", "LLMEngine", "__version__"]
+
+if TYPE_CHECKING:
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.llm import LLM
+    from pagedllm.outputs import CompletionOutput, RequestOutput
+    from pagedllm.sampling_params import SamplingParams
+
+_LAZY = {
+    "LLM": "pagedllm.llm",
+    "SamplingParams": "pagedllm.sampling_params",
+    "RequestOutput": "pagedllm.outputs",
+    "CompletionOutput": "pagedllm.outputs",
+    "EngineArgs": "pagedllm.engine.arg_utils",
+    "LLMEngine": "pagedllm.engine.llm_engine",
+}
+
+
+def __getattr__(name: str) -> Any:
+    # Imported on first use so that `pagedllm.core` stays importable without torch.
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")

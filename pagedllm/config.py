@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from typing import Any
+
 SCHEDULING_POLICIES = ("fcfs", "priority", "srtf", "fair")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -84,3 +86,68 @@ class SchedulerConfig:
         for user, w in self.user_weights.items():
             if not w > 0:
                 raise ValueError(f"user weight must be positive, got {w} for user {user!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model to run, resolved from a folder, a .gguf file or the embedded default."""
+
+    model: str
+    """What the user named (path or the default model's name)."""
+    kind: str
+    """'hf' (config.json + safetensors folder) or 'gguf'."""
+    path: str
+    """The folder or .gguf file the weights come from."""
+    served_model_name: str
+    """Name reported to API clients."""
+    hf_config: Any
+    """The transformers PretrainedConfig describing the architecture."""
+    dtype: str = "float32"
+    """Compute and KV cache dtype: float32, bfloat16 or float16."""
+    max_model_len: int = 8192
+    """Longest sequence (prompt + output) accepted."""
+    eos_token_ids: frozenset[int] = frozenset()
+    """Token ids that end generation unless ignore_eos."""
+    seed: int = 0
+    """Seed of the engine's default random generator (unseeded requests)."""
+    tokenizer: str | None = None
+    """Tokenizer folder, when it differs from the model's."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config.vocab_size)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.hf_config.num_hidden_layers)
+
+    @property
+    def num_heads(self) -> int:
+        return int(self.hf_config.num_attention_heads)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(getattr(self.hf_config, "num_key_value_heads", None) or self.num_heads)
+
+    @property
+    def head_dim(self) -> int:
+        return int(getattr(self.hf_config, "head_dim", None) or self.hf_config.hidden_size // self.num_heads)
+
+    @property
+    def sliding_window(self) -> int | None:
+        return getattr(self.hf_config, "sliding_window", None) or None
+
+    def kv_bytes_per_token(self) -> int:
+        itemsize = 4 if self.dtype == "float32" else 2
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig

@@ -109,6 +109,12 @@ class BlockPool:
         block.block_hash = block_hash
         self._cached[block_hash] = block
 
+    def uncache_block(self, block: KVBlock) -> None:
+        """Drops a block's key from the prefix cache (its K/V will not be written after all)."""
+        if block.block_hash is not None and self._cached.get(block.block_hash) is block:
+            del self._cached[block.block_hash]
+        block.block_hash = None
+
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) is block:

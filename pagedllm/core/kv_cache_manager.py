@@ -136,6 +136,11 @@ class KVCacheManager:
         blocks = self.req_blocks.pop(request.request_id, None)
         self._num_cached.pop(request.request_id, None)
         if blocks:
+            # Keys are registered when tokens are scheduled. A request preempted later in that same
+            # step never computes them: e.g. block_size 4, 8 tokens computed, a chunk of 4 scheduled
+            # -> block 2 is keyed but empty, so blocks from index 8 // 4 = 2 on lose their keys.
+            for block in blocks[request.num_computed_tokens // self.block_size :]:
+                self.pool.uncache_block(block)
             self.pool.free_blocks(reversed(blocks))
 
     def get_block_ids(self, request_id: str) -> list[int]:

@@ -48,7 +48,10 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order
         # Requests whose state the worker holds; the rest are sent in full when scheduled.
         self._known_to_worker: set[str] = set()
+        # Requests the worker has ever seen (it keeps per-request random generators until they end).
+        self._sent: set[str] = set()
         self._forget: set[str] = set()
+        self._preempted_ids: set[str] = set()
         self.num_preemptions = 0
 
     # ---- admission ------------------------------------------------------------------------
@@ -98,9 +101,11 @@ class Scheduler:
     def _release(self, req: Request) -> None:
         self.kv.free(req)
         self.requests.pop(req.request_id, None)
-        if req.request_id in self._known_to_worker:
-            self._known_to_worker.discard(req.request_id)
+        self._known_to_worker.discard(req.request_id)
+        if req.request_id in self._sent:
+            self._sent.discard(req.request_id)
             self._forget.add(req.request_id)
+            self._preempted_ids.discard(req.request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -133,6 +138,7 @@ class Scheduler:
         if req.request_id in self._known_to_worker:
             self._known_to_worker.discard(req.request_id)
             self._forget.add(req.request_id)
+            self._preempted_ids.add(req.request_id)
         self.waiting.append(req)
 
     def schedule(self) -> SchedulerOutput:
@@ -180,10 +186,12 @@ class Scheduler:
             hits, num_hit = self.kv.get_computed_blocks(req)
             req.num_computed_tokens = num_hit
             n = self._num_new_tokens(req, budget, partial_left)
+            # allocate_slots counts the hits itself: they precede the request's computed tokens.
+            req.num_computed_tokens = 0
             blocks = self.kv.allocate_slots(req, n, hits) if n > 0 else None
             if blocks is None:
-                req.num_computed_tokens = 0
                 break
+            req.num_computed_tokens = num_hit
             self.kv.record_prefix_query(req.num_tokens, num_hit)
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
@@ -230,6 +238,7 @@ class Scheduler:
                 ordered[rid] = n
         for rid, n in scheduled.items():
             self._known_to_worker.add(rid)
+            self._sent.add(rid)
             self.requests[rid].num_computed_tokens += n
         self.policy.on_step([self.requests[r] for r in scheduled], scheduled)
         out = SchedulerOutput(
@@ -238,9 +247,11 @@ class Scheduler:
             num_scheduled_tokens=ordered,
             total_num_scheduled_tokens=sum(scheduled.values()),
             finished_req_ids=self._forget,
+            preempted_req_ids=self._preempted_ids,
             num_preempted=len(preempted),
         )
         self._forget = set()
+        self._preempted_ids = set()
         return out
 
     def update_from_output(self, so: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:

@@ -40,6 +40,8 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     # Requests the worker must forget: finished, aborted or preempted since the last step.
     finished_req_ids: set[str] = field(default_factory=set)
+    # The subset of finished_req_ids that were preempted and will be sent again in full later.
+    preempted_req_ids: set[str] = field(default_factory=set)
     # Swap-based preemption: (block id on device, block id in host pool) pairs to move before the pass.
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)

@@ -1,0 +1,58 @@
+"""Per-step attention metadata, built once per step by the model runner and read by every layer."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionGroup:
+    """Requests attended together: queries padded to [B, max_q], keys gathered to [B, L].
+
+    Decodes form one group (max_q = 1) and prompt chunks another, so a long chunk never pads
+    hundreds of one-token decodes.
+    """
+
+    batch_size: int
+    max_query_len: int
+    # [B * max_q] flat token index of each padded query slot; padding points at row T (a zero row).
+    query_index: torch.Tensor
+    # [N] rows of the padded [B * max_q] output that are real tokens, and [N] their flat index.
+    out_rows: torch.Tensor
+    out_dest: torch.Tensor
+    # [B, max_blocks] block ids (padding repeats a valid id; the mask hides it).
+    block_tables: torch.Tensor
+    # [B, 1, max_q, max_blocks * block_size] True where a query may attend to a key slot.
+    mask: torch.Tensor
+
+
+@dataclass
+class AttentionMetadata:
+    num_tokens: int
+    # [T] cache slot (block_id * block_size + offset) of each new token's K/V.
+    slot_mapping: torch.Tensor
+    groups: list[AttentionGroup]
+
+
+_CURRENT: AttentionMetadata | None = None
+
+
+@contextlib.contextmanager
+def set_attention_metadata(md: AttentionMetadata) -> Iterator[None]:
+    """Installs the step's metadata for the duration of one forward pass."""
+    global _CURRENT
+    prev, _CURRENT = _CURRENT, md
+    try:
+        yield
+    finally:
+        _CURRENT = prev
+
+
+def get_attention_metadata() -> AttentionMetadata:
+    if _CURRENT is None:
+        raise RuntimeError("attention layers run only inside set_attention_metadata()")
+    return _CURRENT

@@ -1,0 +1,165 @@
+"""The engine: add and abort requests; `step()` = schedule, execute, update."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any, Union
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.executor.uniproc import InProcessExecutor
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.tokenizer import TokenizerWrapper
+
+logger = logging.getLogger(__name__)
+
+# A prompt: text, token ids, or vLLM's dict forms {"prompt": ...} / {"prompt_token_ids": [...]}.
+PromptType = Union[str, list[int], dict[str, Any]]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, log_stats: bool = True) -> None:
+        from pagedllm.models.loader import load_tokenizer, resolve_model
+
+        t0 = time.perf_counter()
+        self.config = config
+        mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
+        self.model_config = mc
+        source = resolve_model(mc.tokenizer or mc.path)
+        self.tokenizer = TokenizerWrapper(load_tokenizer(source))
+        self.executor = InProcessExecutor(mc, cc)
+        num_blocks = self.executor.determine_num_blocks()
+        self.executor.initialize_kv_cache(num_blocks)
+        self.scheduler = Scheduler(sc, KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching))
+        self.output_processor = OutputProcessor(self.tokenizer.rust)
+        self.log_stats = log_stats
+        capacity = num_blocks * cc.block_size
+        logger.info(
+            "KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s); maximum concurrency at "
+            "max_model_len=%d: %.2fx; token budget %d per step, at most %d sequences; ready in %.1f s",
+            num_blocks,
+            cc.block_size,
+            capacity,
+            num_blocks * cc.block_size * mc.kv_bytes_per_token() / (1 << 30),
+            mc.dtype,
+            mc.max_model_len,
+            capacity / mc.max_model_len,
+            sc.max_num_batched_tokens,
+            sc.max_num_seqs,
+            time.perf_counter() - t0,
+        )
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        return cls(args.create_engine_config())
+
+    # ---- requests -------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: PromptType, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt, validated against the vocabulary."""
+        text: str | None
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                text, ids = prompt["prompt"], None
+            else:
+                raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+        elif isinstance(prompt, str):
+            text, ids = prompt, None
+        elif isinstance(prompt, (list, tuple)):
+            text, ids = None, list(prompt)
+        else:
+            raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+        if ids is None:
+            if not isinstance(text, str):
+                raise ValueError(f"prompt text must be a string, got {type(text).__name__}")
+            ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        if not ids:
+            raise ValueError("The decoder prompt cannot be empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:8]} are out of vocabulary (vocab size {vocab})")
+        return text, ids
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        user: str | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Validates and queues a request; raises ValueError (queuing nothing) on bad input."""
+        params = params or SamplingParams()
+        if request_id in self.output_processor.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self.tokenize_prompt(prompt)
+        params.verify_vocab(self.model_config.vocab_size)
+        arrival = time.time() if arrival_time is None else arrival_time
+        max_len = self.model_config.max_model_len
+        max_tokens = params.max_tokens if params.max_tokens is not None else max(max_len - len(ids), 1)
+        if params.seed is not None and params.n > 1:
+            child_params = [params.clone() for _ in range(params.n)]
+            for i, p in enumerate(child_params):
+                p.seed = params.seed + i  # the n samples of a seeded request differ from each other
+        else:
+            child_params = [params] * params.n
+        requests = [
+            Request(
+                seq_id, ids, child_params[i], self.model_config.eos_token_ids, arrival, priority, user, cache_salt,
+                max_tokens,
+            )
+            for i, seq_id in enumerate(self.output_processor_seq_ids(request_id, params))
+        ]
+        for req in requests:
+            self.scheduler.check_request(req)
+        self.output_processor.add_request(request_id, text, ids, params, arrival, priority)
+        for req in requests:
+            self.scheduler.add_request(req)
+
+    @staticmethod
+    def output_processor_seq_ids(request_id: str, params: SamplingParams) -> list[str]:
+        from pagedllm.engine.output_processor import child_id
+
+        return [child_id(request_id, i, params.n) for i in range(params.n)]
+
+    def abort_request(self, request_ids: str | Sequence[str]) -> None:
+        """Ends requests now and frees their KV blocks."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for rid in ids:
+            seq_ids = self.output_processor.remove_request(rid)
+            self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.output_processor.requests)
+
+    # ---- the step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule tokens, run the model on them, turn the results into RequestOutputs."""
+        so = self.scheduler.schedule()
+        out = self.executor.execute_model(so)
+        core_outputs = self.scheduler.update_from_output(so, out)
+        outputs, stopped = self.output_processor.process_outputs(core_outputs)
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        self.last_scheduler_output = so
+        return outputs
+
+    def reset_prefix_cache(self) -> None:
+        self.scheduler.kv.reset_prefix_cache()
+
+    def get_tokenizer(self) -> TokenizerWrapper:
+        return self.tokenizer

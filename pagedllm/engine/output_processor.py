@@ -1,0 +1,222 @@
+"""Turns per-step EngineCoreOutputs into RequestOutputs: text, logprobs, stop strings, n > 1."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from tokenizers import Tokenizer
+
+from pagedllm.core.scheduler_output import EngineCoreOutput, Logprobs
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+
+class TokenTexts:
+    """Memoized text of single tokens, for logprob entries."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, tid: int) -> str:
+        text = self._cache.get(tid)
+        if text is None:
+            text = self._cache[tid] = self.tokenizer.decode([tid], skip_special_tokens=False)
+        return text
+
+
+@dataclass
+class SequenceState:
+    """One generated sequence (a request with n > 1 has n of them)."""
+
+    seq_id: str
+    index: int
+    params: SamplingParams
+    detok: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_tokens_sent: int = 0
+    num_logprobs_sent: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[SequenceState]
+    metrics: RequestMetrics
+    priority: int = 0
+    prompt_logprobs: PromptLogprobs | None = None
+    num_cached_tokens: int = 0
+    updated: set[int] = field(default_factory=set)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+
+def child_id(request_id: str, index: int, n: int) -> str:
+    """Scheduler-level id of sample `index` of a request (the request's own id when n == 1)."""
+    return request_id if n == 1 else f"{index}_{request_id}"
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.token_text = TokenTexts(tokenizer)
+        self.requests: dict[str, RequestState] = {}
+        self.seq_owner: dict[str, tuple[RequestState, SequenceState]] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+        priority: int = 0,
+    ) -> list[str]:
+        """Registers a request; returns the scheduler-level ids of its n sequences."""
+        seqs = []
+        for i in range(params.n):
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) if params.detokenize else None
+            seqs.append(
+                SequenceState(
+                    seq_id=child_id(request_id, i, params.n),
+                    index=i,
+                    params=params,
+                    detok=detok,
+                    logprobs=[] if params.logprobs is not None else None,
+                    cumulative_logprob=0.0 if params.logprobs is not None else None,
+                )
+            )
+        state = RequestState(
+            request_id, prompt, list(prompt_token_ids), params, seqs, RequestMetrics(arrival_time=arrival_time), priority
+        )
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None]
+        self.requests[request_id] = state
+        for s in seqs:
+            self.seq_owner[s.seq_id] = (state, s)
+        return [s.seq_id for s in seqs]
+
+    def remove_request(self, request_id: str) -> list[str]:
+        """Forgets a request; returns its unfinished sequence ids (for the scheduler to abort)."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return []
+        for s in state.seqs:
+            self.seq_owner.pop(s.seq_id, None)
+        return [s.seq_id for s in state.seqs if not s.finished]
+
+    def _to_logprob_dicts(self, lp: Logprobs) -> list[dict[int, Logprob]]:
+        out = []
+        for ids, values, rank in zip(lp.token_ids, lp.logprobs, lp.ranks):
+            d: dict[int, Logprob] = {}
+            # First entry is the chosen token with its true rank; the rest are the top-k by rank.
+            for j, (tid, v) in enumerate(zip(ids, values)):
+                if tid in d:
+                    continue
+                d[tid] = Logprob(v, rank if j == 0 else j, self.token_text(tid))
+            out.append(d)
+        return out
+
+    def process_outputs(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the RequestOutputs to hand out and the sequence ids stopped by a stop string."""
+        now = time.time()
+        touched: dict[str, RequestState] = {}
+        stopped_by_string: list[str] = []
+        for co in core_outputs:
+            owner = self.seq_owner.get(co.req_id)
+            if owner is None:
+                continue
+            state, seq = owner
+            if co.prompt_logprobs is not None and state.prompt_logprobs is not None:
+                state.prompt_logprobs.extend(self._to_logprob_dicts(co.prompt_logprobs))
+            if co.new_token_ids:
+                if state.metrics.first_token_time is None:
+                    state.metrics.first_token_time = now
+                    state.num_cached_tokens = co.num_cached_tokens
+                state.metrics.last_token_time = now
+                self._update_sequence(seq, co)
+                if seq.finish_reason == "stop" and isinstance(seq.stop_reason, str) and not co.finished:
+                    stopped_by_string.append(seq.seq_id)
+            state.updated.add(seq.index)
+            touched[state.request_id] = state
+        outputs = []
+        for state in touched.values():
+            out = self._make_output(state)
+            if state.finished:
+                state.metrics.finished_time = now
+                self.remove_request(state.request_id)
+            if out is not None:
+                outputs.append(out)
+        return outputs, stopped_by_string
+
+    def _update_sequence(self, seq: SequenceState, co: EngineCoreOutput) -> None:
+        seq.token_ids.extend(co.new_token_ids)
+        if co.logprobs is not None and seq.logprobs is not None:
+            seq.logprobs.extend(self._to_logprob_dicts(co.logprobs))
+            seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + sum(v[0] for v in co.logprobs.logprobs)
+        if co.finished:
+            seq.finish_reason, seq.stop_reason = co.finish_reason, co.stop_reason
+        if seq.detok is not None:
+            # An EOS / stop token that ended the sequence is not part of its text.
+            skip_last = co.finish_reason == "stop" and not seq.params.include_stop_str_in_output
+            matched = seq.detok.update(co.new_token_ids, skip_last=skip_last)
+            if matched is not None:
+                seq.finish_reason, seq.stop_reason = "stop", matched
+
+    def _make_output(self, state: RequestState) -> RequestOutput | None:
+        kind = state.params.output_kind
+        finished = state.finished
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = kind == RequestOutputKind.DELTA
+        seqs = [s for s in state.seqs if s.index in state.updated] if delta else state.seqs
+        state.updated = set()
+        completions = [self._completion(s, delta) for s in seqs]
+        prompt_lp = state.prompt_logprobs
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            prompt_logprobs=prompt_lp,
+            outputs=completions,
+            finished=finished,
+            num_cached_tokens=state.num_cached_tokens,
+            metrics=state.metrics,
+            priority=state.priority,
+        )
+
+    def _completion(self, seq: SequenceState, delta: bool) -> CompletionOutput:
+        if delta:
+            text = seq.detok.get_delta(seq.finished) if seq.detok else ""
+            tokens = seq.token_ids[seq.num_tokens_sent :]
+            logprobs = seq.logprobs[seq.num_logprobs_sent :] if seq.logprobs is not None else None
+            seq.num_tokens_sent = len(seq.token_ids)
+            seq.num_logprobs_sent = len(seq.logprobs or [])
+        else:
+            text = seq.detok.text if seq.detok else ""
+            tokens = list(seq.token_ids)
+            logprobs = list(seq.logprobs) if seq.logprobs is not None else None
+        return CompletionOutput(
+            index=seq.index,
+            text=text,
+            token_ids=tokens,
+            cumulative_logprob=seq.cumulative_logprob,
+            logprobs=logprobs,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+        )

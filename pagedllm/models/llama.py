@@ -1,0 +1,150 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) on a flat [num_tokens, hidden] batch."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.attention import Attention
+from pagedllm.layers.embedding import LMHead, VocabEmbedding
+from pagedllm.layers.linear import Linear, MergedLinear, QKVLinear
+from pagedllm.layers.rmsnorm import RMSNorm
+from pagedllm.layers.rotary import RotaryEmbedding
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, layer_idx: int, dtype: torch.dtype, qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim_of(config)
+        self.qkv_proj = QKVLinear(hidden, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias, dtype)
+        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=o_bias, dtype=dtype)
+        self.rotary_emb = RotaryEmbedding(config, self.head_dim, config.max_position_embeddings, dtype)
+        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5, layer_idx)
+        self.splits = [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size]
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.splits, dim=-1)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v.contiguous()))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config, dtype: torch.dtype, bias: bool) -> None:
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias=bias, dtype=dtype)
+        self.down_proj = Linear(inter, config.hidden_size, bias=bias, dtype=dtype)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, dtype: torch.dtype, qkv_bias: bool, o_bias: bool, mlp_bias: bool):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx, dtype, qkv_bias, o_bias)
+        self.mlp = LlamaMLP(config, dtype, mlp_bias)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.self_attn(positions, self.input_layernorm(x))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name fragment -> (fused parameter name fragment, shard id)
+    stacked_params = {
+        ".q_proj.": (".qkv_proj.", "q"),
+        ".k_proj.": (".qkv_proj.", "k"),
+        ".v_proj.": (".qkv_proj.", "v"),
+        ".gate_proj.": (".gate_up_proj.", 0),
+        ".up_proj.": (".gate_up_proj.", 1),
+    }
+    qkv_bias_default = False
+
+    def __init__(self, config, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config = config
+        attn_bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = attn_bias or self.qkv_bias_default
+        mlp_bias = bool(getattr(config, "mlp_bias", False))
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, dtype, qkv_bias, attn_bias, mlp_bias) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Flat batch: input_ids, positions [T] -> final hidden states [T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def _param_name(self, name: str) -> str:
+        name = name.removeprefix("model.")
+        return name
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copies checkpoint tensors (Hugging Face names) into parameters; returns the names loaded."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        tied = getattr(self.config, "tie_word_embeddings", False)
+        for ckpt_name, tensor in weights:
+            if "rotary_emb.inv_freq" in ckpt_name:
+                continue
+            if tied and ckpt_name == "lm_head.weight":
+                continue
+            name, shard = self._param_name(ckpt_name), None
+            for frag, (fused, shard_id) in self.stacked_params.items():
+                if frag in name:
+                    name, shard = name.replace(frag, fused), shard_id
+                    break
+            param = params.get(name)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {ckpt_name!r} has no matching parameter in {type(self).__name__}")
+            loader = getattr(param, "weight_loader", None)
+            tensor = tensor.to(param.dtype)
+            if loader is not None:
+                loader(param, tensor, shard)
+            else:
+                if tensor.shape != param.shape:
+                    raise ValueError(
+                        f"checkpoint tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+                    )
+                param.data.copy_(tensor)
+            loaded.add(name)
+        if tied:
+            loaded.add("lm_head.weight")
+        missing = {n for n in params if n not in loaded}
+        if missing:
+            raise ValueError(f"checkpoint is missing tensors for {sorted(missing)[:6]} ({len(missing)} in all)")
+        return loaded
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2: the Llama layout with biases on q/k/v (not on o_proj)."""
+
+    qkv_bias_default = True
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: the Llama layout (sliding window, if any, is applied through attention metadata)."""

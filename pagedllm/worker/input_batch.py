@@ -1,0 +1,147 @@
+"""Per-step model inputs in numpy: token ids, positions, slot mapping, attention groups.
+
+Everything here is computed once per step, on the CPU, without torch, so it can be tested on
+its own and so no layer ever loops over requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class RequestState:
+    """What the worker keeps about a request between steps."""
+
+    req_id: str
+    token_ids: list[int]  # prompt + generated tokens (the worker appends what it samples)
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling_params: object
+    eos_token_ids: set[int] | frozenset[int] = field(default_factory=frozenset)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+
+@dataclass
+class GroupArrays:
+    batch_size: int
+    max_query_len: int
+    query_index: np.ndarray  # [B * max_q]
+    out_rows: np.ndarray  # [N]
+    out_dest: np.ndarray  # [N]
+    block_tables: np.ndarray  # [B, max_blocks]
+    mask: np.ndarray  # [B, 1, max_q, max_blocks * block_size] bool
+
+
+@dataclass
+class BatchArrays:
+    input_ids: np.ndarray  # [T]
+    positions: np.ndarray  # [T]
+    slot_mapping: np.ndarray  # [T]
+    query_start_loc: np.ndarray  # [R + 1]
+    seq_lens: np.ndarray  # [R]
+    groups: list[GroupArrays]
+    # Rows of the flat batch whose logits are sampled, and which requests they belong to.
+    sample_rows: np.ndarray
+    sample_req_indices: np.ndarray
+
+
+def build_batch(
+    states: list[RequestState],
+    num_scheduled: list[int],
+    block_size: int,
+    sliding_window: int | None = None,
+) -> BatchArrays:
+    R = len(states)
+    n = np.asarray(num_scheduled, dtype=np.int64)
+    starts = np.asarray([s.num_computed_tokens for s in states], dtype=np.int64)
+    T = int(n.sum())
+    # query_start_loc: [2, 5, 3] -> [0, 2, 7, 10]
+    qsl = np.zeros(R + 1, dtype=np.int64)
+    np.cumsum(n, out=qsl[1:])
+    # req_indices: [2, 5, 3] -> [0,0,1,1,1,1,1,2,2,2]
+    req_indices = np.repeat(np.arange(R), n)
+    # offset of each token inside its request's chunk: [0,1,0,1,2,3,4,0,1,2]
+    offsets = np.arange(T) - qsl[:-1][req_indices]
+    positions = starts[req_indices] + offsets
+    seq_lens = starts + n
+
+    max_blocks = max((len(s.block_ids) for s in states), default=1)
+    table = np.zeros((R, max(max_blocks, 1)), dtype=np.int64)
+    for i, s in enumerate(states):
+        table[i, : len(s.block_ids)] = s.block_ids
+    # slot = block_table[req, pos // bs] * bs + pos % bs
+    slot_mapping = table[req_indices, positions // block_size] * block_size + positions % block_size
+
+    input_ids = np.empty(T, dtype=np.int64)
+    for i, s in enumerate(states):
+        input_ids[qsl[i] : qsl[i + 1]] = s.token_ids[starts[i] : starts[i] + n[i]]
+
+    is_decode = n == 1
+    groups = [
+        _group(np.nonzero(sel)[0], n, starts, qsl, table, block_size, sliding_window)
+        for sel in (is_decode, ~is_decode)
+        if sel.any()
+    ]
+
+    # A request samples when its scheduled tokens reach the end of its known tokens.
+    total = np.asarray([len(s.token_ids) for s in states], dtype=np.int64)
+    sample_req = np.nonzero(seq_lens == total)[0]
+    return BatchArrays(
+        input_ids=input_ids,
+        positions=positions,
+        slot_mapping=slot_mapping,
+        query_start_loc=qsl,
+        seq_lens=seq_lens,
+        groups=groups,
+        sample_rows=qsl[sample_req + 1] - 1,
+        sample_req_indices=sample_req,
+    )
+
+
+def _group(
+    reqs: np.ndarray,
+    n: np.ndarray,
+    starts: np.ndarray,
+    qsl: np.ndarray,
+    table: np.ndarray,
+    block_size: int,
+    sliding_window: int | None,
+) -> GroupArrays:
+    B = len(reqs)
+    qlen = n[reqs]
+    max_q = int(qlen.max())
+    seq = starts[reqs] + qlen
+    nblocks = int(-(-seq.max() // block_size))
+    L = nblocks * block_size
+    T = int(qsl[-1])
+    q_off = np.arange(max_q)
+    valid = q_off[None, :] < qlen[:, None]  # [B, max_q]
+    # Flat index of each padded query slot; padding points at row T (the zero row).
+    qidx = np.where(valid, qsl[reqs][:, None] + q_off[None, :], T)
+    # Query at offset j of request b sits at position starts[b] + j and sees keys 0..that position.
+    qpos = starts[reqs][:, None] + q_off[None, :]  # [B, max_q]
+    kpos = np.arange(L)
+    mask = (kpos[None, None, :] <= qpos[:, :, None]) & valid[:, :, None]
+    if sliding_window:
+        mask &= kpos[None, None, :] > qpos[:, :, None] - sliding_window
+    flat_valid = valid.reshape(-1)
+    return GroupArrays(
+        batch_size=B,
+        max_query_len=max_q,
+        query_index=qidx.reshape(-1),
+        out_rows=np.nonzero(flat_valid)[0],
+        out_dest=qidx.reshape(-1)[flat_valid],
+        block_tables=table[reqs, :nblocks],
+        mask=mask[:, None, :, :],
+    )

@@ -1,0 +1,375 @@
+"""Turns one step's logits into next tokens.
+
+The model runner gathers the S rows that sample a token this step, builds a
+`SamplingMetadata` once from their `SamplingRow`s, and calls
+`Sampler()(logits, metadata)`. The sampler then, batched over rows:
+
+1. blocks tokens outside `allowed_token_ids` and adds `logit_bias`;
+2. blocks EOS and stop token ids while a row has fewer than `min_tokens` outputs;
+3. applies repetition, presence and frequency penalties;
+4. greedy rows take the argmax; random rows divide by their temperature, keep
+   top-k, then top-p, then min-p, and draw with the exponential race
+   (`argmax(probs / q)`, `q ~ Exp(1)`), seeded rows from their own generator;
+5. optionally returns logprobs of the sampled token and the top-k alternatives,
+   computed from the raw logits (before any of the steps above).
+
+Every optional part is None in the metadata when no row uses it, and the
+sampler skips it; a batch of plain greedy rows is a single argmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedllm.sampling_params import SamplingParams, SamplingType
+
+# Floor for the exponential noise: `probs / q` must never be 0 / 0 (NaN), since argmax treats NaN as the largest
+# value and would pick a token outside the allowed set.
+_TINY = torch.finfo(torch.float32).tiny
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplingRow:
+    """One sampling row's inputs for this step, built by the model runner."""
+
+    params: SamplingParams
+    """The request's sampling parameters."""
+    generator: torch.Generator | None
+    """Set when `params.seed` is not None; the runner owns it and keeps it across steps."""
+    prompt_token_ids: list[int]
+    """The prompt (for the repetition penalty)."""
+    output_token_ids: list[int]
+    """Tokens generated so far (for penalties and min_tokens)."""
+    eos_token_ids: set[int] = field(default_factory=set)
+    """The model's EOS ids, blocked together with stop_token_ids while fewer than min_tokens are generated."""
+
+
+@dataclass
+class PenaltyMetadata:
+    """Per-row penalties and the token ids they count, padded with the vocab size (an id no logit has)."""
+
+    output_token_ids: torch.Tensor
+    """[S, max_output_len] int64, padded with V."""
+    prompt_token_ids: torch.Tensor | None
+    """[S, max_prompt_len] int64, padded with V; None when no row has a repetition penalty."""
+    repetition_penalties: torch.Tensor
+    """[S] float32, 1.0 = off."""
+    presence_penalties: torch.Tensor
+    """[S] float32, 0.0 = off."""
+    frequency_penalties: torch.Tensor
+    """[S] float32, 0.0 = off."""
+
+
+@dataclass
+class SamplingMetadata:
+    """Tensors for one step's sampling, built once from the rows; every optional part is None when unused."""
+
+    vocab_size: int
+    all_greedy: bool
+    all_random: bool
+    temperature: torch.Tensor | None
+    """[S] float32; greedy rows hold 1.0 so the division is harmless. None when all rows are greedy."""
+    greedy_mask: torch.Tensor | None
+    """[S] bool, True for greedy rows; only set when greedy and random rows are mixed."""
+    top_k: torch.Tensor | None
+    """[S] int64 in [1, V]; V for rows without top-k. None when no row uses top-k."""
+    top_p: torch.Tensor | None
+    """[S] float32; 1.0 for rows without top-p. None when no row uses top-p."""
+    min_p: torch.Tensor | None
+    """[S] float32; 0.0 for rows without min-p. None when no row uses min-p."""
+    generators: dict[int, torch.Generator]
+    """Row index -> generator, for seeded random rows."""
+    max_num_logprobs: int | None
+    """Largest `params.logprobs` over the rows; None when no row asks for logprobs."""
+    allowed_mask: torch.Tensor | None = None
+    """[S, V] bool, True where a token is not allowed; None when no row restricts its tokens."""
+    bias_index: tuple[torch.Tensor, torch.Tensor] | None = None
+    """(rows, token ids) that get a logit bias."""
+    bias_values: torch.Tensor | None = None
+    """float32 bias added at `bias_index`."""
+    min_tokens_index: tuple[torch.Tensor, torch.Tensor] | None = None
+    """(rows, token ids) blocked this step because the row has not reached min_tokens."""
+    penalties: PenaltyMetadata | None = None
+
+    @property
+    def needs_processing(self) -> bool:
+        """Whether any logits processing (mask, bias, min_tokens, penalties) applies this step."""
+        return not (
+            self.allowed_mask is None
+            and self.bias_index is None
+            and self.min_tokens_index is None
+            and self.penalties is None
+        )
+
+    @classmethod
+    def from_rows(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device) -> SamplingMetadata:
+        """Builds the step's sampling tensors from the rows, in row order."""
+        greedy = [r.params.sampling_type == SamplingType.GREEDY for r in rows]
+        all_greedy, all_random = all(greedy), not any(greedy)
+        num_logprobs = [r.params.logprobs for r in rows if r.params.logprobs is not None]
+        bias_index, bias_values = _logit_bias(rows, device)
+        return cls(
+            vocab_size=vocab_size,
+            all_greedy=all_greedy,
+            all_random=all_random,
+            temperature=None if all_greedy else _temperatures(rows, greedy, device),
+            greedy_mask=None if all_greedy or all_random else torch.tensor(greedy, dtype=torch.bool, device=device),
+            top_k=_top_k(rows, vocab_size, device),
+            top_p=_optional_f32([r.params.top_p for r in rows], 1.0, device),
+            min_p=_optional_f32([r.params.min_p for r in rows], 0.0, device),
+            generators=_generators(rows),
+            max_num_logprobs=max(num_logprobs) if num_logprobs else None,
+            allowed_mask=_allowed_mask(rows, vocab_size, device),
+            bias_index=bias_index,
+            bias_values=bias_values,
+            min_tokens_index=_min_tokens_index(rows, device),
+            penalties=_penalties(rows, vocab_size, device),
+        )
+
+
+def _temperatures(rows: list[SamplingRow], greedy: list[bool], device: torch.device) -> torch.Tensor:
+    """Per-row temperature, 1.0 for greedy rows (their random sample is discarded)."""
+    temps = [1.0 if g else r.params.temperature for r, g in zip(rows, greedy)]
+    return torch.tensor(temps, dtype=torch.float32, device=device)
+
+
+def _optional_f32(values: list[float], off: float, device: torch.device) -> torch.Tensor | None:
+    """The values as a float32 tensor, or None when every value is the `off` value."""
+    if all(v == off for v in values):
+        return None
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
+def _top_k(rows: list[SamplingRow], vocab_size: int, device: torch.device) -> torch.Tensor | None:
+    """Per-row k clamped to [1, V] (0 = off becomes V), or None when no row keeps fewer than V tokens."""
+    ks = [vocab_size if r.params.top_k <= 0 else min(r.params.top_k, vocab_size) for r in rows]
+    if all(k == vocab_size for k in ks):
+        return None
+    return torch.tensor(ks, dtype=torch.int64, device=device)
+
+
+def _generators(rows: list[SamplingRow]) -> dict[int, torch.Generator]:
+    """Row index -> generator for the seeded random rows (greedy rows draw nothing)."""
+    generators: dict[int, torch.Generator] = {}
+    for i, row in enumerate(rows):
+        if row.params.sampling_type == SamplingType.RANDOM_SEED:
+            assert row.generator is not None, "the runner must give every seeded row its generator"
+            generators[i] = row.generator
+    return generators
+
+
+def _allowed_mask(rows: list[SamplingRow], vocab_size: int, device: torch.device) -> torch.Tensor | None:
+    """[S, V] bool, True where a row's allowed_token_ids excludes the token; None when no row restricts."""
+    restricted = [i for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
+    if not restricted:
+        return None
+    mask = torch.zeros(len(rows), vocab_size, dtype=torch.bool, device=device)
+    mask[restricted] = True
+    row_ids = [i for i in restricted for _ in rows[i].params.allowed_token_ids or []]
+    token_ids = [t for i in restricted for t in rows[i].params.allowed_token_ids or []]
+    mask[torch.tensor(row_ids, device=device), torch.tensor(token_ids, device=device)] = False
+    return mask
+
+
+def _logit_bias(
+    rows: list[SamplingRow], device: torch.device
+) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, torch.Tensor | None]:
+    """(rows, token ids) and values of every row's logit_bias entries, or (None, None)."""
+    row_ids: list[int] = []
+    token_ids: list[int] = []
+    values: list[float] = []
+    for i, row in enumerate(rows):
+        for token, bias in (row.params.logit_bias or {}).items():
+            row_ids.append(i)
+            token_ids.append(int(token))
+            values.append(float(bias))
+    if not row_ids:
+        return None, None
+    index = (torch.tensor(row_ids, device=device), torch.tensor(token_ids, device=device))
+    return index, torch.tensor(values, dtype=torch.float32, device=device)
+
+
+def _min_tokens_index(rows: list[SamplingRow], device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rows, token ids) to block: EOS and stop ids of rows that have generated fewer than min_tokens."""
+    row_ids: list[int] = []
+    token_ids: list[int] = []
+    for i, row in enumerate(rows):
+        if len(row.output_token_ids) < row.params.min_tokens:
+            blocked = sorted(row.eos_token_ids | row.params.all_stop_token_ids)
+            row_ids.extend([i] * len(blocked))
+            token_ids.extend(blocked)
+    if not row_ids:
+        return None
+    return torch.tensor(row_ids, device=device), torch.tensor(token_ids, device=device)
+
+
+def _penalties(rows: list[SamplingRow], vocab_size: int, device: torch.device) -> PenaltyMetadata | None:
+    """Penalty tensors, or None when every row has the default (no-op) penalties."""
+    rep = [r.params.repetition_penalty for r in rows]
+    presence = [r.params.presence_penalty for r in rows]
+    frequency = [r.params.frequency_penalty for r in rows]
+    uses_repetition = any(p != 1.0 for p in rep)
+    if not (uses_repetition or any(presence) or any(frequency)):
+        return None
+    prompts = _pad([r.prompt_token_ids for r in rows], vocab_size, device) if uses_repetition else None
+    return PenaltyMetadata(
+        output_token_ids=_pad([r.output_token_ids for r in rows], vocab_size, device),
+        prompt_token_ids=prompts,
+        repetition_penalties=torch.tensor(rep, dtype=torch.float32, device=device),
+        presence_penalties=torch.tensor(presence, dtype=torch.float32, device=device),
+        frequency_penalties=torch.tensor(frequency, dtype=torch.float32, device=device),
+    )
+
+
+def _pad(token_lists: list[list[int]], pad_id: int, device: torch.device) -> torch.Tensor:
+    """Right-pads the lists into one int64 tensor: [[3, 4], [5]], pad 9 -> [[3, 4], [5, 9]]."""
+    width = max((len(t) for t in token_lists), default=0)
+    padded = [list(t) + [pad_id] * (width - len(t)) for t in token_lists]
+    return torch.tensor(padded, dtype=torch.int64, device=device).reshape(len(token_lists), width)
+
+
+@dataclass
+class SamplerOutput:
+    """The step's sampled tokens and, when some row asked, their logprobs."""
+
+    sampled_token_ids: torch.Tensor
+    """[S] int64."""
+    logprob_token_ids: torch.Tensor | None
+    """[S, 1 + max_k] int64: the sampled token first, then the top max_k tokens by logprob."""
+    logprobs: torch.Tensor | None
+    """[S, 1 + max_k] float32 logprobs of those ids."""
+    sampled_token_ranks: torch.Tensor | None
+    """[S] int64 rank of the sampled token (1 = most likely)."""
+
+
+class Sampler(torch.nn.Module):
+    """Batched sampling for one step: logits processing, greedy / random draws and logprobs."""
+
+    def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        """Samples one token per row of `logits` ([S, V] float32, left unmodified)."""
+        assert logits.dim() == 2 and logits.shape[1] == md.vocab_size, (tuple(logits.shape), md.vocab_size)
+        processed = self.process_logits(logits, md)
+        if md.all_greedy:
+            sampled = processed.argmax(dim=-1)
+        else:
+            sampled = self._sample_random(processed, md)
+            if md.greedy_mask is not None:
+                sampled = torch.where(md.greedy_mask, processed.argmax(dim=-1), sampled)
+        if md.max_num_logprobs is None:
+            return SamplerOutput(sampled, None, None, None)
+        ids, logprobs, ranks = compute_topk_logprobs(logits, sampled, md.max_num_logprobs)
+        return SamplerOutput(sampled, ids, logprobs, ranks)
+
+    def process_logits(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """Allowed-token mask and logit bias, then min_tokens, then penalties; returns a new tensor if any apply."""
+        logits = logits.float()
+        if not md.needs_processing:
+            return logits
+        logits = logits.clone()
+        if md.allowed_mask is not None:
+            logits.masked_fill_(md.allowed_mask, _NEG_INF)
+        if md.bias_index is not None:
+            assert md.bias_values is not None
+            logits.index_put_(md.bias_index, md.bias_values, accumulate=True)
+        if md.min_tokens_index is not None:
+            logits.index_put_(md.min_tokens_index, torch.tensor(_NEG_INF, device=logits.device))
+        if md.penalties is not None:
+            logits = apply_penalties(logits, md.penalties)
+        return logits
+
+    def _sample_random(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """Temperature, top-k, top-p, min-p, then one exponential-race draw per row."""
+        assert md.temperature is not None
+        logits = logits / md.temperature.unsqueeze(1)
+        if md.top_k is not None or md.top_p is not None:
+            logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
+        probs = logits.softmax(dim=-1)
+        if md.min_p is not None:
+            probs = apply_min_p(probs, md.min_p)
+        return exponential_race(probs, md.generators)
+
+
+def _token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[S, V] float32 count of each token per row, ignoring the pad id V.
+
+    token_ids [[2, 2, 0], [1, 3, 3]] with V = 3 (3 is padding) -> [[1, 0, 2], [0, 1, 0]]:
+    the pad lands in an extra column V that is cut off.
+    """
+    counts = torch.zeros(token_ids.shape[0], vocab_size + 1, dtype=torch.float32, device=token_ids.device)
+    counts.scatter_add_(1, token_ids, torch.ones_like(token_ids, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, p: PenaltyMetadata) -> torch.Tensor:
+    """Repetition (prompt or output tokens), then frequency and presence (output tokens) penalties."""
+    vocab_size = logits.shape[1]
+    output_counts = _token_counts(p.output_token_ids, vocab_size)
+    output_seen = output_counts > 0
+    if p.prompt_token_ids is not None:
+        seen = output_seen | (_token_counts(p.prompt_token_ids, vocab_size) > 0)
+        rep = p.repetition_penalties.unsqueeze(1)
+        # Shrinks seen tokens' logits toward 0 from either side: 2.0 -> 2.0 / rep, -2.0 -> -2.0 * rep.
+        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - p.frequency_penalties.unsqueeze(1) * output_counts
+    return logits - p.presence_penalties.unsqueeze(1) * output_seen
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Sets logits outside each row's top-k, then outside its top-p nucleus, to -inf (one sort for both)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    if top_k is not None:
+        # Column k - 1 of the descending sort holds the k-th largest logit: top_k [2, 5] -> columns [1, 4].
+        # Everything strictly below it goes; ties with it stay (never fewer than k tokens).
+        kth = sorted_logits.gather(1, (top_k - 1).unsqueeze(1))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, _NEG_INF)
+    if top_p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        # Mass strictly before each sorted position: probs [0.5, 0.3, 0.2] -> [0.0, 0.5, 0.8]. With top_p 0.8
+        # the third token goes (0.8 already reached), the first two stay; column 0 (mass 0.0) always stays.
+        mass_before = probs.cumsum(dim=-1) - probs
+        # Rows with top_p 1.0 keep everything, even if rounding pushes the running sum to 1.0 early.
+        drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
+    # Undo the sort: sorted position j of row r came from column order[r, j].
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Zeroes probabilities below min_p times the row's largest one (rows need not be renormalized)."""
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return probs.masked_fill(probs < threshold, 0.0)
+
+
+def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Draws one token per row with probability proportional to `probs` via argmax(probs / q), q ~ Exp(1).
+
+    Unseeded rows draw q in one batched call from the default generator; each seeded row then redraws its own
+    row from its generator, so its samples depend neither on the other rows nor on its position in the batch.
+    """
+    q = torch.empty_like(probs)
+    if len(generators) < probs.shape[0]:
+        q.exponential_()
+    for row, generator in generators.items():
+        q[row].exponential_(generator=generator)
+    return (probs / q.clamp_min_(_TINY)).argmax(dim=-1)
+
+
+def compute_topk_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logprobs of `token_ids` and of each row's top-k tokens, from log_softmax(logits).
+
+    Returns ids [N, 1 + k] int64 (the given token first, then the top k by logprob, descending), their float32
+    logprobs [N, 1 + k], and ranks [N] int64 of the given token (1 + number of tokens with a strictly larger
+    logprob). k is capped at the vocabulary size.
+    """
+    logprobs = logits.float().log_softmax(dim=-1)
+    token_ids = token_ids.to(torch.int64).unsqueeze(1)
+    token_logprobs = logprobs.gather(1, token_ids)
+    ranks = (logprobs > token_logprobs).sum(dim=-1) + 1
+    top_logprobs, top_ids = logprobs.topk(min(k, logprobs.shape[1]), dim=-1)
+    ids = torch.cat([token_ids, top_ids], dim=1)
+    return ids, torch.cat([token_logprobs, top_logprobs], dim=1), ranks

@@ -1,0 +1,336 @@
+"""Sampler tests on random logits over a small vocabulary: greedy, top-k/top-p/min-p, seeds, penalties, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingMetadata,
+    SamplingRow,
+    compute_topk_logprobs,
+)
+
+V = 50
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def _fixed_default_seed() -> None:
+    torch.manual_seed(1234)
+
+
+def make_row(
+    params: SamplingParams | None = None,
+    prompt: list[int] | None = None,
+    output: list[int] | None = None,
+    eos: set[int] | None = None,
+) -> SamplingRow:
+    """A row as the runner builds it: seeded params get a generator seeded with params.seed."""
+    params = params or SamplingParams()
+    generator = None
+    if params.seed is not None:
+        generator = torch.Generator().manual_seed(params.seed)
+    return SamplingRow(params, generator, list(prompt or [1, 2]), list(output or []), set(eos or set()))
+
+
+def sample(rows: list[SamplingRow], logits: torch.Tensor, vocab_size: int = V) -> SamplerOutput:
+    md = SamplingMetadata.from_rows(rows, vocab_size, CPU)
+    return Sampler()(logits, md)
+
+
+def reference_probs(
+    logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
+) -> list[float]:
+    """The distribution a random row should sample from, computed token by token without the sampler's tricks."""
+    probs = torch.softmax(logits.double() / temperature, dim=-1).tolist()
+    order = sorted(range(len(probs)), key=lambda t: -probs[t])
+    keep = set(order[:top_k] if top_k > 0 else order)
+    probs = _renormalize(probs, keep)
+    nucleus: set[int] = set()
+    mass = 0.0
+    for token in order:  # smallest prefix whose mass reaches top_p
+        if token in keep and mass < top_p:
+            nucleus.add(token)
+            mass += probs[token]
+    probs = _renormalize(probs, nucleus)
+    best = max(probs)
+    return _renormalize(probs, {t for t, p in enumerate(probs) if p >= min_p * best})
+
+
+def _renormalize(probs: list[float], keep: set[int]) -> list[float]:
+    total = sum(probs[t] for t in keep)
+    return [p / total if t in keep else 0.0 for t, p in enumerate(probs)]
+
+
+def empirical(tokens: torch.Tensor, vocab_size: int = V) -> list[float]:
+    counts = torch.bincount(tokens, minlength=vocab_size).double()
+    return (counts / counts.sum()).tolist()
+
+
+def total_variation(p: list[float], q: list[float]) -> float:
+    return 0.5 * sum(abs(a - b) for a, b in zip(p, q))
+
+
+# ----------------------------------------------------------------------------------------------- greedy
+
+
+def test_greedy_is_argmax_and_skips_optional_parts() -> None:
+    logits = torch.randn(8, V)
+    rows = [make_row(SamplingParams(temperature=0.0)) for _ in range(8)]
+    md = SamplingMetadata.from_rows(rows, V, CPU)
+    assert md.all_greedy and not md.needs_processing
+    assert md.temperature is None and md.top_k is None and md.top_p is None and md.min_p is None
+    out = Sampler()(logits, md)
+    assert torch.equal(out.sampled_token_ids, logits.argmax(dim=-1))
+    assert out.sampled_token_ids.dtype == torch.int64
+    assert out.logprobs is None and out.logprob_token_ids is None and out.sampled_token_ranks is None
+
+
+def test_greedy_rows_unaffected_by_random_rows() -> None:
+    logits = torch.randn(6, V)
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.5, top_k=5),
+        SamplingParams(temperature=0.0, seed=3),
+        SamplingParams(temperature=1.0, top_p=0.5, seed=9),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=2.0, min_p=0.2),
+    ]
+    rows = [make_row(p) for p in params]
+    greedy = [0, 2, 4]
+    for _ in range(20):
+        out = sample(rows, logits)
+        assert torch.equal(out.sampled_token_ids[greedy], logits[greedy].argmax(dim=-1))
+
+
+def test_input_logits_left_unmodified() -> None:
+    logits = torch.randn(3, V)
+    before = logits.clone()
+    rows = [
+        make_row(SamplingParams(repetition_penalty=1.5, logit_bias={3: 2.0}, temperature=0.7, top_k=3), output=[3]),
+        make_row(SamplingParams(allowed_token_ids=[1, 2], min_tokens=2, top_p=0.5), eos={1}),
+        make_row(SamplingParams(temperature=0.0, presence_penalty=1.0, logprobs=2), output=[4, 4]),
+    ]
+    sample(rows, logits)
+    assert torch.equal(logits, before)
+
+
+# ------------------------------------------------------------------------------------ top-k, top-p, min-p
+
+
+CONFIGS = [
+    dict(top_k=5),
+    dict(top_p=0.6),
+    dict(min_p=0.1),
+    dict(temperature=0.8, top_k=12, top_p=0.9, min_p=0.05),
+    dict(temperature=0.5),
+    dict(temperature=1.7, top_p=0.95),
+]
+
+
+def test_truncation_stays_in_set_and_matches_distribution() -> None:
+    """Each config gets its own logits row, repeated `draws` times, all in one mixed batch."""
+    draws = 4000
+    base = torch.randn(len(CONFIGS), V) * 2.0
+    rows = [make_row(SamplingParams(**cfg)) for cfg in CONFIGS for _ in range(draws)]
+    logits = base.repeat_interleave(draws, dim=0)
+    tokens = sample(rows, logits).sampled_token_ids.view(len(CONFIGS), draws)
+    for i, cfg in enumerate(CONFIGS):
+        expected = reference_probs(base[i], **cfg)
+        allowed = {t for t, p in enumerate(expected) if p > 0}
+        assert set(tokens[i].tolist()) <= allowed, (cfg, sorted(allowed))
+        assert total_variation(empirical(tokens[i]), expected) < 0.05, cfg
+
+
+def test_top_k_keeps_exactly_k_and_top_p_keeps_at_least_one() -> None:
+    logits = torch.randn(1, V) * 3.0
+    top3 = set(logits[0].topk(3).indices.tolist())
+    rows = [make_row(SamplingParams(top_k=3)) for _ in range(2000)]
+    tokens = sample(rows, logits.expand(2000, V)).sampled_token_ids
+    assert set(tokens.tolist()) == top3  # all three show up, nothing else
+    tiny_p = [make_row(SamplingParams(top_p=1e-6)) for _ in range(200)]
+    tokens = sample(tiny_p, logits.expand(200, V)).sampled_token_ids
+    assert set(tokens.tolist()) == {int(logits.argmax())}
+
+
+def test_top_k_larger_than_vocab_is_harmless() -> None:
+    logits = torch.randn(1, V)
+    rows = [make_row(SamplingParams(top_k=10 * V)) for _ in range(4000)]
+    tokens = sample(rows, logits.expand(4000, V)).sampled_token_ids
+    assert total_variation(empirical(tokens), reference_probs(logits[0])) < 0.06
+
+
+def test_low_temperature_is_greedy() -> None:
+    logits = torch.randn(4, V)
+    logits[torch.arange(4), torch.tensor([3, 17, 42, 0])] += 10.0  # a clear winner per row
+    rows = [make_row(SamplingParams(temperature=0.01)) for _ in range(4)]
+    for _ in range(50):
+        assert sample(rows, logits).sampled_token_ids.tolist() == [3, 17, 42, 0]
+
+
+def test_temperature_scaling_chi_square() -> None:
+    draws, temperature = 20000, 0.6
+    logits = torch.randn(1, V)
+    rows = [make_row(SamplingParams(temperature=temperature)) for _ in range(draws)]
+    tokens = sample(rows, logits.expand(draws, V)).sampled_token_ids
+    expected = reference_probs(logits[0], temperature=temperature)
+    counts = torch.bincount(tokens, minlength=V).double().tolist()
+    # Pool tokens with small expected counts so every cell has at least 5 expected draws.
+    chi2, pooled_obs, pooled_exp, cells = 0.0, 0.0, 0.0, 0
+    for obs, p in zip(counts, expected):
+        if p * draws >= 5:
+            chi2 += (obs - p * draws) ** 2 / (p * draws)
+            cells += 1
+        else:
+            pooled_obs, pooled_exp = pooled_obs + obs, pooled_exp + p * draws
+    if pooled_exp > 0:
+        chi2 += (pooled_obs - pooled_exp) ** 2 / pooled_exp
+        cells += 1
+    dof = cells - 1
+    assert chi2 < dof + 6 * math.sqrt(2 * dof), (chi2, dof)  # mean dof, sd sqrt(2 dof): a 6-sigma bound
+    # The same logits at temperature 1 are clearly a different distribution.
+    assert total_variation(expected, reference_probs(logits[0])) > 0.05
+
+
+# ------------------------------------------------------------------------------------------------ seeds
+
+
+def _seeded_run(seed: int | None, position: int, others: list[SamplingParams], steps: int = 8) -> list[int]:
+    """Samples `steps` tokens for one row whose logits per step are fixed, placed among `others`."""
+    logits_gen = torch.Generator().manual_seed(77)
+    target_logits = [torch.randn(V, generator=logits_gen) for _ in range(steps)]
+    target = make_row(SamplingParams(temperature=0.9, top_p=0.95, seed=seed))
+    other_rows = [make_row(p) for p in others]
+    tokens = []
+    for step in range(steps):
+        rows = other_rows[:position] + [target] + other_rows[position:]
+        logits = torch.randn(len(rows), V)
+        logits[position] = target_logits[step]
+        tokens.append(int(sample(rows, logits).sampled_token_ids[position]))
+    return tokens
+
+
+def test_seed_is_independent_of_batch_and_position() -> None:
+    alone = _seeded_run(5, 0, [])
+    mixes = [
+        (0, [SamplingParams(), SamplingParams(temperature=0.0)]),
+        (2, [SamplingParams(top_k=3), SamplingParams(seed=11, min_p=0.1), SamplingParams(repetition_penalty=1.3)]),
+        (1, [SamplingParams(temperature=0.0, logprobs=3), SamplingParams(top_p=0.3, seed=5)]),
+        (3, [SamplingParams(temperature=2.0)] * 5),
+    ]
+    for position, others in mixes:
+        assert _seeded_run(5, position, others) == alone, (position, others)
+
+
+def test_different_seeds_differ_and_unseeded_rows_vary() -> None:
+    assert _seeded_run(5, 0, []) != _seeded_run(6, 0, [])
+    assert _seeded_run(None, 0, []) != _seeded_run(None, 0, [])
+
+
+# -------------------------------------------------------------------------------------------- penalties
+
+
+def test_penalties_exact_values() -> None:
+    vocab = 6
+    raw = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0, 1.0])
+    rows = [
+        make_row(
+            SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25),
+            prompt=[0],
+            output=[1, 3, 3],
+        ),
+        make_row(SamplingParams(), prompt=[0, 1], output=[3]),  # default penalties: untouched
+        make_row(SamplingParams(frequency_penalty=-1.0), prompt=[2], output=[5, 5, 5]),
+    ]
+    md = SamplingMetadata.from_rows(rows, vocab, CPU)
+    processed = Sampler().process_logits(raw.expand(3, vocab), md)
+    # Row 0: repetition on {0 (prompt), 1, 3 (output)}: 2.0 -> 1.0, -1.0 -> -2.0, 3.0 -> 1.5;
+    # then frequency 0.25 per occurrence (1: once, 3: twice) and presence 0.5 for 1 and 3.
+    expected0 = [1.0, -2.0 - 0.25 - 0.5, 0.5, 1.5 - 0.5 - 0.5, -2.0, 1.0]
+    assert processed[0].tolist() == pytest.approx(expected0)
+    assert processed[1].tolist() == pytest.approx(raw.tolist())
+    # Row 2: a negative frequency penalty rewards the token 3 times; the prompt is ignored without repetition.
+    assert processed[2].tolist() == pytest.approx([2.0, -1.0, 0.5, 3.0, -2.0, 4.0])
+    # Greedy follows the penalized logits: the raw argmax 3 (3.0) drops to 0.75, so token 0 (2.0) wins.
+    greedy = [make_row(SamplingParams(temperature=0.0, repetition_penalty=4.0), prompt=[3])]
+    assert sample(greedy, raw.view(1, vocab), vocab_size=vocab).sampled_token_ids.item() == 0
+
+
+def test_presence_and_frequency_only_skip_prompt_counts() -> None:
+    rows = [make_row(SamplingParams(presence_penalty=1.0), prompt=[0], output=[2])]
+    md = SamplingMetadata.from_rows(rows, 4, CPU)
+    assert md.penalties is not None and md.penalties.prompt_token_ids is None
+    processed = Sampler().process_logits(torch.zeros(1, 4), md)
+    assert processed.tolist() == [[0.0, 0.0, -1.0, 0.0]]
+
+
+def test_min_tokens_blocks_eos_and_stop_ids_until_reached() -> None:
+    logits = torch.zeros(1, V)
+    logits[0, 5] = 10.0  # eos
+    logits[0, 7] = 9.0  # stop token
+    logits[0, 9] = 8.0
+    for ignore_eos in (False, True):
+        params = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[7], ignore_eos=ignore_eos)
+        early = make_row(params, output=[1, 2], eos={5})
+        assert sample([early], logits).sampled_token_ids.item() == 9
+        reached = make_row(params, output=[1, 2, 3], eos={5})
+        assert sample([reached], logits).sampled_token_ids.item() == 5
+    random_rows = [make_row(SamplingParams(min_tokens=2, stop_token_ids=[7]), eos={5}) for _ in range(500)]
+    tokens = sample(random_rows, logits.expand(500, V)).sampled_token_ids
+    assert not ({5, 7} & set(tokens.tolist()))
+
+
+def test_logit_bias_and_allowed_token_ids() -> None:
+    logits = torch.randn(1, V)
+    biased = make_row(SamplingParams(temperature=0.0, logit_bias={4: 100.0}))
+    assert sample([biased], logits).sampled_token_ids.item() == 4
+    allowed = [3, 7, 11]
+    rows = [make_row(SamplingParams(allowed_token_ids=allowed, logit_bias={20: 100.0})) for _ in range(2000)]
+    rows.append(make_row(SamplingParams(logit_bias={int(logits.argmax()): -1000.0})))
+    tokens = sample(rows, logits.expand(len(rows), V)).sampled_token_ids
+    assert set(tokens[:-1].tolist()) == set(allowed)  # the bias cannot re-admit token 20
+    assert tokens[-1].item() != int(logits.argmax())
+
+
+# --------------------------------------------------------------------------------------------- logprobs
+
+
+def test_logprobs_come_from_raw_logits() -> None:
+    logits = torch.randn(4, V)
+    rows = [
+        make_row(SamplingParams(logprobs=3, temperature=0.5, repetition_penalty=2.0), output=[1, 2]),
+        make_row(SamplingParams(temperature=0.0)),  # no logprobs asked: still computed, sliced by the runner
+        make_row(SamplingParams(logprobs=0, top_k=2)),
+        make_row(SamplingParams(logprobs=1, temperature=0.0, logit_bias={6: 50.0})),
+    ]
+    out = sample(rows, logits)
+    assert out.logprob_token_ids is not None and out.logprobs is not None and out.sampled_token_ranks is not None
+    assert out.logprob_token_ids.shape == (4, 4) and out.logprobs.shape == (4, 4)
+    assert out.logprob_token_ids.dtype == torch.int64 and out.logprobs.dtype == torch.float32
+    raw = logits.log_softmax(dim=-1)
+    sampled = out.sampled_token_ids
+    assert sampled[3].item() == 6
+    assert torch.equal(out.logprob_token_ids[:, 0], sampled)
+    assert torch.allclose(out.logprobs[:, 0], raw.gather(1, sampled[:, None]).squeeze(1))
+    top = raw.topk(3, dim=-1)
+    assert torch.equal(out.logprob_token_ids[:, 1:], top.indices)
+    assert torch.allclose(out.logprobs[:, 1:], top.values)
+    assert bool((out.logprobs[:, 1:].diff(dim=-1) <= 0).all())
+    ranks = [1 + int((raw[i] > raw[i, sampled[i]]).sum()) for i in range(4)]
+    assert out.sampled_token_ranks.tolist() == ranks
+
+
+def test_compute_topk_logprobs_worked_example() -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0], [3.0, 3.0, 0.0]])
+    ids, logprobs, ranks = compute_topk_logprobs(logits, torch.tensor([0, 1]), 2)
+    assert ids[0].tolist() == [0, 2, 1]
+    assert ranks.tolist() == [3, 1]  # a tie with the best token still ranks 1
+    assert torch.allclose(logprobs, logits.log_softmax(-1).gather(1, ids))
+    ids, logprobs, ranks = compute_topk_logprobs(logits, torch.tensor([2, 2]), 0)
+    assert ids.shape == (2, 1) and ranks.tolist() == [1, 3]

@@ -1,0 +1,438 @@
+"""Scheduler driven step by step with fake model outputs (no model, no torch)."""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+
+import pytest
+
+from pagedllm.config import SchedulerConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from pagedllm.sampling_params import SamplingParams
+
+EOS = 2
+FILLER = 1000  # a token that is neither EOS nor a stop token
+
+
+def make_sched(num_blocks: int = 64, block_size: int = 4, caching: bool = False, **cfg) -> Scheduler:
+    cfg.setdefault("max_num_batched_tokens", 64)
+    cfg.setdefault("max_model_len", 256)
+    return Scheduler(SchedulerConfig(**cfg), KVCacheManager(num_blocks, block_size, caching))
+
+
+def make_req(
+    rid: str, prompt_len: int, max_tokens: int = 4, arrival: float = 0.0, base: int | None = None, **params
+) -> Request:
+    """Prompt tokens are distinct per request id unless `base` is given (no accidental prefix sharing)."""
+    start = base if base is not None else 10_000 * (1 + zlib.crc32(rid.encode()) % 1000)
+    params.setdefault("ignore_eos", True)
+    sp = SamplingParams(max_tokens=max_tokens, **params)
+    return Request(rid, list(range(start, start + prompt_len)), sp, eos_token_ids={EOS}, arrival_time=arrival)
+
+
+class Driver:
+    """Runs steps with a fake model: a request samples one token exactly when its prompt (and all
+    tokens so far) is computed after this step's scheduling; otherwise it gets an empty list.
+
+    Also plays the worker's side of the SchedulerOutput contract: it keeps the requests it knows,
+    with their block tables, and checks every output against them.
+    """
+
+    def __init__(self, sched: Scheduler, token_fn: Callable[[Request], int] | None = None) -> None:
+        self.sched = sched
+        self.token_fn = token_fn or (lambda req: FILLER)
+        self.known: dict[str, list[int]] = {}  # worker: req id -> block table
+        self.outputs: dict[str, list[int]] = {}
+        self.finish_reasons: dict[str, str] = {}
+        self.history: list[SchedulerOutput] = []
+
+    def check_contract(self, so: SchedulerOutput) -> None:
+        sched = self.sched
+        for rid in so.finished_req_ids:
+            assert rid in self.known, f"{rid} forgotten but the worker never had it"
+            del self.known[rid]
+        new_ids = [d.req_id for d in so.new_reqs]
+        cached_ids = [d.req_id for d in so.cached_reqs]
+        assert list(so.num_scheduled_tokens) == cached_ids + new_ids  # batch order: cached, then new
+        assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
+        for d in so.cached_reqs:
+            assert d.req_id in self.known, f"{d.req_id} sent as cached but the worker does not know it"
+            self.known[d.req_id] += d.new_block_ids
+        for d in so.new_reqs:
+            assert d.req_id not in self.known, f"{d.req_id} sent as new but the worker knows it"
+            req = sched.requests[d.req_id]
+            assert d.prompt_token_ids == req.prompt_token_ids
+            assert d.output_token_ids == req.output_token_ids
+            assert d.output_token_ids == self.outputs.get(d.req_id, [])
+            self.known[d.req_id] = list(d.block_ids)
+        for rid, n in so.num_scheduled_tokens.items():
+            req = sched.requests[rid]
+            assert n > 0
+            assert req.num_computed_tokens <= req.num_tokens
+            assert self.known[rid] == sched.kv.get_block_ids(rid)
+            assert len(self.known[rid]) >= sched.kv.blocks_needed(req.num_computed_tokens)
+
+    def step(self) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
+        sched = self.sched
+        so = sched.schedule()
+        self.history.append(so)
+        assert so.total_num_scheduled_tokens <= sched.config.max_num_batched_tokens
+        self.check_contract(so)
+        req_ids = list(so.num_scheduled_tokens)
+        sampled = []
+        for rid in req_ids:
+            req = sched.requests[rid]
+            sampled.append([self.token_fn(req)] if req.num_computed_tokens == req.num_tokens else [])
+        results = sched.update_from_output(so, ModelRunnerOutput(req_ids, sampled))
+        for res in results:
+            self.outputs.setdefault(res.req_id, []).extend(res.new_token_ids)
+            if res.finished:
+                self.finish_reasons[res.req_id] = res.finish_reason
+        sched.check_integrity()
+        return so, results
+
+    def run(self, max_steps: int = 1000) -> int:
+        steps = 0
+        while self.sched.has_unfinished_requests():
+            self.step()
+            steps += 1
+            assert steps < max_steps, "scheduler made no progress"
+        return steps
+
+
+def chunks(history: list[SchedulerOutput], rid: str) -> list[int]:
+    return [so.num_scheduled_tokens[rid] for so in history if rid in so.num_scheduled_tokens]
+
+
+# ---- budget and ordering ----------------------------------------------------------------------
+
+
+def test_single_request_prefill_then_decode() -> None:
+    sched = make_sched()
+    sched.add_request(make_req("a", 10, max_tokens=3))
+    d = Driver(sched)
+    d.run()
+    assert chunks(d.history, "a") == [10, 1, 1]
+    assert d.outputs["a"] == [FILLER] * 3
+    assert d.finish_reasons["a"] == "length"
+    assert sched.kv.usage == 0
+
+
+def test_token_budget_never_exceeded() -> None:
+    sched = make_sched(num_blocks=256, max_num_batched_tokens=16)
+    for i in range(12):
+        sched.add_request(make_req(f"r{i}", 3 + 7 * i, max_tokens=1 + i % 5, arrival=i))
+    d = Driver(sched)
+    d.run()
+    assert all(so.total_num_scheduled_tokens <= 16 for so in d.history)
+    assert max(so.total_num_scheduled_tokens for so in d.history) == 16
+    assert all(len(d.outputs[f"r{i}"]) == 1 + i % 5 for i in range(12))
+
+
+def test_decodes_scheduled_before_new_prompts() -> None:
+    sched = make_sched(max_num_batched_tokens=3)
+    for i in range(3):
+        sched.add_request(make_req(f"d{i}", 1, max_tokens=10, arrival=i))
+    d = Driver(sched)
+    d.step()  # three 1-token prompts: all admitted, each samples its first token
+    sched.add_request(make_req("p", 20, arrival=10))
+    for _ in range(5):
+        so, _ = d.step()
+        # The budget of 3 goes to the three decodes; the new prompt waits.
+        assert so.num_scheduled_tokens == {"d0": 1, "d1": 1, "d2": 1}
+        assert sched.waiting[0].request_id == "p"
+    sched.finish_requests("d2", RequestStatus.FINISHED_ABORTED)
+    so, _ = d.step()
+    assert so.num_scheduled_tokens == {"d0": 1, "d1": 1, "p": 1}
+
+
+def test_long_prompt_chunked_with_exact_sizes() -> None:
+    sched = make_sched(max_num_batched_tokens=8)
+    sched.add_request(make_req("a", 25, max_tokens=2))
+    d = Driver(sched)
+    d.run()
+    assert chunks(d.history, "a") == [8, 8, 8, 1, 1]
+    assert d.outputs["a"] == [FILLER, FILLER]
+
+
+def test_several_partial_prefills_share_one_step() -> None:
+    sched = make_sched(max_num_batched_tokens=16)
+    for i, name in enumerate("abc"):
+        sched.add_request(make_req(name, 10, max_tokens=3, arrival=i))
+    d = Driver(sched)
+    so, res = d.step()
+    assert so.num_scheduled_tokens == {"a": 10, "b": 6}
+    assert [r.req_id for r in res if r.new_token_ids] == ["a"]  # b's prompt is unfinished
+    so, _ = d.step()
+    assert so.num_scheduled_tokens == {"a": 1, "b": 4, "c": 10}
+    so, _ = d.step()
+    assert so.num_scheduled_tokens == {"a": 1, "b": 1, "c": 1}
+
+
+def test_max_num_seqs_respected() -> None:
+    sched = make_sched(max_num_seqs=2)
+    for i in range(5):
+        sched.add_request(make_req(f"r{i}", 4, max_tokens=3, arrival=i))
+    d = Driver(sched)
+    first_step = {}
+    for step in range(100):
+        if not sched.has_unfinished_requests():
+            break
+        so, _ = d.step()
+        assert len(so.num_scheduled_tokens) <= 2
+        assert len(sched.running) <= 2
+        for nd in so.new_reqs:
+            first_step[nd.req_id] = step
+    assert first_step == {"r0": 0, "r1": 0, "r2": 3, "r3": 3, "r4": 6}
+    assert all(len(d.outputs[f"r{i}"]) == 3 for i in range(5))
+
+
+def test_partial_prefill_limit_and_long_prefill_threshold() -> None:
+    sched = make_sched(max_num_batched_tokens=100, max_num_partial_prefills=1, long_prefill_token_threshold=4)
+    for i in range(3):
+        sched.add_request(make_req(f"r{i}", 10, max_tokens=2, arrival=i))
+    d = Driver(sched)
+    d.run()
+    for so in d.history:
+        prompt_chunks = {
+            rid: n
+            for rid, n in so.num_scheduled_tokens.items()
+            if n > 1  # more than one token is always a prompt chunk here
+        }
+        assert len(prompt_chunks) <= 1
+        assert all(n <= 4 for n in so.num_scheduled_tokens.values())
+    assert chunks(d.history, "r0") == [4, 4, 2, 1]
+    assert chunks(d.history, "r1") == [4, 4, 2, 1]
+    # r1 starts only after r0's last chunk: one request with an unfinished prompt per step.
+    assert [list(so.num_scheduled_tokens) for so in d.history[:4]] == [["r0"], ["r0"], ["r0"], ["r0", "r1"]]
+
+
+def test_long_prefill_threshold_alone_lets_prompts_share_a_step() -> None:
+    sched = make_sched(max_num_batched_tokens=100, long_prefill_token_threshold=6)
+    for i in range(3):
+        sched.add_request(make_req(f"r{i}", 10, max_tokens=1, arrival=i))
+    d = Driver(sched)
+    so, _ = d.step()
+    assert so.num_scheduled_tokens == {"r0": 6, "r1": 6, "r2": 6}
+    so, _ = d.step()
+    assert so.num_scheduled_tokens == {"r0": 4, "r1": 4, "r2": 4}
+
+
+# ---- preemption ---------------------------------------------------------------------------------
+
+
+def test_preemption_by_recompute_when_blocks_run_out() -> None:
+    # 3 requests of 4 + 8 tokens need 3 blocks each (block_size 4) but the pool has 6 blocks.
+    sched = make_sched(num_blocks=6)
+    for i, name in enumerate("abc"):
+        sched.add_request(make_req(name, 4, max_tokens=8, arrival=i))
+    d = Driver(sched)
+    c = sched.requests["c"]
+    while sched.num_preemptions == 0:
+        so, _ = d.step()
+    # The latest arrival goes; the step that preempts it tells the worker to forget it.
+    assert so.num_preempted == 1 and so.finished_req_ids == {"c"}
+    assert "c" not in so.num_scheduled_tokens
+    assert c.status == RequestStatus.PREEMPTED and c in sched.waiting and c not in sched.running
+    assert c.num_computed_tokens == 0
+    kept = list(c.output_token_ids)
+    assert len(kept) == 5 and d.outputs["c"] == kept  # position 8 (the 9th token) needed a 3rd block
+    assert sched.kv.get_block_ids("c") == []
+    # It comes back as a new request carrying its generated tokens, and finishes with max_tokens.
+    while "c" not in [nd.req_id for nd in d.history[-1].new_reqs]:
+        d.step()
+    nd = next(nd for nd in d.history[-1].new_reqs if nd.req_id == "c")
+    assert nd.output_token_ids == kept and nd.num_computed_tokens == 0
+    assert d.history[-1].num_scheduled_tokens["c"] == 4 + len(kept)  # prompt + outputs recomputed
+    d.run()
+    assert {k: len(v) for k, v in d.outputs.items()} == {"a": 8, "b": 8, "c": 8}
+    assert c.num_preemptions >= 1
+    assert sched.kv.usage == 0
+
+
+def test_preempted_chunk_is_not_left_in_prefix_cache() -> None:
+    """A request preempted later in the step that scheduled its prompt chunk never computes that
+    chunk, so blocks the chunk filled must not stay in the prefix cache: otherwise its own
+    readmission (or anyone with the same prefix) would reuse K/V that was never written."""
+    sched = make_sched(num_blocks=5, caching=True, policy="priority", long_prefill_token_threshold=5)
+    a = make_req("a", 16, max_tokens=1, base=100)
+    a.priority = 5  # the victim
+    sched.add_request(a)
+    d = Driver(sched)
+    d.step()  # a: tokens 0..4
+    b = make_req("b", 4, max_tokens=3, arrival=1, base=900)
+    sched.add_request(b)
+    d.step()  # a: 5..9, b: 0..3 (b samples its first token)
+    so, _ = d.step()  # a would compute 10..14, filling block 2, but b's decode needs a block: a goes
+    assert so.finished_req_ids == {"a"} and "a" not in so.num_scheduled_tokens
+    assert a.num_computed_tokens == 0
+    assert sched.kv.pool.get_cached_block(a.block_hashes[0]) is not None  # computed in step 1
+    assert sched.kv.pool.get_cached_block(a.block_hashes[1]) is not None  # computed in step 2
+    assert sched.kv.pool.get_cached_block(a.block_hashes[2]) is None  # tokens 10, 11 never computed
+    d.run()
+    # On readmission a recomputes from token 8 at the latest.
+    first_after = next(so for so in d.history[3:] if any(nd.req_id == "a" for nd in so.new_reqs))
+    assert next(nd for nd in first_after.new_reqs if nd.req_id == "a").num_computed_tokens <= 8
+    assert d.outputs["a"] == [FILLER]
+
+
+def test_prefix_hit_of_finished_request_admits_identical_prompt() -> None:
+    """Prompt of 12 + 4 generated tokens = 4 blocks = the whole pool. A second request with the
+    same prompt hits 2 cached blocks; it must need exactly 4 blocks in all, not count the hit
+    tokens twice (which asked for 5 blocks and left it waiting forever)."""
+    sched = make_sched(num_blocks=4, caching=True)
+    d = Driver(sched)
+    sched.add_request(make_req("a", 12, max_tokens=4, base=500))
+    d.run()
+    sched.add_request(make_req("b", 12, max_tokens=4, base=500, arrival=1))
+    so, _ = d.step()
+    assert so.new_reqs[0].req_id == "b"
+    assert so.new_reqs[0].num_computed_tokens == 8  # 2 blocks hit (capped below 12)
+    assert so.num_scheduled_tokens == {"b": 4}
+    assert len(sched.kv.get_block_ids("b")) == 3  # 12 tokens, not 8 + 8 + 4
+    d.run()
+    assert len(d.outputs["b"]) == 4
+    assert sched.kv.prefix_hits == 8
+    assert sched.kv.usage == 0
+
+
+# ---- contract, abort, validation ---------------------------------------------------------------
+
+
+def test_scheduler_output_contract_new_cached_finished() -> None:
+    sched = make_sched(num_blocks=6, max_num_batched_tokens=8)
+    for i, name in enumerate("abc"):
+        sched.add_request(make_req(name, 4, max_tokens=8, arrival=i))
+    d = Driver(sched)  # Driver.check_contract checks every step's new/cached/finished lists
+    d.run()
+    so = sched.schedule()  # nothing to run; tells the worker about the last finishers
+    assert so.is_empty
+    d.check_contract(so)
+    d.history.append(so)
+    sent_new: dict[str, int] = {}
+    forgotten: dict[str, int] = {}
+    for so in d.history:
+        for nd in so.new_reqs:
+            sent_new[nd.req_id] = sent_new.get(nd.req_id, 0) + 1
+        for rid in so.finished_req_ids:
+            forgotten[rid] = forgotten.get(rid, 0) + 1
+    n_pre = sched.num_preemptions
+    assert n_pre > 0
+    # Sent as new once plus once per preemption, forgotten once per preemption plus once at the end.
+    assert sum(sent_new.values()) == 3 + n_pre
+    assert sum(forgotten.values()) == 3 + n_pre
+    assert sent_new == forgotten
+    assert d.known == {}
+    assert sched.schedule().finished_req_ids == set()
+
+
+def test_abort_running_and_waiting_frees_every_block() -> None:
+    sched = make_sched(num_blocks=16, caching=True, max_num_batched_tokens=16, max_num_seqs=2)
+    for i in range(4):
+        sched.add_request(make_req(f"r{i}", 10, max_tokens=5, arrival=i))
+    d = Driver(sched)
+    d.step()
+    d.step()
+    assert [r.request_id for r in sched.running] == ["r0", "r1"]
+    assert sched.kv.usage > 0
+    done = sched.finish_requests(["r1", "r3"], RequestStatus.FINISHED_ABORTED)  # running + waiting
+    assert [r.request_id for r in done] == ["r1", "r3"]
+    assert all(r.get_finished_reason() == "abort" for r in done)
+    sched.check_integrity()
+    assert sched.finish_requests("r1", RequestStatus.FINISHED_ABORTED) == []  # already gone
+    so, _ = d.step()
+    assert so.finished_req_ids == {"r1"}  # the waiting r3 was never sent to the worker
+    sched.finish_requests([r.request_id for r in sched.running + sched.waiting], RequestStatus.FINISHED_ABORTED)
+    assert not sched.has_unfinished_requests()
+    assert sched.kv.usage == 0 and sched.kv.num_free_blocks == 16
+    sched.check_integrity()
+    so = sched.schedule()
+    assert so.is_empty and so.finished_req_ids == {"r0", "r2"}
+
+
+def test_abort_between_schedule_and_update_drops_output() -> None:
+    sched = make_sched()
+    sched.add_request(make_req("a", 4, max_tokens=5))
+    so = sched.schedule()
+    sched.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    assert sched.update_from_output(so, ModelRunnerOutput(["a"], [[FILLER]])) == []
+    assert sched.kv.usage == 0
+    sched.check_integrity()
+
+
+def test_add_request_rejects_too_long_for_model() -> None:
+    sched = make_sched(max_model_len=32)
+    with pytest.raises(ValueError, match=r"maximum context length is 32.*35 tokens.*30 in the prompt.*5 to generate"):
+        sched.add_request(make_req("a", 30, max_tokens=5))
+    sched.add_request(make_req("b", 30, max_tokens=2))  # exactly 32 is fine
+    assert not sched.requests.get("a")
+
+
+def test_add_request_rejects_request_larger_than_pool() -> None:
+    sched = make_sched(num_blocks=2, block_size=4)
+    with pytest.raises(ValueError, match=r"10 tokens.*3 blocks of 4.*8 tokens \(2 blocks\)"):
+        sched.add_request(make_req("a", 6, max_tokens=4))
+    sched.add_request(make_req("b", 4, max_tokens=4))  # 8 tokens fit exactly
+    assert list(sched.requests) == ["b"]
+
+
+def test_duplicate_request_id_rejected() -> None:
+    sched = make_sched()
+    sched.add_request(make_req("a", 4))
+    with pytest.raises(ValueError, match="'a' is already in use"):
+        sched.add_request(make_req("a", 5))
+    assert len(sched.waiting) == 1
+
+
+# ---- stop rules ------------------------------------------------------------------------------------
+
+
+def scripted(tokens: list[int]) -> Callable[[Request], int]:
+    """Token function that emits `tokens` in order, then FILLER."""
+    return lambda req: tokens[req.num_output_tokens] if req.num_output_tokens < len(tokens) else FILLER
+
+
+def run_one(script: list[int], **params) -> tuple[Request, Driver]:
+    sched = make_sched()
+    req = make_req("a", 4, **params)
+    sched.add_request(req)
+    d = Driver(sched, scripted(script))
+    d.run()
+    assert sched.kv.usage == 0
+    return req, d
+
+
+def test_stop_on_eos() -> None:
+    req, d = run_one([5, EOS, 6], max_tokens=10, ignore_eos=False)
+    assert d.outputs["a"] == [5, EOS]
+    assert req.status == RequestStatus.FINISHED_STOPPED
+    assert d.finish_reasons["a"] == "stop" and req.stop_reason is None
+
+
+def test_ignore_eos_runs_to_max_tokens() -> None:
+    req, d = run_one([EOS, EOS, 6], max_tokens=5, ignore_eos=True)
+    assert d.outputs["a"] == [EOS, EOS, 6, FILLER, FILLER]
+    assert d.finish_reasons["a"] == "length"
+
+
+def test_stop_token_ids() -> None:
+    req, d = run_one([5, 6, 77, 8], max_tokens=10, stop_token_ids=[77], ignore_eos=True)
+    assert d.outputs["a"] == [5, 6, 77]
+    assert d.finish_reasons["a"] == "stop" and req.stop_reason == 77
+
+
+def test_min_tokens_delays_eos_and_stop_tokens() -> None:
+    req, d = run_one([EOS, 77, EOS, 9], max_tokens=10, min_tokens=3, stop_token_ids=[77], ignore_eos=False)
+    assert d.outputs["a"] == [EOS, 77, EOS]  # the third token may stop it
+    assert d.finish_reasons["a"] == "stop"
+    req, d = run_one([EOS, EOS, EOS, EOS], max_tokens=4, min_tokens=4, ignore_eos=False)
+    assert d.outputs["a"] == [EOS] * 4
+
+
+def test_max_tokens_one_finishes_after_prefill() -> None:
+    req, d = run_one([5], max_tokens=1)
+    assert d.outputs["a"] == [5] and d.finish_reasons["a"] == "length"
