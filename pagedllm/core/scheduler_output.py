@@ -83,6 +83,7 @@ class EngineCoreOutput:
     logprobs: Logprobs | None = None
     prompt_logprobs: Logprobs | None = None
     num_cached_tokens: int = 0
+    first_scheduled_time: float | None = None
 
     @property
     def finished(self) -> bool:

@@ -13,6 +13,7 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.stats import IterationStats
 from pagedllm.executor.uniproc import InProcessExecutor
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -40,6 +41,8 @@ class LLMEngine:
         self.scheduler = Scheduler(sc, KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching))
         self.output_processor = OutputProcessor(self.tokenizer.rust)
         self.log_stats = log_stats
+        self.num_blocks = num_blocks
+        self.last_iteration_stats = IterationStats()
         capacity = num_blocks * cc.block_size
         logger.info(
             "KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s); maximum concurrency at "
@@ -152,10 +155,11 @@ class LLMEngine:
         so = self.scheduler.schedule()
         out = self.executor.execute_model(so)
         core_outputs = self.scheduler.update_from_output(so, out)
-        outputs, stopped = self.output_processor.process_outputs(core_outputs)
+        stats = IterationStats(num_scheduled_tokens=so.total_num_scheduled_tokens, num_preempted=so.num_preempted)
+        outputs, stopped = self.output_processor.process_outputs(core_outputs, stats)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        self.last_scheduler_output = so
+        self.last_iteration_stats = stats
         return outputs
 
     def reset_prefix_cache(self) -> None:

@@ -9,6 +9,7 @@ from tokenizers import Tokenizer
 
 from pagedllm.core.scheduler_output import EngineCoreOutput, Logprobs
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.stats import FinishedRequestStats, IterationStats
 from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -132,9 +133,12 @@ class OutputProcessor:
             out.append(d)
         return out
 
-    def process_outputs(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+    def process_outputs(
+        self, core_outputs: list[EngineCoreOutput], stats: IterationStats | None = None
+    ) -> tuple[list[RequestOutput], list[str]]:
         """Returns the RequestOutputs to hand out and the sequence ids stopped by a stop string."""
         now = time.time()
+        stats = stats if stats is not None else IterationStats()
         touched: dict[str, RequestState] = {}
         stopped_by_string: list[str] = []
         for co in core_outputs:
@@ -145,10 +149,18 @@ class OutputProcessor:
             if co.prompt_logprobs is not None and state.prompt_logprobs is not None:
                 state.prompt_logprobs.extend(self._to_logprob_dicts(co.prompt_logprobs))
             if co.new_token_ids:
-                if state.metrics.first_token_time is None:
-                    state.metrics.first_token_time = now
+                m = state.metrics
+                if m.first_scheduled_time is None:
+                    m.first_scheduled_time = co.first_scheduled_time
+                if m.first_token_time is None:
+                    m.first_token_time = now
                     state.num_cached_tokens = co.num_cached_tokens
-                state.metrics.last_token_time = now
+                    stats.num_prompt_tokens += len(state.prompt_token_ids)
+                    stats.time_to_first_tokens.append(now - m.arrival_time)
+                elif m.last_token_time is not None:
+                    stats.inter_token_latencies.append(now - m.last_token_time)
+                m.last_token_time = now
+                stats.num_generation_tokens += len(co.new_token_ids)
                 self._update_sequence(seq, co)
                 if seq.finish_reason == "stop" and isinstance(seq.stop_reason, str) and not co.finished:
                     stopped_by_string.append(seq.seq_id)
@@ -159,10 +171,26 @@ class OutputProcessor:
             out = self._make_output(state)
             if state.finished:
                 state.metrics.finished_time = now
+                stats.finished.extend(self._finished_stats(state, now))
                 self.remove_request(state.request_id)
             if out is not None:
                 outputs.append(out)
         return outputs, stopped_by_string
+
+    @staticmethod
+    def _finished_stats(state: RequestState, now: float) -> list[FinishedRequestStats]:
+        m = state.metrics
+        queued = (m.first_scheduled_time or now) - m.arrival_time
+        return [
+            FinishedRequestStats(
+                finish_reason=s.finish_reason or "abort",
+                e2e_latency=now - m.arrival_time,
+                queue_time=max(queued, 0.0),
+                num_prompt_tokens=len(state.prompt_token_ids),
+                num_generation_tokens=len(s.token_ids),
+            )
+            for s in state.seqs
+        ]
 
     def _update_sequence(self, seq: SequenceState, co: EngineCoreOutput) -> None:
         seq.token_ids.extend(co.new_token_ids)
