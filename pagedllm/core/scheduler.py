@@ -10,6 +10,7 @@ Plain Python: tests drive `schedule()` / `update_from_output()` with fake model 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from pagedllm.config import SchedulerConfig
@@ -198,6 +199,7 @@ class Scheduler:
             req.waiting_steps = 0
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
+                req.first_scheduled_time = time.time()
             self.running.append(req)
             admitted.append(req)
             scheduled[req.request_id] = n
@@ -279,6 +281,7 @@ class Scheduler:
                 logprobs=out.logprobs.get(rid),
                 prompt_logprobs=prompt_lp,
                 num_cached_tokens=max(req.num_cached_tokens, 0),
+                first_scheduled_time=req.first_scheduled_time,
             )
             if req.is_finished:
                 result.finish_reason = req.get_finished_reason()

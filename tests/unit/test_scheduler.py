@@ -46,15 +46,22 @@ class Driver:
         self.sched = sched
         self.token_fn = token_fn or (lambda req: FILLER)
         self.known: dict[str, list[int]] = {}  # worker: req id -> block table
+        self.parked: set[str] = set()  # preempted, if the output names them apart
         self.outputs: dict[str, list[int]] = {}
         self.finish_reasons: dict[str, str] = {}
         self.history: list[SchedulerOutput] = []
 
     def check_contract(self, so: SchedulerOutput) -> None:
         sched = self.sched
+        preempted = getattr(so, "preempted_req_ids", set())
         for rid in so.finished_req_ids:
-            assert rid in self.known, f"{rid} forgotten but the worker never had it"
-            del self.known[rid]
+            if rid in self.known:
+                del self.known[rid]
+                if rid in preempted:
+                    self.parked.add(rid)  # the worker may keep per-request state until it ends
+            else:
+                assert rid in self.parked, f"{rid} forgotten but the worker never had it"
+                self.parked.discard(rid)
         new_ids = [d.req_id for d in so.new_reqs]
         cached_ids = [d.req_id for d in so.cached_reqs]
         assert list(so.num_scheduled_tokens) == cached_ids + new_ids  # batch order: cached, then new
@@ -64,6 +71,7 @@ class Driver:
             self.known[d.req_id] += d.new_block_ids
         for d in so.new_reqs:
             assert d.req_id not in self.known, f"{d.req_id} sent as new but the worker knows it"
+            self.parked.discard(d.req_id)
             req = sched.requests[d.req_id]
             assert d.prompt_token_ids == req.prompt_token_ids
             assert d.output_token_ids == req.output_token_ids
@@ -436,3 +444,20 @@ def test_min_tokens_delays_eos_and_stop_tokens() -> None:
 def test_max_tokens_one_finishes_after_prefill() -> None:
     req, d = run_one([5], max_tokens=1)
     assert d.outputs["a"] == [5] and d.finish_reasons["a"] == "length"
+
+
+def test_abort_of_preempted_waiting_request() -> None:
+    sched = make_sched(num_blocks=6)
+    for i, name in enumerate("abc"):
+        sched.add_request(make_req(name, 4, max_tokens=8, arrival=i))
+    d = Driver(sched)
+    while sched.num_preemptions == 0:
+        d.step()
+    assert sched.requests["c"].status == RequestStatus.PREEMPTED
+    sched.finish_requests("c", RequestStatus.FINISHED_ABORTED)
+    sched.check_integrity()
+    d.run()  # the contract checks accept the abort of a request the worker was told to forget
+    d.check_contract(sched.schedule())
+    assert d.known == {} and d.parked == set()
+    assert "c" not in sched.requests and len(d.outputs["a"]) == len(d.outputs["b"]) == 8
+    assert sched.kv.usage == 0
