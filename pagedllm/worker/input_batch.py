@@ -50,6 +50,8 @@ class BatchArrays:
     slot_mapping: np.ndarray  # [T]
     query_start_loc: np.ndarray  # [R + 1]
     seq_lens: np.ndarray  # [R]
+    block_tables: np.ndarray  # [R, max_blocks]
+    work: np.ndarray  # [W, 3] native-kernel work items: (request, first query token, tokens)
     groups: list[GroupArrays]
     # Rows of the flat batch whose logits are sampled, and which requests they belong to.
     sample_rows: np.ndarray
@@ -61,6 +63,8 @@ def build_batch(
     num_scheduled: list[int],
     block_size: int,
     sliding_window: int | None = None,
+    build_groups: bool = True,
+    query_tile: int = 8,
 ) -> BatchArrays:
     R = len(states)
     n = np.asarray(num_scheduled, dtype=np.int64)
@@ -87,12 +91,14 @@ def build_batch(
     for i, s in enumerate(states):
         input_ids[qsl[i] : qsl[i + 1]] = s.token_ids[starts[i] : starts[i] + n[i]]
 
-    is_decode = n == 1
-    groups = [
-        _group(np.nonzero(sel)[0], n, starts, qsl, table, block_size, sliding_window)
-        for sel in (is_decode, ~is_decode)
-        if sel.any()
-    ]
+    groups = []
+    if build_groups:
+        is_decode = n == 1
+        groups = [
+            _group(np.nonzero(sel)[0], n, starts, qsl, table, block_size, sliding_window)
+            for sel in (is_decode, ~is_decode)
+            if sel.any()
+        ]
 
     # A request samples when its scheduled tokens reach the end of its known tokens.
     total = np.asarray([len(s.token_ids) for s in states], dtype=np.int64)
@@ -103,10 +109,26 @@ def build_batch(
         slot_mapping=slot_mapping,
         query_start_loc=qsl,
         seq_lens=seq_lens,
+        block_tables=table,
+        work=_work_items(n, query_tile),
         groups=groups,
         sample_rows=qsl[sample_req + 1] - 1,
         sample_req_indices=sample_req,
     )
+
+
+def _work_items(n: np.ndarray, tile: int) -> np.ndarray:
+    """Splits each request's query tokens into tiles of at most `tile` tokens.
+
+    n = [1, 19, 2], tile 8 -> (req, first, count): (0,0,1) (1,0,8) (1,8,8) (1,16,3) (2,0,2)
+    """
+    tiles = -(-n // tile)
+    req = np.repeat(np.arange(len(n)), tiles)
+    starts = np.zeros(len(n), dtype=np.int64)
+    np.cumsum(tiles[:-1], out=starts[1:])
+    first = (np.arange(len(req)) - starts[req]) * tile
+    count = np.minimum(tile, n[req] - first)
+    return np.stack([req, first, count], axis=1).astype(np.int64)
 
 
 def _group(

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 import time
 
 import numpy as np
 import psutil
 import torch
 
+from pagedllm.attention.cpu_kernel import QUERY_TILE, load_kernel
 from pagedllm.attention.metadata import AttentionGroup, AttentionMetadata, set_attention_metadata
 from pagedllm.config import CacheConfig, ModelConfig
 from pagedllm.core.scheduler_output import Logprobs, ModelRunnerOutput, SchedulerOutput
@@ -35,10 +38,16 @@ class ModelRunner:
         self.device = torch.device("cpu")
         self.requests: dict[str, RequestState] = {}
         self.generators: dict[str, torch.Generator] = {}
+        # req_id -> prompt positions whose prompt logprobs were already returned; kept across a
+        # recompute preemption so the recomputed prompt does not return them a second time.
+        self.prompt_logprobs_done: dict[str, int] = {}
         self.sampler = Sampler()
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
+        self._kv_buffers: list[mmap.mmap] = []
         self.num_blocks = 0
+        # The native CPU attention kernel serves float32; other dtypes use the torch backend.
+        self.native_kernel = load_kernel() if self.dtype == torch.float32 else None
 
     # ---- set-up ---------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -81,10 +90,17 @@ class ModelRunner:
         mc = self.model_config
         shape = (2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
         attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]  # type: ignore[union-attr]
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype) for _ in attn_layers]
+        self.kv_caches = [self._zeroed(shape) for _ in attn_layers]
         for layer in attn_layers:
             layer.kv_cache = self.kv_caches[layer.layer_idx]
         self.num_blocks = num_blocks
+
+    def _zeroed(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """A zero tensor on anonymous memory: instant to create, pages committed on first write."""
+        nbytes = math.prod(shape) * torch.empty(0, dtype=self.dtype).element_size()
+        buf = mmap.mmap(-1, nbytes)
+        self._kv_buffers.append(buf)
+        return torch.frombuffer(buf, dtype=self.dtype).view(shape)
 
     # ---- per step -------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -92,6 +108,7 @@ class ModelRunner:
             self.requests.pop(rid, None)
         for rid in so.finished_req_ids - so.preempted_req_ids:
             self.generators.pop(rid, None)
+            self.prompt_logprobs_done.pop(rid, None)
         for new in so.new_reqs:
             params = new.sampling_params
             if params.seed is not None and new.req_id not in self.generators:
@@ -126,7 +143,17 @@ class ModelRunner:
             )
             for g in batch.groups
         ]
-        return AttentionMetadata(num_tokens=len(batch.input_ids), slot_mapping=t(batch.slot_mapping), groups=groups)
+        return AttentionMetadata(
+            num_tokens=len(batch.input_ids),
+            slot_mapping=t(batch.slot_mapping),
+            block_tables=t(batch.block_tables),
+            query_start_loc=t(batch.query_start_loc),
+            seq_lens=t(batch.seq_lens),
+            work=t(batch.work),
+            sliding_window=self.model_config.sliding_window or 0,
+            groups=groups,
+            native=self.native_kernel,
+        )
 
     def _prompt_logprob_rows(
         self, states: list[RequestState], batch: BatchArrays
@@ -141,11 +168,14 @@ class ModelRunner:
             k = s.sampling_params.prompt_logprobs
             if k is None:
                 continue
-            start = int(batch.seq_lens[i] - (batch.query_start_loc[i + 1] - batch.query_start_loc[i]))
+            first = int(batch.seq_lens[i] - (batch.query_start_loc[i + 1] - batch.query_start_loc[i]))
+            # After a preemption the prompt is computed again: skip positions already returned.
+            start = max(first, self.prompt_logprobs_done.get(s.req_id, 0))
             end = min(int(batch.seq_lens[i]), s.num_prompt_tokens - 1)
             if end <= start:
                 continue
-            rows = np.arange(start, end) - start + batch.query_start_loc[i]
+            self.prompt_logprobs_done[s.req_id] = end
+            rows = np.arange(start, end) - first + batch.query_start_loc[i]
             targets = np.asarray(s.token_ids[start + 1 : end + 1], dtype=np.int64)
             out.append((s.req_id, rows, targets, k))
         return out
@@ -158,7 +188,12 @@ class ModelRunner:
         if not states:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         batch = build_batch(
-            states, list(so.num_scheduled_tokens.values()), self.block_size, self.model_config.sliding_window
+            states,
+            list(so.num_scheduled_tokens.values()),
+            self.block_size,
+            self.model_config.sliding_window,
+            build_groups=self.native_kernel is None,
+            query_tile=QUERY_TILE,
         )
         md = self._attention_metadata(batch)
         with set_attention_metadata(md):

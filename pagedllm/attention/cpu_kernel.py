@@ -1,0 +1,110 @@
+"""Native CPU paged attention: a small C kernel (OpenMP, reads K/V in place from the blocks),
+compiled once with the system C compiler and cached; the torch backend is the fallback.
+
+The kernel shares torch's OpenMP runtime (torch ships `libgomp.so.1`, and the kernel links the
+same soname), so `torch.set_num_threads` governs both.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from pagedllm.utils import cache_dir
+
+logger = logging.getLogger(__name__)
+
+_SRC = Path(__file__).parent / "csrc" / "paged_attention.c"
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+# Query tokens of one request handled together by one work item (they share every K/V load).
+QUERY_TILE = 8
+
+
+def _cpu_signature() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))][:2]
+    except OSError:
+        lines = []
+    return platform.machine() + "|".join(lines)
+
+
+def _build(out: Path) -> None:
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        raise RuntimeError("no C compiler (gcc/cc) found")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        target = Path(tmp) / out.name
+        proc = subprocess.run([cc, *_FLAGS, str(_SRC), "-o", str(target), "-lm"], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[:500]}")
+        os.replace(target, out)
+
+
+@lru_cache(maxsize=1)
+def load_kernel() -> ctypes.CDLL | None:
+    """The compiled kernel, or None (with one warning) when it cannot be built here."""
+    if os.environ.get("PAGEDLLM_ATTENTION_BACKEND", "").lower() == "torch":
+        return None
+    key = hashlib.sha256(_SRC.read_bytes() + " ".join(_FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
+    lib_path = cache_dir() / "kernels" / f"paged_attention_{key}.so"
+    try:
+        if not lib_path.exists():
+            _build(lib_path)
+            logger.info("compiled the CPU paged-attention kernel into %s", lib_path)
+        lib = ctypes.CDLL(str(lib_path))
+    except (OSError, RuntimeError) as e:
+        logger.warning("CPU paged-attention kernel unavailable (%s); using the torch backend", e)
+        return None
+    f = lib.paged_attention_f32
+    i64, p = ctypes.c_int64, ctypes.c_void_p
+    f.argtypes = [p, p, p, p, i64, p, p, p, i64, p, i64, i64, i64, i64, ctypes.c_float, i64]
+    f.restype = None
+    return lib
+
+
+def paged_attention_native(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    work: torch.Tensor,
+    scale: float,
+    sliding_window: int,
+) -> torch.Tensor:
+    """q: [T, H, D] float32 contiguous; kv_cache: [2, num_blocks, block_size, KVH, D]. -> [T, H * D]."""
+    T, H, D = q.shape
+    _, _, bs, kvh, _ = kv_cache.shape
+    out = torch.empty(T, H * D, dtype=q.dtype)
+    lib.paged_attention_f32(
+        q.data_ptr(),
+        kv_cache[0].data_ptr(),
+        kv_cache[1].data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.shape[1],
+        query_start_loc.data_ptr(),
+        seq_lens.data_ptr(),
+        work.data_ptr(),
+        work.shape[0],
+        out.data_ptr(),
+        H,
+        kvh,
+        D,
+        bs,
+        scale,
+        sliding_window,
+    )
+    return out

@@ -1,0 +1,93 @@
+"""The native CPU kernel and the torch backend compute the same paged attention, and both equal
+plain causal attention over each request's contiguous keys."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention.cpu_kernel import QUERY_TILE, load_kernel
+from pagedllm.attention.metadata import AttentionGroup, AttentionMetadata
+from pagedllm.attention.torch_backend import paged_attention
+from pagedllm.worker.input_batch import RequestState, build_batch
+
+H, KVH, D, BS, NUM_BLOCKS = 6, 2, 32, 4, 64
+
+
+def make_case(seed: int, starts: list[int], n: list[int]):
+    """Requests with `starts[i]` cached tokens and `n[i]` new tokens, on shuffled blocks."""
+    rng = np.random.default_rng(seed)
+    free = list(rng.permutation(NUM_BLOCKS))
+    states = []
+    for i, (s, k) in enumerate(zip(starts, n)):
+        nblocks = -(-(s + k) // BS)
+        blocks = [int(free.pop()) for _ in range(nblocks)]
+        states.append(RequestState(f"r{i}", list(range(s + k)), s + k, blocks, s, None))
+    return states
+
+
+def metadata(states, n, window: int, native) -> AttentionMetadata:
+    b = build_batch(states, n, BS, window or None, build_groups=native is None, query_tile=QUERY_TILE)
+    t = torch.from_numpy
+    groups = [
+        AttentionGroup(g.batch_size, g.max_query_len, t(g.query_index), t(g.out_rows), t(g.out_dest),
+                       t(g.block_tables), t(g.mask))
+        for g in b.groups
+    ]
+    return AttentionMetadata(len(b.input_ids), t(b.slot_mapping), t(b.block_tables), t(b.query_start_loc),
+                             t(b.seq_lens), t(b.work), window, groups, native)
+
+
+def reference(states, n, q, kv, window: int) -> torch.Tensor:
+    """Per request: gather its keys in order and run dense causal attention."""
+    outs, row = [], 0
+    for s, k in zip(states, n):
+        L = s.num_computed_tokens + k
+        slots = torch.tensor([s.block_ids[p // BS] * BS + p % BS for p in range(L)])
+        keys = kv[0].view(-1, KVH, D)[slots].repeat_interleave(H // KVH, 1).transpose(0, 1)
+        vals = kv[1].view(-1, KVH, D)[slots].repeat_interleave(H // KVH, 1).transpose(0, 1)
+        qi = q[row : row + k].transpose(0, 1)
+        qpos = torch.arange(s.num_computed_tokens, L)[:, None]
+        kpos = torch.arange(L)[None, :]
+        mask = kpos <= qpos
+        if window:
+            mask &= kpos > qpos - window
+        o = F.scaled_dot_product_attention(qi, keys, vals, attn_mask=mask)
+        outs.append(o.transpose(0, 1).reshape(k, H * D))
+        row += k
+    return torch.cat(outs)
+
+
+CASES = [
+    ([0, 0, 0], [1, 7, 19]),  # first chunks
+    ([5, 12, 0, 30], [1, 1, 9, 1]),  # decodes mixed with a prompt
+    ([3, 17, 40], [13, 8, 2]),  # continuation chunks
+    ([0, 63 - 9], [64 - 9 - 1, 9]),
+]
+
+
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("starts,n", CASES)
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_paged_attention_matches_dense(backend, starts, n, window):
+    native = load_kernel() if backend == "native" else None
+    if backend == "native" and native is None:
+        pytest.skip("no C compiler for the native kernel")
+    states = make_case(len(n) + window, starts, n)
+    g = torch.Generator().manual_seed(7)
+    kv = torch.randn(2, NUM_BLOCKS, BS, KVH, D, generator=g)
+    T = sum(n)
+    q, k, v = torch.randn(T, H, D, generator=g), torch.randn(T, KVH, D, generator=g), torch.randn(T, KVH, D, generator=g)
+    md = metadata(states, n, window, native)
+    out = paged_attention(q, k, v, kv, md, D**-0.5)
+    # The new K/V were written into their slots before attention read them.
+    assert torch.equal(kv[0].view(-1, KVH, D)[md.slot_mapping], k)
+    torch.testing.assert_close(out, reference(states, n, q, kv, window), atol=2e-5, rtol=1e-4)
+
+
+def test_work_items_split_queries_into_tiles():
+    states = make_case(0, [0, 0, 0], [1, 19, 2])
+    b = build_batch(states, [1, 19, 2], BS, query_tile=8)
+    assert b.work.tolist() == [[0, 0, 1], [1, 0, 8], [1, 8, 8], [1, 16, 3], [2, 0, 2]]
