@@ -25,19 +25,33 @@ def _inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
     return inv.float(), float(scaling)
 
 
+_CACHE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+# id(cos table) -> (positions, cos rows, sin rows) of the current forward pass.
+_LOOKUP: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _cos_sin(config, head_dim: int, max_position: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """[max_position, head_dim] cos and sin, computed once and shared by every layer."""
+    params = getattr(config, "rope_parameters", None) or {}
+    key = (head_dim, max_position, dtype, repr(sorted(params.items())), getattr(config, "rope_theta", None))
+    if key not in _CACHE:
+        inv_freq, scaling = _inv_freq(config, head_dim)
+        t = torch.arange(max_position, dtype=torch.int64).float()
+        emb = torch.cat((torch.outer(t, inv_freq),) * 2, dim=-1)
+        # In the model dtype, as the reference casts them before use.
+        _CACHE[key] = ((emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype))
+    return _CACHE[key]
+
+
 class RotaryEmbedding(nn.Module):
     """Applies RoPE in the rotate-half (GPT-NeoX) layout to flat [num_tokens, heads * head_dim] q/k."""
 
     def __init__(self, config, head_dim: int, max_position: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.head_dim = head_dim
-        inv_freq, scaling = _inv_freq(config, head_dim)
-        t = torch.arange(max_position, dtype=torch.int64).float()
-        freqs = torch.outer(t, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        # [max_position, head_dim] each, in the model dtype (as the reference casts before use).
-        self.register_buffer("cos", (emb.cos() * scaling).to(dtype), persistent=False)
-        self.register_buffer("sin", (emb.sin() * scaling).to(dtype), persistent=False)
+        cos, sin = _cos_sin(config, head_dim, max_position, dtype)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
@@ -47,7 +61,16 @@ class RotaryEmbedding(nn.Module):
         rotated = torch.cat((-x2, x1), dim=-1)
         return (x * cos + rotated * sin).view(n, -1)
 
+    def _lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Every layer sees the same positions tensor in a forward pass: look up once, reuse.
+        # The memo holds `positions` itself, so its identity cannot be recycled while memoized.
+        memo = _LOOKUP.get(id(self.cos))
+        if memo is None or memo[0] is not positions:
+            cos = self.cos.index_select(0, positions).unsqueeze(1)  # [T, 1, head_dim]
+            sin = self.sin.index_select(0, positions).unsqueeze(1)
+            memo = _LOOKUP[id(self.cos)] = (positions, cos, sin)
+        return memo[1], memo[2]
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos.index_select(0, positions).unsqueeze(1)  # [T, 1, head_dim]
-        sin = self.sin.index_select(0, positions).unsqueeze(1)
+        cos, sin = self._lookup(positions)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
