@@ -1,0 +1,77 @@
+"""`pagedllm generate | chat` as a user runs them: real subprocesses on the default model."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# Keep the KV cache small: the default (30% of free memory, up to 4 GiB) takes seconds to allocate.
+SMALL_ENGINE = ["--kv-cache-memory", "256MiB", "--max-model-len", "1024"]
+
+
+def pagedllm_command() -> list[str]:
+    script = Path(sys.executable).with_name("pagedllm")
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "pagedllm.entrypoints.cli"]
+
+
+def run_cli(*args: str, stdin: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    # One torch thread: on shared cores, waiting OpenMP threads make small CPU steps much slower.
+    env["OMP_NUM_THREADS"] = "1"
+    return subprocess.run(
+        [*pagedllm_command(), *args],
+        input=stdin if stdin is not None else "",
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+def test_generate_answers_and_reports_throughput() -> None:
+    res = run_cli("generate", "What is the capital of France?", "--max-tokens", "24", *SMALL_ENGINE)
+    assert res.returncode == 0, res.stderr
+    assert "Answer:" in res.stdout and "Paris" in res.stdout, res.stdout
+    assert re.search(r"1 prompts: \d+ prompt tokens, \d+ output tokens in [\d.]+ s \([\d.]+ output tokens/s",
+                     res.stderr), res.stderr
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["generate", "Hi", "--no-such-flag"], "--no-such-flag"),
+        (["generate", "Hi", "--temperature", "-1"], "-1"),
+        (["generate", "Hi", "--model", "/nonexistent"], "/nonexistent"),
+        (["generate", "Hi", "--max-tokens", "abc"], "abc"),
+        (["chat", "--top-p", "0"], "top_p"),
+    ],
+    ids=["unknown-flag", "negative-temperature", "missing-model", "non-integer-max-tokens", "chat-top-p"],
+)
+def test_bad_arguments_exit_2_with_one_line(args: list[str], fragment: str) -> None:
+    res = run_cli(*args, timeout=60)
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    lines = res.stderr.splitlines()
+    assert len(lines) == 1, res.stderr
+    assert "error" in lines[0] and fragment in lines[0], lines[0]
+    assert res.stdout == ""
+
+
+def test_chat_replies_then_exits() -> None:
+    res = run_cli("chat", "--max-tokens", "24", *SMALL_ENGINE, stdin="What is the capital of France?\n/exit\n")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip(), res.stderr
+    assert "Paris" in res.stdout, res.stdout
+
+
+@pytest.mark.parametrize("args", [["--help"], ["generate", "--help"], ["chat", "--help"]])
+def test_help_exits_0(args: list[str]) -> None:
+    res = run_cli(*args, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "usage:" in res.stdout
+    if "generate" in args:
+        assert "--max-tokens" in res.stdout and "--kv-cache-memory" in res.stdout
