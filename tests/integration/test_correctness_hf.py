@@ -25,7 +25,13 @@ PROMPTS = [
     "Once upon a time, in a small village at the foot of the mountains, there lived",
     "def fibonacci(n):",
 ]
-MAX_TOKENS = 24
+# 64 prompts in all: the hand-written ones above plus short questions over a few subjects.
+_SUBJECTS = ["the moon", "photosynthesis", "a violin", "the Roman Empire", "volcanoes", "honey bees",
+             "the internet", "chess", "rainbows"]
+_ASKS = ["What is {}?", "Tell me one fact about {}.", "Why do people study {}?",
+         "Describe {} in one sentence.", "Write a question about {}.", "Is {} important? Answer briefly."]
+PROMPTS = PROMPTS + [a.format(s) for s in _SUBJECTS for a in _ASKS]
+MAX_TOKENS = 16
 TOP = 5
 
 
@@ -83,10 +89,11 @@ def test_default_model_matches_transformers(default_llm):
     tok = default_llm.get_tokenizer()
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
                for p in PROMPTS]
+    assert len(prompts) == 64
     matched = run_comparison(default_llm, hf, prompts)
     assert default_llm.llm_engine.scheduler.num_preemptions > 0, "the pool should force preemption"
     # Most sequences match over their whole length; the rest agree up to a near-tie.
-    assert sum(m == MAX_TOKENS for m in matched) >= len(prompts) - 2, matched
+    assert sum(m == MAX_TOKENS for m in matched) >= len(prompts) - 4, matched
 
 
 def test_tiny_qwen2_with_qkv_bias_matches_transformers(tmp_path):
