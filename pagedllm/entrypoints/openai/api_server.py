@@ -1,0 +1,439 @@
+"""The OpenAI-compatible HTTP server: a FastAPI app around one AsyncLLMEngine, run by uvicorn.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize,
+POST /detokenize (all behind --api-key when given), GET /health, GET /metrics, GET /version (open).
+Every error is the OpenAI error object {"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import json
+import logging
+import os
+import signal
+import socket
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pagedllm import __version__
+from pagedllm.engine.async_engine import AsyncLLMEngine
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_engine import (
+    OpenAIError,
+    OpenAIServing,
+    ServerState,
+    bad_request,
+    to_openai_error,
+)
+from pagedllm.metrics import PrometheusStatLogger
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+# Routes open without an API key; every other route is guarded when keys are configured.
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping"})
+GUARDED_PATHS = frozenset({"/tokenize", "/detokenize"})
+
+
+def error_response(err: OpenAIError) -> JSONResponse:
+    return JSONResponse(err.body().model_dump(), status_code=err.status, headers=err.headers)
+
+
+# ---- API keys and body size: plain ASGI, before any routing or body parsing -----------------
+class GuardMiddleware:
+    """Checks `Authorization: Bearer <key>` on guarded routes (401), then caps the request body
+    (413, from Content-Length or while reading a chunked body), and replays the body to the app."""
+
+    def __init__(self, app: ASGIApp, api_keys: list[str], max_body_bytes: int) -> None:
+        self.app = app
+        self.api_keys = [k.encode() for k in api_keys]
+        self.max_body_bytes = max_body_bytes
+
+    @staticmethod
+    def guarded(path: str) -> bool:
+        return path.startswith("/v1/") or path == "/v1" or path in GUARDED_PATHS
+
+    def authorized(self, scope: Scope) -> bool:
+        headers = dict(scope.get("headers") or [])
+        auth = headers.get(b"authorization", b"")
+        scheme, _, token = auth.partition(b" ")
+        if scheme.lower() != b"bearer" or not token:
+            return False
+        token = token.strip()
+        # Compare against every key so the time taken does not depend on which one matches.
+        return any([hmac.compare_digest(token, key) for key in self.api_keys])
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.api_keys and self.guarded(scope["path"]) and not self.authorized(scope):
+            err = OpenAIError(
+                401,
+                "Missing or invalid API key: send it as 'Authorization: Bearer <key>'",
+                type="authentication_error",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+            await error_response(err)(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        length = headers.get(b"content-length")
+        too_large = OpenAIError(
+            413,
+            f"the request body is larger than the server's limit of {self.max_body_bytes} bytes",
+            code="request_too_large",
+        )
+        if length is not None:
+            try:
+                declared = int(length)
+            except ValueError:
+                await error_response(bad_request(f"invalid Content-Length {length.decode(errors='replace')!r}"))(
+                    scope, receive, send
+                )
+                return
+            if declared > self.max_body_bytes:
+                await error_response(too_large)(scope, receive, send)
+                return
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body = message.get("body", b"")
+            size += len(body)
+            if size > self.max_body_bytes:
+                await error_response(too_large)(scope, receive, send)
+                return
+            chunks.append(body)
+            if not message.get("more_body", False):
+                break
+        content_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+        if not content_type.endswith(b"json"):
+            # Every body here is JSON: read it as such even when a client (e.g. plain curl -d) labels
+            # it as a form, instead of failing with a confusing "not a dictionary" error.
+            raw = [(k, v) for k, v in scope.get("headers") or [] if k != b"content-type"]
+            scope = {**scope, "headers": [*raw, (b"content-type", b"application/json")]}
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()  # after the body: http.disconnect when the client leaves
+
+        await self.app(scope, replay, send)
+
+
+# ---- the app ----------------------------------------------------------------------------------
+def build_app(
+    async_engine: AsyncLLMEngine,
+    served_model_names: list[str] | None = None,
+    api_keys: list[str] | None = None,
+    max_logprobs: int = 20,
+    chat_template: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    stat_logger: PrometheusStatLogger | None = None,
+) -> FastAPI:
+    """The FastAPI app serving `async_engine` (which the caller starts and shuts down)."""
+    engine = async_engine.engine
+    mc, cc = engine.model_config, engine.config.cache_config
+    names = list(served_model_names or [mc.served_model_name])
+    if stat_logger is None:
+        stat_logger = next((s for s in async_engine.stat_loggers if isinstance(s, PrometheusStatLogger)), None)
+    if stat_logger is None:
+        stat_logger = PrometheusStatLogger(
+            names[0], mc.max_model_len, cc.block_size, engine.num_blocks, cc.enable_prefix_caching
+        )
+        async_engine.stat_loggers.append(stat_logger)
+    prometheus = stat_logger
+    state = ServerState()
+    completions = OpenAIServingCompletion(async_engine, names, max_logprobs, chat_template, state)
+    chat = OpenAIServingChat(async_engine, names, max_logprobs, chat_template, state)
+    base = OpenAIServing(async_engine, names, max_logprobs, chat_template, state)
+
+    app = FastAPI(title="pagedllm", version=__version__, description="OpenAI-compatible LLM server")
+    app.state.async_engine = async_engine
+    app.state.server_state = state
+    app.state.stat_logger = prometheus
+
+    # ---- errors ---------------------------------------------------------------------------
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
+        err = OpenAIError(exc.status_code, str(exc.detail), type=kind, headers=getattr(exc, "headers", None))
+        return error_response(err)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(to_openai_error(exc))
+
+    async def guarded(coro: Any) -> Response:
+        try:
+            return await coro
+        except Exception as e:
+            return error_response(to_openai_error(e))
+
+    # ---- inference ------------------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
+        return await guarded(completions.create_completion(body, raw_request))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request) -> Response:
+        return await guarded(chat.create_chat_completion(body, raw_request))
+
+    @app.get("/v1/models")
+    async def list_models() -> Response:
+        cards = [ModelCard(id=n, root=mc.path, max_model_len=mc.max_model_len) for n in names]
+        return Response(ModelList(data=cards).model_dump_json(), media_type="application/json")
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> Response:
+        name = base.model_name(model_id)
+        card = ModelCard(id=name, root=mc.path, max_model_len=mc.max_model_len)
+        return Response(card.model_dump_json(), media_type="application/json")
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> Response:
+        base.model_name(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("give exactly one of 'prompt' and 'messages'")
+        if body.messages is not None:
+            if not body.messages:
+                raise bad_request("messages must not be empty", "messages")
+            if body.add_special_tokens:
+                raise bad_request("add_special_tokens is not supported with messages", "add_special_tokens")
+            messages = body.messages
+            p = await base.run_blocking(
+                lambda: base.render_chat(messages, body.add_generation_prompt, body.continue_final_message),
+                sum(len(m.content) if isinstance(m.content, str) else 0 for m in messages),
+            )
+        elif isinstance(body.prompt, str):
+            text, add = body.prompt, body.add_special_tokens is not False
+            p = await base.run_blocking(lambda: base.prompt_from_text(text, add), len(text))
+        else:
+            p = base.prompt_from_ids(body.prompt or [])
+        resp = TokenizeResponse(tokens=p.token_ids, count=len(p.token_ids), max_model_len=mc.max_model_len)
+        return Response(resp.model_dump_json(), media_type="application/json")
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        base.model_name(body.model)
+        vocab = mc.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"token ids {bad[:8]} are out of vocabulary (vocab size {vocab})", "tokens")
+        text = base.tokenizer.decode(body.tokens, skip_special_tokens=False)
+        return Response(DetokenizeResponse(prompt=text).model_dump_json(), media_type="application/json")
+
+    # ---- operations -----------------------------------------------------------------------
+    @app.get("/health")
+    async def health() -> Response:
+        if async_engine.errored:
+            err = OpenAIError(503, f"the engine has failed: {async_engine.dead_error!r}", type="server_error",
+                              code="engine_dead", headers={"Retry-After": "60"})
+            return error_response(err)
+        return Response(status_code=200)
+
+    @app.get("/ping")
+    async def ping() -> Response:
+        return await health()
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        await refresh_gauges(async_engine, prometheus)
+        return Response(generate_latest(prometheus.registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.add_middleware(GuardMiddleware, api_keys=list(api_keys or []), max_body_bytes=max_body_bytes)
+    return app
+
+
+async def refresh_gauges(async_engine: AsyncLLMEngine, prometheus: PrometheusStatLogger) -> None:
+    """Records the scheduler's state between steps, so gauges are current even when the engine is
+    idle (an abort frees blocks without a step, and stat loggers only hear about steps). It runs on
+    the engine thread, like every other record, so counter differences are never taken twice."""
+    if async_engine.errored:
+        return
+    fut = async_engine.call_in_engine(lambda e: prometheus.record_scheduler(e.scheduler.get_stats()))
+    try:
+        await asyncio.wait_for(asyncio.wrap_future(fut), timeout=2.0)
+    except Exception:  # a busy or failed engine: serve the values recorded last
+        return
+
+
+def validation_error(exc: RequestValidationError) -> OpenAIError:
+    """FastAPI's validation errors as one 400 naming the first problem."""
+    errors = exc.errors()
+    if not errors:
+        return bad_request("invalid request")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        ctx = first.get("ctx") or {}
+        return bad_request(f"malformed JSON body: {ctx.get('error', 'invalid JSON')}")
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    # Union members add their type name to the location ("prompt.str"); keep the field path.
+    param = loc[0] if loc else None
+    where = ".".join(loc) if loc else "body"
+    msg = first.get("msg", "invalid value")
+    if "input" in first and first.get("type") not in ("missing",):
+        shown = json.dumps(first["input"], default=str)
+        if len(shown) > 80:
+            shown = shown[:77] + "..."
+        msg = f"{msg} (got {shown})"
+    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    return bad_request(f"invalid request: {where}: {msg}{more}", param)
+
+
+# ---- running it -------------------------------------------------------------------------------
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file holding a Jinja template, or the template itself."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a readable file nor a Jinja template")
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {port}")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"cannot resolve --host {host!r}: {e}") from None
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, which first tells requests in flight to end (they answer 503) so that its
+    graceful shutdown does not wait for long generations."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.app_state = state
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.app_state.shutting_down = True
+        super().handle_exit(sig, frame)
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Claims the address, loads the engine, serves until SIGINT/SIGTERM, then shuts down cleanly."""
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.engine.async_engine import LoggingStatLogger
+    from pagedllm.engine.llm_engine import LLMEngine
+
+    if args.max_queued_requests is not None and args.max_queued_requests < 1:
+        raise ValueError(f"--max-queued-requests must be at least 1, got {args.max_queued_requests}")
+    if args.max_logprobs < 0:
+        raise ValueError(f"--max-logprobs must be non-negative, got {args.max_logprobs}")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    chat_template = load_chat_template(args.chat_template)
+    api_keys = list(args.api_key or [])
+    if not api_keys and os.environ.get("PAGEDLLM_API_KEY"):
+        api_keys = [os.environ["PAGEDLLM_API_KEY"]]
+    engine_args = EngineArgs.from_cli_args(args)
+    # Claim the address first (a busy port fails before a long model load); connections are
+    # refused until uvicorn starts listening on it, after the engine is ready.
+    sock = bind_socket(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    try:
+        logger.info("Loading model %s", engine_args.model or "smollm2-135m-instruct")
+        engine = LLMEngine.from_engine_args(engine_args)
+    except BaseException:
+        sock.close()
+        raise
+    mc = engine.model_config
+    if chat_template is not None:
+        engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=chat_template)
+    loggers: list[Any] = [] if args.disable_log_stats else [LoggingStatLogger()]
+    async_engine = AsyncLLMEngine(engine, max_queued_requests=args.max_queued_requests, stat_loggers=loggers)
+    names = [mc.served_model_name]
+    app = build_app(
+        async_engine,
+        served_model_names=names,
+        api_keys=api_keys,
+        max_logprobs=args.max_logprobs,
+        chat_template=chat_template,
+        max_body_bytes=args.max_request_body_size,
+    )
+    if not api_keys and args.host not in ("127.0.0.1", "localhost", "::1"):
+        logger.warning("serving on %s without --api-key: anyone who can reach it can use it", args.host)
+    config = uvicorn.Config(
+        app,
+        log_config=None,
+        log_level=args.uvicorn_log_level,
+        access_log=not args.disable_uvicorn_access_log,
+        timeout_graceful_shutdown=5,
+        timeout_keep_alive=5,
+    )
+    server = _Server(config, app.state.server_state)
+    async_engine.start()
+    shown = f"[{host}]" if ":" in host else host
+    logger.info(
+        "Serving %s at http://%s:%d (OpenAI-compatible: /v1/completions, /v1/chat/completions)", names[0], shown, port
+    )
+    # uvicorn re-raises the signal that stopped it after its graceful shutdown, to the handlers
+    # in place before it started: make those no-ops so SIGINT/SIGTERM end with exit code 0.
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run(sockets=[sock])
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        async_engine.shutdown()
+        sock.close()
+    logger.info("Server stopped")
+    return 0

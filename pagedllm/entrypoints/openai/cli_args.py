@@ -1,0 +1,42 @@
+"""`pagedllm serve [MODEL]`: vLLM's server flags plus every engine flag."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from pagedllm.engine.arg_utils import EngineArgs, parse_size
+
+    p = subparsers.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions).",
+    )
+    EngineArgs.add_cli_args(p, model_positional=True)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on")
+    g.add_argument("--api-key", action="append", default=None,
+                   help="key clients must send as 'Authorization: Bearer <key>' (repeatable; "
+                        "default: the PAGEDLLM_API_KEY environment variable, if set)")
+    g.add_argument("--max-queued-requests", type=int, default=None,
+                   help="most requests waiting for the engine; more are answered 429 (default: no limit)")
+    g.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs / top_logprobs a request may ask")
+    g.add_argument("--chat-template", default=None,
+                   help="chat template: a file path or the Jinja template itself (default: the model's)")
+    g.add_argument("--max-request-body-size", type=parse_size, default=8 << 20,
+                   help="largest request body accepted, e.g. 8MiB (default); larger ones get 413")
+    g.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput log line")
+    g.add_argument("--uvicorn-log-level", default="info",
+                   choices=("critical", "error", "warning", "info", "debug", "trace"))
+    g.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request")
+    p.set_defaults(func=_serve)
+    return p
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from pagedllm.entrypoints.openai.api_server import run_server
+
+    return run_server(args)
