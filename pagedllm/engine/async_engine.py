@@ -58,14 +58,15 @@ class LoggingStatLogger:
         if elapsed < self.interval or self.last is None:
             return
         s = self.last
-        busy = self.prompt_tokens or self.generation_tokens or s.num_running or s.num_waiting
+        busy = self.prompt_tokens or self.generation_tokens or s.num_running or s.num_waiting or s.num_swapped
         if busy:
             q = s.prefix_cache_queries - self.last_hits[0]
             h = s.prefix_cache_hits - self.last_hits[1]
             logger.info(
-                "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prompt throughput: %.1f tokens/s, "
-                "Generation throughput: %.1f tokens/s, Prefix cache hit rate: %.1f%%, Preemptions: %d",
+                "Running: %d reqs, Swapped: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prompt throughput: "
+                "%.1f tokens/s, Generation throughput: %.1f tokens/s, Prefix cache hit rate: %.1f%%, Preemptions: %d",
                 s.num_running,
+                s.num_swapped,
                 s.num_waiting,
                 100 * s.kv_cache_usage,
                 self.prompt_tokens / elapsed,
@@ -96,6 +97,9 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.dead_error: BaseException | None = None
+        # Held while enqueuing a command and while the dying loop fails the queue, so that no
+        # command can slip in after the loop has drained it for the last time.
+        self._submit_lock = threading.Lock()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> AsyncLLMEngine:
@@ -151,8 +155,7 @@ class AsyncLLMEngine:
         finished = False
         try:
             fut: concurrent.futures.Future = concurrent.futures.Future()
-            self._adds_submitted += 1
-            self._commands.put(("add", (request_id, prompt, sampling_params, priority, user, cache_salt), fut))
+            self._submit(("add", (request_id, prompt, sampling_params, priority, user, cache_salt), fut))
             await asyncio.wrap_future(fut)
             while True:
                 item = await stream.get()
@@ -167,6 +170,14 @@ class AsyncLLMEngine:
             if not finished:
                 self._commands.put(("abort", request_id, None))
 
+    def _submit(self, command: tuple[str, Any, concurrent.futures.Future | None]) -> None:
+        with self._submit_lock:
+            if self.dead_error is not None:
+                raise EngineDeadError(f"the engine has failed: {self.dead_error!r}")
+            if command[0] == "add":
+                self._adds_submitted += 1
+            self._commands.put(command)
+
     async def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id, None))
 
@@ -174,7 +185,7 @@ class AsyncLLMEngine:
         """Runs `fn(engine)` on the engine thread between steps (e.g. reset_prefix_cache)."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self.start()
-        self._commands.put(("call", fn, fut))
+        self._submit(("call", fn, fut))
         return fut
 
     # ---- the engine thread ----------------------------------------------------------------
@@ -235,14 +246,15 @@ class AsyncLLMEngine:
                     sl.log()
         except BaseException as e:  # a real fault: fail everyone in flight, report unhealthy
             logger.exception("engine loop failed")
-            self.dead_error = e
             err = EngineDeadError(f"the engine has failed: {e!r}")
+            with self._submit_lock:
+                self.dead_error = e
+                while True:
+                    try:
+                        _, _, fut = self._commands.get_nowait()
+                    except queue.Empty:
+                        break
+                    if fut is not None and not fut.done():
+                        fut.set_exception(err)
             for loop, stream in list(self._streams.values()):
                 loop.call_soon_threadsafe(stream.put_nowait, err)
-            while True:
-                try:
-                    _, _, fut = self._commands.get_nowait()
-                except queue.Empty:
-                    break
-                if fut is not None and not fut.done():
-                    fut.set_exception(err)
