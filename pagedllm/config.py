@@ -50,17 +50,21 @@ class SchedulerConfig:
     policy: str = "fcfs"
     """Order of service: fcfs, priority, srtf or fair."""
     preemption_mode: str = "recompute"
-    """What happens to a request evicted for lack of blocks: recompute, swap or auto."""
+    """What happens to a request evicted for lack of blocks: recompute (drop its blocks), swap
+    (move them to the host pool; recompute when the pool is full) or auto (the cheaper of the two
+    per victim, from FLOP/s and copy bandwidth measured at startup)."""
     long_prefill_token_threshold: int = 0
     """Cap on one request's prompt chunk per step (0 = no cap beyond the budget)."""
     max_num_partial_prefills: int = 0
     """Most requests with unfinished prompts scheduled in one step (0 = no limit)."""
     time_slice: int = 64
-    """Fair share: steps a running request keeps its place while other users wait."""
+    """Fair share: steps a running request keeps its place while requests of other users wait;
+    then it yields to a waiting request of a less-served user."""
     user_weights: dict[str, float] = field(default_factory=dict)
     """Fair share: weight per user (default 1)."""
     max_waiting_steps: int = 10_000
-    """Aging bound: a request waiting this many steps is served before every other waiting one."""
+    """Aging: a request that has waited (or stayed swapped) this many steps is served before every
+    other one and is no longer preempted for younger ones (bound in pagedllm/core/policies.py)."""
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:

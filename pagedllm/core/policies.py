@@ -1,8 +1,28 @@
-"""Who is served first: the order of admission from the waiting queue and the choice of victim.
+"""Who is served first: the order of admission, the choice of victim, and who may displace whom.
 
-Every policy shares one aging rule: a request that has waited `max_waiting_steps` steps is
-admitted before any other waiting request (oldest first) and is never chosen as a victim by a
-request that has waited less, so no request waits forever.
+Policies: fcfs (arrival order), priority (lower `priority` first, ties by arrival; a waiting
+request may preempt a running one of strictly lower priority), srtf (shortest remaining work:
+prompt tokens still to compute plus tokens still to generate) and fair (weighted fair share of
+tokens per user; a running request that has held its place for `time_slice` steps yields it to a
+waiting request of a less-served user).
+
+Swapped requests resume before new admissions (under priority: before new admissions of the same
+priority, so that a swapped low-priority request never blocks a high-priority arrival).
+
+Aging, shared by every policy. A request that has spent `max_waiting_steps` = W steps in the
+waiting or swapped queue becomes *aged* for the rest of its life. Then:
+  1. aged requests are admitted (or resumed) before every other one, oldest arrival first, and
+     the admission loop stops at the first request that does not fit, so while an aged request
+     waits nobody else is admitted and the running set only shrinks;
+  2. an aged request is never displaced by a waiting one (priority, time slice), and a victim for
+     lack of blocks is a non-aged request whenever one runs, otherwise the aged one that arrived
+     last: the oldest aged request, once admitted, runs to completion.
+Bound: let D be the steps the running set needs to finish with nobody admitted (at most the sum
+of its requests' remaining tokens plus one step per request, since every step computes a token or
+preempts a request; ceil(max_model_len / chunk) + max_tokens when the token budget covers every
+running request's chunk, chunk = long_prefill_token_threshold). A request that arrives at step a
+is admitted at the latest at step a + W + (k + 1) * (D + 1), where k is the number of aged
+requests that arrived before it. tests/unit/test_scheduler_sim.py asserts this bound per request.
 """
 
 from __future__ import annotations
@@ -10,15 +30,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pagedllm.config import SchedulerConfig
-from pagedllm.core.request import Request
+from pagedllm.core.request import Request, RequestStatus
 
 
 class Policy:
     """FCFS: arrival order. Subclasses change `key`; lower keys are served first."""
 
     name = "fcfs"
-    # True when a waiting request may preempt a running one that ranks below it.
-    preempts_for_waiting = False
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
@@ -26,21 +44,28 @@ class Policy:
     def key(self, request: Request) -> tuple:
         return (request.arrival_time,)
 
-    def _aged(self, request: Request) -> bool:
-        return request.waiting_steps >= self.config.max_waiting_steps
-
-    def admission_key(self, request: Request) -> tuple:
-        # Aged requests first (oldest arrival first), then the policy's own order.
-        if self._aged(request):
+    def rank(self, request: Request) -> tuple:
+        """The policy's order with aging on top: aged requests first, oldest arrival first."""
+        if request.aged:
             return (0, request.arrival_time)
         return (1, *self.key(request))
 
-    def next_waiting(self, waiting: Sequence[Request]) -> Request:
-        return min(waiting, key=self.admission_key)
+    def admission_key(self, request: Request) -> tuple:
+        if request.aged:
+            return (0, request.arrival_time)
+        return (1, request.status != RequestStatus.SWAPPED, *self.key(request))
+
+    def next_waiting(self, candidates: Sequence[Request]) -> Request:
+        """The next request to admit or resume, among waiting and swapped ones."""
+        return min(candidates, key=self.admission_key)
 
     def pick_victim(self, running: Sequence[Request]) -> Request:
         """The running request to preempt when blocks run out: the one ranked last."""
-        return max(running, key=self.admission_key)
+        return max(running, key=self.rank)
+
+    def displace(self, candidate: Request, running: Sequence[Request]) -> Request | None:
+        """A running request that the waiting `candidate` may preempt to take its place, if any."""
+        return None
 
     def on_step(self, scheduled: Sequence[Request], num_tokens: dict[str, int]) -> None:
         """Accounting hook called once per step with the requests that ran."""
@@ -50,10 +75,18 @@ class PriorityPolicy(Policy):
     """Lower `priority` first, ties by arrival; a waiting request may preempt a lower one."""
 
     name = "priority"
-    preempts_for_waiting = True
 
     def key(self, request: Request) -> tuple:
         return (request.priority, request.arrival_time)
+
+    def admission_key(self, request: Request) -> tuple:
+        if request.aged:
+            return (0, request.arrival_time)
+        return (1, request.priority, request.status != RequestStatus.SWAPPED, request.arrival_time)
+
+    def displace(self, candidate: Request, running: Sequence[Request]) -> Request | None:
+        victims = [r for r in running if not r.aged and r.priority > candidate.priority]
+        return max(victims, key=self.rank) if victims else None
 
 
 class SRTFPolicy(Policy):
@@ -66,7 +99,12 @@ class SRTFPolicy(Policy):
 
 
 class FairPolicy(Policy):
-    """Weighted fair share of tokens per user: the user with the least weighted service goes first."""
+    """Weighted fair share of tokens per user: the user with the least weighted service goes first.
+
+    Service is counted in scheduled tokens (prompt and generated) divided by the user's weight.
+    A running request of another user that has run `time_slice` steps since its admission yields
+    its place to a waiting request whose user has less weighted service than its own.
+    """
 
     name = "fair"
 
@@ -82,6 +120,18 @@ class FairPolicy(Policy):
 
     def key(self, request: Request) -> tuple:
         return (self.virtual_time(request.user), request.arrival_time)
+
+    def displace(self, candidate: Request, running: Sequence[Request]) -> Request | None:
+        mine = self.virtual_time(candidate.user)
+        victims = [
+            r
+            for r in running
+            if not r.aged
+            and r.user != candidate.user
+            and r.running_steps >= self.config.time_slice
+            and self.virtual_time(r.user) > mine
+        ]
+        return max(victims, key=self.rank) if victims else None
 
     def on_step(self, scheduled: Sequence[Request], num_tokens: dict[str, int]) -> None:
         for req in scheduled:

@@ -11,7 +11,12 @@ if TYPE_CHECKING:
 
 
 class RequestStatus(enum.IntEnum):
-    """Ordered: every finished status compares greater than PREEMPTED."""
+    """Ordered: every finished status compares greater than PREEMPTED.
+
+    WAITING: queued, never admitted or waiting to be forked off its parent (n > 1); RUNNING: holds
+    KV blocks; SWAPPED: preempted with its blocks moved to the host swap pool (keeps its computed
+    tokens); PREEMPTED: preempted by recompute (back in the waiting queue with nothing computed).
+    """
 
     WAITING = enum.auto()
     RUNNING = enum.auto()
@@ -73,9 +78,13 @@ class Request:
         self.num_preemptions = 0
         # sha256 keys of this request's full blocks, extended as tokens arrive (prefix caching).
         self.block_hashes: list[bytes] = []
-        # Scheduler bookkeeping: steps spent waiting and running since the last change of queue.
+        # Scheduler bookkeeping: steps spent waiting (or swapped) since the last change of queue;
+        # steps run since admission while a request of another user waited (fair share's time
+        # slice); `aged` is set once waiting_steps reaches max_waiting_steps and stays set.
         self.first_scheduled_time: float | None = None
         self.waiting_steps = 0
+        self.running_steps = 0
+        self.aged = False
 
     @property
     def num_tokens(self) -> int:

@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.policies import make_policy
+from pagedllm.core.preemption import PreemptionCostModel
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler_output import (
     CachedRequestData,
     EngineCoreOutput,
+    ForkedRequestData,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -37,16 +40,46 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    num_preemptions_by_mode: dict[str, int] = field(default_factory=dict)
+    """Preemptions so far by how they were done: {"recompute": ..., "swap": ...}."""
+    swap_usage: float = 0.0
+    """Fraction of the host swap pool held by swapped requests."""
+    num_cow_copies: int = 0
+    """Shared blocks copied before a write (copy-on-write) so far."""
+
+
+@dataclass
+class _Step:
+    """What one schedule() call has handed out so far."""
+
+    budget: int
+    partial_left: int  # prompt chunks still allowed this step; -1: no limit
+    scheduled: dict[str, int] = field(default_factory=dict)
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    preempted: list[Request] = field(default_factory=list)
+
+    def take(self, req: Request, n: int) -> None:
+        self.scheduled[req.request_id] = n
+        self.budget -= n
+        if req.num_computed_tokens + n < req.num_tokens or n > 1:
+            self.partial_left -= 1
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, costs: PreemptionCostModel | None = None
+    ) -> None:
         self.config = config
         self.kv = kv_cache_manager
         self.policy = make_policy(config)
+        # Measured costs for preemption mode auto; without them auto swaps whenever the pool has room.
+        self.costs = costs
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # in admission order
+        self.swapped: list[Request] = []  # in swap-out order
+        # n > 1: samples waiting to be forked off their parent (sample 0) once its prompt is computed.
+        self._pending_forks: dict[str, list[Request]] = {}
         # Requests whose state the worker holds; the rest are sent in full when scheduled.
         self._known_to_worker: set[str] = set()
         # Requests the worker has ever seen (it keeps per-request random generators until they end).
@@ -54,6 +87,7 @@ class Scheduler:
         self._forget: set[str] = set()
         self._preempted_ids: set[str] = set()
         self.num_preemptions = 0
+        self.num_preemptions_by_mode = {"recompute": 0, "swap": 0}
 
     # ---- admission ------------------------------------------------------------------------
     def check_request(self, request: Request) -> None:
@@ -72,14 +106,27 @@ class Scheduler:
                 f"the request needs {total} tokens of KV cache ({need} blocks of {self.kv.block_size}) but the "
                 f"whole KV cache holds {self.kv.num_blocks * self.kv.block_size} tokens ({self.kv.num_blocks} blocks)"
             )
+        n = request.sampling_params.n
+        if n > self.config.max_num_seqs:
+            raise ValueError(f"n={n} samples exceed max_num_seqs={self.config.max_num_seqs} sequences per step")
 
-    def add_request(self, request: Request) -> None:
-        self.check_request(request)
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
-        self.requests[request.request_id] = request
-        request.status = RequestStatus.WAITING
+    def add_request(self, request: Request, forks: Sequence[Request] = ()) -> None:
+        """Queues a request. `forks` are the other samples of an n > 1 request: they share its
+        prompt and are forked off it (sharing its blocks) once its prompt is computed."""
+        group = [request, *forks]
+        for req in group:
+            self.check_request(req)
+            if req.request_id in self.requests:
+                raise ValueError(f"request id {req.request_id!r} is already in use")
+            assert req.prompt_token_ids == request.prompt_token_ids, "forked samples share the prompt"
+        if len({r.request_id for r in group}) != len(group):
+            raise ValueError(f"request ids {[r.request_id for r in group]} are not distinct")
+        for req in group:
+            self.requests[req.request_id] = req
+            req.status = RequestStatus.WAITING
         self.waiting.append(request)
+        if forks:
+            self._pending_forks[request.request_id] = list(forks)
 
     def finish_requests(self, request_ids: str | list[str], status: RequestStatus) -> list[Request]:
         """Ends requests from outside the step (abort, stop string): frees their blocks at once."""
@@ -92,16 +139,32 @@ class Scheduler:
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
-            else:
+            elif req.status == RequestStatus.SWAPPED:
+                self.swapped.remove(req)
+            elif req in self.waiting:
                 self.waiting.remove(req)
+            else:
+                self._drop_pending_fork(req)
             req.status = status
             self._release(req)
             done.append(req)
         return done
 
+    def _drop_pending_fork(self, req: Request) -> None:
+        for parent_id, forks in self._pending_forks.items():
+            if req in forks:
+                forks.remove(req)
+                if not forks:
+                    del self._pending_forks[parent_id]
+                return
+        raise AssertionError(f"{req} is in no queue")
+
     def _release(self, req: Request) -> None:
         self.kv.free(req)
+        self.kv.free_swapped(req)
         self.requests.pop(req.request_id, None)
+        # Samples still waiting for this parent's fork go on alone, computing the prompt themselves.
+        self.waiting.extend(self._pending_forks.pop(req.request_id, ()))
         self._known_to_worker.discard(req.request_id)
         if req.request_id in self._sent:
             self._sent.discard(req.request_id)
@@ -109,11 +172,20 @@ class Scheduler:
             self._preempted_ids.discard(req.request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped or self._pending_forks)
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.swapped) + self._num_pending_forks()
+
+    def _num_pending_forks(self) -> int:
+        return sum(len(f) for f in self._pending_forks.values())
+
+    def _num_seqs(self) -> int:
+        """Sequence slots taken: running requests and the samples they will fork."""
+        if not self._pending_forks:
+            return len(self.running)
+        return len(self.running) + sum(len(self._pending_forks.get(r.request_id, ())) for r in self.running)
 
     # ---- one step -------------------------------------------------------------------------
     def _num_new_tokens(self, req: Request, budget: int, partial_left: int) -> int:
@@ -127,33 +199,62 @@ class Scheduler:
                 return 0
         return n
 
-    def _preempt(self, req: Request) -> None:
-        """Recompute preemption: drop the request's blocks; it keeps its generated tokens."""
+    def _preemption_mode(self, req: Request) -> str:
+        mode = self.config.preemption_mode
+        # Nothing computed, nothing to keep; a full (or absent) swap pool falls back to recompute.
+        if mode == "recompute" or not self.kv.can_swap_out(req):
+            return "recompute"
+        if mode == "auto" and self.costs is not None:
+            n = req.num_computed_tokens
+            return "swap" if self.costs.prefers_swap(n, self.kv.blocks_needed(n)) else "recompute"
+        return "swap"
+
+    def _preempt(self, req: Request, step: _Step) -> None:
+        """Takes a running request off the device: by swap (its blocks go to the host pool, its
+        computed tokens are kept) or by recompute (its blocks are dropped; it keeps its generated
+        tokens and computes everything again when readmitted)."""
+        assert not self.kv.lends_unwritten_blocks(req), f"{req} holds blocks hit in this step"
+        mode = self._preemption_mode(req)
+        rid = req.request_id
         self.running.remove(req)
-        self.kv.free(req)
-        req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
+        if rid in step.scheduled:  # scheduled earlier in this step: its tokens go back to the budget
+            step.budget += step.scheduled.pop(rid)
+            step.new_block_ids.pop(rid, None)
+        if mode == "swap":
+            self.kv.swap_out(req)
+            req.status = RequestStatus.SWAPPED
+            self.swapped.append(req)
+        else:
+            self.kv.free(req)
+            req.status = RequestStatus.PREEMPTED
+            req.num_computed_tokens = 0
+            self.waiting.append(req)
         req.num_preemptions += 1
         req.waiting_steps = 0
         self.num_preemptions += 1
-        if req.request_id in self._known_to_worker:
-            self._known_to_worker.discard(req.request_id)
-            self._forget.add(req.request_id)
-            self._preempted_ids.add(req.request_id)
-        self.waiting.append(req)
+        self.num_preemptions_by_mode[mode] += 1
+        # The worker forgets it (keeping its random generator) and is sent it in full on return.
+        if rid in self._known_to_worker:
+            self._known_to_worker.discard(rid)
+            self._forget.add(rid)
+            self._preempted_ids.add(rid)
+        step.preempted.append(req)
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
-        partial_left = self.config.max_num_partial_prefills or -1  # -1: unlimited
-        scheduled: dict[str, int] = {}
-        new_block_ids: dict[str, list[int]] = {}
-        preempted: list[Request] = []
+        step = _Step(self.config.max_num_batched_tokens, self.config.max_num_partial_prefills or -1)
+        self._schedule_running(step)
+        # Admit or resume only when no running request had to be preempted for blocks.
+        if not step.preempted:
+            self._schedule_admissions(step)
+        self._update_waiting_counters(step)
+        return self._build_output(step)
 
-        # 1. Running requests, in admission order.
+    def _schedule_running(self, step: _Step) -> None:
+        """Running requests, in admission order: a decode token or their next prompt chunk."""
         idx = 0
-        while idx < len(self.running) and budget > 0:
+        while idx < len(self.running) and step.budget > 0:
             req = self.running[idx]
-            n = self._num_new_tokens(req, budget, partial_left)
+            n = self._num_new_tokens(req, step.budget, step.partial_left)
             if n == 0:
                 idx += 1
                 continue
@@ -161,11 +262,7 @@ class Scheduler:
             while blocks is None:
                 victim = self.policy.pick_victim(self.running)
                 pos = self.running.index(victim)
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim.request_id in scheduled:
-                    budget += scheduled.pop(victim.request_id)
-                    new_block_ids.pop(victim.request_id, None)
+                self._preempt(victim, step)
                 if victim is req:
                     break
                 if pos < idx:
@@ -173,47 +270,82 @@ class Scheduler:
                 blocks = self.kv.allocate_slots(req, n)
             if blocks is None:
                 continue  # req itself was preempted; running[idx] is now the next one
-            scheduled[req.request_id] = n
-            new_block_ids[req.request_id] = [b.block_id for b in blocks]
-            budget -= n
-            if req.num_computed_tokens + n < req.num_tokens or n > 1:
-                partial_left -= 1
+            step.take(req, n)
+            step.new_block_ids[req.request_id] = [b.block_id for b in blocks]
             idx += 1
 
-        # 2. Waiting requests, while budget, sequence slots and blocks last (not after a preemption).
-        admitted: list[Request] = []
-        while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.policy.next_waiting(self.waiting)
-            hits, num_hit = self.kv.get_computed_blocks(req)
-            req.num_computed_tokens = num_hit
-            n = self._num_new_tokens(req, budget, partial_left)
-            # allocate_slots counts the hits itself: they precede the request's computed tokens.
-            req.num_computed_tokens = 0
-            blocks = self.kv.allocate_slots(req, n, hits) if n > 0 else None
-            if blocks is None:
+    def _schedule_admissions(self, step: _Step) -> None:
+        """Swapped and waiting requests, in the policy's admission order, while budget, sequence
+        slots and blocks last; stops at the first that does not fit (see policies: aging)."""
+        skip = {r.request_id for r in step.preempted}  # never back in the step that preempted it
+        while step.budget > 0:
+            candidates = [*self.swapped, *self.waiting] if self.swapped else self.waiting
+            if skip:
+                candidates = [r for r in candidates if r.request_id not in skip]
+            if not candidates:
                 break
+            req = self.policy.next_waiting(candidates)
+            if not self._admit(req, step):
+                break
+            skip.update(r.request_id for r in step.preempted)
+
+    def _admit(self, req: Request, step: _Step) -> bool:
+        """Admits (or resumes) one request, displacing running ones if its policy allows."""
+        swapped = req.status == RequestStatus.SWAPPED
+        extra_seqs = 1 + len(self._pending_forks.get(req.request_id, ()))
+        while True:
+            hits, num_hit = ([], 0) if swapped else self.kv.get_computed_blocks(req)
+            if not swapped:
+                req.num_computed_tokens = num_hit
+            n = self._num_new_tokens(req, step.budget, step.partial_left)
+            if not swapped:
+                # allocate_slots counts the hits itself: they precede the request's computed tokens.
+                req.num_computed_tokens = 0
+            if n == 0:
+                return False
+            has_slot = self._num_seqs() + extra_seqs <= self.config.max_num_seqs
+            if has_slot and (self.kv.can_swap_in(req, n) if swapped else self.kv.can_fit(req, n, hits)):
+                break
+            # Not a request whose blocks keyed in this step were already hit by an admission.
+            victim = self.policy.displace(req, [r for r in self.running if not self.kv.lends_unwritten_blocks(r)])
+            if victim is None:
+                return False
+            self._preempt(victim, step)  # then look again: the victim may have dropped cached keys
+        if swapped:
+            blocks = self.kv.swap_in(req, n)
+            assert blocks is not None
+            self.swapped.remove(req)
+        else:
+            blocks = self.kv.allocate_slots(req, n, hits)
+            assert blocks is not None
             req.num_computed_tokens = num_hit
             self.kv.record_prefix_query(req.num_tokens, num_hit)
             self.waiting.remove(req)
-            req.status = RequestStatus.RUNNING
-            req.waiting_steps = 0
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
                 req.first_scheduled_time = time.time()
-            self.running.append(req)
-            admitted.append(req)
-            scheduled[req.request_id] = n
-            budget -= n
-            if req.num_computed_tokens + n < req.num_tokens or n > 1:
-                partial_left -= 1
+        req.status = RequestStatus.RUNNING
+        req.waiting_steps = 0
+        req.running_steps = 0
+        self.running.append(req)
+        step.take(req, n)
+        return True
 
-        for req in self.waiting:
+    def _update_waiting_counters(self, step: _Step) -> None:
+        """Aging of waiting and swapped requests; time-slice steps of running ones (fair share)."""
+        queued = [*self.waiting, *self.swapped]
+        for req in queued:
             req.waiting_steps += 1
-        return self._build_output(scheduled, new_block_ids, preempted)
+            if req.waiting_steps >= self.config.max_waiting_steps:
+                req.aged = True
+        users = {r.user for r in queued}
+        for rid in step.scheduled:
+            req = self.requests[rid]
+            if len(users) > 1 or (users and req.user not in users):
+                req.running_steps += 1  # ran while a request of another user waited
 
-    def _build_output(
-        self, scheduled: dict[str, int], new_block_ids: dict[str, list[int]], preempted: list[Request]
-    ) -> SchedulerOutput:
+    def _build_output(self, step: _Step) -> SchedulerOutput:
+        scheduled = step.scheduled
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         ordered: dict[str, int] = {}
@@ -221,7 +353,11 @@ class Scheduler:
         for rid, n in scheduled.items():
             req = self.requests[rid]
             if rid in self._known_to_worker:
-                cached_reqs.append(CachedRequestData(rid, new_block_ids[rid], req.num_computed_tokens))
+                cached_reqs.append(
+                    CachedRequestData(
+                        rid, step.new_block_ids[rid], req.num_computed_tokens, self.kv.replaced_blocks(rid)
+                    )
+                )
                 ordered[rid] = n
         for rid, n in scheduled.items():
             req = self.requests[rid]
@@ -242,7 +378,9 @@ class Scheduler:
             self._known_to_worker.add(rid)
             self._sent.add(rid)
             self.requests[rid].num_computed_tokens += n
+        forked = self._fork_samples(scheduled)
         self.policy.on_step([self.requests[r] for r in scheduled], scheduled)
+        swap_out, swap_in, copies = self.kv.take_block_moves()
         out = SchedulerOutput(
             new_reqs=new_reqs,
             cached_reqs=cached_reqs,
@@ -250,11 +388,40 @@ class Scheduler:
             total_num_scheduled_tokens=sum(scheduled.values()),
             finished_req_ids=self._forget,
             preempted_req_ids=self._preempted_ids,
-            num_preempted=len(preempted),
+            blocks_to_swap_out=swap_out,
+            blocks_to_swap_in=swap_in,
+            blocks_to_copy=copies,
+            forked_reqs=forked,
+            num_preempted=len(step.preempted),
         )
         self._forget = set()
         self._preempted_ids = set()
         return out
+
+    def _fork_samples(self, scheduled: dict[str, int]) -> list[ForkedRequestData]:
+        """Splits the other samples off each parent whose prompt this step completes.
+
+        Each gets the parent's whole block table (ref counts go up, the partly filled last block
+        included) and the parent's progress; the worker samples its first token from the parent's
+        last logits. Whoever later writes into a still-shared block copies it first.
+        """
+        forked = []
+        for rid in scheduled:
+            parent = self.requests[rid]
+            if rid not in self._pending_forks or parent.num_computed_tokens < parent.num_tokens:
+                continue
+            for child in self._pending_forks.pop(rid):
+                cid = child.request_id
+                self.kv.fork(parent, child)
+                child.num_computed_tokens = parent.num_computed_tokens
+                child.status = RequestStatus.RUNNING
+                child.num_cached_tokens = parent.num_cached_tokens
+                child.first_scheduled_time = parent.first_scheduled_time
+                self.running.append(child)
+                self._known_to_worker.add(cid)
+                self._sent.add(cid)
+                forked.append(ForkedRequestData(cid, rid, child.sampling_params, self.kv.get_block_ids(cid)))
+        return forked
 
     def update_from_output(self, so: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Appends sampled tokens, applies stop rules, frees finished requests."""
@@ -297,25 +464,38 @@ class Scheduler:
     def get_stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
-            num_swapped=0,
+            num_waiting=len(self.waiting) + self._num_pending_forks(),
+            num_swapped=len(self.swapped),
             kv_cache_usage=self.kv.usage,
             prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits,
             num_preemptions=self.num_preemptions,
+            num_preemptions_by_mode=dict(self.num_preemptions_by_mode),
+            swap_usage=self.kv.swap_pool.usage if self.kv.swap_pool else 0.0,
+            num_cow_copies=self.kv.num_cow_copies,
         )
 
     def check_integrity(self) -> None:
-        """Invariants of queues and blocks (run by tests after every step)."""
+        """Invariants of queues and blocks, device and host (run by tests after every step)."""
         self.kv.check_integrity()
-        ids = [r.request_id for r in self.running] + [r.request_id for r in self.waiting]
+        pending = [r for forks in self._pending_forks.values() for r in forks]
+        queues = (self.running, self.waiting, self.swapped, pending)
+        ids = [r.request_id for q in queues for r in q]
         assert len(ids) == len(set(ids)), "a request is queued twice"
         assert set(ids) == set(self.requests), "queues and the request table disagree"
         assert set(self.kv.req_blocks) <= {r.request_id for r in self.running}, "a non-running request holds blocks"
+        assert set(self.kv.swapped_blocks) == {r.request_id for r in self.swapped}, "swapped requests and host blocks"
+        assert self._num_seqs() <= self.config.max_num_seqs
         for r in self.running:
             assert r.status == RequestStatus.RUNNING
             nblocks = len(self.kv.req_blocks.get(r.request_id, ()))
             assert nblocks >= self.kv.blocks_needed(r.num_computed_tokens), f"{r} has too few blocks"
+        for r in self.swapped:
+            assert r.status == RequestStatus.SWAPPED
+            assert len(self.kv.swapped_blocks[r.request_id]) == self.kv.blocks_needed(r.num_computed_tokens)
         for r in self.waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             assert r.num_computed_tokens == 0
+        for parent_id, forks in self._pending_forks.items():
+            assert parent_id in self.requests and forks
+            assert all(r.status == RequestStatus.WAITING and r.num_computed_tokens == 0 for r in forks)

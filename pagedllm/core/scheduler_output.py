@@ -29,6 +29,23 @@ class CachedRequestData:
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    # (index in its block table, new block id): entries replaced by a private copy (copy-on-write),
+    # applied before new_block_ids are appended. The copy itself is in blocks_to_copy.
+    replaced_block_ids: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass
+class ForkedRequestData:
+    """A sample of an n > 1 request split off its parent in the step that completes the parent's
+    prompt. After the forward pass the worker creates it with the parent's tokens and
+    `block_ids` (the parent's table: the blocks are shared, ref-counted by the scheduler) and
+    samples its first token from the parent's last logits with its own parameters. Forked
+    requests follow the scheduled ones in ModelRunnerOutput.req_ids, in this list's order."""
+
+    req_id: str
+    parent_id: str
+    sampling_params: SamplingParams
+    block_ids: list[int]
 
 
 @dataclass
@@ -42,11 +59,15 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     # The subset of finished_req_ids that were preempted and will be sent again in full later.
     preempted_req_ids: set[str] = field(default_factory=set)
-    # Swap-based preemption: (block id on device, block id in host pool) pairs to move before the pass.
+    # Block moves, done in every layer before the forward pass. The worker reads every source
+    # before it writes any destination (a block freed by one move may be another's destination).
+    # Swap-out: (device block, host block); swap-in: (host block, device block).
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
-    # Copy-on-write: (source block, destination block) pairs to copy before the pass.
+    # Copy-on-write: (source block, destination block), both on the device.
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # Samples of n > 1 requests forked off their parent this step (see ForkedRequestData).
+    forked_reqs: list[ForkedRequestData] = field(default_factory=list)
     num_preempted: int = 0
 
     @property
@@ -65,6 +86,7 @@ class Logprobs:
 
 @dataclass
 class ModelRunnerOutput:
+    # The scheduled requests in batch order, then the forked ones.
     req_ids: list[str]
     # Per request in req_ids: the tokens sampled this step (empty while its prompt is unfinished).
     sampled_token_ids: list[list[int]]

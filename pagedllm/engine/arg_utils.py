@@ -34,6 +34,21 @@ def parse_size(text: str) -> int:
     return int(value * units[unit])
 
 
+def parse_user_weights(text: str) -> dict[str, float]:
+    """'alice=2,bob=1' -> {'alice': 2.0, 'bob': 1.0} (fair-share weight per user)."""
+    weights: dict[str, float] = {}
+    for item in filter(None, (p.strip() for p in str(text).split(","))):
+        user, sep, value = item.partition("=")
+        try:
+            w = float(value)
+        except ValueError:
+            w = float("nan")
+        if not sep or not user.strip() or not w > 0:
+            raise ValueError(f"cannot read {item!r} as user=weight with a positive weight (e.g. alice=2,bob=1)")
+        weights[user.strip()] = w
+    return weights
+
+
 @dataclass
 class EngineArgs:
     """Everything that configures an engine; names follow vLLM's engine arguments."""
@@ -82,13 +97,21 @@ class EngineArgs:
         g.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for swapped-out blocks")
         g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step")
         g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
-        g.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES)
-        g.add_argument("--preemption-mode", default="recompute", choices=PREEMPTION_MODES)
+        g.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
+                       help="order of service: fcfs, priority (lower first), srtf (shortest remaining work), "
+                            "fair (weighted share of tokens per user)")
+        g.add_argument("--preemption-mode", default="recompute", choices=PREEMPTION_MODES,
+                       help="evict for lack of blocks by recompute, swap (to --swap-space) or auto (cheaper, measured)")
         g.add_argument("--long-prefill-token-threshold", type=int, default=0,
                        help="cap on one request's prompt chunk per step (0: none)")
         g.add_argument("--max-num-partial-prefills", type=int, default=0,
                        help="most unfinished prompts per step (0: no limit)")
-        g.add_argument("--time-slice", type=int, default=64, help="fair policy: steps before yielding to other users")
+        g.add_argument("--time-slice", type=int, default=64,
+                       help="fair policy: steps a running request keeps its place while other users wait")
+        g.add_argument("--user-weights", type=parse_user_weights, default={},
+                       help="fair policy: weight per user, e.g. alice=2,bob=1 (others: 1)")
+        g.add_argument("--max-waiting-steps", type=int, default=10_000,
+                       help="aging: steps after which a waiting request goes before all others")
         return parser
 
     @classmethod

@@ -9,6 +9,7 @@ from typing import Any, Union
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.preemption import PreemptionCostModel
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.arg_utils import EngineArgs
@@ -38,7 +39,12 @@ class LLMEngine:
         self.executor = InProcessExecutor(mc, cc)
         num_blocks = self.executor.determine_num_blocks()
         self.executor.initialize_kv_cache(num_blocks)
-        self.scheduler = Scheduler(sc, KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching))
+        # The host swap pool exists only for preemption modes that can swap.
+        num_swap_blocks = self.executor.determine_num_swap_blocks() if sc.preemption_mode != "recompute" else 0
+        self.executor.initialize_swap_space(num_swap_blocks)
+        self.preemption_costs = self._measure_preemption_costs() if sc.preemption_mode == "auto" else None
+        kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, num_swap_blocks)
+        self.scheduler = Scheduler(sc, kv, self.preemption_costs)
         self.output_processor = OutputProcessor(self.tokenizer.rust)
         self.log_stats = log_stats
         self.num_blocks = num_blocks
@@ -46,7 +52,8 @@ class LLMEngine:
         capacity = num_blocks * cc.block_size
         logger.info(
             "KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s); maximum concurrency at "
-            "max_model_len=%d: %.2fx; token budget %d per step, at most %d sequences; ready in %.1f s",
+            "max_model_len=%d: %.2fx; token budget %d per step, at most %d sequences; %s policy, %s "
+            "preemption (%d host swap blocks); ready in %.1f s",
             num_blocks,
             cc.block_size,
             capacity,
@@ -56,8 +63,28 @@ class LLMEngine:
             capacity / mc.max_model_len,
             sc.max_num_batched_tokens,
             sc.max_num_seqs,
+            sc.policy,
+            sc.preemption_mode,
+            num_swap_blocks,
             time.perf_counter() - t0,
         )
+
+    def _measure_preemption_costs(self) -> PreemptionCostModel:
+        """Measures FLOP/s and block-copy bytes/s once, for preemption mode auto."""
+        mc, bs = self.model_config, self.config.cache_config.block_size
+        flops, copy = self.executor.measure_preemption_rates()
+        costs = PreemptionCostModel(
+            flops_per_second=flops,
+            copy_bytes_per_second=copy,
+            flops_per_token=self.executor.flops_per_token(),
+            attention_flops_per_pair=4.0 * mc.num_layers * mc.num_heads * mc.head_dim,
+            kv_bytes_per_block=mc.kv_bytes_per_token() * bs,
+        )
+        logger.info(
+            "Preemption costs: %.1f GFLOP/s, %.2f GB/s block copies; swapping beats recompute from %.0f tokens",
+            flops / 1e9, copy / 1e9, costs.break_even_tokens(bs),
+        )
+        return costs
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -127,8 +154,8 @@ class LLMEngine:
         for req in requests:
             self.scheduler.check_request(req)
         self.output_processor.add_request(request_id, text, ids, params, arrival, priority)
-        for req in requests:
-            self.scheduler.add_request(req)
+        # Sample 0 computes the prompt; the others are forked off it, sharing its blocks.
+        self.scheduler.add_request(requests[0], forks=requests[1:])
 
     @staticmethod
     def output_processor_seq_ids(request_id: str, params: SamplingParams) -> list[str]:

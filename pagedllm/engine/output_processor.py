@@ -146,7 +146,8 @@ class OutputProcessor:
             if owner is None:
                 continue
             state, seq = owner
-            if co.prompt_logprobs is not None and state.prompt_logprobs is not None:
+            # With n > 1 every sample computes the prompt: keep the first sample's logprobs only.
+            if co.prompt_logprobs is not None and state.prompt_logprobs is not None and seq.index == 0:
                 state.prompt_logprobs.extend(self._to_logprob_dicts(co.prompt_logprobs))
             if co.new_token_ids:
                 m = state.metrics

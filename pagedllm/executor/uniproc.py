@@ -25,5 +25,17 @@ class InProcessExecutor:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.runner.initialize_kv_cache(num_blocks)
 
+    def determine_num_swap_blocks(self) -> int:
+        return self.runner.determine_num_swap_blocks()
+
+    def initialize_swap_space(self, num_swap_blocks: int) -> None:
+        self.runner.initialize_swap_space(num_swap_blocks)
+
+    def measure_preemption_rates(self) -> tuple[float, float]:
+        return self.runner.measure_preemption_rates()
+
+    def flops_per_token(self) -> float:
+        return self.runner.flops_per_token()
+
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(so)

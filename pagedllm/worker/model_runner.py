@@ -6,6 +6,7 @@ import logging
 import math
 import mmap
 import time
+from collections.abc import Callable
 
 import numpy as np
 import psutil
@@ -29,6 +30,17 @@ _DEFAULT_KV_FRACTION = 0.3
 _DEFAULT_KV_MAX_BYTES = 4 << 30
 
 
+def _best_time(fn: Callable[[], object], reps: int = 5) -> float:
+    """Fastest of `reps` timed calls after one warm-up call, in seconds."""
+    fn()
+    best = math.inf
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return max(best, 1e-9)
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig) -> None:
         self.model_config = model_config
@@ -44,8 +56,11 @@ class ModelRunner:
         self.sampler = Sampler()
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
+        # Host pool for swapped-out blocks: per layer, the same layout with num_swap_blocks blocks.
+        self.swap_caches: list[torch.Tensor] = []
         self._kv_buffers: list[mmap.mmap] = []
         self.num_blocks = 0
+        self.num_swap_blocks = 0
         # The native CPU attention kernel serves float32; other dtypes use the torch backend.
         self.native_kernel = load_kernel() if self.dtype == torch.float32 else None
 
@@ -95,6 +110,71 @@ class ModelRunner:
             layer.kv_cache = self.kv_caches[layer.layer_idx]
         self.num_blocks = num_blocks
 
+    def determine_num_swap_blocks(self) -> int:
+        """Blocks that fit in `swap_space` GiB of host memory."""
+        per_block = self.model_config.kv_bytes_per_token() * self.block_size
+        return int(self.cache_config.swap_space * (1 << 30)) // per_block
+
+    def initialize_swap_space(self, num_swap_blocks: int) -> None:
+        """The host pool: on the CPU backend a second set of tensors shaped like the KV cache
+        (lazily committed, so unused swap space costs no memory)."""
+        mc = self.model_config
+        shape = (2, num_swap_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
+        self.swap_caches = [self._zeroed(shape) for _ in self.kv_caches] if num_swap_blocks else []
+        self.num_swap_blocks = num_swap_blocks
+
+    def _move_blocks(self, so: SchedulerOutput) -> None:
+        """Swap-out, swap-in and copy-on-write pairs, in every layer, before the forward pass.
+
+        Every source is read before any destination is written: a device block freed by a
+        swap-out may be the destination of a swap-in or a copy in the same step (and a host block
+        freed by a swap-in the destination of a swap-out).
+        """
+        moves = [
+            (pairs, src_pool, dst_pool)
+            for pairs, src_pool, dst_pool in (
+                (so.blocks_to_swap_out, self.kv_caches, self.swap_caches),
+                (so.blocks_to_swap_in, self.swap_caches, self.kv_caches),
+                (so.blocks_to_copy, self.kv_caches, self.kv_caches),
+            )
+            if pairs
+        ]
+        if not moves:
+            return
+        index = [
+            (torch.tensor([p[0] for p in pairs]), torch.tensor([p[1] for p in pairs]), src_pool, dst_pool)
+            for pairs, src_pool, dst_pool in moves
+        ]
+        for layer in range(len(self.kv_caches)):
+            # Cache layout [2, num_blocks, block_size, heads, head_dim]: blocks on dim 1.
+            data = [src_pool[layer].index_select(1, src) for src, _, src_pool, _ in index]
+            for (_, dst, _, dst_pool), d in zip(index, data):
+                dst_pool[layer].index_copy_(1, dst, d)
+
+    def flops_per_token(self) -> float:
+        """Linear-layer work of one token through the decoder layers (2 FLOPs per weight)."""
+        assert self.model is not None
+        return 2.0 * sum(p.numel() for name, p in self.model.named_parameters() if "layers." in name)
+
+    def measure_preemption_rates(self) -> tuple[float, float]:
+        """(FLOP/s of a prefill-sized matmul, bytes/s of swapping KV blocks out and back in).
+
+        Run once at startup for preemption mode auto; the copy moves blocks of the idle cache
+        through the real swap path (its contents are garbage before the first request anyway).
+        """
+        hidden = int(self.model_config.hf_config.hidden_size)
+        a = torch.randn(256, hidden, dtype=self.dtype)
+        b = torch.randn(hidden, 4 * hidden, dtype=self.dtype)
+        flops = 2.0 * 256 * hidden * 4 * hidden / _best_time(lambda: torch.mm(a, b))
+        k = min(16, self.num_blocks, self.num_swap_blocks)
+        if k == 0:
+            return flops, 1.0  # no swap pool: nothing can be swapped, whatever the rate
+        pairs = [(i, i) for i in range(k)]
+        so = SchedulerOutput([], [], {}, 0, blocks_to_swap_out=pairs, blocks_to_swap_in=pairs)
+        per_block = self.model_config.kv_bytes_per_token() * self.block_size
+        copy = 2.0 * k * per_block / _best_time(lambda: self._move_blocks(so))
+        return flops, copy
+
     def _zeroed(self, shape: tuple[int, ...]) -> torch.Tensor:
         """A zero tensor on anonymous memory: instant to create, pages committed on first write."""
         nbytes = math.prod(shape) * torch.empty(0, dtype=self.dtype).element_size()
@@ -124,6 +204,8 @@ class ModelRunner:
             )
         for cached in so.cached_reqs:
             state = self.requests[cached.req_id]
+            for i, block_id in cached.replaced_block_ids:  # copy-on-write: its private copy
+                state.block_ids[i] = block_id
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
@@ -180,9 +262,32 @@ class ModelRunner:
             out.append((s.req_id, rows, targets, k))
         return out
 
+    def _fork(self, so: SchedulerOutput, states: list[RequestState]) -> list[tuple[int, RequestState]]:
+        """Creates this step's forked samples: (index of the parent in the batch, child state)."""
+        index = {s.req_id: i for i, s in enumerate(states)}
+        out = []
+        for f in so.forked_reqs:
+            i = index[f.parent_id]
+            parent = states[i]
+            child = RequestState(
+                req_id=f.req_id,
+                token_ids=list(parent.token_ids),
+                num_prompt_tokens=parent.num_prompt_tokens,
+                block_ids=list(f.block_ids),
+                num_computed_tokens=len(parent.token_ids),
+                sampling_params=f.sampling_params,
+                eos_token_ids=parent.eos_token_ids,
+            )
+            if f.sampling_params.seed is not None and f.req_id not in self.generators:
+                self.generators[f.req_id] = torch.Generator().manual_seed(f.sampling_params.seed)
+            self.requests[f.req_id] = child
+            out.append((i, child))
+        return out
+
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
+        self._move_blocks(so)
         req_ids = list(so.num_scheduled_tokens)
         states = [self.requests[r] for r in req_ids]
         if not states:
@@ -199,28 +304,33 @@ class ModelRunner:
         with set_attention_metadata(md):
             hidden = self.model(torch.from_numpy(batch.input_ids), torch.from_numpy(batch.positions))  # type: ignore[misc]
 
-        sampled: list[list[int]] = [[] for _ in states]
+        # Rows to sample: each request that completes its tokens, then each forked sample, which
+        # samples from its parent's row with its own parameters and generator.
+        forks = self._fork(so, states)
+        row_of = {int(i): int(r) for i, r in zip(batch.sample_req_indices, batch.sample_rows)}
+        sample_states = [states[i] for i in batch.sample_req_indices] + [child for _, child in forks]
+        sample_rows = [int(r) for r in batch.sample_rows] + [row_of[i] for i, _ in forks]
+        new_tokens: dict[str, list[int]] = {}
         logprobs: dict[str, Logprobs] = {}
-        sample_idx = batch.sample_req_indices
-        if len(sample_idx):
-            logits = self.model.compute_logits(hidden[torch.from_numpy(batch.sample_rows)])  # type: ignore[union-attr]
+        if sample_states:
+            rows_t = torch.tensor(sample_rows, dtype=torch.long)
+            logits = self.model.compute_logits(hidden[rows_t])  # type: ignore[union-attr]
             rows = [
                 SamplingRow(
-                    params=states[i].sampling_params,
-                    generator=self.generators.get(states[i].req_id),
-                    prompt_token_ids=states[i].prompt_token_ids,
-                    output_token_ids=states[i].output_token_ids,
-                    eos_token_ids=states[i].eos_token_ids,
+                    params=state.sampling_params,
+                    generator=self.generators.get(state.req_id),
+                    prompt_token_ids=state.prompt_token_ids,
+                    output_token_ids=state.output_token_ids,
+                    eos_token_ids=state.eos_token_ids,
                 )
-                for i in sample_idx
+                for state in sample_states
             ]
             md_s = SamplingMetadata.from_rows(rows, logits.shape[-1], self.device)
             result = self.sampler(logits, md_s)
             tokens = result.sampled_token_ids.tolist()
-            for j, i in enumerate(sample_idx):
-                state = states[i]
+            for j, state in enumerate(sample_states):
                 state.token_ids.append(tokens[j])
-                sampled[i] = [tokens[j]]
+                new_tokens[state.req_id] = [tokens[j]]
                 k = state.sampling_params.logprobs
                 if k is not None and result.logprobs is not None:
                     logprobs[state.req_id] = Logprobs(
@@ -237,6 +347,12 @@ class ModelRunner:
 
         for state, n in zip(states, so.num_scheduled_tokens.values()):
             state.num_computed_tokens += n
+        for i, child in forks:  # the parent computed the prompt: its prompt logprobs are done
+            self.prompt_logprobs_done[child.req_id] = self.prompt_logprobs_done.get(states[i].req_id, 0)
+        out_ids = req_ids + [child.req_id for _, child in forks]
         return ModelRunnerOutput(
-            req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=prompt_logprobs
+            req_ids=out_ids,
+            sampled_token_ids=[new_tokens.get(r, []) for r in out_ids],
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )

@@ -351,9 +351,9 @@ def test_prompt_logprobs_same_with_chunked_prefill(llm: LLM, chunked_llm: LLM) -
     assert big.outputs[0].token_ids == small.outputs[0].token_ids
 
 
-@pytest.mark.xfail(strict=True, reason="prefix-cache hits skip prompt positions, losing their prompt logprobs "
-                   "(KVCacheManager.get_computed_blocks does not bypass the cache for prompt_logprobs requests)")
 def test_prompt_logprobs_complete_after_prefix_cache_hit(llm: LLM) -> None:
+    # A request asking for prompt logprobs bypasses the prefix cache: cached positions would be
+    # skipped and have no logprobs.
     prompt = "The history of the printing press begins in the fifteenth century, when a goldsmith in Mainz"
     params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1)
     (first,) = llm.generate(prompt, params, use_tqdm=False)

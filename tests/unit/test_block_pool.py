@@ -372,3 +372,137 @@ def test_free_drops_keys_of_blocks_never_computed() -> None:
     hits, n_hit = kv.get_computed_blocks(make_req("b", prompt))
     assert n_hit == 4 and ids(hits) == [0]
     assert [b.block_hash is None for b in kv.pool.blocks[:3]] == [False, True, True]
+
+
+def test_prefix_query_and_hit_counters() -> None:
+    kv = KVCacheManager(8, 4)
+    prompt = list(range(9))
+    run_tokens(kv, make_req("a", prompt), 9)
+    kv.record_prefix_query(9, 0)
+    hits, n_hit = kv.get_computed_blocks(make_req("b", prompt))
+    kv.record_prefix_query(9, n_hit)
+    assert (kv.prefix_queries, kv.prefix_hits) == (18, 8)
+    off = KVCacheManager(8, 4, enable_caching=False)
+    off.record_prefix_query(9, 0)
+    assert (off.prefix_queries, off.prefix_hits) == (0, 0)
+
+
+def test_prompt_logprobs_request_bypasses_prefix_cache() -> None:
+    """Cached positions are not computed again, so they would get no prompt logprobs."""
+    kv = KVCacheManager(8, 4)
+    prompt = list(range(9))
+    run_tokens(kv, make_req("a", prompt), 9)
+    r = Request("b", prompt, SamplingParams(max_tokens=1, prompt_logprobs=1), arrival_time=0.0)
+    assert kv.get_computed_blocks(r) == ([], 0)
+    assert kv.get_computed_blocks(make_req("c", prompt))[1] == 8
+
+
+# ---- fork and copy-on-write ---------------------------------------------------------------------
+
+
+def test_fork_shares_all_blocks_and_copy_on_write_exact_ids() -> None:
+    kv = KVCacheManager(8, 4)
+    prompt = list(range(100, 110))  # 10 tokens: blocks 0, 1 full (keyed), block 2 holds 2 tokens
+    parent = make_req("p", prompt)
+    run_tokens(kv, parent, 10)
+    children = [make_req(f"c{i}", prompt) for i in range(2)]
+    for c in children:
+        kv.fork(parent, c)
+        c.num_computed_tokens = 10
+    assert [kv.get_block_ids(r) for r in ("p", "c0", "c1")] == [[0, 1, 2]] * 3
+    assert [b.ref_cnt for b in kv.pool.blocks[:4]] == [3, 3, 3, 0]
+    assert kv.pool.blocks[2].block_hash is None  # partly filled: never keyed
+    kv.check_integrity()
+    # c0 writes token 10 into block 2 (shared): copy first. Exact ids: block 3 is the copy.
+    for r, t in ((children[0], 7), (children[1], 8), (parent, 9)):
+        r.append_output_token(t)
+    assert kv.allocate_slots(children[0], 1) == []  # nothing appended: block 2 is replaced
+    assert kv.replaced_blocks("c0") == [(2, 3)] and kv.get_block_ids("c0") == [0, 1, 3]
+    assert [b.ref_cnt for b in kv.pool.blocks[:4]] == [3, 3, 2, 1]
+    assert kv.allocate_slots(children[1], 1) == []
+    assert kv.get_block_ids("c1") == [0, 1, 4]
+    assert kv.allocate_slots(parent, 1) == []  # the last holder writes in place
+    assert kv.replaced_blocks("p") == [] and kv.get_block_ids("p") == [0, 1, 2]
+    assert [b.ref_cnt for b in kv.pool.blocks[:5]] == [3, 3, 1, 1, 1]
+    kv.check_integrity()
+    assert kv.take_block_moves() == ([], [], [(2, 3), (2, 4)])
+    assert kv.take_block_moves() == ([], [], []) and kv.replaced_blocks("c0") == []
+    assert kv.num_cow_copies == 2
+    for r in (parent, *children):
+        kv.free(r)
+    kv.check_integrity()
+    assert kv.usage == 0
+
+
+def test_copy_on_write_counts_the_copy_when_the_pool_is_short() -> None:
+    kv = KVCacheManager(3, 4)
+    prompt = list(range(6))
+    parent, child = make_req("p", prompt), make_req("c", prompt)
+    run_tokens(kv, parent, 6)  # blocks 0, 1 (2 tokens in block 1)
+    kv.fork(parent, child)
+    child.num_computed_tokens = 6
+    run_tokens(kv, make_req("x", [50, 51, 52]), 3)  # takes the last free block
+    child.append_output_token(9)
+    assert not kv.can_fit(child, 1) and kv.allocate_slots(child, 1) is None
+    assert kv.get_block_ids("c") == [0, 1] and kv.take_block_moves() == ([], [], [])
+    kv.check_integrity()
+
+
+# ---- swap pool ----------------------------------------------------------------------------------
+
+
+def test_swap_out_and_in_move_exact_blocks() -> None:
+    kv = KVCacheManager(6, 4, num_swap_blocks=4)
+    prompt = list(range(200, 210))  # 10 tokens: 3 blocks, 2 of them full and keyed
+    a = make_req("a", prompt)
+    run_tokens(kv, a, 10)
+    assert kv.get_block_ids("a") == [0, 1, 2]
+    assert kv.can_swap_out(a)
+    kv.swap_out(a)
+    assert kv.get_block_ids("a") == [] and [b.block_id for b in kv.swapped_blocks["a"]] == [0, 1, 2]
+    assert kv.num_free_blocks == 6 and kv.swap_pool.num_free_blocks == 1
+    kv.check_integrity()
+    # The device copies of its full blocks stay in the prefix cache until evicted.
+    assert kv.get_computed_blocks(make_req("probe", prompt))[1] == 8
+    x = make_req("x", list(range(16)))
+    run_tokens(kv, x, 16)  # takes 4 blocks from the free queue [3, 4, 5, 2, 1, 0]: a's tail first
+    assert kv.get_block_ids("x") == [3, 4, 5, 2]
+    a.append_output_token(7)  # its pending token: position 10
+    assert kv.can_swap_in(a, 1) is False  # needs 3 blocks, 2 free
+    assert kv.swap_in(a, 1) is None and "a" in kv.swapped_blocks
+    kv.free(x)
+    assert kv.swap_in(a, 1) == []  # 3 blocks back (position 10 fits the third), nothing appended
+    out, into, copies = kv.take_block_moves()
+    assert out == [(0, 0), (1, 1), (2, 2)]
+    assert into == [(0, kv.get_block_ids("a")[0]), (1, kv.get_block_ids("a")[1]), (2, kv.get_block_ids("a")[2])]
+    assert copies == [] and kv.swap_pool.num_free_blocks == 4
+    kv.check_integrity()
+
+
+def test_swap_out_after_copy_on_write_moves_the_shared_source() -> None:
+    """A request that replaced a shared block this step and is then swapped out: its copy has not
+    run, so the host must receive the shared source, and the copy is dropped."""
+    kv = KVCacheManager(8, 4, num_swap_blocks=4)
+    prompt = list(range(6))
+    parent, child = make_req("p", prompt), make_req("c", prompt)
+    run_tokens(kv, parent, 6)
+    kv.fork(parent, child)
+    child.num_computed_tokens = 6
+    child.append_output_token(9)
+    kv.allocate_slots(child, 1)
+    assert kv.get_block_ids("c") == [0, 2]  # block 1 replaced by its copy, block 2
+    kv.swap_out(child)
+    assert kv.take_block_moves() == ([(0, 0), (1, 1)], [], [])
+    assert [b.ref_cnt for b in kv.pool.blocks[:3]] == [1, 1, 0]
+    kv.check_integrity()
+
+
+def test_check_integrity_covers_the_swap_pool() -> None:
+    kv = KVCacheManager(4, 4, num_swap_blocks=4)
+    a = make_req("a", list(range(6)))
+    run_tokens(kv, a, 6)
+    kv.swap_out(a)
+    kv.check_integrity()
+    kv.swapped_blocks["a"].append(kv.swap_pool.blocks[3])  # a host table naming a free host block
+    with pytest.raises(AssertionError, match="referenced 1 times"):
+        kv.check_integrity()

@@ -9,6 +9,7 @@ import pytest
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.preemption import PreemptionCostModel
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
@@ -18,10 +19,18 @@ EOS = 2
 FILLER = 1000  # a token that is neither EOS nor a stop token
 
 
-def make_sched(num_blocks: int = 64, block_size: int = 4, caching: bool = False, **cfg) -> Scheduler:
+def make_sched(
+    num_blocks: int = 64,
+    block_size: int = 4,
+    caching: bool = False,
+    num_swap_blocks: int = 0,
+    costs: PreemptionCostModel | None = None,
+    **cfg,
+) -> Scheduler:
     cfg.setdefault("max_num_batched_tokens", 64)
     cfg.setdefault("max_model_len", 256)
-    return Scheduler(SchedulerConfig(**cfg), KVCacheManager(num_blocks, block_size, caching))
+    kv = KVCacheManager(num_blocks, block_size, caching, num_swap_blocks)
+    return Scheduler(SchedulerConfig(**cfg), kv, costs)
 
 
 def make_req(
@@ -68,6 +77,9 @@ class Driver:
         assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
         for d in so.cached_reqs:
             assert d.req_id in self.known, f"{d.req_id} sent as cached but the worker does not know it"
+            for i, block_id in d.replaced_block_ids:  # copy-on-write
+                assert (self.known[d.req_id][i], block_id) in so.blocks_to_copy
+                self.known[d.req_id][i] = block_id
             self.known[d.req_id] += d.new_block_ids
         for d in so.new_reqs:
             assert d.req_id not in self.known, f"{d.req_id} sent as new but the worker knows it"
@@ -77,6 +89,9 @@ class Driver:
             assert d.output_token_ids == req.output_token_ids
             assert d.output_token_ids == self.outputs.get(d.req_id, [])
             self.known[d.req_id] = list(d.block_ids)
+        for f in so.forked_reqs:
+            assert f.req_id not in self.known and f.block_ids == self.known[f.parent_id]
+            self.known[f.req_id] = list(f.block_ids)
         for rid, n in so.num_scheduled_tokens.items():
             req = sched.requests[rid]
             assert n > 0
@@ -90,7 +105,7 @@ class Driver:
         self.history.append(so)
         assert so.total_num_scheduled_tokens <= sched.config.max_num_batched_tokens
         self.check_contract(so)
-        req_ids = list(so.num_scheduled_tokens)
+        req_ids = list(so.num_scheduled_tokens) + [f.req_id for f in so.forked_reqs]
         sampled = []
         for rid in req_ids:
             req = sched.requests[rid]
@@ -461,3 +476,233 @@ def test_abort_of_preempted_waiting_request() -> None:
     assert d.known == {} and d.parked == set()
     assert "c" not in sched.requests and len(d.outputs["a"]) == len(d.outputs["b"]) == 8
     assert sched.kv.usage == 0
+
+
+# ---- n > 1: fork after the prompt, copy-on-write ------------------------------------------------
+
+
+def make_group(rid: str, n: int, prompt_len: int, max_tokens: int = 3, base: int = 500) -> list[Request]:
+    """The n samples of one request, as LLMEngine.add_request makes them: ids 0_<rid>, 1_<rid>, ..."""
+    sp = SamplingParams(n=n, max_tokens=max_tokens, ignore_eos=True)
+    prompt = list(range(base, base + prompt_len))
+    return [Request(f"{i}_{rid}", prompt, sp, eos_token_ids={EOS}, arrival_time=0.0) for i in range(n)]
+
+
+def per_sample_token(req: Request) -> int:
+    """Each sample generates its own tokens: 100 * (sample index + 1) + output index."""
+    return per_sample_token_at(req.request_id, req.num_output_tokens)
+
+
+def test_n_samples_fork_after_prompt_and_copy_on_write() -> None:
+    sched = make_sched(num_blocks=16, block_size=4)
+    group = make_group("a", 4, prompt_len=10)
+    sched.add_request(group[0], forks=group[1:])
+    ids = [r.request_id for r in group]
+    d = Driver(sched, per_sample_token)
+    pool = sched.kv.pool
+
+    # Step 1: sample 0 computes the prompt once; the other three fork off it and sample from its
+    # logits, sharing all three blocks, the partly filled last one (tokens 8, 9) included.
+    so, res = d.step()
+    assert so.num_scheduled_tokens == {"0_a": 10}
+    assert [(f.req_id, f.parent_id, f.block_ids) for f in so.forked_reqs] == [
+        ("1_a", "0_a", [0, 1, 2]), ("2_a", "0_a", [0, 1, 2]), ("3_a", "0_a", [0, 1, 2])
+    ]
+    assert [r.req_id for r in res] == ids and all(len(r.new_token_ids) == 1 for r in res)
+    assert [pool.blocks[i].ref_cnt for i in range(4)] == [4, 4, 4, 0]
+    assert so.blocks_to_copy == []
+    assert all(sched.requests[r].num_computed_tokens == 10 for r in ids)
+
+    # Step 2: each sample writes position 10 in block 2. The first three still share it and get a
+    # private copy first; the last one holds the only reference left and writes in place.
+    so, _ = d.step()
+    assert so.num_scheduled_tokens == dict.fromkeys(ids, 1)
+    assert so.blocks_to_copy == [(2, 3), (2, 4), (2, 5)]
+    assert [c.replaced_block_ids for c in so.cached_reqs] == [[(2, 3)], [(2, 4)], [(2, 5)], []]
+    assert [c.new_block_ids for c in so.cached_reqs] == [[], [], [], []]
+    assert [sched.kv.get_block_ids(r) for r in ids] == [[0, 1, 3], [0, 1, 4], [0, 1, 5], [0, 1, 2]]
+    assert [pool.blocks[i].ref_cnt for i in range(7)] == [4, 4, 1, 1, 1, 1, 0]
+    assert sched.kv.num_cow_copies == 3 and sched.get_stats().num_cow_copies == 3
+
+    so, _ = d.step()  # positions 11 fill the private blocks: nothing shared is written any more
+    assert so.blocks_to_copy == []
+    assert d.outputs == {r: [per_sample_token_at(r, i) for i in range(3)] for r in ids}
+    d.run()
+    assert sched.kv.usage == 0
+
+
+def per_sample_token_at(rid: str, index: int) -> int:
+    sample, _, _ = rid.partition("_")
+    return 100 * (int(sample) + 1) + index if sample.isdigit() else FILLER
+
+
+def test_fork_of_block_aligned_prompt_needs_no_copy() -> None:
+    sched = make_sched(num_blocks=16, block_size=4)
+    group = make_group("a", 3, prompt_len=8)
+    sched.add_request(group[0], forks=group[1:])
+    d = Driver(sched, per_sample_token)
+    d.step()
+    assert [sched.kv.pool.blocks[i].ref_cnt for i in (0, 1)] == [3, 3]
+    so, _ = d.step()  # position 8 starts a new block for each sample
+    assert so.blocks_to_copy == [] and [c.new_block_ids for c in so.cached_reqs] == [[2], [3], [4]]
+    d.run()
+    assert sched.kv.num_cow_copies == 0 and sched.kv.usage == 0
+
+
+def test_forked_samples_reserve_sequence_slots_and_blocks() -> None:
+    """A parent with 3 pending samples counts as 4 sequences: with max_num_seqs 5 nothing else is
+    admitted next to it but one request, and the samples' copies find blocks (or preempt)."""
+    sched = make_sched(num_blocks=8, block_size=4, max_num_seqs=5)
+    group = make_group("a", 4, prompt_len=6, max_tokens=4)
+    sched.add_request(group[0], forks=group[1:])
+    for i in range(3):
+        sched.add_request(make_req(f"x{i}", 2, max_tokens=2, arrival=1 + i))
+    d = Driver(sched, per_sample_token)
+    so, _ = d.step()
+    assert list(so.num_scheduled_tokens) == ["0_a", "x0"]  # 4 + 1 = 5 sequences
+    assert len(sched.running) == 5
+    d.run()
+    assert {r: len(v) for r, v in d.outputs.items()} == {**{f"{i}_a": 4 for i in range(4)}, "x0": 2, "x1": 2, "x2": 2}
+    assert sched.kv.usage == 0
+
+
+def test_abort_of_parent_before_fork_lets_samples_run_alone() -> None:
+    sched = make_sched(num_blocks=16, block_size=4, max_num_batched_tokens=4)
+    group = make_group("a", 3, prompt_len=10)
+    sched.add_request(group[0], forks=group[1:])
+    d = Driver(sched, per_sample_token)
+    d.step()  # 4 of 10 prompt tokens: no fork yet
+    assert sched.finish_requests("0_a", RequestStatus.FINISHED_ABORTED) == [group[0]]
+    assert [r.request_id for r in sched.waiting] == ["1_a", "2_a"]
+    sched.check_integrity()
+    assert sched.finish_requests("2_a", RequestStatus.FINISHED_ABORTED) == [group[2]]
+    d.run()
+    assert d.outputs["1_a"] == [per_sample_token_at("1_a", i) for i in range(3)] and "2_a" not in d.outputs
+    assert sched.kv.usage == 0
+
+
+def test_n_larger_than_max_num_seqs_rejected() -> None:
+    sched = make_sched(max_num_seqs=2)
+    group = make_group("a", 3, prompt_len=4)
+    with pytest.raises(ValueError, match=r"n=3 .*max_num_seqs=2"):
+        sched.add_request(group[0], forks=group[1:])
+    assert sched.requests == {}
+
+
+# ---- swap preemption ----------------------------------------------------------------------------
+
+
+def test_preemption_by_swap_keeps_computed_tokens_and_resumes_first() -> None:
+    # As in the recompute test: 3 requests of 4 + 8 tokens, 6 blocks of 4; "c" is the victim.
+    sched = make_sched(num_blocks=6, num_swap_blocks=8, preemption_mode="swap")
+    for i, name in enumerate("abc"):
+        sched.add_request(make_req(name, 4, max_tokens=8, arrival=i))
+    d = Driver(sched)
+    c = sched.requests["c"]
+    while sched.num_preemptions == 0:
+        so, _ = d.step()
+    # Its 8 computed tokens (blocks 2 and 5) go to host blocks 0 and 1; the worker forgets it.
+    assert so.blocks_to_swap_out == [(2, 0), (5, 1)]
+    assert so.finished_req_ids == so.preempted_req_ids == {"c"}
+    assert c.status == RequestStatus.SWAPPED and c in sched.swapped and c.num_computed_tokens == 8
+    assert sched.kv.get_block_ids("c") == [] and [b.block_id for b in sched.kv.swapped_blocks["c"]] == [0, 1]
+    stats = sched.get_stats()
+    assert stats.num_swapped == 1 and stats.num_preemptions_by_mode == {"recompute": 0, "swap": 1}
+    # A new request that arrived before it still waits: swapped requests resume first.
+    sched.add_request(make_req("d", 4, max_tokens=2, arrival=-1))
+    while not d.history[-1].new_reqs:
+        so, _ = d.step()
+    assert [(n.req_id, n.num_computed_tokens, n.block_ids) for n in so.new_reqs] == [("c", 8, [5, 3, 0]), ("d", 0, [2])]
+    assert so.blocks_to_swap_in == [(0, 5), (1, 3)]
+    assert so.num_scheduled_tokens["c"] == 1  # only its pending token: nothing is recomputed
+    d.run()
+    assert {k: len(v) for k, v in d.outputs.items()} == {"a": 8, "b": 8, "c": 8, "d": 2}
+    assert sched.kv.usage == 0 and sched.kv.swap_pool.num_free_blocks == 8
+    assert sched.get_stats().num_swapped == 0
+
+
+def test_full_swap_pool_falls_back_to_recompute() -> None:
+    sched = make_sched(num_blocks=6, num_swap_blocks=1, preemption_mode="swap")  # c needs 2 host blocks
+    for i, name in enumerate("abc"):
+        sched.add_request(make_req(name, 4, max_tokens=8, arrival=i))
+    d = Driver(sched)
+    while sched.num_preemptions == 0:
+        so, _ = d.step()
+    assert so.blocks_to_swap_out == [] and sched.requests["c"].status == RequestStatus.PREEMPTED
+    assert sched.num_preemptions_by_mode == {"recompute": 1, "swap": 0}
+    d.run()
+    assert {k: len(v) for k, v in d.outputs.items()} == {"a": 8, "b": 8, "c": 8}
+
+
+@pytest.mark.parametrize("copy_rate, expected", [(1e12, "swap"), (1.0, "recompute")])
+def test_auto_preemption_picks_the_cheaper_mode(copy_rate: float, expected: str) -> None:
+    costs = PreemptionCostModel(
+        flops_per_second=1e9, copy_bytes_per_second=copy_rate, flops_per_token=1e6,
+        attention_flops_per_pair=1e3, kv_bytes_per_block=1 << 16,
+    )
+    sched = make_sched(num_blocks=6, num_swap_blocks=8, preemption_mode="auto", costs=costs)
+    for i, name in enumerate("abc"):
+        sched.add_request(make_req(name, 4, max_tokens=8, arrival=i))
+    d = Driver(sched)
+    d.run()
+    assert sched.num_preemptions_by_mode[expected] == sched.num_preemptions > 0
+    assert {k: len(v) for k, v in d.outputs.items()} == {"a": 8, "b": 8, "c": 8}
+
+
+def test_preemption_cost_model_break_even() -> None:
+    # Recompute: n tokens at 1 FLOP each plus 0.1 per (query, key) pair; swap: 2 per token.
+    costs = PreemptionCostModel(
+        flops_per_second=1.0, copy_bytes_per_second=1.0, flops_per_token=1.0,
+        attention_flops_per_pair=0.1, kv_bytes_per_block=4,
+    )
+    assert costs.recompute_seconds(4) == pytest.approx(4 + 0.1 * 10)
+    assert costs.swap_seconds(1) == 8  # 4 bytes out and back in
+    n = costs.break_even_tokens(block_size=4)  # 1 + 0.05 (n + 1) = 2 -> n = 19
+    assert n == pytest.approx(19)
+    assert not costs.prefers_swap(16, 4) and costs.prefers_swap(24, 6)
+
+
+def test_abort_of_swapped_request_frees_host_blocks() -> None:
+    sched = make_sched(num_blocks=6, num_swap_blocks=8, preemption_mode="swap")
+    for i, name in enumerate("abc"):
+        sched.add_request(make_req(name, 4, max_tokens=8, arrival=i))
+    d = Driver(sched)
+    while not sched.swapped:
+        d.step()
+    assert sched.finish_requests("c", RequestStatus.FINISHED_ABORTED)[0].request_id == "c"
+    assert sched.kv.swap_pool.num_free_blocks == 8
+    sched.check_integrity()
+    d.run()
+    d.check_contract(sched.schedule())
+    assert d.known == {} and d.parked == set()
+
+
+# ---- prefix cache through the scheduler ---------------------------------------------------------
+
+
+def test_reset_prefix_cache_while_requests_run() -> None:
+    sched = make_sched(num_blocks=32, caching=True, max_num_batched_tokens=8)
+    for i in range(3):
+        sched.add_request(make_req(f"r{i}", 13, max_tokens=6, arrival=i, base=700))  # one shared prompt
+    d = Driver(sched)
+    d.step()
+    d.step()
+    assert sched.kv.prefix_hits > 0 or sched.kv.prefix_queries > 0
+    sched.kv.reset_prefix_cache()  # mid-prefill and mid-decode: every request keeps its blocks
+    sched.check_integrity()
+    assert all(b.block_hash is None for b in sched.kv.pool.blocks)
+    d.run()
+    assert {k: len(v) for k, v in d.outputs.items()} == {"r0": 6, "r1": 6, "r2": 6}
+    assert sched.kv.usage == 0
+    # Blocks keyed before the reset stay unkeyed: a new request with the same prompt gets no hit on
+    # them, while its queries and hits are still counted.
+    queries, hits = sched.kv.prefix_queries, sched.kv.prefix_hits
+    sched.add_request(make_req("late", 13, max_tokens=1, arrival=9, base=700))
+    so, _ = d.step()
+    assert so.new_reqs[0].num_computed_tokens == 0
+    assert (sched.kv.prefix_queries, sched.kv.prefix_hits) == (queries + 13, hits)
+    d.run()
+    sched.add_request(make_req("later", 13, max_tokens=1, arrival=10, base=700))
+    so, _ = d.step()
+    assert so.new_reqs[0].num_computed_tokens == 12  # "late" keyed the prompt's 3 full blocks again
+    assert (sched.kv.prefix_queries, sched.kv.prefix_hits) == (queries + 26, hits + 12)
