@@ -71,6 +71,9 @@ class PrometheusStatLogger:
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.request_success = counter("request_success", "Requests finished.", ("finished_reason",))
         self.num_preemptions = counter("num_preemptions", "Preemptions of running requests.")
+        self.num_preemptions_by_mode = counter(
+            "num_preemptions_by_mode", "Preemptions of running requests by how they were done.", ("mode",)
+        )
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
@@ -100,6 +103,7 @@ class PrometheusStatLogger:
             self.kv_cache_usage.labels(m),
         )
         self._last_queries = self._last_hits = self._last_preemptions = 0
+        self._last_by_mode: dict[str, int] = {}
         for metric in (self.prompt_tokens, self.generation_tokens, self.num_preemptions, self.prefix_cache_queries,
                        self.prefix_cache_hits):
             metric.labels(m)  # exposed as 0 before the first request
@@ -118,6 +122,10 @@ class PrometheusStatLogger:
         self.num_preemptions.labels(m).inc(max(s.num_preemptions - self._last_preemptions, 0))
         self._last_queries, self._last_hits = s.prefix_cache_queries, s.prefix_cache_hits
         self._last_preemptions = s.num_preemptions
+        for mode, count in s.num_preemptions_by_mode.items():
+            last = self._last_by_mode.get(mode, 0)
+            self.num_preemptions_by_mode.labels(m, mode).inc(max(count - last, 0))
+            self._last_by_mode[mode] = count
 
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
         self.record_scheduler(scheduler_stats)
