@@ -127,7 +127,8 @@ class AsyncLLMEngine:
 
     # ---- requests -------------------------------------------------------------------------
     def num_waiting(self) -> int:
-        return len(self.engine.scheduler.waiting) + self._adds_submitted - self._adds_handled
+        sched = self.engine.scheduler
+        return len(sched.waiting) + len(sched.swapped) + self._adds_submitted - self._adds_handled
 
     async def generate(
         self,
