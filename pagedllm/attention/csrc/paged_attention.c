@@ -16,16 +16,29 @@
 
 #define KB 16
 
-static inline float dot(const float *restrict a, const float *restrict b, int64_t d) {
+static inline float dot_n(const float *restrict a, const float *restrict b, const int64_t n) {
     float s = 0.f;
 #pragma omp simd reduction(+ : s)
-    for (int64_t i = 0; i < d; i++) s += a[i] * b[i];
+    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
     return s;
 }
 
-static inline void axpy(float *restrict y, float a, const float *restrict x, int64_t d) {
+static inline void axpy_n(float *restrict y, float a, const float *restrict x, const int64_t n) {
 #pragma omp simd
-    for (int64_t i = 0; i < d; i++) y[i] += a * x[i];
+    for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
+}
+
+/* The common head sizes get constant trip counts (fully unrolled and vectorized once inlined). */
+static inline float dot(const float *restrict a, const float *restrict b, int64_t d) {
+    if (d == 64) return dot_n(a, b, 64);
+    if (d == 128) return dot_n(a, b, 128);
+    return dot_n(a, b, d);
+}
+
+static inline void axpy(float *restrict y, float a, const float *restrict x, int64_t d) {
+    if (d == 64) axpy_n(y, a, x, 64);
+    else if (d == 128) axpy_n(y, a, x, 128);
+    else axpy_n(y, a, x, d);
 }
 
 static inline void scal(float *restrict y, float a, int64_t d) {
@@ -65,13 +78,17 @@ void paged_attention_f32(const float *q, const float *k_cache, const float *v_ca
             const int64_t last = ctx0 + t0 + nt - 1;
             int64_t first = 0;
             if (window > 0 && ctx0 + t0 - window + 1 > 0) first = ctx0 + t0 - window + 1;
-            for (int64_t k0 = first; k0 <= last; k0 += KB) {
-                const int64_t kn = (last + 1 - k0) < KB ? (last + 1 - k0) : KB;
+            const int64_t stride = KVH * D; /* between consecutive slots of a block */
+            for (int64_t k0 = first, kn; k0 <= last; k0 += kn) {
+                /* A run of keys inside one cache block: consecutive slots. */
+                const int64_t off = k0 % BS;
+                kn = BS - off;
+                if (kn > KB) kn = KB;
+                if (kn > last + 1 - k0) kn = last + 1 - k0;
+                const int64_t base = ((bt[k0 / BS] * BS + off) * KVH + kh) * D;
                 for (int64_t j = 0; j < kn; j++) {
-                    const int64_t key = k0 + j;
-                    const int64_t slot = bt[key / BS] * BS + key % BS;
-                    kp[j] = k_cache + (slot * KVH + kh) * D;
-                    vp[j] = v_cache + (slot * KVH + kh) * D;
+                    kp[j] = k_cache + base + j * stride;
+                    vp[j] = v_cache + base + j * stride;
                 }
                 for (int64_t row = 0; row < rows; row++) {
                     float *sr = s + row * KB;
@@ -90,11 +107,14 @@ void paged_attention_f32(const float *q, const float *k_cache, const float *v_ca
                         scal(ar, alpha, D);
                         m[row] = mx;
                     }
+                    /* exp over the whole run at once (vectorized); hidden keys give exactly 0. */
+                    float p[KB];
+                    const float mr = m[row];
+#pragma omp simd
+                    for (int64_t j = 0; j < kn; j++) p[j] = expf(sr[j] - mr);
                     for (int64_t j = 0; j < kn; j++) {
-                        if (sr[j] == -INFINITY) continue;
-                        const float p = expf(sr[j] - m[row]);
-                        l[row] += p;
-                        axpy(ar, p, vp[j], D);
+                        l[row] += p[j];
+                        axpy(ar, p[j], vp[j], D);
                     }
                 }
             }
