@@ -1,0 +1,325 @@
+#!/usr/bin/env python
+"""Builds docs/benchmarks.md and its plots (docs/img/bench-*.png) from benchmarks/results/*.json.
+
+usage: python benchmarks/make_report.py [--results benchmarks/results] [--doc docs/benchmarks.md]
+
+Every JSON file comes from one `pagedllm bench ... --output-json` run (see benchmarks/run_all.sh);
+each section of the page quotes that run's command, machine, versions, commit and load.
+Missing result files leave their section out, with a note.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+GIB = 1 << 30
+
+
+def load(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def fmt(v: Any, spec: str = ".1f", none: str = "-") -> str:
+    return none if v is None else format(v, spec)
+
+
+def run_block(meta: dict[str, Any] | None) -> str:
+    if not meta:
+        return ""
+    v = meta.get("versions", {})
+    versions = ", ".join(f"{k} {val}" for k, val in v.items() if val)
+    load_avg = meta.get("load_avg_at_start")
+    omp = meta.get("omp_num_threads")
+    return (
+        f"```\n{meta.get('command', '?')}\n```\n"
+        f"Machine: {meta.get('cpu_model', '?')}, {meta.get('cpu_cores', '?')} cores, {meta.get('memory_gib', '?')} GiB; "
+        f"load average (1, 5, 15 min) at start {load_avg}"
+        + (f", at end {meta['load_avg_at_end']}" if meta.get("load_avg_at_end") else "")
+        + (f"; OMP_NUM_THREADS={omp}" if omp else "") + ". "
+        f"Versions: {versions}. Commit {meta.get('commit', '?')}, run {meta.get('time', '?')}.\n"
+    )
+
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(out) + "\n"
+
+
+# ---- sections -------------------------------------------------------------------------------
+
+def throughput_section(r: dict[str, Any], img: Path) -> str:
+    wl = r["workload"]
+    rows, names, outs, totals = [], [], [], []
+    for x in r["results"]:
+        if not x["ok"]:
+            rows.append([x["backend"], "skipped: " + x["reason"].replace("|", "/"), "", "", "", "", "", "", ""])
+            continue
+        v = x.get("vs_pagedllm", {})
+
+        def ratio(key: str) -> str:
+            return f" ({v[key]:.2f}x)" if key in v else ""
+
+        label = x["backend"] + (f" (batch {x['best_batch_size']})" if "best_batch_size" in x else "")
+        rows.append([
+            label, f"{x['requests_per_s']:.3f}{ratio('requests_per_s')}",
+            f"{x['output_tokens_per_s']:.1f}{ratio('output_tokens_per_s')}",
+            f"{x['total_tokens_per_s']:.1f}{ratio('total_tokens_per_s')}",
+            f"{x['peak_rss_bytes'] / GIB:.2f}{ratio('peak_rss_bytes')}",
+            f"{x['startup_s']:.1f}{ratio('startup_s')}", f"{x['elapsed_s']:.0f}",
+            f"{100 * x['mfu']:.1f}%" if "mfu" in x else "-",
+            x.get("warning", ""),
+        ])
+        names.append(label)
+        outs.append(x["output_tokens_per_s"])
+        totals.append(x["total_tokens_per_s"])
+    if names:
+        fig, ax = plt.subplots(figsize=(6.4, 3.6))
+        xs = range(len(names))
+        ax.bar([i - 0.2 for i in xs], outs, 0.4, label="output tokens/s")
+        ax.bar([i + 0.2 for i in xs], totals, 0.4, label="total (prompt + output) tokens/s")
+        for i, (o, t) in enumerate(zip(outs, totals)):
+            ax.text(i - 0.2, o, f"{o:.0f}", ha="center", va="bottom", fontsize=8)
+            ax.text(i + 0.2, t, f"{t:.0f}", ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(list(xs), names)
+        ax.set_ylabel("tokens/s")
+        ax.set_title(f"Offline throughput, {wl['num_requests']} requests ({wl['kind']})")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(img, dpi=120)
+        plt.close(fig)
+    hf = next((x for x in r["results"] if x["backend"] == "hf" and x["ok"]), None)
+    probe = ""
+    if hf:
+        trials = ", ".join(f"batch {t['batch_size']}: {t['output_tokens_per_s']:.1f} output tokens/s"
+                           for t in hf["batch_probe"])
+        probe = (f"\nHF batch size: {r['hf_batch_selection']}. Probe on the first {hf['probe_requests']} requests: "
+                 f"{trials}; chosen {hf['best_batch_size']}. HF computes {hf['generated_tokens']} output positions "
+                 f"for the {hf['output_tokens']} requested (each static batch runs to its longest output); only "
+                 "the requested ones count.\n")
+    peak = r.get("peak_matmul_flops_per_s")
+    return (
+        "## Offline throughput\n\n" + run_block(r.get("meta")) +
+        f"\nWorkload: {wl['kind']}, {wl['num_requests']} requests, prompts {wl.get('input_len_range', '')} "
+        f"(mean {wl['mean_prompt_len']:.0f}), outputs {wl.get('output_len_range', '')} (mean {wl['mean_output_len']:.0f}); "
+        f"{wl['prompt_tokens']} prompt and {wl['output_tokens']} output tokens; greedy, ignore_eos, token-id prompts.\n\n"
+        + table(["engine", "requests/s", "output tok/s", "total tok/s", "peak RSS GiB", "start-up s", "generation s",
+                 "MFU", "note"], rows)
+        + "\nRatios in parentheses are to pagedllm. Start-up = process spawn to model ready (imports, weights, "
+          "KV cache, warm-up). Peak RSS: the backend's process tree, polled every 0.1 s. "
+        + (f"MFU = model FLOPs / generation time / {peak / 1e9:.1f} GFLOP/s (best of repeated 1024x1024 fp32 matmuls measured "
+           f"in the same run); {r['flops_formula']}.\n" if peak else "\n")
+        + probe + f"\n![throughput](img/{img.name})\n"
+    )
+
+
+def _rate_x(rates: list[Any]) -> tuple[list[float], list[str]]:
+    finite = [float(x) for x in rates if x != "inf"]
+    top = max(finite, default=1.0)
+    xs = [float(x) if x != "inf" else top * 2 for x in rates]
+    return xs, [str(x) if x != "inf" else "burst" for x in rates]
+
+
+def serve_section(reports: list[dict[str, Any]], img: Path) -> str:
+    parts = ["## Online serving\n"]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    plotted = False
+    for n, r in enumerate(reports):
+        if r.get("error"):
+            parts.append(f"\n### {r['server']}\n\nNot measured: {r['error']}\n")
+            continue
+        wl = r["workload"]
+        parts.append(f"\n### {r['server']}\n\n" + run_block(r.get("meta")))
+        if r.get("server_command"):
+            parts.append(f"\nServer: `{r['server_command']}`, healthy {fmt(r.get('server_startup_s'))} s after "
+                         f"launch, peak RSS {fmt(r.get('server_peak_rss_bytes', 0) / GIB, '.2f')} GiB.\n")
+        parts.append(f"\nWorkload: {wl['num_requests']} requests, prompts {wl.get('input_len_range', '')}, outputs "
+                     f"{wl.get('output_len_range', '')}, streamed /v1/completions, greedy, ignore_eos.\n\n")
+        rows = []
+        for m in r["runs"]:
+            t, p, e, i = m["ttft_ms"], m["tpot_ms"], m["e2el_ms"], m["itl_ms"]
+            rows.append([str(m["request_rate"]), str(m.get("max_concurrency") or "-"), f"{m['completed']}/{m['failed']}",
+                         f"{m['request_throughput']:.3f}", f"{m['output_throughput']:.1f}",
+                         f"{fmt(t['mean'], '.0f')} / {fmt(t['median'], '.0f')} / {fmt(t['p90'], '.0f')} / {fmt(t['p99'], '.0f')}",
+                         f"{fmt(p['mean'], '.0f')} / {fmt(p['median'], '.0f')} / {fmt(p['p90'], '.0f')} / {fmt(p['p99'], '.0f')}",
+                         f"{fmt(i['median'], '.0f')} / {fmt(i['p99'], '.0f')}",
+                         f"{fmt(e['median'] and e['median'] / 1000, '.1f')} / {fmt(e['p99'] and e['p99'] / 1000, '.1f')}",
+                         fmt(m.get("goodput"), ".3f")])
+        parts.append(table(["rate/s", "max conc.", "ok/failed", "req/s", "out tok/s", "TTFT ms mean/med/p90/p99",
+                            "TPOT ms mean/med/p90/p99", "ITL ms med/p99", "E2E s med/p99", "goodput req/s"], rows))
+        slo = next((m["slo"] for m in r["runs"] if "slo" in m), None)
+        if slo:
+            parts.append(f"\nGoodput SLOs: TTFT <= {slo['ttft_ms']} ms, TPOT <= {slo['tpot_ms']} ms.\n")
+        xs, labels = _rate_x([m["request_rate"] for m in r["runs"]])
+        for ax, key, title in zip(axes, ("ttft_ms", "tpot_ms", "e2el_ms"), ("TTFT", "TPOT", "end-to-end latency")):
+            for q, style in (("median", "-o"), ("p99", "--x")):
+                ax.plot(xs, [m[key][q] for m in r["runs"]], style, color=f"C{n}", label=f"{r['server']} {q}")
+            ax.set_xticks(xs, labels)
+            ax.set_title(title)
+            ax.set_xlabel("request rate (req/s)")
+            ax.set_ylabel("ms")
+            ax.set_yscale("log")
+            plotted = True
+    if plotted:
+        axes[0].legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(img, dpi=120)
+        parts.append(f"\n![serving latency](img/{img.name})\n")
+    plt.close(fig)
+    return "".join(parts)
+
+
+def latency_section(r: dict[str, Any]) -> str:
+    g = 1e9
+    rows = [
+        ["prefill", f"{r['prefill_ms']:.1f} ms", f"{r['prefill_flops_per_s'] / g:.1f} GFLOP/s "
+         f"({100 * r['prefill_fraction_of_peak_flops']:.0f}% of peak)", "-"],
+        ["decode, per token", f"{r['decode_ms_per_token']:.2f} ms ({r['decode_tokens_per_s']:.1f} tok/s)",
+         f"{r['decode_flops_per_s'] / g:.1f} GFLOP/s ({100 * r['decode_fraction_of_peak_flops']:.0f}% of peak)",
+         f"{r['decode_weight_bandwidth'] / g:.2f} GB/s weights ({100 * r['decode_weight_fraction_of_peak_bw']:.0f}% of "
+         f"peak); {r['decode_weight_kv_bandwidth'] / g:.2f} GB/s with KV"],
+    ]
+    return (
+        "## Single-request latency\n\n" + run_block(r.get("meta")) +
+        f"\nOne request, prompt {r['input_len']} tokens, output {r['output_len']} tokens, median of {r['num_iters']} "
+        f"runs. Peaks measured in the same run (best of repeated runs): 1024x1024 fp32 matmul {r['peak_matmul_flops_per_s'] / g:.1f} GFLOP/s; "
+        f"256 MiB tensor copy {r['peak_copy_bytes_per_s'] / g:.1f} GB/s (bytes read + written). A decode step reads "
+        f"{r['model']['decode_weight_bytes'] / 1e6:.0f} MB of weights (decoder + lm_head, {r['model']['dtype']}).\n\n"
+        + table(["phase", "time", "compute", "bandwidth"], rows)
+        + f"\nWhole request: {r['request_latency_s']:.2f} s.\n"
+    )
+
+
+def scheduler_section(r: dict[str, Any]) -> str:
+    rows = [[str(x["num_running"]), f"{x['schedule_us']:.0f}", f"{x['update_us']:.0f}", f"{x['step_us_mean']:.0f}",
+             f"{x['step_us_median']:.0f}", f"{x['step_us_p99']:.0f}", f"{x['us_per_request']:.1f}",
+             fmt(x.get("model_step_ms"), ".1f"),
+             f"{100 * x['fraction_of_model_step']:.2f}%" if "fraction_of_model_step" in x else "-"]
+            for x in r["results"]]
+    return (
+        "## Scheduler overhead\n\n" + run_block(r.get("meta")) +
+        "\n`schedule()` + `update_from_output()` per step with a fake model, at a steady number of running "
+        "requests (finished ones replaced at once; prompts 32-512, outputs 16-256 tokens; prefix caching on).\n\n"
+        + table(["running", "schedule µs", "update µs", "step µs mean", "median", "p99", "µs per request",
+                 "model step ms", "share of model step"], rows)
+        + (f"\nModel step: {r['model_step_source']}.\n" if r.get("model_step_source") else "")
+    )
+
+
+def memory_section(r: dict[str, Any], img: Path) -> str:
+    res = r["results"]
+    rows = [[str(x["block_size"]), f"{100 * x['paged_utilization']:.1f}%", f"{100 * x['paged_waste']:.1f}%",
+             f"{100 * x['contiguous_oracle_waste']:.1f}%", f"{100 * x['contiguous_max_len_waste']:.1f}%",
+             f"{x['mean_batch_size']:.1f}", str(x["preemptions"])] for x in res]
+    bs = [x["block_size"] for x in res]
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    ax.plot(bs, [100 * x["paged_waste"] for x in res], "-o", label="paged (blocks)")
+    ax.plot(bs, [100 * x["contiguous_oracle_waste"] for x in res], "--", label="contiguous, prompt + max_tokens")
+    ax.plot(bs, [100 * x["contiguous_max_len_waste"] for x in res], ":", label=f"contiguous, max_model_len={r['max_model_len']}")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(bs, [str(b) for b in bs])
+    ax.set_xlabel("block size (tokens)")
+    ax.set_ylabel("KV slots reserved but empty (%)")
+    ax.set_ylim(0, 100)
+    ax.legend(fontsize=8)
+    ax.set_title("KV cache waste")
+    fig.tight_layout()
+    fig.savefig(img, dpi=120)
+    plt.close(fig)
+    wl = r["workload"]
+    return (
+        "## KV cache memory\n\n" + run_block(r.get("meta")) +
+        f"\nSimulation with the real scheduler and KV cache manager (fake model, prefix caching off): "
+        f"{wl['num_prompts']} requests, prompts {wl['input_len_range']}, outputs {wl['output_len_range']}, a cache of "
+        f"{r['num_kv_tokens']} tokens. Utilization = tokens stored / KV slots reserved, summed over all steps. The "
+        f"contiguous columns reserve, for the same running requests, prompt + max_tokens (knowing each output length) "
+        f"or max_model_len = {r['max_model_len']}; a contiguous cache of this size could hold only "
+        f"{r['contiguous_max_concurrency']} requests at max_model_len, against the mean batch below.\n\n"
+        + table(["block size", "paged utilization", "paged waste", "contiguous waste (prompt+max_tokens)",
+                 f"contiguous waste (max_model_len)", "mean batch", "preemptions"], rows)
+        + f"\n![KV waste](img/{img.name})\n"
+    )
+
+
+INTRO = """# Benchmarks
+
+Generated by `benchmarks/make_report.py` from the JSON files in `benchmarks/results/`; the commands
+that produce them are in `benchmarks/run_all.sh`. Every section names its command, machine, versions,
+commit and the machine's load when it started: on a shared 2-core machine, figures taken under load
+are lower than on a quiet one. Prompts are random token ids, decoding is greedy with `ignore_eos`, so
+every engine computes exactly the same number of tokens.
+
+Peers: Hugging Face transformers `generate` (static left-padded batches) and vLLM's CPU build
+(`make peers` installs it into `.venv-peers`), both on the default model converted once to a plain
+fp32 Hugging Face folder (`pagedllm.models.loader.default_hf_folder()`). vLLM's CPU build binds its
+worker's OpenMP threads itself (on 2 cores it reserves one core for its front end and runs the model
+on the other, as its start-up log says); it is run with its defaults, and its start-up includes
+torch.compile warm-up (cached under ~/.cache/vllm after the first run).
+
+The commands (`pagedllm bench <name> --help` for every flag):
+
+- `pagedllm bench throughput [--compare hf,vllm] [--workload random|shared-prefix | --dataset FILE]`:
+  offline generation, each engine in its own fresh process on the same workload.
+- `pagedllm bench serve --launch pagedllm|vllm | --base-url URL`: streamed /v1/completions at Poisson
+  arrivals (`--request-rate 0.5,1,inf`), against any OpenAI-compatible server (llama.cpp's too).
+- `pagedllm bench latency`: one request's prefill and per-token decode time against the machine's peaks.
+- `pagedllm bench scheduler`: the scheduler's CPU time per step at 64 / 256 / 1,024 running requests.
+- `pagedllm bench memory`: KV cache utilization per block size against contiguous reservation.
+"""
+
+
+STEP_OF = {"throughput.json": "throughput", "serve*.json": "serve", "latency.json": "latency",
+           "scheduler.json": "scheduler", "memory.json": "memory"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--doc", default=str(ROOT / "docs" / "benchmarks.md"))
+    args = ap.parse_args()
+    res = Path(args.results)
+    doc = Path(args.doc)
+    img_dir = doc.parent / "img"
+    img_dir.mkdir(parents=True, exist_ok=True)
+    parts = [INTRO]
+    missing = []
+    if (t := load(res / "throughput.json")) is not None:
+        parts.append(throughput_section(t, img_dir / "bench-throughput.png"))
+    else:
+        missing.append("throughput.json")
+    serve = [s for p in sorted(res.glob("serve*.json")) if (s := load(p)) is not None]
+    if serve:
+        parts.append(serve_section(serve, img_dir / "bench-serve-latency.png"))
+    else:
+        missing.append("serve*.json")
+    for name, fn in (("latency.json", latency_section), ("scheduler.json", scheduler_section)):
+        if (d := load(res / name)) is not None:
+            parts.append(fn(d))
+        else:
+            missing.append(name)
+    if (m := load(res / "memory.json")) is not None:
+        parts.append(memory_section(m, img_dir / "bench-kv-waste.png"))
+    else:
+        missing.append("memory.json")
+    if missing:
+        parts.append("## Not yet measured\n\nNo results in benchmarks/results/ yet for: " + ", ".join(missing)
+                     + ". Produce them with `benchmarks/run_all.sh " + " ".join(STEP_OF[m] for m in missing)
+                     + "` on a quiet machine, then rerun this script.\n")
+    doc.write_text("\n".join(parts))
+    print(f"wrote {doc}")
+
+
+if __name__ == "__main__":
+    main()

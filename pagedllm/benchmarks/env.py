@@ -1,0 +1,151 @@
+"""What every result records about its run (machine, versions, commit, load), the machine's
+measured fp32 matmul and copy peaks, and peak-RSS polling of a process tree."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return platform.processor() or "unknown"
+
+
+def git_commit() -> str:
+    """`<sha>` of the checkout, with `+dirty` when tracked files differ from it."""
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                             text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return (sha or "unknown") + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _version(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+def run_metadata(extra_versions: dict[str, str | None] | None = None) -> dict[str, Any]:
+    """Machine, versions, commit, load and command line of this run."""
+    versions = {name: _version(name) for name in ("pagedllm", "torch", "transformers", "numpy")}
+    versions["python"] = platform.python_version()
+    versions.update(extra_versions or {})
+    return {
+        "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "command": "pagedllm " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        "cpu_model": _cpu_model(),
+        "cpu_cores": psutil.cpu_count(logical=False) or os.cpu_count(),
+        "logical_cpus": os.cpu_count(),
+        "memory_gib": round(psutil.virtual_memory().total / (1 << 30), 1),
+        "load_avg_at_start": [round(x, 2) for x in os.getloadavg()],
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "versions": versions,
+        "commit": git_commit(),
+    }
+
+
+# ---- machine peaks --------------------------------------------------------------------------
+
+def measure_matmul_peak(n: int = 1024, seconds: float = 2.0) -> float:
+    """fp32 FLOP/s of a large square matmul (2 n^3 FLOPs each), with torch's current threads."""
+    import torch
+
+    a = torch.randn(n, n)
+    b = torch.randn(n, n)
+    c = torch.empty(n, n)
+    torch.mm(a, b, out=c)  # warm-up
+    best = 0.0
+    deadline = time.perf_counter() + seconds
+    while True:
+        t0 = time.perf_counter()
+        torch.mm(a, b, out=c)
+        dt = time.perf_counter() - t0
+        best = max(best, 2 * n**3 / dt)
+        if time.perf_counter() > deadline:
+            return best
+
+
+def measure_copy_bandwidth(nbytes: int = 256 << 20, seconds: float = 1.0) -> float:
+    """Bytes/s of a large tensor copy, counting each byte read and each byte written."""
+    import torch
+
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up (commits the pages)
+    best = 0.0
+    deadline = time.perf_counter() + seconds
+    while True:
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        dt = time.perf_counter() - t0
+        best = max(best, 2 * nbytes / dt)
+        if time.perf_counter() > deadline:
+            return best
+
+
+# ---- peak RSS -------------------------------------------------------------------------------
+
+def tree_rss(pid: int) -> int:
+    """Resident bytes of a process and all its descendants (0 once it is gone)."""
+    try:
+        proc = psutil.Process(pid)
+        procs = [proc, *proc.children(recursive=True)]
+    except psutil.Error:
+        return 0
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:
+            pass
+    return total
+
+
+class PeakRSSMonitor:
+    """Polls a process tree's resident memory in a thread and keeps the maximum."""
+
+    def __init__(self, pid: int | None = None, interval: float = 0.1) -> None:
+        self.pid = os.getpid() if pid is None else pid
+        self.interval = interval
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, tree_rss(self.pid))
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> PeakRSSMonitor:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, tree_rss(self.pid))

@@ -1,0 +1,314 @@
+"""`pagedllm bench serve`: an open-loop client for any OpenAI-compatible server.
+
+Requests are streamed /v1/completions calls with token-id prompts, greedy, `ignore_eos` and
+`max_tokens` = the workload's output length, sent at Poisson arrivals of `--request-rate` per second
+(inf: all at once) under an optional `--max-concurrency` cap. `--launch pagedllm|vllm` starts the
+server on a free loopback port, waits for /health, runs, and stops it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from tqdm.auto import tqdm
+
+from pagedllm.benchmarks.env import PeakRSSMonitor, run_metadata
+from pagedllm.benchmarks.serve_metrics import RequestResult, compute_metrics
+from pagedllm.benchmarks.workloads import BenchRequest, workload_summary
+
+
+# ---- one request ----------------------------------------------------------------------------
+
+async def send_request(client: httpx.AsyncClient, url: str, model: str | None, req: BenchRequest,
+                       headers: dict[str, str]) -> RequestResult:
+    body: dict[str, Any] = {
+        "prompt": req.prompt_token_ids,
+        "max_tokens": req.output_len,
+        "temperature": 0.0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
+    if model:
+        body["model"] = model
+    result = RequestResult(ok=False, prompt_len=req.prompt_len)
+    chunks = 0
+    usage_tokens = None
+    start = time.perf_counter()
+    last = start
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode("utf-8", "replace")
+                result.error = f"HTTP {resp.status_code}: {text[:200]}"
+                return result
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                msg = json.loads(data)
+                if msg.get("error"):
+                    result.error = f"stream error: {str(msg['error'])[:200]}"
+                    return result
+                if msg.get("usage") and msg["usage"].get("completion_tokens") is not None:
+                    usage_tokens = int(msg["usage"]["completion_tokens"])
+                if not msg.get("choices"):
+                    continue
+                now = time.perf_counter()
+                if result.ttft is None:
+                    result.ttft = now - start
+                else:
+                    result.itl.append(now - last)
+                last = now
+                chunks += 1
+    except (httpx.HTTPError, json.JSONDecodeError, OSError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"[:200]
+        return result
+    result.latency = last - start
+    result.output_tokens = usage_tokens if usage_tokens is not None else chunks
+    result.ok = result.ttft is not None
+    if not result.ok:
+        result.error = "the stream carried no tokens"
+    return result
+
+
+def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
+    """Send times (s after the start): Poisson process of `rate`/s, or all at 0 for rate inf."""
+    if rate == float("inf"):
+        return [0.0] * n
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+async def run_load(base_url: str, model: str | None, reqs: list[BenchRequest], rate: float,
+                   max_concurrency: int | None, seed: int, api_key: str | None,
+                   request_timeout: float, desc: str) -> tuple[list[RequestResult], float]:
+    url = base_url.rstrip("/") + "/v1/completions"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=max_concurrency or len(reqs))
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    bar = tqdm(total=len(reqs), desc=desc, dynamic_ncols=True)
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(request_timeout, connect=30.0), limits=limits) as client:
+        async def one(req: BenchRequest) -> RequestResult:
+            if sem is None:
+                r = await send_request(client, url, model, req, headers)
+            else:
+                async with sem:
+                    r = await send_request(client, url, model, req, headers)
+            bar.update(1)
+            return r
+
+        t0 = time.perf_counter()
+        tasks = []
+        for req, at in zip(reqs, arrival_offsets(len(reqs), rate, seed)):
+            delay = t0 + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(req)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
+    bar.close()
+    return list(results), duration
+
+
+def discover_model(base_url: str, api_key: str | None) -> str | None:
+    """The first model id the server lists at /v1/models (None if it lists none)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        r = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30)
+        data = r.json().get("data") or []
+        return data[0]["id"] if data else None
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, IndexError):
+        return None
+
+
+# ---- launching a server ---------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LaunchError(Exception):
+    """The server could not be started; the message says why."""
+
+
+class LaunchedServer:
+    """Starts a server process on a free loopback port and stops it (its whole process group)."""
+
+    def __init__(self, kind: str, model: str | None, extra_args: list[str], peers_venv: str | None,
+                 startup_timeout: float, env: dict[str, str] | None = None) -> None:
+        self.kind = kind
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.startup_timeout = startup_timeout
+        self.env = dict(os.environ if env is None else env)
+        if kind == "pagedllm":
+            self.cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--host", "127.0.0.1",
+                        "--port", str(self.port), "--disable-uvicorn-access-log"]
+            if model:
+                self.cmd += ["--model", model]
+        elif kind == "vllm":
+            from pagedllm.benchmarks.throughput import BackendUnavailable, hf_model_dir, peers_python
+
+            try:
+                python = peers_python(peers_venv)
+                folder = hf_model_dir(model)
+            except BackendUnavailable as exc:
+                raise LaunchError(str(exc)) from None
+            self.cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
+                        "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32"]
+            self.env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+            self.env.pop("PYTHONPATH", None)
+        else:
+            raise LaunchError(f"--launch must be pagedllm or vllm, got {kind!r}")
+        self.cmd += extra_args
+        self.proc: subprocess.Popen | None = None
+        self.log_path = Path(tempfile.mkstemp(prefix=f"pagedllm-bench-{kind}-server-", suffix=".log")[1])
+        self.startup_s: float | None = None
+        self.monitor: PeakRSSMonitor | None = None
+
+    def log_tail(self, n: int = 15) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+    def __enter__(self) -> LaunchedServer:
+        print(f"starting {self.kind} server: {shlex.join(self.cmd)} (log: {self.log_path})", file=sys.stderr)
+        t0 = time.perf_counter()
+        log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=True, cwd=tempfile.gettempdir())
+        log.close()
+        self.monitor = PeakRSSMonitor(self.proc.pid, interval=0.5).__enter__()
+        bar = tqdm(desc=f"waiting for {self.kind} /health", unit="s", dynamic_ncols=True)
+        try:
+            while True:
+                if self.proc.poll() is not None:
+                    raise LaunchError(f"the {self.kind} server exited with code {self.proc.returncode} before "
+                                      f"it was healthy; last lines of {self.log_path}:\n{self.log_tail()}")
+                elapsed = time.perf_counter() - t0
+                if elapsed > self.startup_timeout:
+                    raise LaunchError(f"the {self.kind} server was not healthy after {self.startup_timeout:.0f} s; "
+                                      f"last lines of {self.log_path}:\n{self.log_tail()}")
+                try:
+                    if httpx.get(self.base_url + "/health", timeout=5).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(1.0)
+                bar.update(1)
+        except BaseException:
+            bar.close()
+            self.stop()
+            raise
+        bar.close()
+        self.startup_s = time.perf_counter() - t0
+        print(f"{self.kind} server healthy after {self.startup_s:.1f} s at {self.base_url}", file=sys.stderr)
+        return self
+
+    def stop(self) -> None:
+        if self.monitor is not None:
+            self.monitor.__exit__(None, None, None)
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        except ProcessLookupError:
+            pass
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.stop()
+        if exc_type is None:  # keep the server's log only when something went wrong
+            self.log_path.unlink(missing_ok=True)
+
+    @property
+    def peak_rss(self) -> int:
+        return self.monitor.peak if self.monitor else 0
+
+
+# ---- the benchmark --------------------------------------------------------------------------
+
+def run_serve_bench(base_url: str, reqs: list[BenchRequest], workload_info: dict[str, Any],
+                    opts: dict[str, Any], server: LaunchedServer | None = None) -> dict[str, Any]:
+    """One run per request rate on the same workload; returns the JSON-able report."""
+    meta = run_metadata()
+    model = opts.get("model_name") or discover_model(base_url, opts.get("api_key"))
+    if opts.get("num_warmup"):
+        warm = [BenchRequest(reqs[0].prompt_token_ids[:16], 4)] * opts["num_warmup"]
+        asyncio.run(run_load(base_url, model, warm, float("inf"), None, 0, opts.get("api_key"),
+                             opts["request_timeout"], "warm-up"))
+    runs = []
+    for rate in opts["request_rates"]:
+        results, duration = asyncio.run(run_load(
+            base_url, model, reqs, rate, opts.get("max_concurrency"), opts["seed"], opts.get("api_key"),
+            opts["request_timeout"], f"rate {rate:g}/s"))
+        m = compute_metrics(results, duration, opts.get("slo_ttft_ms"), opts.get("slo_tpot_ms"))
+        m["request_rate"] = rate if rate != float("inf") else "inf"
+        m["max_concurrency"] = opts.get("max_concurrency")
+        runs.append(m)
+    meta["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    report: dict[str, Any] = {
+        "benchmark": "serve",
+        "meta": meta,
+        "base_url": base_url,
+        "served_model": model,
+        "server": opts.get("server_label") or (server.kind if server else "external"),
+        "workload": workload_info | workload_summary(reqs),
+        "runs": runs,
+    }
+    if server is not None:
+        report["server_startup_s"] = server.startup_s
+        report["server_command"] = shlex.join(server.cmd)
+        report["server_peak_rss_bytes"] = server.peak_rss
+    return report
+
+
+def format_serve_table(report: dict[str, Any]) -> str:
+    head = (f"{'rate/s':>7} {'conc':>5} {'ok':>5} {'fail':>4} {'req/s':>7} {'out tok/s':>9} "
+            f"{'TTFT ms mean/med/p90/p99':>28} {'TPOT ms mean/med/p90/p99':>28} {'ITL ms med/p99':>16} "
+            f"{'E2E s med/p99':>14} {'goodput':>8}")
+    lines = [f"server: {report['server']} at {report['base_url']} (model {report['served_model']})", head]
+
+    def q(d: dict[str, float | None], keys=("mean", "median", "p90", "p99"), scale: float = 1.0) -> str:
+        return "/".join("-" if d[k] is None else f"{d[k] * scale:.0f}" if scale == 1.0 else f"{d[k] * scale:.1f}"
+                        for k in keys)
+
+    for m in report["runs"]:
+        good = f"{m['goodput']:.2f}" if "goodput" in m else "-"
+        lines.append(
+            f"{str(m['request_rate']):>7} {str(m['max_concurrency'] or '-'):>5} {m['completed']:>5} {m['failed']:>4} "
+            f"{m['request_throughput']:>7.3f} {m['output_throughput']:>9.1f} {q(m['ttft_ms']):>28} "
+            f"{q(m['tpot_ms']):>28} {q(m['itl_ms'], ('median', 'p99')):>16} "
+            f"{q(m['e2el_ms'], ('median', 'p99'), 0.001):>14} {good:>8}"
+        )
+        for e in m["errors"]:
+            lines.append(f"        error: {e}")
+    return "\n".join(lines)

