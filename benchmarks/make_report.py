@@ -280,6 +280,75 @@ The commands (`pagedllm bench <name> --help` for every flag):
 """
 
 
+def scheduling_section(r: dict[str, Any]) -> str:
+    """Prefix caching, policies under a mixed workload, and the cost of each preemption mode."""
+    quick = " --quick" if r.get("quick") else ""
+    env = dict(r.get("env") or {})
+    env["command"] = f".venv/bin/python benchmarks/bench_scheduling.py{quick} --threads {r.get('torch_threads', 1)}"
+    out = ["## Scheduling: prefix caching, policies, preemption\n\n", run_block(env)]
+    sp = r.get("shared_prefix")
+    if sp:
+        w = sp["workload"]
+        out.append(f"\n### Shared prefix\n\n{w['requests']} requests behind one {w['prefix_tokens']}-token system "
+                   f"prompt with short unique suffixes, {w['output_tokens']} output tokens each, greedy.\n\n")
+        rows = [[name, fmt(v["elapsed_s"]), fmt(v["output_tok_per_s"]), fmt(v["total_tok_per_s"]),
+                 fmt(v["ttft_mean_s"], ".2f"), fmt(v["ttft_p99_s"], ".2f"), str(v["cached_prompt_tokens"]),
+                 fmt(100 * v["prefix_cache_hit_rate"])]
+                for name, v in sp["runs"].items()]
+        out.append(table(["prefix caching", "time s", "output tok/s", "total tok/s", "TTFT mean s", "TTFT p99 s",
+                          "cached prompt tokens", "hit rate %"], rows))
+        out.append(f"\nThroughput with caching on / off: **{sp['speedup']:.2f}x**.\n")
+    mx = r.get("mixed")
+    if mx:
+        w = mx["workload"]
+        out.append(f"\n### Short requests behind long prompts\n\n{w['short']} short requests queued behind "
+                   f"{w['long']} prompts of {w['long_tokens']} tokens; latency from arrival to the last token.\n\n")
+        rows = [[name, fmt(v["short_mean_s"], ".2f"), fmt(v["short_p99_s"], ".2f"), fmt(v["long_mean_s"], ".2f"),
+                 fmt(v["elapsed_s"])] for name, v in mx["runs"].items()]
+        out.append(table(["policy", "short mean s", "short p99 s", "long mean s", "total s"], rows))
+    pr = r.get("preemption")
+    if pr:
+        rates = pr["rates"]
+        out.append(f"\n### Recompute versus swap\n\nMeasured in the same run: {rates['flops_per_s'] / 1e9:.1f} "
+                   f"GFLOP/s and {rates['copy_bytes_per_s'] / 1e9:.2f} GB/s of block copies. Cost of one "
+                   "preemption of a request holding N tokens (recompute: its prefill again; swap: its blocks out "
+                   "to the host pool and back):\n\n")
+        rows = [[str(x["tokens"]), str(x["blocks"]), fmt(1e3 * x["recompute_s"]), fmt(1e3 * x["swap_s"], ".2f"),
+                 fmt(1e3 * x["model_recompute_s"]), fmt(1e3 * x["model_swap_s"], ".2f")] for x in pr["per_length"]]
+        out.append(table(["tokens", "blocks", "recompute ms", "swap ms", "cost model: recompute ms",
+                          "cost model: swap ms"], rows))
+        out.append(f"\nBreak-even: {pr['measured_break_even_tokens']} tokens measured, "
+                   f"{pr['cost_model_break_even_tokens']:.0f} by the cost model (`--preemption-mode auto` swaps "
+                   "whenever the host pool has room, here). A pool too small for a batch of growing requests, "
+                   "end to end:\n\n")
+        rows = [[mode, fmt(v["elapsed_s"]), str(v["preemptions"]), str(v["by_mode"]),
+                 "yes" if v["same_tokens_as_roomy"] else "NO"] for mode, v in pr["end_to_end"].items()]
+        out.append(table(["mode", "time s", "preemptions", "by mode", "same greedy tokens as without preemption"],
+                         rows))
+        out.append(f"\nRecompute costs {1e3 * pr['recompute_minus_swap_s_per_preemption']:.0f} ms more than swap "
+                   "per preemption in that run.\n")
+    return "".join(out)
+
+
+def later_throughput_section(runs: list[dict[str, Any]], main: dict[str, Any] | None) -> str:
+    """Single-engine reruns of the throughput workload after changes, set against the peers measured above."""
+    peers = {x["backend"]: x for x in (main or {}).get("results", []) if x.get("ok") and x["backend"] != "pagedllm"}
+    out = ["## Later pagedllm runs of the same workload\n\n"
+           "Reruns of pagedllm alone after engine changes, compared with the peers' figures from the side-by-side "
+           "run above (same workload, seed and machine).\n\n"]
+    for r in runs:
+        out.append(run_block(r.get("meta")))
+        for x in r.get("results", []):
+            if x.get("backend") != "pagedllm" or not x.get("ok"):
+                continue
+            ratios = ", ".join(f"{x['output_tokens_per_s'] / p['output_tokens_per_s']:.2f}x {name}"
+                               for name, p in peers.items())
+            out.append(f"\npagedllm: {x['output_tokens_per_s']:.1f} output tok/s, {x['total_tokens_per_s']:.1f} "
+                       f"total tok/s, peak RSS {x['peak_rss_bytes'] / 2**30:.2f} GiB, MFU {100 * x['mfu']:.1f}%"
+                       + (f" ({ratios} in output tok/s)" if ratios else "") + ".\n\n")
+    return "".join(out)
+
+
 STEP_OF = {"throughput.json": "throughput", "serve*.json": "serve", "latency.json": "latency",
            "scheduler.json": "scheduler", "memory.json": "memory"}
 
@@ -299,6 +368,9 @@ def main() -> None:
         parts.append(throughput_section(t, img_dir / "bench-throughput.png"))
     else:
         missing.append("throughput.json")
+    later = [x for p in sorted(res.glob("throughput-*.json")) if (x := load(p)) is not None]
+    if later:
+        parts.append(later_throughput_section(later, t))
     serve = [s for p in sorted(res.glob("serve*.json")) if (s := load(p)) is not None]
     if serve:
         parts.append(serve_section(serve, img_dir / "bench-serve-latency.png"))
@@ -313,6 +385,9 @@ def main() -> None:
         parts.append(memory_section(m, img_dir / "bench-kv-waste.png"))
     else:
         missing.append("memory.json")
+    sched = load(res / "bench_scheduling.json") or load(res / "bench_scheduling_quick.json")
+    if sched is not None:
+        parts.append(scheduling_section(sched))
     if missing:
         parts.append("## Not yet measured\n\nNo results in benchmarks/results/ yet for: " + ", ".join(missing)
                      + ". Produce them with `benchmarks/run_all.sh " + " ".join(STEP_OF[m] for m in missing)
