@@ -186,7 +186,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
         text = tok.apply_chat_template(history)
         rid = f"chat-{turn}"
         turn += 1
-        engine.add_request(rid, {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}, params)
+        try:
+            engine.add_request(rid, {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)},
+                               params)
+        except ValueError as e:
+            # A turn the engine cannot take (e.g. the conversation outgrew max_model_len) ends only that turn.
+            print(f"error: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
+            history.pop()
+            continue
         reply = []
         while engine.has_unfinished_requests():
             for out in engine.step():

@@ -68,6 +68,16 @@ def test_chat_replies_then_exits() -> None:
     assert "Paris" in res.stdout, res.stdout
 
 
+def test_chat_survives_a_turn_it_cannot_take() -> None:
+    # The first message alone exceeds max_model_len: that turn fails with one line, the next is answered.
+    long = "word " * 300
+    res = run_cli("chat", "--max-tokens", "16", *SMALL_ENGINE, "--max-model-len", "256",
+                  stdin=f"{long}\nWhat is the capital of France?\n/exit\n")
+    assert res.returncode == 0, res.stderr
+    assert "maximum context length is 256" in res.stderr
+    assert "Paris" in res.stdout, res.stdout
+
+
 @pytest.mark.parametrize("args", [["--help"], ["generate", "--help"], ["chat", "--help"]])
 def test_help_exits_0(args: list[str]) -> None:
     res = run_cli(*args, timeout=60)
