@@ -11,3 +11,18 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     from pagedllm.models.testing import make_tiny_checkpoint
 
     return make_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny") / "qwen2"), arch="qwen2", seed=0)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Runs a module's engines on one torch thread.
+
+    Small CPU matmuls gain nothing from a second thread, and on shared cores OpenMP threads that
+    wait for each other make every step many times slower.
+    """
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -13,7 +13,7 @@ from pagedllm.core.preemption import PreemptionCostModel
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.output_processor import OutputProcessor, child_id
 from pagedllm.engine.stats import IterationStats
 from pagedllm.executor.uniproc import InProcessExecutor
 from pagedllm.outputs import RequestOutput
@@ -149,19 +149,13 @@ class LLMEngine:
                 seq_id, ids, child_params[i], self.model_config.eos_token_ids, arrival, priority, user, cache_salt,
                 max_tokens,
             )
-            for i, seq_id in enumerate(self.output_processor_seq_ids(request_id, params))
+            for i, seq_id in enumerate(child_id(request_id, i, params.n) for i in range(params.n))
         ]
         for req in requests:
             self.scheduler.check_request(req)
         self.output_processor.add_request(request_id, text, ids, params, arrival, priority)
         # Sample 0 computes the prompt; the others are forked off it, sharing its blocks.
         self.scheduler.add_request(requests[0], forks=requests[1:])
-
-    @staticmethod
-    def output_processor_seq_ids(request_id: str, params: SamplingParams) -> list[str]:
-        from pagedllm.engine.output_processor import child_id
-
-        return [child_id(request_id, i, params.n) for i in range(params.n)]
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         """Ends requests now and frees their KV blocks."""

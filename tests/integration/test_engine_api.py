@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.outputs import RequestOutput
@@ -38,14 +37,7 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    # Small CPU matmuls gain nothing from a second thread, and on shared cores OpenMP threads that
-    # wait for each other make every step many times slower.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
