@@ -1,9 +1,15 @@
-"""Engine arguments with vLLM's flag names, and their resolution into validated configs."""
+"""Engine arguments with vLLM's flag names, and their resolution into validated configs.
+
+`EngineArgs` is the one source of the engine options: each field's metadata (help text, extra
+flag names, choices, parser) generates the argparse flags of every subcommand, and the README's
+flag table is checked against the same fields by a test.
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,8 +24,10 @@ from pagedllm.config import (
 )
 
 
-def parse_size(text: str) -> int:
+def parse_size(text: str | int) -> int:
     """'4GiB', '512MiB', '2G', '1000000' -> bytes."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
     units = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
              "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}
     s = str(text).strip().lower().replace(" ", "")
@@ -34,8 +42,10 @@ def parse_size(text: str) -> int:
     return int(value * units[unit])
 
 
-def parse_user_weights(text: str) -> dict[str, float]:
+def parse_user_weights(text: str | dict[str, float]) -> dict[str, float]:
     """'alice=2,bob=1' -> {'alice': 2.0, 'bob': 1.0} (fair-share weight per user)."""
+    if isinstance(text, dict):
+        return {str(k): float(v) for k, v in text.items()}
     weights: dict[str, float] = {}
     for item in filter(None, (p.strip() for p in str(text).split(","))):
         user, sep, value = item.partition("=")
@@ -49,30 +59,84 @@ def parse_user_weights(text: str) -> dict[str, float]:
     return weights
 
 
+def arg(
+    default: Any,
+    help: str,
+    *,
+    flags: tuple[str, ...] = (),
+    choices: tuple[str, ...] | None = None,
+    parse: Callable[[str], Any] | None = None,
+    shown_default: str | None = None,
+    cli: bool = True,
+) -> Any:
+    """An EngineArgs field with what its command-line flag needs.
+
+    `flags` are extra names besides the field's own (`max_num_seqs` -> `--max-num-seqs`);
+    `parse` turns the command-line string (and a value given from Python) into the field's
+    value; `shown_default` is the default as the README's flag table states it.
+    """
+    meta = {"help": help, "flags": flags, "choices": choices, "parse": parse,
+            "shown_default": shown_default, "cli": cli}
+    if isinstance(default, (dict, list, set)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def flag_name(f: dataclasses.Field) -> str:
+    return "--" + f.name.replace("_", "-")
+
+
 @dataclass
 class EngineArgs:
     """Everything that configures an engine; names follow vLLM's engine arguments."""
 
-    model: str | None = None
-    tokenizer: str | None = None
-    served_model_name: str | None = None
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    seed: int = 0
-    block_size: int = 16
-    kv_cache_memory: int | None = None
-    num_kv_blocks: int | None = None
-    enable_prefix_caching: bool = True
-    swap_space: float = 4.0
-    max_num_batched_tokens: int | None = None
-    max_num_seqs: int = 256
-    scheduling_policy: str = "fcfs"
-    preemption_mode: str = "recompute"
-    long_prefill_token_threshold: int = 0
-    max_num_partial_prefills: int = 0
-    time_slice: int = 64
-    user_weights: dict[str, float] = field(default_factory=dict)
-    max_waiting_steps: int = 10_000
+    model: str | None = arg(
+        None, "model folder (config.json + safetensors), .gguf file, or smollm2-135m-instruct (default)",
+        shown_default="smollm2-135m-instruct")
+    tokenizer: str | None = arg(None, "tokenizer folder, if not the model's", shown_default="model's")
+    served_model_name: str | None = arg(None, "model name reported to clients", shown_default="model's name")
+    dtype: str = arg("auto", "compute dtype (auto: float32 on CPU)",
+                     choices=("auto", *DTYPES))
+    max_model_len: int | None = arg(None, "longest prompt + output", parse=int, shown_default="model's")
+    seed: int = arg(0, "seed for unseeded sampling", parse=int)
+    block_size: int = arg(16, "tokens per KV cache block", parse=int)
+    kv_cache_memory: int | None = arg(
+        None, "bytes for the KV cache, e.g. 2GiB", parse=parse_size,
+        shown_default="30% of free memory, at most 4 GiB")
+    num_kv_blocks: int | None = arg(None, "exact number of KV cache blocks (overrides --kv-cache-memory)",
+                                    flags=("--num-gpu-blocks-override",), parse=int)
+    enable_prefix_caching: bool = arg(True, "reuse cached KV blocks of shared prefixes")
+    swap_space: float = arg(4.0, "GiB of host memory for swapped-out blocks (swap/auto)", parse=float)
+    max_num_batched_tokens: int | None = arg(None, "token budget of one step (decodes + prompt chunks)",
+                                             parse=int, shown_default="2048")
+    max_num_seqs: int = arg(256, "most requests running at once", parse=int)
+    scheduling_policy: str = arg(
+        "fcfs", "order of service: fcfs, priority (lower first), srtf (shortest remaining work), "
+        "fair (weighted share of tokens per user)", choices=SCHEDULING_POLICIES)
+    preemption_mode: str = arg(
+        "recompute", "evict for lack of blocks by recompute, swap (to --swap-space) or auto (cheaper, measured)",
+        choices=PREEMPTION_MODES)
+    long_prefill_token_threshold: int = arg(0, "cap on one request's prompt chunk per step (0: none)", parse=int)
+    max_num_partial_prefills: int = arg(0, "most unfinished prompts per step (0: no limit)", parse=int)
+    time_slice: int = arg(64, "fair policy: steps a running request keeps its place while other users wait",
+                          parse=int)
+    user_weights: dict[str, float] = arg(
+        {}, "fair policy: weight per user, e.g. alice=2,bob=1 (others: 1)", parse=parse_user_weights,
+        shown_default="all 1")
+    max_waiting_steps: int = arg(10_000, "aging: steps after which a waiting request goes before all others",
+                                 parse=int)
+
+    def __post_init__(self) -> None:
+        # Values given from Python go through the same parsers as the command line, so
+        # LLM(kv_cache_memory="256MiB") means what --kv-cache-memory 256MiB means.
+        for f in dataclasses.fields(self):
+            parse = f.metadata.get("parse")
+            value = getattr(self, f.name)
+            if parse is not None and isinstance(value, (str, dict)) and value is not None:
+                try:
+                    setattr(self, f.name, parse(value))
+                except (TypeError, ValueError) as e:
+                    raise ValueError(f"{f.name}={value!r}: {e}") from None
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> argparse.ArgumentParser:
@@ -80,39 +144,51 @@ class EngineArgs:
         if model_positional:
             g.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                            help="model folder, .gguf file or the embedded default (smollm2-135m-instruct)")
-        g.add_argument("--model", default=None,
-                       help="model folder (config.json + safetensors), .gguf file, or smollm2-135m-instruct (default)")
-        g.add_argument("--tokenizer", default=None, help="tokenizer folder, if not the model's")
-        g.add_argument("--served-model-name", default=None, help="model name reported to clients")
-        g.add_argument("--dtype", default="auto", choices=("auto", *DTYPES), help="compute dtype (auto: float32 on CPU)")
-        g.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: model's)")
-        g.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
-        g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-        g.add_argument("--kv-cache-memory", type=parse_size, default=None,
-                       help="bytes for the KV cache, e.g. 2GiB (default: 30%% of free memory, at most 4GiB)")
-        g.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", dest="num_kv_blocks", type=int, default=None,
-                       help="exact number of KV cache blocks (overrides --kv-cache-memory)")
-        g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                       help="reuse cached KV blocks of shared prefixes")
-        g.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for swapped-out blocks")
-        g.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step")
-        g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
-        g.add_argument("--scheduling-policy", default="fcfs", choices=SCHEDULING_POLICIES,
-                       help="order of service: fcfs, priority (lower first), srtf (shortest remaining work), "
-                            "fair (weighted share of tokens per user)")
-        g.add_argument("--preemption-mode", default="recompute", choices=PREEMPTION_MODES,
-                       help="evict for lack of blocks by recompute, swap (to --swap-space) or auto (cheaper, measured)")
-        g.add_argument("--long-prefill-token-threshold", type=int, default=0,
-                       help="cap on one request's prompt chunk per step (0: none)")
-        g.add_argument("--max-num-partial-prefills", type=int, default=0,
-                       help="most unfinished prompts per step (0: no limit)")
-        g.add_argument("--time-slice", type=int, default=64,
-                       help="fair policy: steps a running request keeps its place while other users wait")
-        g.add_argument("--user-weights", type=parse_user_weights, default={},
-                       help="fair policy: weight per user, e.g. alice=2,bob=1 (others: 1)")
-        g.add_argument("--max-waiting-steps", type=int, default=10_000,
-                       help="aging: steps after which a waiting request goes before all others")
+        for f in dataclasses.fields(EngineArgs):
+            m = f.metadata
+            if not m.get("cli", True):
+                continue
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+            names = (flag_name(f), *m["flags"])
+            help_text = m["help"].replace("%", "%%")
+            if isinstance(default, bool):
+                g.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
+                               help=help_text)
+                continue
+            kwargs: dict[str, Any] = {"dest": f.name, "default": default, "help": help_text}
+            if m["choices"] is not None:
+                kwargs["choices"] = m["choices"]
+            if m["parse"] is not None:
+                kwargs["type"] = m["parse"]
+            g.add_argument(*names, **kwargs)
         return parser
+
+    @classmethod
+    def flag_table(cls) -> list[tuple[str, str, str]]:
+        """(flags, default, help) per command-line option, as the README's table states them."""
+        rows = []
+        for f in dataclasses.fields(cls):
+            m = f.metadata
+            if not m.get("cli", True):
+                continue
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+            names = [flag_name(f), *m["flags"]]
+            if isinstance(default, bool):
+                names = [f"{flag_name(f)} / --no-{flag_name(f)[2:]}", *m["flags"]]
+                shown = "on" if default else "off"
+            else:
+                shown = m["shown_default"] or ("—" if default is None else str(default))
+            rows.append((", ".join(names), shown, m["help"]))
+        return rows
+
+    @classmethod
+    def flag_table_markdown(cls) -> str:
+        """The README's engine flag table."""
+        lines = ["| flag | default | meaning |", "|---|---|---|"]
+        for names, default, help_text in cls.flag_table():
+            flags = ", ".join(f"`{n.strip()}`" for n in names.split(", "))
+            lines.append(f"| {flags} | {default} | {help_text} |")
+        return "\n".join(lines)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
