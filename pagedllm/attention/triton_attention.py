@@ -21,9 +21,14 @@ as they are loaded.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
+
+if TYPE_CHECKING:
+    from pagedllm.attention.metadata import AttentionMetadata
 
 # Query rows of one program (query tokens x heads of one GQA group) in a prompt chunk.
 _TARGET_ROWS = 64
@@ -408,3 +413,21 @@ def paged_attention(
             NUM_SPLITS=splits,
         )
     return out.view(T, H * D)
+
+
+def forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    md: AttentionMetadata,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> torch.Tensor:
+    """One attention layer of a step: new K/V into their slots, then attention over the cache."""
+    write_kv(kv_cache, k, v, md.slot_mapping, k_scale, v_scale)
+    return paged_attention(
+        q, kv_cache, md.block_tables, md.query_start_loc, md.seq_lens, md.work, scale,
+        md.sliding_window, md.max_query_len, md.num_splits, k_scale, v_scale,
+    )

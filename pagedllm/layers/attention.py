@@ -24,6 +24,19 @@ class Attention(nn.Module):
         """Flat q [T, H*D], k/v [T, KVH*D] -> [T, H*D]."""
         md = get_attention_metadata()
         T = q.shape[0]
+        if q.is_cuda:
+            from pagedllm.attention.triton_attention import forward
+
+            return forward(
+                q.view(T, self.num_heads, self.head_dim),
+                k.view(T, self.num_kv_heads, self.head_dim),
+                v.view(T, self.num_kv_heads, self.head_dim),
+                self.kv_cache,
+                md,
+                self.scale,
+                float(getattr(self, "k_scale", 1.0)),
+                float(getattr(self, "v_scale", 1.0)),
+            )
         return paged_attention(
             q.view(T, self.num_heads, self.head_dim),
             k.view(T, self.num_kv_heads, self.head_dim),
