@@ -50,6 +50,7 @@ class CudaGraphRunner:
         self.work = torch.stack([torch.arange(n, **i64), torch.zeros(n, **i64), torch.ones(n, **i64)], dim=1)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.capture_seconds = 0.0
 
     @property
     def max_size(self) -> int:
@@ -85,7 +86,7 @@ class CudaGraphRunner:
                 self.outputs[b] = self._forward(b)
             self.graphs[b] = graph
         torch.cuda.synchronize()
-        elapsed = time.perf_counter() - t0
+        elapsed = self.capture_seconds = time.perf_counter() - t0
         logger.info("Captured %d CUDA graphs for decode batch sizes %s in %.2f s", len(self.sizes), self.sizes, elapsed)
         return elapsed
 
