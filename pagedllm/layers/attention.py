@@ -24,7 +24,7 @@ class Attention(nn.Module):
         """Flat q [T, H*D], k/v [T, KVH*D] -> [T, H*D]."""
         md = get_attention_metadata()
         T = q.shape[0]
-        if q.is_cuda:
+        if md.triton:
             from pagedllm.attention.triton_attention import forward
 
             return forward(

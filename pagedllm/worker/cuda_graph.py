@@ -65,6 +65,7 @@ class CudaGraphRunner:
             seq_lens=self.seq_lens[:b],
             work=self.work[:b],
             sliding_window=self.sliding_window,
+            triton=True,
             max_query_len=1,
             num_splits=self.num_splits.get(b, 1),
         )

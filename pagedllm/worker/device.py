@@ -16,6 +16,8 @@ logger = logging.getLogger(__name__)
 _RESERVED_TOKENS = 8192
 _RESERVED_ROWS = 256
 _MARGIN_BYTES = 512 << 20
+# Multiprocessors assumed when the Triton kernels run under the interpreter (an H100/H200's).
+INTERPRETER_SMS = 132
 
 
 def activation_reserve_bytes(mc: ModelConfig) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import mmap
+import os
 import time
 from collections.abc import Callable
 
@@ -70,9 +71,11 @@ class ModelRunner:
         self.num_blocks = 0
         self.num_swap_blocks = 0
         # The native CPU attention kernel serves float32; other dtypes use the torch backend.
-        self.native_kernel = load_kernel() if self.dtype == torch.float32 and not self.is_cuda else None
+        # Triton attention on the GPU (and, for tests, on the CPU under Triton's interpreter).
+        self.triton_attention = self.is_cuda or os.environ.get("PAGEDLLM_ATTENTION_BACKEND", "").lower() == "triton"
+        self.native_kernel = load_kernel() if self.dtype == torch.float32 and not self.triton_attention else None
         self.query_tile = QUERY_TILE
-        if self.is_cuda:
+        if self.triton_attention:
             from pagedllm.attention.triton_attention import query_tile
 
             self.query_tile = query_tile(model_config.num_heads // model_config.num_kv_heads)
@@ -285,15 +288,16 @@ class ModelRunner:
         )
 
     def _gpu_attention_fields(self, batch: BatchArrays) -> dict[str, int]:
-        """Launch shape of the Triton kernel: longest work item, key-range splits (GPU only)."""
-        if not self.is_cuda:
+        """Launch shape of the Triton kernel: longest work item, key-range splits."""
+        if not self.triton_attention:
             return {}
         from pagedllm.attention.triton_attention import choose_num_splits
 
         counts = batch.work[:, 2]
         max_seq = int(batch.seq_lens.max()) if len(batch.seq_lens) else 0
-        splits = choose_num_splits(len(counts), self.model_config.num_kv_heads, max_seq, dev.num_sms(self.device))
-        return {"max_query_len": int(counts.max()) if len(counts) else 0, "num_splits": splits}
+        sms = dev.num_sms(self.device) if self.is_cuda else dev.INTERPRETER_SMS
+        splits = choose_num_splits(len(counts), self.model_config.num_kv_heads, max_seq, sms)
+        return {"max_query_len": int(counts.max()) if len(counts) else 0, "num_splits": splits, "triton": True}
 
     def _prompt_logprob_rows(
         self, states: list[RequestState], batch: BatchArrays
@@ -355,7 +359,7 @@ class ModelRunner:
             list(so.num_scheduled_tokens.values()),
             self.block_size,
             self.model_config.sliding_window,
-            build_groups=self.native_kernel is None and not self.is_cuda,
+            build_groups=self.native_kernel is None and not self.triton_attention,
             query_tile=self.query_tile,
         )
         hidden = self.cuda_graphs.run(batch) if self.cuda_graphs is not None else None
