@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -307,6 +308,8 @@ def greedy(model: str, prompts: list[str], tokens: int, **engine_args: Any) -> t
     tops = [[set(d) for d in (o.outputs[0].logprobs or [])] for o in outs]
     del llm
     gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return toks, tops, elapsed
 
 
@@ -367,6 +370,8 @@ def run_gpu_tests(timeout: int) -> dict:
 
 def check_targets(result: dict) -> dict:
     shape = (result.get("models") or {}).get("llama-8b") or {}
+    if "error" in shape:
+        return {"targets": TARGETS, "measured": {}}
     checks: dict[str, Any] = {}
     d64 = next((d for d in shape.get("decode", []) if d["batch"] == 64), None)
     if d64 is not None:
@@ -393,6 +398,18 @@ def environment() -> dict:
         env.update(gpu=props.name, gpu_memory_bytes=props.total_memory, sms=props.multi_processor_count,
                    cuda=torch.version.cuda)
     return env
+
+
+def guarded(fn, *args: Any) -> Any:
+    """fn(*args), or the error it raised (the check goes on with its other parts)."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - a failed part is recorded, not fatal
+        logger.exception("%s failed", getattr(fn, "__name__", fn))
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
 
 
 def write_json(path: str | Path, result: dict) -> Path:
@@ -441,16 +458,20 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer_dir = make_tiny_checkpoint(str(Path(tmp) / "tokenizer"), arch="llama")
         for m in models:
-            result["models"][m] = bench_shape(m, args, result["peaks"], tokenizer_dir, Path(tmp))
+            result["models"][m] = guarded(bench_shape, m, args, result["peaks"], tokenizer_dir, Path(tmp))
             print(m, json.dumps(result["models"][m], default=float), flush=True)
             write_json(args.out, result)
     if not args.skip_default_model:
-        result["default_model"] = bench_default_model(args)
+        result["default_model"] = guarded(bench_default_model, args)
     result.update(check_targets(result))
     result["seconds"] = time.perf_counter() - t_start
     print(f"wrote {write_json(args.out, result)} in {result['seconds']:.0f} s")
     tests = result["gpu_tests"]
-    return 1 if tests is not None and tests.get("returncode") != 0 else 0
+    failed = [k for k, v in {**result["models"], "default_model": result["default_model"]}.items()
+              if isinstance(v, dict) and "error" in v]
+    if failed:
+        print(f"gpu_check: failed parts: {failed} (errors in the JSON)", file=sys.stderr)
+    return 1 if failed or (tests is not None and tests.get("returncode") != 0) else 0
 
 
 if __name__ == "__main__":
