@@ -75,5 +75,9 @@ class RotaryEmbedding(nn.Module):
         return memo[1], memo[2]
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if q.is_cuda:
+            from pagedllm.attention.triton_fused import rotary
+
+            return rotary(positions, q, k, self.cos, self.sin, self.head_dim)
         cos, sin = self._lookup(positions)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -103,3 +103,29 @@ def test_fp8_write_matches_torch_rounding_bit_for_bit() -> None:
     want_v = (v.float() / 0.01).clamp(-448, 448).to(torch.float8_e4m3fn)
     assert torch.equal(kv[0].reshape(-1, KVH, D)[slots].view(torch.uint8), want_k.view(torch.uint8))
     assert torch.equal(kv[1].reshape(-1, KVH, D)[slots].view(torch.uint8), want_v.view(torch.uint8))
+
+
+def test_fused_norm_and_rotary_at_8b_sizes_match_the_torch_layers() -> None:
+    from transformers import LlamaConfig
+
+    from pagedllm.attention.triton_fused import rms_norm, rotary
+    from pagedllm.layers.rmsnorm import RMSNorm
+    from pagedllm.layers.rotary import RotaryEmbedding
+
+    torch.manual_seed(0)
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    norm = RMSNorm(4096, 1e-5, dt)
+    norm.weight.data = torch.randn(4096, dtype=dt)
+    x = torch.randn(3000, 4096, dtype=dt)
+    ref = norm(x)  # the CPU layer is the reference
+    got = rms_norm(x.to(dev), norm.weight.to(dev), 1e-5).cpu()
+    torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+    cfg = LlamaConfig(hidden_size=4096, num_attention_heads=H, num_key_value_heads=KVH,
+                      rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    rope = RotaryEmbedding(cfg, D, 8192, dt)
+    q, k = torch.randn(3000, H * D, dtype=dt), torch.randn(3000, KVH * D, dtype=dt)
+    pos = torch.randint(0, 8192, (3000,))
+    want_q, want_k = rope(pos, q, k)
+    got_q, got_k = rotary(pos.to(dev), q.to(dev), k.to(dev), rope.cos.to(dev), rope.sin.to(dev), D)
+    torch.testing.assert_close(got_q.cpu(), want_q, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(got_k.cpu(), want_k, atol=3e-2, rtol=3e-2)

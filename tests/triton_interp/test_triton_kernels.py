@@ -147,3 +147,42 @@ def test_num_splits_choice():
     assert ta.choose_num_splits(256, 8, 8192, 132) == 1  # enough programs already
     assert ta.choose_num_splits(1, 8, 100, 132) == 1  # too few keys to share
     assert ta.choose_num_splits(4, 8, 8192, 132) == 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_rms_norm_with_and_without_residual(dtype):
+    from pagedllm.attention.triton_fused import rms_norm
+    from pagedllm.layers.rmsnorm import RMSNorm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(96, 1e-5, dtype)
+    norm.weight.data = torch.randn(96).to(dtype)
+    x = torch.randn(7, 96).to(dtype)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+    torch.testing.assert_close(rms_norm(x, norm.weight, 1e-5), norm(x), **tol)
+    residual = torch.randn(7, 96).to(dtype)
+    h = x + residual
+    out = rms_norm(x, norm.weight, 1e-5, residual=residual)
+    assert torch.equal(residual, h)  # the sum is left in the residual buffer
+    torch.testing.assert_close(out, norm(h), **tol)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,dtype", [(9, 3, 64, torch.float32), (4, 2, 32, torch.float16)])
+def test_fused_rotary_matches_the_layer(heads, kv_heads, head_dim, dtype):
+    from transformers import LlamaConfig
+
+    from pagedllm.attention.triton_fused import rotary
+    from pagedllm.layers.rotary import RotaryEmbedding
+
+    config = LlamaConfig(hidden_size=heads * head_dim, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    rope = RotaryEmbedding(config, head_dim, 256, dtype)
+    torch.manual_seed(0)
+    qkv = torch.randn(11, (heads + 2 * kv_heads) * head_dim).to(dtype)
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    positions = torch.randint(0, 256, (11,))
+    got_q, got_k = rotary(positions, q, k, rope.cos, rope.sin, head_dim)
+    want_q, want_k = rope(positions, q, k)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 4e-3, "rtol": 4e-3}
+    torch.testing.assert_close(got_q, want_q, **tol)
+    torch.testing.assert_close(got_k, want_k, **tol)
