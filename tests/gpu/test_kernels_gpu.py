@@ -44,8 +44,7 @@ def reference(states, n, q, kv, window: int, bs: int) -> torch.Tensor:
     return torch.cat(outs)
 
 
-@pytest.mark.parametrize("bs", [16, 32, 64])
-@pytest.mark.parametrize("window", [0, 1000])
+@pytest.mark.parametrize("bs,window", [(16, 0), (32, 0), (64, 0), (16, 1000)])
 def test_mixed_batch_at_real_sizes(bs: int, window: int) -> None:
     from pagedllm.attention import triton_attention as ta
     from pagedllm.worker.device import num_sms
@@ -63,8 +62,8 @@ def test_mixed_batch_at_real_sizes(bs: int, window: int) -> None:
     ta.write_kv(kv, k, k, t(b.slot_mapping))
     assert torch.equal(kv[0].reshape(-1, KVH, D)[t(b.slot_mapping)], k)
     ref = reference(states, n, q, kv, window, bs)
-    splits = ta.choose_num_splits(len(b.work), KVH, int(b.seq_lens.max()), num_sms(dev))
-    for s in sorted({1, splits, 8}):
+    assert ta.choose_num_splits(len(b.work), KVH, int(b.seq_lens.max()), num_sms(dev)) == 1  # many programs
+    for s in (1, 8):  # the one-pass path, and the split path forced
         out = ta.paged_attention(q, kv, t(b.block_tables), t(b.query_start_loc), t(b.seq_lens), t(b.work),
                                  D**-0.5, window, int(b.work[:, 2].max()), s)
         torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
