@@ -152,6 +152,21 @@ def write_kv(
 
 
 @triton.jit
+def _work_rows(work_ptr, query_start_loc_ptr, w, kvh, QPK: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Work item w's request, first query token, token count and first flat row; and per program
+    row its query token (within the item), query head and flat token index."""
+    req = tl.load(work_ptr + w * 3)
+    q_first = tl.load(work_ptr + w * 3 + 1)
+    q_count = tl.load(work_ptr + w * 3 + 2)
+    q_begin = tl.load(query_start_loc_ptr + req)
+    offs_m = tl.arange(0, BLOCK_M)
+    q_tok = offs_m // QPK
+    head = kvh * QPK + offs_m % QPK
+    tok = (q_begin + q_first + q_tok).to(tl.int64)
+    return req, q_first, q_count, q_begin, q_tok, head, tok
+
+
+@triton.jit
 def _attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -189,10 +204,7 @@ def _attention_kernel(
     w = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    req = tl.load(work_ptr + w * 3)
-    q_first = tl.load(work_ptr + w * 3 + 1)
-    q_count = tl.load(work_ptr + w * 3 + 2)
-    q_begin = tl.load(query_start_loc_ptr + req)
+    req, q_first, q_count, q_begin, q_tok, head, tok = _work_rows(work_ptr, query_start_loc_ptr, w, kvh, QPK, BLOCK_M)
     q_end = tl.load(query_start_loc_ptr + req + 1)
     seq_len = tl.load(seq_lens_ptr + req)
     context = seq_len - (q_end - q_begin)  # tokens cached before this step's chunk
@@ -200,11 +212,8 @@ def _attention_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
     offs_n = tl.arange(0, TILE_N)
-    q_tok = offs_m // QPK
-    head = kvh * QPK + offs_m % QPK
     row_ok = q_tok < q_count
     d_ok = offs_d < HEAD_DIM
-    tok = (q_begin + q_first + q_tok).to(tl.int64)
     q = tl.load(
         q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
         mask=row_ok[:, None] & d_ok[None, :],
@@ -292,10 +301,7 @@ def _combine_splits_kernel(
 ):
     w = tl.program_id(0)
     kvh = tl.program_id(1)
-    req = tl.load(work_ptr + w * 3)
-    q_first = tl.load(work_ptr + w * 3 + 1)
-    q_count = tl.load(work_ptr + w * 3 + 2)
-    q_begin = tl.load(query_start_loc_ptr + req)
+    _, _, q_count, _, q_tok, head, tok = _work_rows(work_ptr, query_start_loc_ptr, w, kvh, QPK, BLOCK_M)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
     offs_s = tl.arange(0, NUM_SPLITS)
@@ -313,9 +319,6 @@ def _combine_splits_kernel(
         part = tl.load(part_out_ptr + ((first + s) * BLOCK_M + offs_m)[:, None] * D_PAD + offs_d[None, :])
         acc += wt[:, None] * part
     out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
-    q_tok = offs_m // QPK
-    head = kvh * QPK + offs_m % QPK
-    tok = (q_begin + q_first + q_tok).to(tl.int64)
     tl.store(
         out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
         out.to(out_ptr.dtype.element_ty),
@@ -358,6 +361,8 @@ def paged_attention(
     fp8 = kv_cache.dtype == torch.float8_e4m3fn
     cache = kv_cache.view(torch.uint8) if fp8 else kv_cache
     splits = max(1, int(num_splits))
+    if splits & (splits - 1):
+        raise ValueError(f"num_splits={num_splits} must be a power of 2")
     if splits > 1:
         part_out = torch.empty(W * kvh * splits * block_m, d_pad, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(W * kvh * splits * block_m, 2, dtype=torch.float32, device=q.device)
