@@ -47,3 +47,38 @@ def test_engine_on_triton_attention_matches_the_torch_backend(tiny_model_dir, mo
                 assert dl.keys() == dr.keys()
                 for tok in dl:
                     assert dl[tok].logprob == pytest.approx(dr[tok].logprob, abs=1e-4)
+
+
+class _EagerReplay:
+    """Stands in for a captured CUDA graph on the CPU: replaying re-runs the captured forward
+    pass on the static buffers, which is what a graph replay computes."""
+
+    def __init__(self, graphs, size: int) -> None:
+        self.graphs, self.size = graphs, size
+
+    def replay(self) -> None:
+        self.graphs.outputs[self.size] = self.graphs._forward(self.size)
+
+
+def test_decode_steps_through_padded_static_buffers_match_eager(tiny_model_dir, monkeypatch) -> None:
+    """The CUDA-graph input path (static buffers, padding rows with slot -1 and length 0) gives
+    the eager path's tokens: padding writes no KV and disturbs no real row."""
+    from pagedllm.worker.cuda_graph import CudaGraphRunner
+
+    monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", "triton")
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    eager = LLM(tiny_model_dir, dtype="float32", device="cpu", num_kv_blocks=48, seed=0)
+    want = [o.outputs[0].token_ids for o in eager.generate(PROMPTS, params, use_tqdm=False)]
+
+    llm = LLM(tiny_model_dir, dtype="float32", device="cpu", num_kv_blocks=48, seed=0)
+    runner = llm.llm_engine.executor.runner
+    graphs = CudaGraphRunner(runner.model, (1, 2, 8), max_blocks_per_seq=32, sliding_window=0,
+                             num_splits={8: 2}, device=runner.device)
+    graphs.graphs = {b: _EagerReplay(graphs, b) for b in graphs.sizes}
+    runner.cuda_graphs = graphs
+    replays = []
+    original = graphs.run
+    graphs.run = lambda batch: replays.append(len(batch.input_ids)) or original(batch)  # type: ignore[method-assign]
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert got == want
+    assert 4 in replays  # four decodes padded to the size-8 buffers
