@@ -38,6 +38,14 @@ _MAX_SPLITS = 16
 _LOG2E = 1.4426950408889634
 
 
+def check_block_size(block_size: int) -> None:
+    """The kernel reads blocks in tiles of 64 keys: block sizes must be powers of 2 up to 64."""
+    if block_size > _TILE_N or block_size & (block_size - 1):
+        raise ValueError(
+            f"block_size={block_size} is not supported by the Triton attention kernel (GPU): use 16, 32 or 64"
+        )
+
+
 def query_tile(num_queries_per_kv: int) -> int:
     """Query tokens per work item, so that one program holds about 64 rows (tokens x heads)."""
     return max(1, _TARGET_ROWS // num_queries_per_kv)
@@ -348,8 +356,7 @@ def paged_attention(
     """
     T, H, D = q.shape
     _, _, bs, kvh, _ = kv_cache.shape
-    if bs > _TILE_N or _TILE_N % bs:
-        raise ValueError(f"block_size={bs} is not supported by the Triton attention kernel (powers of 2 up to 64)")
+    check_block_size(bs)
     qpk = H // kvh
     out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
     W = work.shape[0]

@@ -76,8 +76,9 @@ class ModelRunner:
         self.native_kernel = load_kernel() if self.dtype == torch.float32 and not self.triton_attention else None
         self.query_tile = QUERY_TILE
         if self.triton_attention:
-            from pagedllm.attention.triton_attention import query_tile
+            from pagedllm.attention.triton_attention import check_block_size, query_tile
 
+            check_block_size(self.block_size)
             self.query_tile = query_tile(model_config.num_heads // model_config.num_kv_heads)
 
     # ---- set-up ---------------------------------------------------------------------------

@@ -82,3 +82,9 @@ def test_decode_steps_through_padded_static_buffers_match_eager(tiny_model_dir, 
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     assert got == want
     assert 4 in replays  # four decodes padded to the size-8 buffers
+
+
+def test_block_sizes_the_kernel_cannot_read_are_refused_at_start(tiny_model_dir, monkeypatch) -> None:
+    monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", "triton")
+    with pytest.raises(ValueError, match="block_size=128"):
+        LLM(tiny_model_dir, dtype="float32", device="cpu", block_size=128, num_kv_blocks=8)
