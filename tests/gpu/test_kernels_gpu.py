@@ -97,9 +97,10 @@ def test_fp8_write_matches_torch_rounding_bit_for_bit() -> None:
     k = torch.randn(512, KVH, D, device=dev, dtype=torch.bfloat16) * 50
     v = torch.randn(512, KVH, D, device=dev, dtype=torch.bfloat16) / 100
     slots = torch.randperm(64 * 16, device=dev)[:512]
-    ta.write_kv(kv, k, v, slots, k_scale=0.25, v_scale=0.01)
+    # Power-of-2 scales: the division is exact, so the rounding to fp8 alone is compared.
+    ta.write_kv(kv, k, v, slots, k_scale=0.25, v_scale=2.0**-7)
     want_k = (k.float() / 0.25).clamp(-448, 448).to(torch.float8_e4m3fn)
-    want_v = (v.float() / 0.01).clamp(-448, 448).to(torch.float8_e4m3fn)
+    want_v = (v.float() / 2.0**-7).clamp(-448, 448).to(torch.float8_e4m3fn)
     assert torch.equal(kv[0].reshape(-1, KVH, D)[slots].view(torch.uint8), want_k.view(torch.uint8))
     assert torch.equal(kv[1].reshape(-1, KVH, D)[slots].view(torch.uint8), want_v.view(torch.uint8))
 
