@@ -84,6 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--agreement-tokens", type=int, default=16, help="greedy tokens per prompt")
     p.add_argument("--tests-timeout", type=int, default=150, help="seconds for pytest -m gpu")
     p.add_argument("--skip-default-model", action="store_true", help="no default-model agreement and throughput")
+    p.add_argument("--report", default=None, metavar="JSON",
+                   help="print the figures of a gpu_check JSON as markdown tables (for docs/benchmarks.md) and exit")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                    help="cpu: a smoke run of this script's whole path (small shapes only)")
     args = p.parse_args(argv)
@@ -430,8 +432,59 @@ def write_json(path: str | Path, result: dict) -> Path:
     return path
 
 
+def _pct(x: float | None) -> str:
+    return "—" if x is None else f"{100 * x:.0f}%"
+
+
+def markdown_report(result: dict) -> str:
+    """The figures of one run as markdown tables."""
+    env, peaks = result.get("environment", {}), result.get("peaks") or {}
+    lines = [f"GPU: {env.get('gpu', '?')}, torch {env.get('torch')}, triton {env.get('triton')}; measured peaks: "
+             f"copy {peaks.get('copy_bytes_per_s', 0) / 1e12:.2f} TB/s, bf16 matmul "
+             f"{peaks.get('bf16_matmul_flops', 0) / 1e12:.0f} TFLOP/s.", ""]
+    tests = result.get("gpu_tests") or {}
+    if tests:
+        lines += [f"GPU tests: {tests.get('summary', '?')}", ""]
+    lines += ["| model | batch | decode tok/s | step ms | HBM roofline (engine) | forward ms (graph) | HBM roofline (forward) |",
+              "|---|---|---|---|---|---|---|"]
+    for name, m in (result.get("models") or {}).items():
+        if not isinstance(m, dict) or "decode" not in m:
+            lines.append(f"| {name} | failed: {(m or {}).get('error', 'not run') if isinstance(m, dict) else 'not run'} |||||")
+            continue
+        for d in m["decode"]:
+            fwd = d.get("forward_ms")
+            lines.append(f"| {name} | {d['batch']} | {d['tok_per_s']:.0f} | {d['step_ms']:.2f} | {_pct(d['hbm_fraction'])} | "
+                         f"{'—' if fwd is None else f'{fwd:.2f}'} | {_pct(d.get('forward_hbm_fraction'))} |")
+    lines += ["", "| model | prefill | tok/s | MFU (of measured peak) | graphs vs eager, batch 1 (engine / forward) | graph capture s |",
+              "|---|---|---|---|---|---|"]
+    for name, m in (result.get("models") or {}).items():
+        if isinstance(m, dict) and "prefill" in m:
+            p = m["prefill"]
+            fwd = m.get("cuda_graph_forward_speedup_batch1")
+            eng = m.get("cuda_graph_speedup_batch1")
+            cap = m.get("cuda_graph_capture_s")
+            lines.append(f"| {name} | {p['prompts']} x {p['prompt_len']} | {p['tok_per_s']:.0f} | {_pct(p['mfu_fraction'])} | "
+                         f"{'—' if eng is None else f'{eng:.2f}x'} / {'—' if fwd is None else f'{fwd:.2f}x'} | "
+                         f"{'—' if cap is None else f'{cap:.1f}'} |")
+    dm = result.get("default_model")
+    if isinstance(dm, dict):
+        lines.append("")
+        if "skipped" in dm or "error" in dm:
+            lines.append(f"Default model: {dm.get('skipped') or dm.get('error')}")
+        else:
+            for key, a in dm.items():
+                if isinstance(a, dict) and "exact_fraction" in a:
+                    lines.append(f"Default model, {key} vs CPU float32 on {a['prompts']} prompts: "
+                                 f"{_pct(a['exact_fraction'])} identical, {_pct(a['close_fraction'])} within the "
+                                 f"top-5 rule, {_pct(a['mean_matched_prefix_fraction'])} of tokens before the first difference.")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.report:
+        print(markdown_report(json.loads(Path(args.report).read_text())))
+        return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     t_start = time.perf_counter()
     models = [m for m in args.models.split(",") if m]

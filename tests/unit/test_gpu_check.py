@@ -66,3 +66,5 @@ def test_cpu_smoke_run_of_the_whole_benchmark_path(gpu_check, tmp_path: Path, on
     assert all(d["tok_per_s"] > 0 and d["hbm_fraction"] > 0 for d in tiny["decode"])
     assert tiny["eager_batch1"]["batch"] == 1 and tiny["cuda_graph_speedup_batch1"] > 0
     assert tiny["prefill"]["prompts"] == 2 and tiny["prefill"]["mfu_fraction"] > 0
+    report = gpu_check.markdown_report(json.loads(out.read_text()))
+    assert "| tiny | 2 |" in report and "| tiny | 2 x 16 |" in report
