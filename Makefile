@@ -10,7 +10,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: install serve generate test test-fast peers clean
+.PHONY: install serve generate test test-fast gpu-check gpu-check-dry-run peers clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,19 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+# The device check, on a machine with an NVIDIA GPU and torch + triton preinstalled: runs from the
+# source tree with that machine's python (no install, no network), about 4 minutes on an H200.
+# Writes benchmarks/results/gpu_check.json (GPU tests, decode/prefill throughput against the
+# measured rooflines, greedy agreement with the CPU). See benchmarks/gpu_check.py and docs/gpu.md.
+GPU_PYTHON ?= python3
+GPU_CHECK_ARGS ?=
+
+gpu-check:
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 $(GPU_PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+
+gpu-check-dry-run:
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) benchmarks/gpu_check.py --dry-run --out /tmp/gpu_check_dry_run.json
 
 # vLLM's CPU build in its own environment, for `pagedllm bench ... --backend/--launch vllm`
 # (about 5 minutes and 3.4 GB once; a no-op afterwards).

@@ -9,6 +9,8 @@ from typing import Any
 SCHEDULING_POLICIES = ("fcfs", "priority", "srtf", "fair")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass(frozen=True)
@@ -116,10 +118,15 @@ class ModelConfig:
     """Seed of the engine's default random generator (unseeded requests)."""
     tokenizer: str | None = None
     """Tokenizer folder, when it differs from the model's."""
+    load_format: str = "auto"
+    """'auto' reads the weights from `path`; 'dummy' fills them with small random values (benchmarks
+    of a model shape from its config.json alone)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
 
     @property
     def vocab_size(self) -> int:
@@ -151,7 +158,35 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class DeviceConfig:
+    """Where the model runs, and the GPU-only options."""
+
+    device: str = "cpu"
+    """'cpu' or 'cuda' (resolved from 'auto' by EngineArgs)."""
+    gpu_memory_utilization: float = 0.9
+    """Share of the GPU's total memory this engine may use (weights, activations, KV cache)."""
+    cuda_graph_sizes: tuple[int, ...] = ()
+    """Batch sizes of decode-only steps captured as CUDA graphs; larger decode batches run eagerly,
+    smaller ones are padded to the next size."""
+    enforce_eager: bool = False
+    """Never use CUDA graphs."""
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if any(s < 1 for s in self.cuda_graph_sizes):
+            raise ValueError(f"cuda_graph_sizes must be positive, got {list(self.cuda_graph_sizes)}")
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        return self.device == "cuda" and not self.enforce_eager and bool(self.cuda_graph_sizes)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
+    device_config: DeviceConfig = field(default_factory=DeviceConfig)

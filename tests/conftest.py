@@ -2,7 +2,27 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# Triton interpreter tests need TRITON_INTERPRET=1 before triton's import: they run in their own
+# process (tests/unit/test_triton_interpreter.py), never in this one.
+collect_ignore = [] if os.environ.get("TRITON_INTERPRET") == "1" else ["triton_interp"]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `gpu` are skipped where torch sees no CUDA device."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in gpu_items:
+        item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

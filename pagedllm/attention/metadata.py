@@ -47,6 +47,11 @@ class AttentionMetadata:
     groups: list[AttentionGroup] = field(default_factory=list)
     # The compiled native kernel, or None to use the torch backend.
     native: Any = None
+    # Triton backend (GPU): on/off, largest query count of a work item, and programs per work
+    # item sharing its key range (1: no split).
+    triton: bool = False
+    max_query_len: int = 0
+    num_splits: int = 1
 
 
 _CURRENT: AttentionMetadata | None = None

@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.config import (
+    DEVICES,
     DTYPES,
     PREEMPTION_MODES,
     SCHEDULING_POLICIES,
     CacheConfig,
+    DeviceConfig,
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
@@ -59,6 +61,38 @@ def parse_user_weights(text: str | dict[str, float]) -> dict[str, float]:
     return weights
 
 
+def parse_sizes(text: str | list[int] | tuple[int, ...]) -> list[int]:
+    """'1,2,4,8' (or a list) -> [1, 2, 4, 8]: positive integers, sorted, without repeats."""
+    items = list(text) if isinstance(text, (list, tuple)) else [p for p in str(text).replace(" ", "").split(",") if p]
+    try:
+        sizes = sorted({int(x) for x in items})
+    except ValueError:
+        raise ValueError(f"cannot read {text!r} as a list of batch sizes (e.g. 1,2,4,8)") from None
+    if any(s < 1 for s in sizes):
+        raise ValueError(f"batch sizes must be positive, got {text!r}")
+    return sizes
+
+
+def default_cuda_graph_sizes(max_num_seqs: int) -> list[int]:
+    """vLLM's capture sizes: 1, 2, 4, then multiples of 8, up to max_num_seqs (at most 512)."""
+    sizes = [1, 2, 4, *range(8, 513, 8)]
+    return [s for s in sizes if s <= max_num_seqs] or [1]
+
+
+def resolve_device(device: str) -> str:
+    """'auto' -> 'cuda' when torch sees a GPU, else 'cpu'; 'cuda' without a GPU is an error."""
+    import torch
+
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+    has_cuda = torch.cuda.is_available()
+    if device == "cuda" and not has_cuda:
+        raise ValueError("device='cuda' but torch sees no CUDA GPU (use --device cpu or auto)")
+    if device == "auto":
+        return "cuda" if has_cuda else "cpu"
+    return device
+
+
 def arg(
     default: Any,
     help: str,
@@ -95,14 +129,14 @@ class EngineArgs:
         shown_default="smollm2-135m-instruct")
     tokenizer: str | None = arg(None, "tokenizer folder, if not the model's", shown_default="model's")
     served_model_name: str | None = arg(None, "model name reported to clients", shown_default="model's name")
-    dtype: str = arg("auto", "compute dtype (auto: float32 on CPU)",
+    dtype: str = arg("auto", "compute dtype (auto: float32 on CPU, bfloat16 on GPU)",
                      choices=("auto", *DTYPES))
     max_model_len: int | None = arg(None, "longest prompt + output", parse=int, shown_default="model's")
     seed: int = arg(0, "seed for unseeded sampling", parse=int)
     block_size: int = arg(16, "tokens per KV cache block", parse=int)
     kv_cache_memory: int | None = arg(
         None, "bytes for the KV cache, e.g. 2GiB", parse=parse_size,
-        shown_default="30% of free memory, at most 4 GiB")
+        shown_default="CPU: 30% of free memory, at most 4 GiB; GPU: what --gpu-memory-utilization leaves")
     num_kv_blocks: int | None = arg(None, "exact number of KV cache blocks (overrides --kv-cache-memory)",
                                     flags=("--num-gpu-blocks-override",), parse=int)
     enable_prefix_caching: bool = arg(True, "reuse cached KV blocks of shared prefixes")
@@ -125,6 +159,13 @@ class EngineArgs:
         shown_default="all 1")
     max_waiting_steps: int = arg(10_000, "aging: steps after which a waiting request goes before all others",
                                  parse=int)
+    device: str = arg("auto", "where the model runs (auto: cuda when torch sees a GPU, else cpu)", choices=DEVICES)
+    gpu_memory_utilization: float = arg(
+        0.9, "GPU: share of the GPU's memory for weights, activations and the KV cache", parse=float)
+    cuda_graph_sizes: list[int] | None = arg(
+        None, "GPU: decode batch sizes captured as CUDA graphs, e.g. 1,2,4,8", parse=parse_sizes,
+        shown_default="1,2,4,8,16,... up to --max-num-seqs (at most 512)")
+    enforce_eager: bool = arg(False, "GPU: never use CUDA graphs")
 
     def __post_init__(self) -> None:
         # Values given from Python go through the same parsers as the command line, so
@@ -132,7 +173,7 @@ class EngineArgs:
         for f in dataclasses.fields(self):
             parse = f.metadata.get("parse")
             value = getattr(self, f.name)
-            if parse is not None and isinstance(value, (str, dict)) and value is not None:
+            if parse is not None and isinstance(value, (str, dict, list, tuple)) and value is not None:
                 try:
                     setattr(self, f.name, parse(value))
                 except (TypeError, ValueError) as e:
@@ -211,7 +252,8 @@ class EngineArgs:
             raise ValueError(
                 f"max_model_len={max_model_len} is larger than the model's max_position_embeddings={max_pos}"
             )
-        dtype = "float32" if self.dtype == "auto" else self.dtype
+        device = resolve_device(self.device)
+        dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
         model_config = ModelConfig(
             model=self.model or source.name,
             kind=source.kind,
@@ -244,4 +286,12 @@ class EngineArgs:
             user_weights=dict(self.user_weights),
             max_waiting_steps=self.max_waiting_steps,
         )
-        return EngineConfig(model_config, cache_config, scheduler_config)
+        graph_sizes = self.cuda_graph_sizes if self.cuda_graph_sizes is not None else default_cuda_graph_sizes(
+            self.max_num_seqs)
+        device_config = DeviceConfig(
+            device=device,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            cuda_graph_sizes=tuple(s for s in graph_sizes if s <= self.max_num_seqs),
+            enforce_eager=self.enforce_eager,
+        )
+        return EngineConfig(model_config, cache_config, scheduler_config, device_config)

@@ -36,7 +36,7 @@ class LLMEngine:
         self.model_config = mc
         source = resolve_model(mc.tokenizer or mc.path)
         self.tokenizer = TokenizerWrapper(load_tokenizer(source))
-        self.executor = InProcessExecutor(mc, cc)
+        self.executor = InProcessExecutor(mc, cc, config.device_config)
         num_blocks = self.executor.determine_num_blocks()
         self.executor.initialize_kv_cache(num_blocks)
         # The host swap pool exists only for preemption modes that can swap.

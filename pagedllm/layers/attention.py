@@ -24,11 +24,12 @@ class Attention(nn.Module):
         """Flat q [T, H*D], k/v [T, KVH*D] -> [T, H*D]."""
         md = get_attention_metadata()
         T = q.shape[0]
-        return paged_attention(
-            q.view(T, self.num_heads, self.head_dim),
-            k.view(T, self.num_kv_heads, self.head_dim),
-            v.view(T, self.num_kv_heads, self.head_dim),
-            self.kv_cache,
-            md,
-            self.scale,
-        )
+        q3 = q.view(T, self.num_heads, self.head_dim)
+        k3 = k.view(T, self.num_kv_heads, self.head_dim)
+        v3 = v.view(T, self.num_kv_heads, self.head_dim)
+        if md.triton:
+            from pagedllm.attention.triton_attention import forward
+
+            scales = float(getattr(self, "k_scale", 1.0)), float(getattr(self, "v_scale", 1.0))
+            return forward(q3, k3, v3, self.kv_cache, md, self.scale, *scales)
+        return paged_attention(q3, k3, v3, self.kv_cache, md, self.scale)

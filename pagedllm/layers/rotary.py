@@ -33,13 +33,16 @@ _LOOKUP: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 def _cos_sin(config, head_dim: int, max_position: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """[max_position, head_dim] cos and sin, computed once and shared by every layer."""
     params = getattr(config, "rope_parameters", None) or {}
-    key = (head_dim, max_position, dtype, repr(sorted(params.items())), getattr(config, "rope_theta", None))
+    device = torch.empty(0).device  # where the model is being built (torch.device context)
+    key = (head_dim, max_position, dtype, repr(sorted(params.items())), getattr(config, "rope_theta", None), device)
     if key not in _CACHE:
-        inv_freq, scaling = _inv_freq(config, head_dim)
-        t = torch.arange(max_position, dtype=torch.int64).float()
-        emb = torch.cat((torch.outer(t, inv_freq),) * 2, dim=-1)
-        # In the model dtype, as the reference casts them before use.
-        _CACHE[key] = ((emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype))
+        with torch.device("cpu"):  # computed on the CPU whatever the model's device, then moved
+            inv_freq, scaling = _inv_freq(config, head_dim)
+            t = torch.arange(max_position, dtype=torch.int64).float()
+            emb = torch.cat((torch.outer(t, inv_freq),) * 2, dim=-1)
+            # In the model dtype, as the reference casts them before use.
+            cos, sin = (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+        _CACHE[key] = (cos.to(device), sin.to(device))
     return _CACHE[key]
 
 
@@ -72,5 +75,9 @@ class RotaryEmbedding(nn.Module):
         return memo[1], memo[2]
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if q.is_cuda:
+            from pagedllm.attention.triton_fused import rotary
+
+            return rotary(positions, q, k, self.cos, self.sin, self.head_dim)
         cos, sin = self._lookup(positions)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import mmap
+import os
 import time
 from collections.abc import Callable
 
@@ -14,11 +15,13 @@ import torch
 
 from pagedllm.attention.cpu_kernel import QUERY_TILE, load_kernel
 from pagedllm.attention.metadata import AttentionGroup, AttentionMetadata, set_attention_metadata
-from pagedllm.config import CacheConfig, ModelConfig
+from pagedllm.config import CacheConfig, DeviceConfig, ModelConfig
 from pagedllm.core.scheduler_output import Logprobs, ModelRunnerOutput, SchedulerOutput
 from pagedllm.layers.attention import Attention
 from pagedllm.models.loader import ModelSource, iterate_weights
 from pagedllm.models.registry import get_model_class
+from pagedllm.worker import device as dev
+from pagedllm.worker.cuda_graph import CudaGraphRunner
 from pagedllm.worker.input_batch import BatchArrays, RequestState, build_batch
 from pagedllm.worker.sampler import Sampler, SamplingMetadata, SamplingRow, compute_topk_logprobs
 
@@ -42,12 +45,18 @@ def _best_time(fn: Callable[[], object], reps: int = 5) -> float:
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig) -> None:
+    def __init__(
+        self, model_config: ModelConfig, cache_config: CacheConfig, device_config: DeviceConfig | None = None
+    ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
         self.dtype = _DTYPES[model_config.dtype]
-        self.device = torch.device("cpu")
+        # ---- device: chosen once; every tensor of a step is created on it ----
+        self.device_config = device_config or DeviceConfig()
+        self.device = torch.device(self.device_config.device)
+        self.is_cuda = self.device.type == "cuda"
+        self.cuda_graphs: CudaGraphRunner | None = None
         self.requests: dict[str, RequestState] = {}
         self.generators: dict[str, torch.Generator] = {}
         # req_id -> prompt positions whose prompt logprobs were already returned; kept across a
@@ -62,7 +71,15 @@ class ModelRunner:
         self.num_blocks = 0
         self.num_swap_blocks = 0
         # The native CPU attention kernel serves float32; other dtypes use the torch backend.
-        self.native_kernel = load_kernel() if self.dtype == torch.float32 else None
+        # Triton attention on the GPU (and, for tests, on the CPU under Triton's interpreter).
+        self.triton_attention = self.is_cuda or os.environ.get("PAGEDLLM_ATTENTION_BACKEND", "").lower() == "triton"
+        self.native_kernel = load_kernel() if self.dtype == torch.float32 and not self.triton_attention else None
+        self.query_tile = QUERY_TILE
+        if self.triton_attention:
+            from pagedllm.attention.triton_attention import check_block_size, query_tile
+
+            check_block_size(self.block_size)
+            self.query_tile = query_tile(model_config.num_heads // model_config.num_kv_heads)
 
     # ---- set-up ---------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -71,8 +88,11 @@ class ModelRunner:
         cls = get_model_class(mc.hf_config)
         with torch.device(self.device):
             model = cls(mc.hf_config, dtype=self.dtype)
-        source = ModelSource(kind=mc.kind, path=mc.path, name=mc.served_model_name)  # type: ignore[arg-type]
-        model.load_weights(iterate_weights(source))
+        if mc.load_format == "dummy":
+            dev.initialize_dummy_weights(model, mc.seed)
+        else:
+            source = ModelSource(kind=mc.kind, path=mc.path, name=mc.served_model_name)  # type: ignore[arg-type]
+            model.load_weights(iterate_weights(source))
         model.eval()
         self.model = model
         n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
@@ -91,6 +111,8 @@ class ModelRunner:
         if cc.num_kv_blocks is not None:
             return cc.num_kv_blocks
         budget = cc.kv_cache_memory
+        if budget is None and self.is_cuda:
+            budget = dev.gpu_kv_cache_budget(self.device, self.device_config.gpu_memory_utilization, self.model_config)
         if budget is None:
             budget = min(int(psutil.virtual_memory().available * _DEFAULT_KV_FRACTION), _DEFAULT_KV_MAX_BYTES)
         num_blocks = budget // per_block
@@ -109,6 +131,25 @@ class ModelRunner:
         for layer in attn_layers:
             layer.kv_cache = self.kv_caches[layer.layer_idx]
         self.num_blocks = num_blocks
+        if self.device_config.use_cuda_graphs:
+            self.capture_cuda_graphs()
+
+    def capture_cuda_graphs(self) -> None:
+        """Decode-only steps at the configured padded batch sizes, captured once (GPU only)."""
+        from pagedllm.attention.triton_attention import choose_num_splits
+
+        mc = self.model_config
+        sizes = self.device_config.cuda_graph_sizes
+        sms = dev.num_sms(self.device)
+        self.cuda_graphs = CudaGraphRunner(
+            self.model,  # type: ignore[arg-type]
+            sizes,
+            max_blocks_per_seq=-(-mc.max_model_len // self.block_size),
+            sliding_window=mc.sliding_window or 0,
+            num_splits={b: choose_num_splits(b, mc.num_kv_heads, mc.max_model_len, sms) for b in sizes},
+            device=self.device,
+        )
+        self.cuda_graphs.capture()
 
     def determine_num_swap_blocks(self) -> int:
         """Blocks that fit in `swap_space` GiB of host memory."""
@@ -120,7 +161,8 @@ class ModelRunner:
         (lazily committed, so unused swap space costs no memory)."""
         mc = self.model_config
         shape = (2, num_swap_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
-        self.swap_caches = [self._zeroed(shape) for _ in self.kv_caches] if num_swap_blocks else []
+        make = (lambda: dev.pinned_zeros(shape, self.dtype)) if self.is_cuda else (lambda: self._zeroed(shape))
+        self.swap_caches = [make() for _ in self.kv_caches] if num_swap_blocks else []
         self.num_swap_blocks = num_swap_blocks
 
     def _move_blocks(self, so: SchedulerOutput) -> None:
@@ -142,14 +184,19 @@ class ModelRunner:
         if not moves:
             return
         index = [
-            (torch.tensor([p[0] for p in pairs]), torch.tensor([p[1] for p in pairs]), src_pool, dst_pool)
+            (
+                torch.tensor([p[0] for p in pairs], device=src_pool[0].device),
+                torch.tensor([p[1] for p in pairs], device=dst_pool[0].device),
+                src_pool,
+                dst_pool,
+            )
             for pairs, src_pool, dst_pool in moves
         ]
         for layer in range(len(self.kv_caches)):
             # Cache layout [2, num_blocks, block_size, heads, head_dim]: blocks on dim 1.
             data = [src_pool[layer].index_select(1, src) for src, _, src_pool, _ in index]
             for (_, dst, _, dst_pool), d in zip(index, data):
-                dst_pool[layer].index_copy_(1, dst, d)
+                dst_pool[layer].index_copy_(1, dst, d.to(dst_pool[layer].device))
 
     def flops_per_token(self) -> float:
         """Linear-layer work of one token through the decoder layers (2 FLOPs per weight)."""
@@ -163,20 +210,23 @@ class ModelRunner:
         through the real swap path (its contents are garbage before the first request anyway).
         """
         hidden = int(self.model_config.hf_config.hidden_size)
-        a = torch.randn(256, hidden, dtype=self.dtype)
-        b = torch.randn(hidden, 4 * hidden, dtype=self.dtype)
-        flops = 2.0 * 256 * hidden * 4 * hidden / _best_time(lambda: torch.mm(a, b))
+        a = torch.randn(256, hidden, dtype=self.dtype, device=self.device)
+        b = torch.randn(hidden, 4 * hidden, dtype=self.dtype, device=self.device)
+        sync = torch.cuda.synchronize if self.is_cuda else (lambda: None)
+        flops = 2.0 * 256 * hidden * 4 * hidden / _best_time(lambda: (torch.mm(a, b), sync()))
         k = min(16, self.num_blocks, self.num_swap_blocks)
         if k == 0:
             return flops, 1.0  # no swap pool: nothing can be swapped, whatever the rate
         pairs = [(i, i) for i in range(k)]
         so = SchedulerOutput([], [], {}, 0, blocks_to_swap_out=pairs, blocks_to_swap_in=pairs)
         per_block = self.model_config.kv_bytes_per_token() * self.block_size
-        copy = 2.0 * k * per_block / _best_time(lambda: self._move_blocks(so))
+        copy = 2.0 * k * per_block / _best_time(lambda: (self._move_blocks(so), sync()))
         return flops, copy
 
     def _zeroed(self, shape: tuple[int, ...]) -> torch.Tensor:
         """A zero tensor on anonymous memory: instant to create, pages committed on first write."""
+        if self.is_cuda:
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
         nbytes = math.prod(shape) * torch.empty(0, dtype=self.dtype).element_size()
         buf = mmap.mmap(-1, nbytes)
         self._kv_buffers.append(buf)
@@ -192,7 +242,7 @@ class ModelRunner:
         for new in so.new_reqs:
             params = new.sampling_params
             if params.seed is not None and new.req_id not in self.generators:
-                self.generators[new.req_id] = torch.Generator().manual_seed(params.seed)
+                self.generators[new.req_id] = torch.Generator(device=self.device).manual_seed(params.seed)
             self.requests[new.req_id] = RequestState(
                 req_id=new.req_id,
                 token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
@@ -211,7 +261,7 @@ class ModelRunner:
 
     def _attention_metadata(self, batch: BatchArrays) -> AttentionMetadata:
         def t(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a)
+            return torch.from_numpy(a).to(self.device, non_blocking=True)
 
         groups = [
             AttentionGroup(
@@ -235,7 +285,20 @@ class ModelRunner:
             sliding_window=self.model_config.sliding_window or 0,
             groups=groups,
             native=self.native_kernel,
+            **self._gpu_attention_fields(batch),
         )
+
+    def _gpu_attention_fields(self, batch: BatchArrays) -> dict[str, int]:
+        """Launch shape of the Triton kernel: longest work item, key-range splits."""
+        if not self.triton_attention:
+            return {}
+        from pagedllm.attention.triton_attention import choose_num_splits
+
+        counts = batch.work[:, 2]
+        max_seq = int(batch.seq_lens.max()) if len(batch.seq_lens) else 0
+        sms = dev.num_sms(self.device) if self.is_cuda else dev.INTERPRETER_SMS
+        splits = choose_num_splits(len(counts), self.model_config.num_kv_heads, max_seq, sms)
+        return {"max_query_len": int(counts.max()) if len(counts) else 0, "num_splits": splits, "triton": True}
 
     def _prompt_logprob_rows(
         self, states: list[RequestState], batch: BatchArrays
@@ -279,7 +342,7 @@ class ModelRunner:
                 eos_token_ids=parent.eos_token_ids,
             )
             if f.sampling_params.seed is not None and f.req_id not in self.generators:
-                self.generators[f.req_id] = torch.Generator().manual_seed(f.sampling_params.seed)
+                self.generators[f.req_id] = torch.Generator(device=self.device).manual_seed(f.sampling_params.seed)
             self.requests[f.req_id] = child
             out.append((i, child))
         return out
@@ -297,12 +360,17 @@ class ModelRunner:
             list(so.num_scheduled_tokens.values()),
             self.block_size,
             self.model_config.sliding_window,
-            build_groups=self.native_kernel is None,
-            query_tile=QUERY_TILE,
+            build_groups=self.native_kernel is None and not self.triton_attention,
+            query_tile=self.query_tile,
         )
-        md = self._attention_metadata(batch)
-        with set_attention_metadata(md):
-            hidden = self.model(torch.from_numpy(batch.input_ids), torch.from_numpy(batch.positions))  # type: ignore[misc]
+        hidden = self.cuda_graphs.run(batch) if self.cuda_graphs is not None else None
+        if hidden is None:
+            md = self._attention_metadata(batch)
+            with set_attention_metadata(md):
+                hidden = self.model(  # type: ignore[misc]
+                    torch.from_numpy(batch.input_ids).to(self.device, non_blocking=True),
+                    torch.from_numpy(batch.positions).to(self.device, non_blocking=True),
+                )
 
         # Rows to sample: each request that completes its tokens, then each forked sample, which
         # samples from its parent's row with its own parameters and generator.
@@ -313,7 +381,7 @@ class ModelRunner:
         new_tokens: dict[str, list[int]] = {}
         logprobs: dict[str, Logprobs] = {}
         if sample_states:
-            rows_t = torch.tensor(sample_rows, dtype=torch.long)
+            rows_t = torch.tensor(sample_rows, dtype=torch.long).to(self.device, non_blocking=True)
             logits = self.model.compute_logits(hidden[rows_t])  # type: ignore[union-attr]
             rows = [
                 SamplingRow(
@@ -327,7 +395,10 @@ class ModelRunner:
             ]
             md_s = SamplingMetadata.from_rows(rows, logits.shape[-1], self.device)
             result = self.sampler(logits, md_s)
-            tokens = result.sampled_token_ids.tolist()
+            tokens = result.sampled_token_ids.tolist()  # the step's one device -> host sync
+            if result.logprobs is not None and self.is_cuda:
+                result.logprob_token_ids, result.logprobs, result.sampled_token_ranks = (
+                    result.logprob_token_ids.cpu(), result.logprobs.cpu(), result.sampled_token_ranks.cpu())  # type: ignore[union-attr]
             for j, state in enumerate(sample_states):
                 state.token_ids.append(tokens[j])
                 new_tokens[state.req_id] = [tokens[j]]
@@ -341,8 +412,8 @@ class ModelRunner:
 
         prompt_logprobs: dict[str, Logprobs] = {}
         for rid, rows_np, targets, k in self._prompt_logprob_rows(states, batch):
-            plogits = self.model.compute_logits(hidden[torch.from_numpy(rows_np)])  # type: ignore[union-attr]
-            ids, lps, ranks = compute_topk_logprobs(plogits, torch.from_numpy(targets), k)
+            plogits = self.model.compute_logits(hidden[torch.from_numpy(rows_np).to(self.device)])  # type: ignore[union-attr]
+            ids, lps, ranks = compute_topk_logprobs(plogits, torch.from_numpy(targets).to(self.device), k)
             prompt_logprobs[rid] = Logprobs(token_ids=ids.tolist(), logprobs=lps.tolist(), ranks=ranks.tolist())
 
         for state, n in zip(states, so.num_scheduled_tokens.values()):

@@ -31,6 +31,13 @@ _TINY = torch.finfo(torch.float32).tiny
 _NEG_INF = float("-inf")
 
 
+def _tensor(values: object, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on `device`; the copy to a GPU is queued, not waited for (the host
+    list is staged before this returns), so building a step's metadata never waits for the
+    forward pass still running on the GPU."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 @dataclass
 class SamplingRow:
     """One sampling row's inputs for this step, built by the model runner."""
@@ -116,7 +123,7 @@ class SamplingMetadata:
             all_greedy=all_greedy,
             all_random=all_random,
             temperature=None if all_greedy else _temperatures(rows, greedy, device),
-            greedy_mask=None if all_greedy or all_random else torch.tensor(greedy, dtype=torch.bool, device=device),
+            greedy_mask=None if all_greedy or all_random else _tensor(greedy, torch.bool, device),
             top_k=_top_k(rows, vocab_size, device),
             top_p=_optional_f32([r.params.top_p for r in rows], 1.0, device),
             min_p=_optional_f32([r.params.min_p for r in rows], 0.0, device),
@@ -133,14 +140,14 @@ class SamplingMetadata:
 def _temperatures(rows: list[SamplingRow], greedy: list[bool], device: torch.device) -> torch.Tensor:
     """Per-row temperature, 1.0 for greedy rows (their random sample is discarded)."""
     temps = [1.0 if g else r.params.temperature for r, g in zip(rows, greedy)]
-    return torch.tensor(temps, dtype=torch.float32, device=device)
+    return _tensor(temps, torch.float32, device)
 
 
 def _optional_f32(values: list[float], off: float, device: torch.device) -> torch.Tensor | None:
     """The values as a float32 tensor, or None when every value is the `off` value."""
     if all(v == off for v in values):
         return None
-    return torch.tensor(values, dtype=torch.float32, device=device)
+    return _tensor(values, torch.float32, device)
 
 
 def _top_k(rows: list[SamplingRow], vocab_size: int, device: torch.device) -> torch.Tensor | None:
@@ -148,7 +155,7 @@ def _top_k(rows: list[SamplingRow], vocab_size: int, device: torch.device) -> to
     ks = [vocab_size if r.params.top_k <= 0 else min(r.params.top_k, vocab_size) for r in rows]
     if all(k == vocab_size for k in ks):
         return None
-    return torch.tensor(ks, dtype=torch.int64, device=device)
+    return _tensor(ks, torch.int64, device)
 
 
 def _generators(rows: list[SamplingRow]) -> dict[int, torch.Generator]:
@@ -170,7 +177,7 @@ def _allowed_mask(rows: list[SamplingRow], vocab_size: int, device: torch.device
     mask[restricted] = True
     row_ids = [i for i in restricted for _ in rows[i].params.allowed_token_ids or []]
     token_ids = [t for i in restricted for t in rows[i].params.allowed_token_ids or []]
-    mask[torch.tensor(row_ids, device=device), torch.tensor(token_ids, device=device)] = False
+    mask[_tensor(row_ids, torch.int64, device), _tensor(token_ids, torch.int64, device)] = False
     return mask
 
 
@@ -188,8 +195,8 @@ def _logit_bias(
             values.append(float(bias))
     if not row_ids:
         return None, None
-    index = (torch.tensor(row_ids, device=device), torch.tensor(token_ids, device=device))
-    return index, torch.tensor(values, dtype=torch.float32, device=device)
+    index = (_tensor(row_ids, torch.int64, device), _tensor(token_ids, torch.int64, device))
+    return index, _tensor(values, torch.float32, device)
 
 
 def _min_tokens_index(rows: list[SamplingRow], device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -203,7 +210,7 @@ def _min_tokens_index(rows: list[SamplingRow], device: torch.device) -> tuple[to
             token_ids.extend(blocked)
     if not row_ids:
         return None
-    return torch.tensor(row_ids, device=device), torch.tensor(token_ids, device=device)
+    return _tensor(row_ids, torch.int64, device), _tensor(token_ids, torch.int64, device)
 
 
 def _penalties(rows: list[SamplingRow], vocab_size: int, device: torch.device) -> PenaltyMetadata | None:
@@ -218,9 +225,9 @@ def _penalties(rows: list[SamplingRow], vocab_size: int, device: torch.device) -
     return PenaltyMetadata(
         output_token_ids=_pad([r.output_token_ids for r in rows], vocab_size, device),
         prompt_token_ids=prompts,
-        repetition_penalties=torch.tensor(rep, dtype=torch.float32, device=device),
-        presence_penalties=torch.tensor(presence, dtype=torch.float32, device=device),
-        frequency_penalties=torch.tensor(frequency, dtype=torch.float32, device=device),
+        repetition_penalties=_tensor(rep, torch.float32, device),
+        presence_penalties=_tensor(presence, torch.float32, device),
+        frequency_penalties=_tensor(frequency, torch.float32, device),
     )
 
 
@@ -228,7 +235,7 @@ def _pad(token_lists: list[list[int]], pad_id: int, device: torch.device) -> tor
     """Right-pads the lists into one int64 tensor: [[3, 4], [5]], pad 9 -> [[3, 4], [5, 9]]."""
     width = max((len(t) for t in token_lists), default=0)
     padded = [list(t) + [pad_id] * (width - len(t)) for t in token_lists]
-    return torch.tensor(padded, dtype=torch.int64, device=device).reshape(len(token_lists), width)
+    return _tensor(padded, torch.int64, device).reshape(len(token_lists), width)
 
 
 @dataclass
@@ -275,7 +282,7 @@ class Sampler(torch.nn.Module):
             assert md.bias_values is not None
             logits.index_put_(md.bias_index, md.bias_values, accumulate=True)
         if md.min_tokens_index is not None:
-            logits.index_put_(md.min_tokens_index, torch.tensor(_NEG_INF, device=logits.device))
+            logits.index_put_(md.min_tokens_index, logits.new_full((), _NEG_INF))
         if md.penalties is not None:
             logits = apply_penalties(logits, md.penalties)
         return logits
