@@ -15,11 +15,13 @@ from typing import Any
 
 from pagedllm.config import (
     DTYPES,
+    EXECUTOR_BACKENDS,
     PREEMPTION_MODES,
     SCHEDULING_POLICIES,
     CacheConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
 )
 
@@ -57,6 +59,16 @@ def parse_user_weights(text: str | dict[str, float]) -> dict[str, float]:
             raise ValueError(f"cannot read {item!r} as user=weight with a positive weight (e.g. alice=2,bob=1)")
         weights[user.strip()] = w
     return weights
+
+
+def parse_layer_partition(text: str | list[int] | tuple[int, ...]) -> tuple[int, ...]:
+    """'16,14' -> (16, 14): decoder layers per pipeline stage."""
+    if isinstance(text, (list, tuple)):
+        return tuple(int(x) for x in text)
+    try:
+        return tuple(int(x) for x in str(text).split(","))
+    except ValueError:
+        raise ValueError(f"cannot read {text!r} as layers per stage (e.g. 16,14)") from None
 
 
 def arg(
@@ -125,6 +137,15 @@ class EngineArgs:
         shown_default="all 1")
     max_waiting_steps: int = arg(10_000, "aging: steps after which a waiting request goes before all others",
                                  parse=int)
+    tensor_parallel_size: int = arg(1, "ranks splitting each layer (heads, MLP columns/rows)", flags=("-tp",),
+                                    parse=int)
+    pipeline_parallel_size: int = arg(1, "pipeline stages splitting the layers", flags=("-pp",), parse=int)
+    distributed_executor_backend: str = arg(
+        "mp", "how ranks start: mp (worker processes on this host), ray (Ray cluster), external_launcher "
+        "(one engine per rank under torchrun)", choices=EXECUTOR_BACKENDS)
+    pipeline_layer_partition: tuple[int, ...] | None = arg(
+        None, "decoder layers per pipeline stage, e.g. 16,14 (default: even split)", parse=parse_layer_partition,
+        shown_default="even")
 
     def __post_init__(self) -> None:
         # Values given from Python go through the same parsers as the command line, so
@@ -132,7 +153,7 @@ class EngineArgs:
         for f in dataclasses.fields(self):
             parse = f.metadata.get("parse")
             value = getattr(self, f.name)
-            if parse is not None and isinstance(value, (str, dict)) and value is not None:
+            if parse is not None and isinstance(value, (str, dict, list)) and value is not None:
                 try:
                     setattr(self, f.name, parse(value))
                 except (TypeError, ValueError) as e:
@@ -244,4 +265,14 @@ class EngineArgs:
             user_weights=dict(self.user_weights),
             max_waiting_steps=self.max_waiting_steps,
         )
-        return EngineConfig(model_config, cache_config, scheduler_config)
+        parallel_config = ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            distributed_executor_backend=self.distributed_executor_backend,
+            pipeline_layer_partition=self.pipeline_layer_partition,
+        )
+        parallel_config.check_model(
+            model_config.num_layers, model_config.num_heads, model_config.num_kv_heads,
+            int(getattr(hf_config, "intermediate_size", 0) or 0),
+        )
+        return EngineConfig(model_config, cache_config, scheduler_config, parallel_config)
