@@ -15,10 +15,11 @@ from __future__ import annotations
 import logging
 import os
 import time
-from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
 import torch
+
+from pagedllm.distributed.shm import SharedBuffer
 
 logger = logging.getLogger(__name__)
 
@@ -37,12 +38,7 @@ class ShmAllReduce:
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s
         size = world_size * _FLAG_STRIDE + 2 * world_size * max_bytes
-        if create:
-            self.shm = shared_memory.SharedMemory(name=name, create=True, size=size)
-        else:
-            self.shm = shared_memory.SharedMemory(name=name)
-            # Only the creator owns the name: an attaching process must not unlink it at exit.
-            resource_tracker.unregister(self.shm._name, "shared_memory")  # type: ignore[attr-defined]
+        self.shm = SharedBuffer(name, size, create)
         self._flags = np.frombuffer(self.shm.buf, dtype=np.int64, count=world_size * _FLAG_STRIDE // 8)
         if create:
             self._flags[:] = 0
@@ -103,7 +99,4 @@ class ShmAllReduce:
     def close(self) -> None:
         self._slots = None  # type: ignore[assignment]
         self._flags = None  # type: ignore[assignment]
-        try:
-            self.shm.close()
-        except BufferError:
-            logger.debug("shared-memory all-reduce buffer still referenced at close")
+        self.shm.close()

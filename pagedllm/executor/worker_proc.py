@@ -1,0 +1,74 @@
+"""The body of one worker process (one rank): join the process group, load this rank's part of
+the model, then run what the engine broadcasts until told to stop."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import traceback
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.distributed.parallel_state import init_parallel_context
+from pagedllm.distributed.shm_broadcast import ShmBroadcastReader
+from pagedllm.executor.messages import decode, encode, runner_output_from, scheduler_output_from
+
+logger = logging.getLogger(__name__)
+
+# Runner methods the engine may call on every rank (besides execute_model).
+RPC_METHODS = frozenset({
+    "determine_num_blocks", "initialize_kv_cache", "determine_num_swap_blocks", "initialize_swap_space",
+    "measure_preemption_rates", "flops_per_token",
+})
+
+
+def worker_main(rank: int, config: EngineConfig, init_method: str, reader_args: tuple[Any, ...],
+                conn: Connection, num_threads: int, parent_pid: int, log_level: int) -> None:
+    logging.basicConfig(level=log_level, format=f"%(levelname)s rank{rank} %(name)s: %(message)s")
+    torch.set_num_threads(num_threads)
+
+    def check_parent() -> None:
+        if os.getppid() != parent_pid:  # the engine is gone: nothing more will come
+            logger.error("engine process %d exited; rank %d stops", parent_pid, rank)
+            os._exit(1)
+
+    from pagedllm.worker.model_runner import ModelRunner
+
+    mc, cc = config.model_config, config.cache_config
+    ctx = None
+    try:
+        ctx = init_parallel_context(config.parallel_config, rank, mc.num_layers, init_method)
+        torch.manual_seed(mc.seed)
+        runner = ModelRunner(mc, cc, ctx)
+        runner.load_model()
+        reader = ShmBroadcastReader(*reader_args)
+        conn.send_bytes(encode({"ok": "ready"}))
+        while True:
+            msg = decode(reader.read(check_parent))
+            method = msg["method"]
+            if method == "shutdown":
+                break
+            if method == "execute_model":
+                if msg["prev"] is not None and not ctx.is_driver:
+                    runner.record_sampled(runner_output_from(msg["prev"]))
+                out = runner.execute_model(scheduler_output_from(msg["so"]))
+                if ctx.is_driver:
+                    conn.send_bytes(encode({"ok": out}))
+            elif method in RPC_METHODS:
+                conn.send_bytes(encode({"ok": getattr(runner, method)(*msg["args"])}))
+            else:
+                raise ValueError(f"unknown worker method {method!r}")
+    except BaseException as e:  # report, then exit non-zero: the engine fails its requests
+        try:
+            conn.send_bytes(encode({"error": f"rank {rank}: {type(e).__name__}: {e}",
+                                    "traceback": traceback.format_exc()}))
+        except OSError:
+            pass
+        sys.exit(1)
+    finally:
+        if ctx is not None:
+            ctx.close()
