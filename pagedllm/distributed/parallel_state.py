@@ -112,6 +112,14 @@ class ParallelContext:
             dist.broadcast(buf, src=src)
         return buf.numpy().tobytes()
 
+    def all_reduce_min(self, value: int) -> int:
+        """The smallest of every rank's `value`."""
+        if self.world_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t)
+
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()

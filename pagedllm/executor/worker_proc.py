@@ -51,7 +51,7 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, reader_args: 
             msg = decode(reader.read(check_parent))
             method = msg["method"]
             if method == "shutdown":
-                break
+                os._exit(0)  # nothing to flush; leaving the process group would wait for the peers
             if method == "execute_model":
                 if msg["prev"] is not None and not ctx.is_driver:
                     runner.record_sampled(runner_output_from(msg["prev"]))
