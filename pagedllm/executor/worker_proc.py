@@ -1,5 +1,6 @@
-"""The body of one worker process (one rank): join the process group, load this rank's part of
-the model, then run what the engine broadcasts until told to stop."""
+"""One rank's worker: join the process group, load this rank's part of the model, then run what
+the engine sends. `worker_main` is the body of a worker process of the mp executor; the Ray
+executor wraps the same `RankWorker` in an actor."""
 
 from __future__ import annotations
 
@@ -26,6 +27,29 @@ RPC_METHODS = frozenset({
 })
 
 
+class RankWorker:
+    def __init__(self, rank: int, config: EngineConfig, init_method: str) -> None:
+        from pagedllm.worker.model_runner import ModelRunner
+
+        mc = config.model_config
+        self.ctx = init_parallel_context(config.parallel_config, rank, mc.num_layers, init_method)
+        torch.manual_seed(mc.seed)
+        self.runner = ModelRunner(mc, config.cache_config, self.ctx)
+        self.runner.load_model()
+
+    def handle(self, msg: dict[str, Any]) -> tuple[bool, Any]:
+        """Runs one message; (whether the engine expects an answer from this rank, the answer)."""
+        method = msg["method"]
+        if method == "execute_model":
+            if msg["prev"] is not None and not self.ctx.is_driver:
+                self.runner.record_sampled(runner_output_from(msg["prev"]))
+            out = self.runner.execute_model(scheduler_output_from(msg["so"]))
+            return self.ctx.is_driver, out
+        if method in RPC_METHODS:
+            return True, getattr(self.runner, method)(*msg["args"])
+        raise ValueError(f"unknown worker method {method!r}")
+
+
 def worker_main(rank: int, config: EngineConfig, init_method: str, reader_args: tuple[Any, ...],
                 conn: Connection, num_threads: int, parent_pid: int, log_level: int) -> None:
     logging.basicConfig(level=log_level, format=f"%(levelname)s rank{rank} %(name)s: %(message)s")
@@ -36,32 +60,17 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, reader_args: 
             logger.error("engine process %d exited; rank %d stops", parent_pid, rank)
             os._exit(1)
 
-    from pagedllm.worker.model_runner import ModelRunner
-
-    mc, cc = config.model_config, config.cache_config
-    ctx = None
     try:
-        ctx = init_parallel_context(config.parallel_config, rank, mc.num_layers, init_method)
-        torch.manual_seed(mc.seed)
-        runner = ModelRunner(mc, cc, ctx)
-        runner.load_model()
+        worker = RankWorker(rank, config, init_method)
         reader = ShmBroadcastReader(*reader_args)
         conn.send_bytes(encode({"ok": "ready"}))
         while True:
             msg = decode(reader.read(check_parent))
-            method = msg["method"]
-            if method == "shutdown":
+            if msg["method"] == "shutdown":
                 os._exit(0)  # nothing to flush; leaving the process group would wait for the peers
-            if method == "execute_model":
-                if msg["prev"] is not None and not ctx.is_driver:
-                    runner.record_sampled(runner_output_from(msg["prev"]))
-                out = runner.execute_model(scheduler_output_from(msg["so"]))
-                if ctx.is_driver:
-                    conn.send_bytes(encode({"ok": out}))
-            elif method in RPC_METHODS:
-                conn.send_bytes(encode({"ok": getattr(runner, method)(*msg["args"])}))
-            else:
-                raise ValueError(f"unknown worker method {method!r}")
+            reply, result = worker.handle(msg)
+            if reply:
+                conn.send_bytes(encode({"ok": result}))
     except BaseException as e:  # report, then exit non-zero: the engine fails its requests
         try:
             conn.send_bytes(encode({"error": f"rank {rank}: {type(e).__name__}: {e}",
@@ -69,6 +78,3 @@ def worker_main(rank: int, config: EngineConfig, init_method: str, reader_args: 
         except OSError:
             pass
         sys.exit(1)
-    finally:
-        if ctx is not None:
-            ctx.close()

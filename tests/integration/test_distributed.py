@@ -223,3 +223,18 @@ def test_torchrun_external_launcher_matches_one_process(tiny8: str, tmp_path) ->
     assert [ln.split()[1] for ln in lines] == ["0", "1"]
     for ln in lines:  # every rank's engine returns the driver's tokens
         assert json.loads(ln.split(" ", 2)[2]) == ref
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_ray_executor_matches_one_process(tiny8: str, tiny_tp1: list[list]) -> None:
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)  # a local head
+    try:
+        llm = LLM(tiny8, **{**TIGHT, **TINY_ROOM}, tensor_parallel_size=2, distributed_executor_backend="ray")
+        try:
+            assert_same(tiny_tp1[0], llm.generate(PROMPTS[:12], GREEDY, use_tqdm=False))
+        finally:
+            llm.llm_engine.shutdown()
+    finally:
+        ray.shutdown()
