@@ -114,4 +114,66 @@ def format_collective(report: dict[str, Any]) -> str:
             f"all-gather) {report['tp2_decode_comm_s'] * 1e3:.2f} ms = "
             f"{100 * report['comm_share_of_tp1_step']:.1f}% of the TP=1 step",
         ]
+    lines += ["", "projected decode throughput (assumptions in pagedllm/benchmarks/collective.py)",
+              format_projection(project(report))]
+    return "\n".join(lines)
+
+
+# ---- projection ---------------------------------------------------------------------------------
+# Llama shapes (bf16 weights): parameters, layers, hidden size.
+SHAPES = {"8B": (8.0e9, 32, 4096), "70B": (70.6e9, 80, 8192)}
+ASSUMPTIONS = {
+    "rank_mem_bw": 50e9,       # bytes/s of weight streaming per rank (one rank per NUMA node or socket share)
+    "net_bw": 25e9 / 8,        # 25 GbE between machines, bytes/s
+    "net_latency": 50e-6,      # per message hop between machines, s
+    "batch": 32,               # decoding sequences per step
+    "bytes_per_weight": 2,     # bf16
+}
+
+
+def fit_shm(report: dict[str, Any]) -> tuple[float, float]:
+    """(latency s, bandwidth bytes/s) of the measured shared-memory all-reduce: the smallest
+    message's time, and the slope between the smallest and largest message."""
+    rows = [r for r in report["all_reduce"] if "shm_s" in r]
+    lo, hi = rows[0], rows[-1]
+    slope = (hi["shm_s"] - lo["shm_s"]) / max(hi["bytes"] - lo["bytes"], 1)
+    return lo["shm_s"], 1.0 / max(slope, 1e-15)
+
+
+def project(report: dict[str, Any], assumptions: dict[str, float] = ASSUMPTIONS) -> list[dict[str, Any]]:
+    """Decode throughput of 8B/70B-shaped Llamas at TP=2/4/8 over 1/2/4 machines.
+
+    step = weights / (tp * per-rank bandwidth)                          (decode is memory-bound)
+         + (2 * layers + 1) * all-reduce([batch, hidden] bf16)          (TP's communication)
+    all-reduce over r ranks on each of m machines = 2 * shm(n, r)       (reduce, then share, in-host)
+         + 2 (m - 1) * net latency + 2 (m - 1) / m * n / net bandwidth  (ring between machines)
+    shm(n, r) = measured latency + (r - 1) * n / measured bandwidth.
+    """
+    a = assumptions
+    alpha, beta = fit_shm(report)
+    rows = []
+    for name, (params, layers, hidden) in SHAPES.items():
+        n = a["batch"] * hidden * 2
+        for tp in (2, 4, 8):
+            for machines in (1, 2, 4):
+                if machines > tp:
+                    continue
+                r = tp // machines
+                intra = 2 * (alpha + (r - 1) * n / beta) if r > 1 else 0.0
+                inter = (2 * (machines - 1) * a["net_latency"] + 2 * (machines - 1) / machines * n / a["net_bw"]
+                         if machines > 1 else 0.0)
+                comm = (2 * layers + 1) * (intra + inter)
+                compute = params * a["bytes_per_weight"] / (tp * a["rank_mem_bw"])
+                step = compute + comm
+                rows.append({"model": name, "tp": tp, "machines": machines, "compute_ms": compute * 1e3,
+                             "comm_ms": comm * 1e3, "comm_share": comm / step, "tokens_per_s": a["batch"] / step})
+    return rows
+
+
+def format_projection(rows: list[dict[str, Any]]) -> str:
+    lines = ["| model | TP | machines | weights ms/step | comm ms/step | comm share | tokens/s (batch 32) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['tp']} | {r['machines']} | {r['compute_ms']:.1f} | {r['comm_ms']:.2f} | "
+                     f"{100 * r['comm_share']:.0f}% | {r['tokens_per_s']:.0f} |")
     return "\n".join(lines)

@@ -55,8 +55,8 @@ class ShmAllReduce:
     def fits(self, t: torch.Tensor) -> bool:
         return t.numel() * t.element_size() <= self.max_bytes
 
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum of `t` over the ranks (a new tensor; `t` is not modified)."""
+    def _exchange(self, t: torch.Tensor) -> torch.Tensor:
+        """Publishes `t` and waits for every rank's: [world_size, numel] views of the slots."""
         self._seq += 1
         seq = self._seq
         nbytes = t.numel() * t.element_size()
@@ -64,7 +64,11 @@ class ShmAllReduce:
         slots[self.rank].view(t.dtype).copy_(t.reshape(-1))
         self._flags[self._flag_idx[self.rank]] = seq
         self._wait(seq)
-        views = slots.view(t.dtype)
+        return slots.view(t.dtype)
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum of `t` over the ranks (a new tensor; `t` is not modified)."""
+        views = self._exchange(t)
         out = views[0].clone()
         for r in range(1, self.world_size):
             out.add_(views[r])
@@ -72,14 +76,7 @@ class ShmAllReduce:
 
     def all_gather(self, t: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """The ranks' tensors concatenated along `dim`, in rank order."""
-        self._seq += 1
-        seq = self._seq
-        nbytes = t.numel() * t.element_size()
-        slots = self._slots[seq & 1, :, :nbytes]
-        slots[self.rank].view(t.dtype).copy_(t.reshape(-1))
-        self._flags[self._flag_idx[self.rank]] = seq
-        self._wait(seq)
-        views = slots.view(t.dtype)
+        views = self._exchange(t)
         return torch.cat([views[r].view(t.shape) for r in range(self.world_size)], dim=dim)
 
     def _wait(self, seq: int) -> None:

@@ -23,9 +23,9 @@ from typing import Any
 import torch
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.distributed.shm_broadcast import ShmBroadcastWriter
-from pagedllm.executor.messages import decode, encode, runner_output_from
+from pagedllm.executor.base import MultiRankExecutor
+from pagedllm.executor.messages import decode, encode
 from pagedllm.executor.worker_proc import worker_main
 
 logger = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ def _deadline(seconds: float) -> Callable[[], None]:
     return check
 
 
-class MultiprocExecutor:
+class MultiprocExecutor(MultiRankExecutor):
     def __init__(self, config: EngineConfig) -> None:
         pc = config.parallel_config
         self.world_size = pc.world_size
@@ -89,7 +89,6 @@ class MultiprocExecutor:
             self.procs.append(p)
             self.conns.append(recv)
         self._finalizer = weakref.finalize(self, _stop, self.procs, self.writer)
-        self._prev: dict[str, Any] | None = None
         for rank in range(self.world_size):
             self._recv(rank, timeout_s=STARTUP_TIMEOUT_S)
         self.writer.unlink()  # every worker has mapped it
@@ -140,32 +139,9 @@ class MultiprocExecutor:
         self._broadcast({"method": method, "args": list(args)})
         return [self._recv(rank) for rank in range(self.world_size)]
 
-    # ---- the executor interface ----------------------------------------------------------
-    def determine_num_blocks(self) -> int:
-        return int(min(self.collective_rpc("determine_num_blocks")))  # every rank must hold them
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.collective_rpc("initialize_kv_cache", num_blocks)
-
-    def determine_num_swap_blocks(self) -> int:
-        return int(min(self.collective_rpc("determine_num_swap_blocks")))
-
-    def initialize_swap_space(self, num_swap_blocks: int) -> None:
-        self.collective_rpc("initialize_swap_space", num_swap_blocks)
-
-    def measure_preemption_rates(self) -> tuple[float, float]:
-        flops, copy = self.collective_rpc("measure_preemption_rates")[self.driver_rank]
-        return float(flops), float(copy)
-
-    def flops_per_token(self) -> float:
-        return float(self.collective_rpc("flops_per_token")[self.driver_rank])
-
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        self._broadcast({"method": "execute_model", "so": so, "prev": self._prev})
-        out = runner_output_from(self._recv(self.driver_rank))
-        self._prev = {"req_ids": out.req_ids, "sampled_token_ids": out.sampled_token_ids,
-                      "logprobs": {}, "prompt_logprobs": {}}
-        return out
+    def _execute(self, msg: dict[str, Any]) -> Any:
+        self._broadcast(msg)
+        return self._recv(self.driver_rank)
 
     def shutdown(self) -> None:
         """Stops the workers (a no-op the second time)."""

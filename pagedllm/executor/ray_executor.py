@@ -13,8 +13,8 @@ import socket
 from typing import Any
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from pagedllm.executor.messages import decode, encode, runner_output_from
+from pagedllm.executor.base import MultiRankExecutor
+from pagedllm.executor.messages import decode, encode
 from pagedllm.executor.multiproc import WorkerDiedError
 
 logger = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ class _RayRank:
         return encode(result) if reply else None
 
 
-class RayExecutor:
+class RayExecutor(MultiRankExecutor):
     def __init__(self, config: EngineConfig) -> None:
         try:
             import ray
@@ -74,7 +74,6 @@ class RayExecutor:
         host, port = self._get(self.actors[0].address.remote())
         init_method = f"tcp://{host}:{port}"
         self._get([a.start.remote(rank, config, init_method) for rank, a in enumerate(self.actors)])
-        self._prev: dict[str, Any] | None = None
         logger.info("%d Ray worker actors ready (tp=%d, pp=%d)", self.world_size, pc.tensor_parallel_size,
                     pc.pipeline_parallel_size)
 
@@ -93,31 +92,8 @@ class RayExecutor:
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
         return self._call_all({"method": method, "args": list(args)})
 
-    def determine_num_blocks(self) -> int:
-        return int(min(self.collective_rpc("determine_num_blocks")))
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.collective_rpc("initialize_kv_cache", num_blocks)
-
-    def determine_num_swap_blocks(self) -> int:
-        return int(min(self.collective_rpc("determine_num_swap_blocks")))
-
-    def initialize_swap_space(self, num_swap_blocks: int) -> None:
-        self.collective_rpc("initialize_swap_space", num_swap_blocks)
-
-    def measure_preemption_rates(self) -> tuple[float, float]:
-        flops, copy = self.collective_rpc("measure_preemption_rates")[self.driver_rank]
-        return float(flops), float(copy)
-
-    def flops_per_token(self) -> float:
-        return float(self.collective_rpc("flops_per_token")[self.driver_rank])
-
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        out = runner_output_from(self._call_all({"method": "execute_model", "so": so, "prev": self._prev})
-                                 [self.driver_rank])
-        self._prev = {"req_ids": out.req_ids, "sampled_token_ids": out.sampled_token_ids,
-                      "logprobs": {}, "prompt_logprobs": {}}
-        return out
+    def _execute(self, msg: dict[str, Any]) -> Any:
+        return self._call_all(msg)[self.driver_rank]
 
     def shutdown(self) -> None:
         for a in getattr(self, "actors", []):
