@@ -11,27 +11,29 @@ import torch.distributed as dist
 from pagedllm.distributed.parallel_state import ParallelContext
 
 
-def _timed(fn, iters: int) -> float:
-    """Median seconds of one call, after warm-up, with the ranks lined up before each call."""
+def _timed(fn, iters: int, reps: int = 7) -> float:
+    """Seconds per call: `iters` back-to-back calls timed together (the ranks lined up once before
+    them, so a late start of one rank is spread over many calls), the median of `reps` such runs."""
     for _ in range(3):
         fn()
     times = []
-    for _ in range(iters):
+    for _ in range(reps):
         dist.barrier()
         t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
+        for _ in range(iters):
+            fn()
+        times.append((time.perf_counter() - t0) / iters)
     times.sort()
     return times[len(times) // 2]
 
 
-def time_all_reduce(ctx: ParallelContext, sizes: list[int], budget_bytes: int = 256 << 20) -> list[dict]:
+def time_all_reduce(ctx: ParallelContext, sizes: list[int], budget_bytes: int = 32 << 20) -> list[dict]:
     """Per message size (bytes, float32): median all-reduce seconds through gloo and shared memory."""
     tp = ctx.tp
     out = []
     for size in sizes:
         t = torch.ones(size // 4)
-        iters = max(5, min(200, budget_bytes // size))
+        iters = max(2, min(100, budget_bytes // size))
 
         def gloo() -> None:
             dist.all_reduce(t, group=tp.group)
@@ -44,7 +46,7 @@ def time_all_reduce(ctx: ParallelContext, sizes: list[int], budget_bytes: int = 
 
 
 def time_decode_communication(ctx: ParallelContext, batch: int, hidden: int, num_layers: int, vocab: int,
-                              iters: int = 20) -> float:
+                              iters: int = 5) -> float:
     """Median seconds of one tensor-parallel decode step's collectives, as the model issues them:
     the embedding all-reduce, two all-reduces per layer (after o_proj and down_proj) of
     [batch, hidden], and the all-gather of the LM head's [batch, vocab / tp] logits."""
