@@ -152,7 +152,8 @@ class LlamaForCausalLM(nn.Module):
             if tied and ckpt_name == "lm_head.weight":
                 continue
             name, shard = self._param_name(ckpt_name), None
-            if tied and name == "embed_tokens.weight" and self.parallel.is_last_stage and not self.parallel.is_first_stage:
+            p = self.parallel
+            if tied and name == "embed_tokens.weight" and p.is_last_stage and not p.is_first_stage:
                 name = "lm_head.weight"  # a tied LM head on a stage without the embedding loads its own copy
             elif self._on_other_stage(name):
                 continue

@@ -344,7 +344,8 @@ class ModelRunner:
         p = self.parallel
         if p.pp_size == 1:
             with self.forward_context.set(self._attention_metadata(batch)):
-                return self.model(torch.from_numpy(batch.input_ids), torch.from_numpy(batch.positions))  # type: ignore[misc]
+                ids, pos = torch.from_numpy(batch.input_ids), torch.from_numpy(batch.positions)
+                return self.model(ids, pos)  # type: ignore[misc]
         hidden_size = int(self.model_config.hf_config.hidden_size)
         outs, sends = [], []
         for a, b in _micro_batches(counts, p.pp_size):
@@ -352,9 +353,12 @@ class ModelRunner:
                 states[a:b], counts[a:b], self.block_size, self.model_config.sliding_window,
                 build_groups=self.attn_backend.needs_groups, query_tile=QUERY_TILE,
             )
-            h_in = None if p.is_first_stage else p.recv_from_prev_stage([(len(mb.input_ids), hidden_size)], self.dtype)[0]
+            h_in = None
+            if not p.is_first_stage:
+                h_in = p.recv_from_prev_stage([(len(mb.input_ids), hidden_size)], self.dtype)[0]
             with self.forward_context.set(self._attention_metadata(mb)):
-                h = self.model(torch.from_numpy(mb.input_ids), torch.from_numpy(mb.positions), h_in)  # type: ignore[misc]
+                ids, pos = torch.from_numpy(mb.input_ids), torch.from_numpy(mb.positions)
+                h = self.model(ids, pos, h_in)  # type: ignore[misc]
             if p.is_last_stage:
                 outs.append(h)
             else:

@@ -217,7 +217,8 @@ def test_torchrun_external_launcher_matches_one_process(tiny8: str, tmp_path) ->
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
          str(script), tiny8, json.dumps(prompts), str(tmp_path)],
-        capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"},
+        capture_output=True, text=True, timeout=240,
+        env={**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rank in (0, 1):  # every rank's engine returns the driver's tokens
