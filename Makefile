@@ -10,7 +10,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: install serve generate test test-fast gpu-check gpu-check-dry-run peers clean
+.PHONY: install serve generate test test-fast test-distributed gpu-check gpu-check-dry-run peers clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,11 @@ generate: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# Tensor/pipeline parallelism, including the six-process runs of the default model (PP=2 and
+# TP=3 x PP=2) that `make test` leaves out (several minutes on 2 cores).
+test-distributed: $(STAMP)
+	PAGEDLLM_TEST_DISTRIBUTED=1 $(PY) -m pytest -q tests/integration/test_distributed.py $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)

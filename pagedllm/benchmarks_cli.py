@@ -321,10 +321,38 @@ def _add_memory(sub: Any) -> None:
     p.set_defaults(func=_cmd_memory)
 
 
+# ---- collective -----------------------------------------------------------------------------
+
+def _cmd_collective(args: argparse.Namespace) -> int:
+    from pagedllm.benchmarks.collective import format_collective, run_collective_bench
+    from pagedllm.benchmarks.env import run_metadata
+
+    if args.world_size < 2 or args.batch < 1:
+        raise ValueError(f"--world-size must be at least 2 and --batch at least 1, got {args.world_size}, {args.batch}")
+    report = run_collective_bench(args.world_size, args.sizes, args.batch, step=not args.no_step)
+    report["meta"] = run_metadata()
+    print(format_collective(report))
+    _write_json(report, args.output_json)
+    return 0
+
+
+def _add_collective(sub: Any) -> None:
+    p = sub.add_parser("collective", help="all-reduce latency/bandwidth (gloo vs shared memory), TP step overhead",
+                       description="Times all-reduce through gloo and the shared-memory path between local ranks "
+                                   "at 4 KB .. 16 MB, and the collectives of a TP=2 decode step of the default "
+                                   "model against its TP=1 step.")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--sizes", type=_int_list, default=None, help="message sizes in bytes (default 4 KB .. 16 MB)")
+    p.add_argument("--batch", type=int, default=16, help="decoding requests in the step comparison")
+    p.add_argument("--no-step", action="store_true", help="skip the decode step comparison")
+    p.add_argument("--output-json", default=None, help="write the results here")
+    p.set_defaults(func=_cmd_collective)
+
+
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
-    bench = subparsers.add_parser("bench", help="benchmarks: throughput, serve, latency, scheduler, memory",
+    bench = subparsers.add_parser("bench", help="benchmarks: throughput, serve, latency, scheduler, memory, collective",
                                   description="Benchmarks; each prints a table and can write --output-json.")
-    sub = bench.add_subparsers(dest="bench_command", metavar="{throughput,serve,latency,scheduler,memory}",
+    sub = bench.add_subparsers(dest="bench_command", metavar="{throughput,serve,latency,scheduler,memory,collective}",
                                parser_class=type(bench))
     sub.required = True
     _add_throughput(sub)
@@ -332,4 +360,5 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     _add_latency(sub)
     _add_scheduler(sub)
     _add_memory(sub)
+    _add_collective(sub)
     return bench

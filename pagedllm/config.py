@@ -11,6 +11,7 @@ PREEMPTION_MODES = ("recompute", "swap", "auto")
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
+EXECUTOR_BACKENDS = ("mp", "ray", "external_launcher")
 
 
 @dataclass(frozen=True)
@@ -185,8 +186,76 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split over worker processes (ranks = tensor x pipeline)."""
+
+    tensor_parallel_size: int = 1
+    """Ranks that split each layer's heads and MLP columns/rows (two all-reduces per layer)."""
+    pipeline_parallel_size: int = 1
+    """Stages that split the layers; each stage is tensor_parallel_size ranks."""
+    distributed_executor_backend: str = "mp"
+    """How ranks are started: mp (worker processes on this host, supervised by the engine), ray
+    (workers placed on a Ray cluster) or external_launcher (one engine per rank under torchrun)."""
+    pipeline_layer_partition: tuple[int, ...] | None = None
+    """Decoder layers per pipeline stage (sums to the model's layers); None splits evenly."""
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size must be at least 1, got {self.pipeline_parallel_size}")
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(
+                f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
+                f"got {self.distributed_executor_backend!r}"
+            )
+        part = self.pipeline_layer_partition
+        if part is not None and (len(part) != self.pipeline_parallel_size or min(part) < 1):
+            raise ValueError(
+                f"pipeline_layer_partition {list(part)} must give at least one layer to each of the "
+                f"{self.pipeline_parallel_size} pipeline stages"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def check_model(self, num_layers: int, num_heads: int, num_kv_heads: int, intermediate_size: int) -> None:
+        """One ValueError naming the numbers when the model cannot be split this way."""
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        if num_heads % tp:
+            raise ValueError(
+                f"the model's {num_heads} attention heads are not divisible by tensor_parallel_size={tp}"
+            )
+        if num_kv_heads % tp and tp % num_kv_heads:
+            raise ValueError(
+                f"the model's {num_kv_heads} KV heads and tensor_parallel_size={tp}: one must divide the other"
+            )
+        if intermediate_size % tp:
+            raise ValueError(
+                f"the model's MLP size {intermediate_size} is not divisible by tensor_parallel_size={tp}"
+            )
+        if pp > num_layers:
+            raise ValueError(f"pipeline_parallel_size={pp} exceeds the model's {num_layers} layers")
+        if self.pipeline_layer_partition is not None and sum(self.pipeline_layer_partition) != num_layers:
+            raise ValueError(
+                f"pipeline_layer_partition {list(self.pipeline_layer_partition)} sums to "
+                f"{sum(self.pipeline_layer_partition)}, but the model has {num_layers} layers"
+            )
+
+    def stage_layers(self, num_layers: int, stage: int) -> tuple[int, int]:
+        """[start, end) decoder layers of a pipeline stage: the partition, or an even split with the
+        remainder on the first stages (30 layers, pp=4 -> 8, 8, 7, 7)."""
+        pp = self.pipeline_parallel_size
+        sizes = list(self.pipeline_layer_partition or [num_layers // pp + (i < num_layers % pp) for i in range(pp)])
+        start = sum(sizes[:stage])
+        return start, start + sizes[stage]
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)

@@ -54,21 +54,23 @@ class AttentionMetadata:
     num_splits: int = 1
 
 
-_CURRENT: AttentionMetadata | None = None
+class ForwardContext:
+    """The metadata of the forward pass in progress. Each model runner owns one and binds it to its
+    attention layers, so two engines (or two ranks in one process) never share it."""
 
+    def __init__(self) -> None:
+        self._current: AttentionMetadata | None = None
 
-@contextlib.contextmanager
-def set_attention_metadata(md: AttentionMetadata) -> Iterator[None]:
-    """Installs the step's metadata for the duration of one forward pass."""
-    global _CURRENT
-    prev, _CURRENT = _CURRENT, md
-    try:
-        yield
-    finally:
-        _CURRENT = prev
+    @contextlib.contextmanager
+    def set(self, md: AttentionMetadata) -> Iterator[None]:
+        """Installs the step's metadata for the duration of one forward pass."""
+        prev, self._current = self._current, md
+        try:
+            yield
+        finally:
+            self._current = prev
 
-
-def get_attention_metadata() -> AttentionMetadata:
-    if _CURRENT is None:
-        raise RuntimeError("attention layers run only inside set_attention_metadata()")
-    return _CURRENT
+    def get(self) -> AttentionMetadata:
+        if self._current is None:
+            raise RuntimeError("attention layers run only inside ForwardContext.set()")
+        return self._current

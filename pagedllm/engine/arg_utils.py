@@ -16,12 +16,14 @@ from typing import Any
 from pagedllm.config import (
     DEVICES,
     DTYPES,
+    EXECUTOR_BACKENDS,
     PREEMPTION_MODES,
     SCHEDULING_POLICIES,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
 )
 
@@ -91,6 +93,14 @@ def resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if has_cuda else "cpu"
     return device
+def parse_layer_partition(text: str | list[int] | tuple[int, ...]) -> tuple[int, ...]:
+    """'16,14' -> (16, 14): decoder layers per pipeline stage."""
+    if isinstance(text, (list, tuple)):
+        return tuple(int(x) for x in text)
+    try:
+        return tuple(int(x) for x in str(text).split(","))
+    except ValueError:
+        raise ValueError(f"cannot read {text!r} as layers per stage (e.g. 16,14)") from None
 
 
 def arg(
@@ -166,6 +176,15 @@ class EngineArgs:
         None, "GPU: decode batch sizes captured as CUDA graphs, e.g. 1,2,4,8", parse=parse_sizes,
         shown_default="1,2,4,8,16,... up to --max-num-seqs (at most 512)")
     enforce_eager: bool = arg(False, "GPU: never use CUDA graphs")
+    tensor_parallel_size: int = arg(1, "ranks splitting each layer (heads, MLP columns/rows)", flags=("-tp",),
+                                    parse=int)
+    pipeline_parallel_size: int = arg(1, "pipeline stages splitting the layers", flags=("-pp",), parse=int)
+    distributed_executor_backend: str = arg(
+        "mp", "how ranks start: mp (worker processes on this host), ray (Ray cluster), external_launcher "
+        "(one engine per rank under torchrun)", choices=EXECUTOR_BACKENDS)
+    pipeline_layer_partition: tuple[int, ...] | None = arg(
+        None, "decoder layers per pipeline stage, e.g. 16,14 (default: even split)", parse=parse_layer_partition,
+        shown_default="even")
 
     def __post_init__(self) -> None:
         # Values given from Python go through the same parsers as the command line, so
@@ -294,4 +313,14 @@ class EngineArgs:
             cuda_graph_sizes=tuple(s for s in graph_sizes if s <= self.max_num_seqs),
             enforce_eager=self.enforce_eager,
         )
-        return EngineConfig(model_config, cache_config, scheduler_config, device_config)
+        parallel_config = ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            distributed_executor_backend=self.distributed_executor_backend,
+            pipeline_layer_partition=self.pipeline_layer_partition,
+        )
+        parallel_config.check_model(
+            model_config.num_layers, model_config.num_heads, model_config.num_kv_heads,
+            int(getattr(hf_config, "intermediate_size", 0) or 0),
+        )
+        return EngineConfig(model_config, cache_config, scheduler_config, device_config, parallel_config)

@@ -15,7 +15,7 @@ from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.output_processor import OutputProcessor, child_id
 from pagedllm.engine.stats import IterationStats
-from pagedllm.executor.uniproc import InProcessExecutor
+from pagedllm.executor import create_executor
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import TokenizerWrapper
@@ -36,7 +36,7 @@ class LLMEngine:
         self.model_config = mc
         source = resolve_model(mc.tokenizer or mc.path)
         self.tokenizer = TokenizerWrapper(load_tokenizer(source))
-        self.executor = InProcessExecutor(mc, cc, config.device_config)
+        self.executor = create_executor(config)
         num_blocks = self.executor.determine_num_blocks()
         self.executor.initialize_kv_cache(num_blocks)
         # The host swap pool exists only for preemption modes that can swap.
@@ -188,3 +188,9 @@ class LLMEngine:
 
     def get_tokenizer(self) -> TokenizerWrapper:
         return self.tokenizer
+
+    def shutdown(self) -> None:
+        """Stops the executor's worker processes, if it has any."""
+        stop = getattr(self.executor, "shutdown", None)
+        if stop is not None:
+            stop()

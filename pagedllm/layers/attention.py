@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.attention.metadata import get_attention_metadata
-from pagedllm.attention.torch_backend import paged_attention
+from pagedllm.attention.backend import PagedAttentionBackend
+from pagedllm.attention.metadata import ForwardContext
 
 
 class Attention(nn.Module):
@@ -17,19 +17,21 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.layer_idx = layer_idx
-        # [2, num_blocks, block_size, num_kv_heads, head_dim], bound by the model runner.
+        # Bound by the model runner: [2, num_blocks, block_size, num_kv_heads, head_dim], its
+        # forward context and its attention backend.
         self.kv_cache = torch.empty(0)
+        self.context: ForwardContext | None = None
+        self.backend: PagedAttentionBackend | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Flat q [T, H*D], k/v [T, KVH*D] -> [T, H*D]."""
-        md = get_attention_metadata()
+        md = self.context.get()  # type: ignore[union-attr]
         T = q.shape[0]
-        q3 = q.view(T, self.num_heads, self.head_dim)
-        k3 = k.view(T, self.num_kv_heads, self.head_dim)
-        v3 = v.view(T, self.num_kv_heads, self.head_dim)
-        if md.triton:
-            from pagedllm.attention.triton_attention import forward
-
-            scales = float(getattr(self, "k_scale", 1.0)), float(getattr(self, "v_scale", 1.0))
-            return forward(q3, k3, v3, self.kv_cache, md, self.scale, *scales)
-        return paged_attention(q3, k3, v3, self.kv_cache, md, self.scale)
+        return self.backend.forward(  # type: ignore[union-attr]
+            q.view(T, self.num_heads, self.head_dim),
+            k.view(T, self.num_kv_heads, self.head_dim),
+            v.view(T, self.num_kv_heads, self.head_dim),
+            self.kv_cache,
+            md,
+            self.scale,
+        )

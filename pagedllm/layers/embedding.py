@@ -1,4 +1,9 @@
-"""Token embedding and the LM head (which may share the embedding's weight)."""
+"""Token embedding and the LM head (which may share the embedding's weight), both split by
+vocabulary over the tensor-parallel ranks.
+
+The vocabulary is padded to tp * ceil(vocab / tp) rows; rank r holds rows [r * n, (r + 1) * n).
+Padding rows stay zero and their logits are cut off after the gather.
+"""
 
 from __future__ import annotations
 
@@ -6,23 +11,44 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.distributed.parallel_state import TensorParallelGroup
 
-class VocabEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype) -> None:
+
+class _VocabShard(nn.Module):
+    def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype, tp: TensorParallelGroup | None) -> None:
         super().__init__()
+        self.tp = tp or TensorParallelGroup()
         self.vocab_size = vocab_size
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden, dtype=dtype), requires_grad=False)
+        self.rows = -(-vocab_size // self.tp.size)  # ceil: 49152 / 3 -> 16384; 320 / 3 -> 107
+        self.start = self.tp.rank * self.rows
+        self.weight = nn.Parameter(torch.zeros(self.rows, hidden, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        if loaded.shape != (self.vocab_size, param.shape[1]):
+            raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit a vocabulary of "
+                             f"{self.vocab_size} x {param.shape[1]}")
+        part = loaded[self.start : self.start + self.rows]
+        param.data[: part.shape[0]].copy_(part)
+
+
+class VocabEmbedding(_VocabShard):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        # Each rank looks up the ids it holds (zeros for the others); the all-reduce fills in the rest.
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.rows)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0)
+        return self.tp.all_reduce(out)
 
 
-class LMHead(nn.Module):
-    """Projects final hidden states of selected tokens to float32 logits."""
-
-    def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden, dtype=dtype), requires_grad=False)
+class LMHead(_VocabShard):
+    """Projects final hidden states of selected tokens to float32 logits over the whole vocabulary."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight).float()
+        logits = F.linear(hidden, self.weight).float()
+        if self.tp.size == 1:
+            return logits
+        return self.tp.all_gather(logits, dim=-1)[:, : self.vocab_size]

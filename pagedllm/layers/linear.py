@@ -4,6 +4,11 @@
 `weight_loader(param, loaded, shard_id)` copies one checkpoint tensor into its rows. The math of
 the layer is delegated to a quantization method (`create_weights / process_weights_after_loading
 / apply`), unquantized by default.
+
+Tensor parallelism: a column-parallel layer holds 1/tp of the output rows (no communication), a
+row-parallel layer 1/tp of the input columns (partial sums, then one all-reduce). The quantization
+method sees only the rank's local sizes; `shard_checkpoint` narrows each checkpoint tensor to the
+rank's part before `weight_loader` copies it.
 """
 
 from __future__ import annotations
@@ -11,6 +16,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pagedllm.distributed.parallel_state import TensorParallelGroup
+
+_SINGLE = TensorParallelGroup()
 
 
 class UnquantizedLinearMethod:
@@ -50,7 +59,12 @@ class Linear(nn.Module):
         """(first output row, number of rows) of a checkpoint shard inside the fused weight."""
         return 0, self.out_features
 
+    def shard_checkpoint(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object) -> torch.Tensor:
+        """This rank's part of a checkpoint tensor (the whole of it for a replicated layer)."""
+        return loaded
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        loaded = self.shard_checkpoint(param, loaded, shard_id)
         start, size = self.shard_offsets(shard_id)
         if loaded.shape[0] != size or (param.dim() == 2 and loaded.shape[1:] != param.shape[1:]):
             raise ValueError(
@@ -63,13 +77,62 @@ class Linear(nn.Module):
         return self.quant_method.apply(self, x, self.bias)
 
 
-class QKVLinear(Linear):
-    """Fused q/k/v projection: rows [q | k | v]."""
+class ColumnParallelLinear(Linear):
+    """Output rows split over the tensor-parallel ranks: rank r holds rows [r * n, (r + 1) * n),
+    n = out_features / tp. The output stays split (the next layer is row-parallel)."""
 
-    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, dtype: torch.dtype):
-        self.q_size = num_heads * head_dim
-        self.kv_size = num_kv_heads * head_dim
-        super().__init__(hidden, self.q_size + 2 * self.kv_size, bias=bias, dtype=dtype)
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype = torch.float32,
+                 tp: TensorParallelGroup | None = None, quant_method: UnquantizedLinearMethod | None = None) -> None:
+        self.tp = tp or _SINGLE
+        super().__init__(in_features, out_features // self.tp.size, bias=bias, dtype=dtype, quant_method=quant_method)
+
+    def shard_checkpoint(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object) -> torch.Tensor:
+        _, size = self.shard_offsets(shard_id)
+        return loaded.narrow(0, self.checkpoint_row(shard_id), size)
+
+    def checkpoint_row(self, shard_id: object) -> int:
+        """First row of this rank's part inside the checkpoint tensor of `shard_id`."""
+        return self.tp.rank * self.out_features
+
+
+class RowParallelLinear(Linear):
+    """Input columns split over the tensor-parallel ranks; each rank's partial product is summed
+    by one all-reduce. The bias is added by rank 0 only, before the sum, so it counts once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype = torch.float32,
+                 tp: TensorParallelGroup | None = None, quant_method: UnquantizedLinearMethod | None = None) -> None:
+        self.tp = tp or _SINGLE
+        super().__init__(in_features // self.tp.size, out_features, bias=bias, dtype=dtype, quant_method=quant_method)
+
+    def shard_checkpoint(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object) -> torch.Tensor:
+        if param is self.bias or loaded.dim() < 2:
+            return loaded
+        return loaded.narrow(1, self.tp.rank * self.in_features, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias if self.tp.rank == 0 else None
+        return self.tp.all_reduce(self.quant_method.apply(self, x, bias))
+
+
+class QKVLinear(ColumnParallelLinear):
+    """Fused q/k/v projection: rows [q | k | v] of this rank's heads.
+
+    Query heads split evenly; KV heads split too while tp <= num_kv_heads, and beyond that each
+    KV head is replicated on tp / num_kv_heads consecutive ranks (8 heads, 2 KV heads, tp 4:
+    ranks 0,1 hold KV head 0, ranks 2,3 KV head 1).
+    """
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, dtype: torch.dtype,
+                 tp: TensorParallelGroup | None = None, quant_method: UnquantizedLinearMethod | None = None):
+        tp = tp or _SINGLE
+        self.head_dim = head_dim
+        self.num_heads = num_heads // tp.size
+        self.num_kv_heads = max(1, num_kv_heads // tp.size)
+        self.kv_replicas = max(1, tp.size // num_kv_heads)
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        super().__init__(hidden, (self.q_size + 2 * self.kv_size) * tp.size, bias=bias, dtype=dtype, tp=tp,
+                         quant_method=quant_method)
 
     def shard_offsets(self, shard_id: object) -> tuple[int, int]:
         return {
@@ -78,14 +141,25 @@ class QKVLinear(Linear):
             "v": (self.q_size + self.kv_size, self.kv_size),
         }[shard_id]  # type: ignore[index]
 
+    def checkpoint_row(self, shard_id: object) -> int:
+        if shard_id == "q":
+            return self.tp.rank * self.q_size
+        return (self.tp.rank // self.kv_replicas) * self.kv_size
 
-class MergedLinear(Linear):
-    """Several projections of the same input stacked by rows (e.g. [gate | up])."""
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, dtype: torch.dtype):
-        self.out_sizes = out_sizes
-        super().__init__(in_features, sum(out_sizes), bias=bias, dtype=dtype)
+class MergedLinear(ColumnParallelLinear):
+    """Several projections of the same input stacked by rows (e.g. [gate | up]), each split over
+    the tensor-parallel ranks: rank r holds [gate_r | up_r]."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, dtype: torch.dtype,
+                 tp: TensorParallelGroup | None = None, quant_method: UnquantizedLinearMethod | None = None):
+        tp = tp or _SINGLE
+        self.out_sizes = [s // tp.size for s in out_sizes]
+        super().__init__(in_features, sum(out_sizes), bias=bias, dtype=dtype, tp=tp, quant_method=quant_method)
 
     def shard_offsets(self, shard_id: object) -> tuple[int, int]:
         i = int(shard_id)  # type: ignore[call-overload]
         return sum(self.out_sizes[:i]), self.out_sizes[i]
+
+    def checkpoint_row(self, shard_id: object) -> int:
+        return self.tp.rank * self.out_sizes[int(shard_id)]  # type: ignore[call-overload]

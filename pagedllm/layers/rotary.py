@@ -25,29 +25,25 @@ def _inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
     return inv.float(), float(scaling)
 
 
-_CACHE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-# id(cos table) -> (positions, cos rows, sin rows) of the current forward pass.
-_LOOKUP: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-
-
 def _cos_sin(config, head_dim: int, max_position: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """[max_position, head_dim] cos and sin, computed once and shared by every layer."""
-    params = getattr(config, "rope_parameters", None) or {}
-    device = torch.empty(0).device  # where the model is being built (torch.device context)
-    key = (head_dim, max_position, dtype, repr(sorted(params.items())), getattr(config, "rope_theta", None), device)
-    if key not in _CACHE:
-        with torch.device("cpu"):  # computed on the CPU whatever the model's device, then moved
-            inv_freq, scaling = _inv_freq(config, head_dim)
-            t = torch.arange(max_position, dtype=torch.int64).float()
-            emb = torch.cat((torch.outer(t, inv_freq),) * 2, dim=-1)
-            # In the model dtype, as the reference casts them before use.
-            cos, sin = (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
-        _CACHE[key] = (cos.to(device), sin.to(device))
-    return _CACHE[key]
+    """[max_position, head_dim] cos and sin, computed on the CPU whatever the model's device (the
+    table is exact there), then moved to where the model is being built."""
+    device = torch.empty(0).device  # the torch.device context the model is built under
+    with torch.device("cpu"):
+        inv_freq, scaling = _inv_freq(config, head_dim)
+        t = torch.arange(max_position, dtype=torch.int64).float()
+        emb = torch.cat((torch.outer(t, inv_freq),) * 2, dim=-1)
+        # In the model dtype, as the reference casts them before use.
+        cos, sin = (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+    return cos.to(device), sin.to(device)
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE in the rotate-half (GPT-NeoX) layout to flat [num_tokens, heads * head_dim] q/k."""
+    """Applies RoPE in the rotate-half (GPT-NeoX) layout to flat [num_tokens, heads * head_dim] q/k.
+
+    A model builds one instance and shares it between its layers: the tables and the per-pass
+    lookup belong to that model, never to the module (two engines in one process share nothing).
+    """
 
     def __init__(self, config, head_dim: int, max_position: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -55,6 +51,8 @@ class RotaryEmbedding(nn.Module):
         cos, sin = _cos_sin(config, head_dim, max_position, dtype)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+        # (positions, cos rows, sin rows) of the current forward pass.
+        self._memo: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
@@ -67,11 +65,11 @@ class RotaryEmbedding(nn.Module):
     def _lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Every layer sees the same positions tensor in a forward pass: look up once, reuse.
         # The memo holds `positions` itself, so its identity cannot be recycled while memoized.
-        memo = _LOOKUP.get(id(self.cos))
+        memo = self._memo
         if memo is None or memo[0] is not positions:
             cos = self.cos.index_select(0, positions).unsqueeze(1)  # [T, 1, head_dim]
             sin = self.sin.index_select(0, positions).unsqueeze(1)
-            memo = _LOOKUP[id(self.cos)] = (positions, cos, sin)
+            memo = self._memo = (positions, cos, sin)
         return memo[1], memo[2]
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,10 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) on a flat [num_tokens, hidden] batch."""
+"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) on a flat [num_tokens, hidden] batch.
+
+With tensor parallelism each rank holds its heads and MLP columns (two all-reduces per layer:
+after o_proj and after down_proj); with pipeline parallelism each stage holds a range of layers
+(the first also the embedding, the last also the final norm and LM head) and hands its hidden
+states on.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +13,11 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from pagedllm.distributed.parallel_state import ParallelContext, TensorParallelGroup
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.embedding import LMHead, VocabEmbedding
-from pagedllm.layers.linear import Linear, MergedLinear, QKVLinear
+from pagedllm.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
 from pagedllm.layers.rmsnorm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
 
@@ -20,15 +27,17 @@ def head_dim_of(config) -> int:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, layer_idx: int, dtype: torch.dtype, qkv_bias: bool, o_bias: bool) -> None:
+    def __init__(self, config, layer_idx: int, dtype: torch.dtype, qkv_bias: bool, o_bias: bool,
+                 rotary_emb: RotaryEmbedding, tp: TensorParallelGroup) -> None:
         super().__init__()
         hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         self.head_dim = head_dim_of(config)
-        self.qkv_proj = QKVLinear(hidden, self.head_dim, self.num_heads, self.num_kv_heads, qkv_bias, dtype)
-        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=o_bias, dtype=dtype)
-        self.rotary_emb = RotaryEmbedding(config, self.head_dim, config.max_position_embeddings, dtype)
+        self.qkv_proj = QKVLinear(hidden, self.head_dim, num_heads, num_kv_heads, qkv_bias, dtype, tp=tp)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, bias=o_bias, dtype=dtype, tp=tp)
+        self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5, layer_idx)
         self.splits = [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size]
 
@@ -39,11 +48,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config, dtype: torch.dtype, bias: bool) -> None:
+    def __init__(self, config, dtype: torch.dtype, bias: bool, tp: TensorParallelGroup) -> None:
         super().__init__()
         inter = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias=bias, dtype=dtype)
-        self.down_proj = Linear(inter, config.hidden_size, bias=bias, dtype=dtype)
+        self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias=bias, dtype=dtype, tp=tp)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias, dtype=dtype, tp=tp)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -51,16 +60,21 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, dtype: torch.dtype, qkv_bias: bool, o_bias: bool, mlp_bias: bool):
+    def __init__(self, config, layer_idx: int, dtype: torch.dtype, qkv_bias: bool, o_bias: bool, mlp_bias: bool,
+                 rotary_emb: RotaryEmbedding, tp: TensorParallelGroup):
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, dtype, qkv_bias, o_bias)
-        self.mlp = LlamaMLP(config, dtype, mlp_bias)
+        self.self_attn = LlamaAttention(config, layer_idx, dtype, qkv_bias, o_bias, rotary_emb, tp)
+        self.mlp = LlamaMLP(config, dtype, mlp_bias, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         h = x + self.self_attn(positions, self.input_layernorm(x))
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class PPMissingLayer(nn.Module):
+    """Stands in for a layer another pipeline stage holds (keeps `layers[i]` indexing)."""
 
 
 class LlamaForCausalLM(nn.Module):
@@ -74,27 +88,39 @@ class LlamaForCausalLM(nn.Module):
     }
     qkv_bias_default = False
 
-    def __init__(self, config, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, config, dtype: torch.dtype = torch.float32, parallel: ParallelContext | None = None) -> None:
         super().__init__()
         self.config = config
+        self.parallel = parallel = parallel or ParallelContext()
+        tp = parallel.tp
         attn_bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = attn_bias or self.qkv_bias_default
         mlp_bias = bool(getattr(config, "mlp_bias", False))
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype)
+        self.start_layer, self.end_layer = parallel.layers(config.num_hidden_layers)
+        if parallel.is_first_stage:
+            self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, tp)
+        # One RoPE table for the whole model, shared by its layers.
+        rotary = RotaryEmbedding(config, head_dim_of(config), config.max_position_embeddings, dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, dtype, qkv_bias, attn_bias, mlp_bias) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, dtype, qkv_bias, attn_bias, mlp_bias, rotary, tp)
+            if self.start_layer <= i < self.end_layer else PPMissingLayer()
+            for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype)
-        if getattr(config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.embed_tokens.weight
+        if parallel.is_last_stage:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+            self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype, tp)
+            if getattr(config, "tie_word_embeddings", False) and parallel.is_first_stage:
+                self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Flat batch: input_ids, positions [T] -> final hidden states [T, hidden]."""
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(positions, x)
-        return self.norm(x)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        """Flat batch: input_ids, positions [T] -> [T, hidden]: the final (normed) hidden states on
+        the last pipeline stage, otherwise the residual stream handed to the next stage (which
+        passes it back in as `hidden_states`)."""
+        x = self.embed_tokens(input_ids) if hidden_states is None else hidden_states
+        for i in range(self.start_layer, self.end_layer):
+            x = self.layers[i](positions, x)
+        return self.norm(x) if self.parallel.is_last_stage else x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
@@ -102,6 +128,18 @@ class LlamaForCausalLM(nn.Module):
     def _param_name(self, name: str) -> str:
         name = name.removeprefix("model.")
         return name
+
+    def _on_other_stage(self, name: str) -> bool:
+        """True for checkpoint tensors that another pipeline stage holds."""
+        p = self.parallel
+        if name.startswith("layers."):
+            i = int(name.split(".")[1])
+            return not self.start_layer <= i < self.end_layer
+        if name.startswith("embed_tokens."):
+            return not p.is_first_stage
+        if name.startswith(("norm.", "lm_head.")):
+            return not p.is_last_stage
+        return False
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copies checkpoint tensors (Hugging Face names) into parameters; returns the names loaded."""
@@ -114,6 +152,11 @@ class LlamaForCausalLM(nn.Module):
             if tied and ckpt_name == "lm_head.weight":
                 continue
             name, shard = self._param_name(ckpt_name), None
+            p = self.parallel
+            if tied and name == "embed_tokens.weight" and p.is_last_stage and not p.is_first_stage:
+                name = "lm_head.weight"  # a tied LM head on a stage without the embedding loads its own copy
+            elif self._on_other_stage(name):
+                continue
             for frag, (fused, shard_id) in self.stacked_params.items():
                 if frag in name:
                     name, shard = name.replace(frag, fused), shard_id
@@ -132,7 +175,7 @@ class LlamaForCausalLM(nn.Module):
                     )
                 param.data.copy_(tensor)
             loaded.add(name)
-        if tied:
+        if tied and self.parallel.is_first_stage and self.parallel.is_last_stage:
             loaded.add("lm_head.weight")
         missing = {n for n in params if n not in loaded}
         if missing:

@@ -80,17 +80,19 @@ def make_tiny_checkpoint(
     seed: int = 0,
     vocab_size: int = 320,
     tie: bool = False,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
 ) -> str:
     """Save a tiny random ``arch`` model and a matching tokenizer into ``out_dir``.
 
-    The model has 2 layers, hidden size 64, 4 query heads and 2 KV heads;
+    The model has 2 layers, hidden size 64, 4 query heads and 2 KV heads (or the given counts);
     ``vocab_size`` is raised to the tokenizer's size if that is larger.
     Returns ``out_dir``.
     """
     from transformers import AutoModelForCausalLM
 
     tok = build_tiny_tokenizer(vocab_size)
-    config = _tiny_config(arch, max(vocab_size, len(tok)), tie)
+    config = _tiny_config(arch, max(vocab_size, len(tok)), tie, num_attention_heads, num_key_value_heads)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     out = Path(out_dir)
@@ -101,7 +103,7 @@ def make_tiny_checkpoint(
     return str(out)
 
 
-def _tiny_config(arch: str, vocab_size: int, tie: bool):
+def _tiny_config(arch: str, vocab_size: int, tie: bool, num_heads: int = 4, num_kv_heads: int = 2):
     """Config of the tiny model (ids follow :data:`SPECIAL_TOKENS`)."""
     from transformers import LlamaConfig, Qwen2Config
 
@@ -114,8 +116,8 @@ def _tiny_config(arch: str, vocab_size: int, tie: bool):
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
         vocab_size=vocab_size,
         max_position_embeddings=512,
         rms_norm_eps=1e-6,

@@ -19,7 +19,7 @@ import time
 import numpy as np
 import torch
 
-from pagedllm.attention.metadata import AttentionMetadata, set_attention_metadata
+from pagedllm.attention.metadata import AttentionMetadata, ForwardContext
 from pagedllm.worker.input_batch import BatchArrays
 
 logger = logging.getLogger(__name__)
@@ -34,8 +34,10 @@ class CudaGraphRunner:
         sliding_window: int,
         num_splits: dict[int, int],
         device: torch.device,
+        context: ForwardContext,
     ) -> None:
         self.model = model
+        self.context = context
         self.sizes = sorted(set(sizes))
         self.sliding_window = sliding_window
         self.num_splits = num_splits
@@ -71,7 +73,7 @@ class CudaGraphRunner:
         )
 
     def _forward(self, b: int) -> torch.Tensor:
-        with set_attention_metadata(self._metadata(b)):
+        with self.context.set(self._metadata(b)):
             return self.model(self.input_ids[:b], self.positions[:b])
 
     @torch.inference_mode()

@@ -13,9 +13,10 @@ import numpy as np
 import psutil
 import torch
 
-from pagedllm.attention.cpu_kernel import QUERY_TILE, load_kernel
-from pagedllm.attention.metadata import AttentionGroup, AttentionMetadata, set_attention_metadata
+from pagedllm.attention.backend import select_attention_backend
+from pagedllm.attention.metadata import AttentionGroup, AttentionMetadata, ForwardContext
 from pagedllm.config import CacheConfig, DeviceConfig, ModelConfig
+from pagedllm.distributed.parallel_state import ParallelContext
 from pagedllm.core.scheduler_output import Logprobs, ModelRunnerOutput, SchedulerOutput
 from pagedllm.layers.attention import Attention
 from pagedllm.models.loader import ModelSource, iterate_weights
@@ -44,11 +45,33 @@ def _best_time(fn: Callable[[], object], reps: int = 5) -> float:
     return max(best, 1e-9)
 
 
+def _micro_batches(counts: list[int], n: int) -> list[tuple[int, int]]:
+    """Cuts requests into at most n contiguous runs of about equal tokens, as [start, end) indices.
+
+    counts [4, 1, 1, 1, 1], n 2 -> total 8, cut once 4 tokens are reached -> [(0, 1), (1, 5)].
+    """
+    total = sum(counts)
+    bounds, start, acc = [], 0, 0
+    for i, c in enumerate(counts):
+        acc += c
+        if acc * n >= total * (len(bounds) + 1) and i + 1 < len(counts) and len(bounds) + 1 < n:
+            bounds.append((start, i + 1))
+            start = i + 1
+    bounds.append((start, len(counts)))
+    return bounds
+
+
 class ModelRunner:
     def __init__(
-        self, model_config: ModelConfig, cache_config: CacheConfig, device_config: DeviceConfig | None = None
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        device_config: DeviceConfig | None = None,
+        parallel: ParallelContext | None = None,
     ) -> None:
         self.model_config = model_config
+        # This rank's place among the tensor/pipeline-parallel ranks (a single rank by default).
+        self.parallel = parallel or ParallelContext()
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
         self.dtype = _DTYPES[model_config.dtype]
@@ -70,16 +93,17 @@ class ModelRunner:
         self._kv_buffers: list[mmap.mmap] = []
         self.num_blocks = 0
         self.num_swap_blocks = 0
-        # The native CPU attention kernel serves float32; other dtypes use the torch backend.
-        # Triton attention on the GPU (and, for tests, on the CPU under Triton's interpreter).
-        self.triton_attention = self.is_cuda or os.environ.get("PAGEDLLM_ATTENTION_BACKEND", "").lower() == "triton"
-        self.native_kernel = load_kernel() if self.dtype == torch.float32 and not self.triton_attention else None
-        self.query_tile = QUERY_TILE
-        if self.triton_attention:
-            from pagedllm.attention.triton_attention import check_block_size, query_tile
-
-            check_block_size(self.block_size)
-            self.query_tile = query_tile(model_config.num_heads // model_config.num_kv_heads)
+        # Chosen once; bound with this runner's forward context to every attention layer. Triton
+        # attention on the GPU (and, for tests, on the CPU under Triton's interpreter); on the CPU
+        # the native kernel, or the torch reference for dtypes the kernel does not read.
+        triton = self.is_cuda or os.environ.get("PAGEDLLM_ATTENTION_BACKEND", "").lower() == "triton"
+        self.attn_backend = select_attention_backend(
+            self.dtype, triton=triton, block_size=self.block_size,
+            num_queries_per_kv=model_config.num_heads // model_config.num_kv_heads)
+        self.triton_attention = triton
+        self.native_kernel = self.attn_backend.native
+        self.query_tile = self.attn_backend.query_tile
+        self.forward_context = ForwardContext()
 
     # ---- set-up ---------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -87,13 +111,15 @@ class ModelRunner:
         t0 = time.perf_counter()
         cls = get_model_class(mc.hf_config)
         with torch.device(self.device):
-            model = cls(mc.hf_config, dtype=self.dtype)
+            model = cls(mc.hf_config, dtype=self.dtype, parallel=self.parallel)
         if mc.load_format == "dummy":
             dev.initialize_dummy_weights(model, mc.seed)
         else:
             source = ModelSource(kind=mc.kind, path=mc.path, name=mc.served_model_name)  # type: ignore[arg-type]
             model.load_weights(iterate_weights(source))
         model.eval()
+        for layer in self._attention_layers(model):
+            layer.context, layer.backend = self.forward_context, self.attn_backend
         self.model = model
         n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
         logger.info(
@@ -105,9 +131,19 @@ class ModelRunner:
             time.perf_counter() - t0,
         )
 
+    @staticmethod
+    def _attention_layers(model: torch.nn.Module) -> list[Attention]:
+        return [m for m in model.modules() if isinstance(m, Attention)]
+
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes of one token on this rank: its stage's layers and its KV heads."""
+        layers = self._attention_layers(self.model)  # type: ignore[arg-type]
+        itemsize = torch.empty(0, dtype=self.dtype).element_size()
+        return sum(2 * a.num_kv_heads * a.head_dim * itemsize for a in layers)
+
     def determine_num_blocks(self) -> int:
         cc = self.cache_config
-        per_block = self.model_config.kv_bytes_per_token() * self.block_size
+        per_block = self.kv_bytes_per_token() * self.block_size
         if cc.num_kv_blocks is not None:
             return cc.num_kv_blocks
         budget = cc.kv_cache_memory
@@ -124,12 +160,13 @@ class ModelRunner:
         return int(num_blocks)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        mc = self.model_config
-        shape = (2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
-        attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]  # type: ignore[union-attr]
-        self.kv_caches = [self._zeroed(shape) for _ in attn_layers]
-        for layer in attn_layers:
-            layer.kv_cache = self.kv_caches[layer.layer_idx]
+        attn_layers = self._attention_layers(self.model)  # type: ignore[arg-type]
+        # Per layer of this stage, this rank's KV heads only.
+        self.kv_caches = [
+            self._zeroed((2, num_blocks, self.block_size, a.num_kv_heads, a.head_dim)) for a in attn_layers
+        ]
+        for layer, cache in zip(attn_layers, self.kv_caches):
+            layer.kv_cache = cache
         self.num_blocks = num_blocks
         if self.device_config.use_cuda_graphs:
             self.capture_cuda_graphs()
@@ -148,21 +185,23 @@ class ModelRunner:
             sliding_window=mc.sliding_window or 0,
             num_splits={b: choose_num_splits(b, mc.num_kv_heads, mc.max_model_len, sms) for b in sizes},
             device=self.device,
+            context=self.forward_context,
         )
         self.cuda_graphs.capture()
 
     def determine_num_swap_blocks(self) -> int:
         """Blocks that fit in `swap_space` GiB of host memory."""
-        per_block = self.model_config.kv_bytes_per_token() * self.block_size
+        per_block = self.kv_bytes_per_token() * self.block_size
         return int(self.cache_config.swap_space * (1 << 30)) // per_block
 
     def initialize_swap_space(self, num_swap_blocks: int) -> None:
         """The host pool: on the CPU backend a second set of tensors shaped like the KV cache
         (lazily committed, so unused swap space costs no memory)."""
-        mc = self.model_config
-        shape = (2, num_swap_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
-        make = (lambda: dev.pinned_zeros(shape, self.dtype)) if self.is_cuda else (lambda: self._zeroed(shape))
-        self.swap_caches = [make() for _ in self.kv_caches] if num_swap_blocks else []
+        shapes = [(2, num_swap_blocks, *kv.shape[2:]) for kv in self.kv_caches]
+        if self.is_cuda:
+            self.swap_caches = [dev.pinned_zeros(shape, self.dtype) for shape in shapes] if num_swap_blocks else []
+        else:
+            self.swap_caches = [self._zeroed(shape) for shape in shapes] if num_swap_blocks else []
         self.num_swap_blocks = num_swap_blocks
 
     def _move_blocks(self, so: SchedulerOutput) -> None:
@@ -219,7 +258,7 @@ class ModelRunner:
             return flops, 1.0  # no swap pool: nothing can be swapped, whatever the rate
         pairs = [(i, i) for i in range(k)]
         so = SchedulerOutput([], [], {}, 0, blocks_to_swap_out=pairs, blocks_to_swap_in=pairs)
-        per_block = self.model_config.kv_bytes_per_token() * self.block_size
+        per_block = self.kv_bytes_per_token() * self.block_size
         copy = 2.0 * k * per_block / _best_time(lambda: (self._move_blocks(so), sync()))
         return flops, copy
 
@@ -347,6 +386,59 @@ class ModelRunner:
             out.append((i, child))
         return out
 
+    def _advance(self, so: SchedulerOutput, states: list[RequestState], forks: list[tuple[int, RequestState]]) -> None:
+        for state, n in zip(states, so.num_scheduled_tokens.values()):
+            state.num_computed_tokens += n
+        for i, child in forks:  # the parent computed the prompt: its prompt logprobs are done
+            self.prompt_logprobs_done[child.req_id] = self.prompt_logprobs_done.get(states[i].req_id, 0)
+
+    def record_sampled(self, out: ModelRunnerOutput) -> None:
+        """On ranks that do not sample: appends the driver's tokens of the previous step."""
+        for rid, tokens in zip(out.req_ids, out.sampled_token_ids):
+            state = self.requests.get(rid)
+            if state is not None and tokens:
+                state.token_ids.extend(tokens)
+
+    def _model_inputs(self, batch: BatchArrays) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.from_numpy(batch.input_ids).to(self.device, non_blocking=True)
+        return ids, torch.from_numpy(batch.positions).to(self.device, non_blocking=True)
+
+    def _forward(self, states: list[RequestState], counts: list[int], batch: BatchArrays) -> torch.Tensor | None:
+        """Runs this rank's layers; the final hidden states on the last stage, else None.
+
+        With pipeline stages the requests are cut into up to pp_size micro-batches of about equal
+        tokens; each stage sends a micro-batch on as soon as it is done and starts the next, so
+        the stages work at the same time (stage 0 on micro-batch 1 while stage 1 runs
+        micro-batch 0). The last stage concatenates them back into the batch's row order.
+        """
+        p = self.parallel
+        if p.pp_size == 1:
+            hidden = self.cuda_graphs.run(batch) if self.cuda_graphs is not None else None
+            if hidden is not None:
+                return hidden
+            with self.forward_context.set(self._attention_metadata(batch)):
+                return self.model(*self._model_inputs(batch))  # type: ignore[misc]
+        hidden_size = int(self.model_config.hf_config.hidden_size)
+        outs, sends = [], []
+        for a, b in _micro_batches(counts, p.pp_size):
+            mb = batch if (a, b) == (0, len(counts)) else build_batch(
+                states[a:b], counts[a:b], self.block_size, self.model_config.sliding_window,
+                build_groups=self.attn_backend.needs_groups, query_tile=self.query_tile,
+            )
+            h_in = None
+            if not p.is_first_stage:
+                h_in = p.recv_from_prev_stage([(len(mb.input_ids), hidden_size)], self.dtype)[0]
+            with self.forward_context.set(self._attention_metadata(mb)):
+                h = self.model(*self._model_inputs(mb), h_in)  # type: ignore[misc]
+            if p.is_last_stage:
+                outs.append(h)
+            else:
+                sends.append((h, p.send_to_next_stage([h])))
+        for _, works in sends:
+            for w in works:
+                w.wait()
+        return torch.cat(outs) if outs else None
+
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
@@ -360,29 +452,28 @@ class ModelRunner:
             list(so.num_scheduled_tokens.values()),
             self.block_size,
             self.model_config.sliding_window,
-            build_groups=self.native_kernel is None and not self.triton_attention,
+            build_groups=self.attn_backend.needs_groups,
             query_tile=self.query_tile,
         )
-        hidden = self.cuda_graphs.run(batch) if self.cuda_graphs is not None else None
-        if hidden is None:
-            md = self._attention_metadata(batch)
-            with set_attention_metadata(md):
-                hidden = self.model(  # type: ignore[misc]
-                    torch.from_numpy(batch.input_ids).to(self.device, non_blocking=True),
-                    torch.from_numpy(batch.positions).to(self.device, non_blocking=True),
-                )
+        hidden = self._forward(states, list(so.num_scheduled_tokens.values()), batch)
+        forks = self._fork(so, states)
+        if hidden is None:  # an earlier pipeline stage: the next stage carries on
+            self._advance(so, states, forks)
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 
         # Rows to sample: each request that completes its tokens, then each forked sample, which
         # samples from its parent's row with its own parameters and generator.
-        forks = self._fork(so, states)
         row_of = {int(i): int(r) for i, r in zip(batch.sample_req_indices, batch.sample_rows)}
         sample_states = [states[i] for i in batch.sample_req_indices] + [child for _, child in forks]
         sample_rows = [int(r) for r in batch.sample_rows] + [row_of[i] for i, _ in forks]
         new_tokens: dict[str, list[int]] = {}
         logprobs: dict[str, Logprobs] = {}
+        # Every tensor-parallel rank of the last stage computes logits (the vocabulary is split);
+        # only the driver samples, and the others learn its tokens with the next step.
         if sample_states:
             rows_t = torch.tensor(sample_rows, dtype=torch.long).to(self.device, non_blocking=True)
             logits = self.model.compute_logits(hidden[rows_t])  # type: ignore[union-attr]
+        if sample_states and self.parallel.is_driver:
             rows = [
                 SamplingRow(
                     params=state.sampling_params,
@@ -413,13 +504,12 @@ class ModelRunner:
         prompt_logprobs: dict[str, Logprobs] = {}
         for rid, rows_np, targets, k in self._prompt_logprob_rows(states, batch):
             plogits = self.model.compute_logits(hidden[torch.from_numpy(rows_np).to(self.device)])  # type: ignore[union-attr]
+            if not self.parallel.is_driver:
+                continue
             ids, lps, ranks = compute_topk_logprobs(plogits, torch.from_numpy(targets).to(self.device), k)
             prompt_logprobs[rid] = Logprobs(token_ids=ids.tolist(), logprobs=lps.tolist(), ranks=ranks.tolist())
 
-        for state, n in zip(states, so.num_scheduled_tokens.values()):
-            state.num_computed_tokens += n
-        for i, child in forks:  # the parent computed the prompt: its prompt logprobs are done
-            self.prompt_logprobs_done[child.req_id] = self.prompt_logprobs_done.get(states[i].req_id, 0)
+        self._advance(so, states, forks)
         out_ids = req_ids + [child.req_id for _, child in forks]
         return ModelRunnerOutput(
             req_ids=out_ids,

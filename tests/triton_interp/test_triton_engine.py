@@ -73,7 +73,7 @@ def test_decode_steps_through_padded_static_buffers_match_eager(tiny_model_dir, 
     llm = LLM(tiny_model_dir, dtype="float32", device="cpu", num_kv_blocks=48, seed=0)
     runner = llm.llm_engine.executor.runner
     graphs = CudaGraphRunner(runner.model, (1, 2, 8), max_blocks_per_seq=32, sliding_window=0,
-                             num_splits={8: 2}, device=runner.device)
+                             num_splits={8: 2}, device=runner.device, context=runner.forward_context)
     graphs.graphs = {b: _EagerReplay(graphs, b) for b in graphs.sizes}
     runner.cuda_graphs = graphs
     replays = []

@@ -1,0 +1,74 @@
+"""The attention backend: one object, chosen once by the model runner and bound to its layers."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import torch
+
+from pagedllm.attention.cpu_kernel import QUERY_TILE, load_kernel
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.torch_backend import paged_attention
+
+logger = logging.getLogger(__name__)
+
+
+class PagedAttentionBackend:
+    """Paged attention on CPU: the native C kernel (float32) or the torch SDPA reference."""
+
+    query_tile = QUERY_TILE
+
+    def __init__(self, native: ctypes.CDLL | None) -> None:
+        self.native = native
+
+    @property
+    def name(self) -> str:
+        return "cpu-native" if self.native is not None else "torch-sdpa"
+
+    @property
+    def needs_groups(self) -> bool:
+        """The torch path attends per padded group; the native kernel reads the blocks in place."""
+        return self.native is None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                md: AttentionMetadata, scale: float) -> torch.Tensor:
+        return paged_attention(q, k, v, kv_cache, md, scale)
+
+
+class TritonAttentionBackend:
+    """Paged attention in Triton kernels: CUDA tensors, or the CPU under Triton's interpreter."""
+
+    native = None
+    name = "triton"
+    needs_groups = False
+
+    def __init__(self, block_size: int, num_queries_per_kv: int) -> None:
+        from pagedllm.attention.triton_attention import check_block_size, query_tile
+
+        check_block_size(block_size)
+        # Work items are cut to the kernel's query tile (rows of one KV head's query group).
+        self.query_tile = query_tile(num_queries_per_kv)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                md: AttentionMetadata, scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+        from pagedllm.attention.triton_attention import forward
+
+        return forward(q, k, v, kv_cache, md, scale, k_scale, v_scale)
+
+
+AttentionBackend = PagedAttentionBackend | TritonAttentionBackend
+
+
+def select_attention_backend(
+    dtype: torch.dtype, triton: bool = False, block_size: int = 16, num_queries_per_kv: int = 1
+) -> AttentionBackend:
+    """Triton when asked (GPU); on the CPU the native kernel serves float32 and other dtypes use
+    the torch backend."""
+    backend: AttentionBackend
+    if triton:
+        backend = TritonAttentionBackend(block_size, num_queries_per_kv)
+    else:
+        backend = PagedAttentionBackend(load_kernel() if dtype == torch.float32 else None)
+    logger.debug("attention backend: %s", backend.name)
+    return backend
