@@ -95,7 +95,7 @@ class EngineArgs:
         shown_default="smollm2-135m-instruct")
     tokenizer: str | None = arg(None, "tokenizer folder, if not the model's", shown_default="model's")
     served_model_name: str | None = arg(None, "model name reported to clients", shown_default="model's name")
-    dtype: str = arg("auto", "compute dtype (auto: float32 on CPU)",
+    dtype: str = arg("auto", "compute dtype (auto: bfloat16 where the CPU has AVX-512 BF16 or AMX, else float32)",
                      choices=("auto", *DTYPES))
     max_model_len: int | None = arg(None, "longest prompt + output", parse=int, shown_default="model's")
     seed: int = arg(0, "seed for unseeded sampling", parse=int)
@@ -199,6 +199,7 @@ class EngineArgs:
         return cls(**kwargs)
 
     def create_engine_config(self) -> EngineConfig:
+        from pagedllm.hardware import resolve_dtype
         from pagedllm.models.loader import load_generation_eos_ids, load_hf_config, resolve_model
 
         source = resolve_model(self.model)
@@ -211,7 +212,7 @@ class EngineArgs:
             raise ValueError(
                 f"max_model_len={max_model_len} is larger than the model's max_position_embeddings={max_pos}"
             )
-        dtype = "float32" if self.dtype == "auto" else self.dtype
+        dtype = resolve_dtype(self.dtype)
         model_config = ModelConfig(
             model=self.model or source.name,
             kind=source.kind,

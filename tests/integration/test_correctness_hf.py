@@ -81,7 +81,7 @@ def run_comparison(llm: LLM, hf_model, prompts: list[list[int]]) -> list[int]:
 @pytest.fixture(scope="module")
 def default_llm():
     # A 64-token budget chunks every long prompt; 16 blocks of 16 cannot hold all 10 requests at once.
-    return LLM(max_num_batched_tokens=64, num_kv_blocks=16, max_model_len=512, block_size=16)
+    return LLM(dtype="float32", max_num_batched_tokens=64, num_kv_blocks=16, max_model_len=512, block_size=16)
 
 
 def test_default_model_matches_transformers(default_llm):
@@ -100,7 +100,7 @@ def test_tiny_qwen2_with_qkv_bias_matches_transformers(tmp_path):
     folder = make_tiny_checkpoint(str(tmp_path / "qwen2"), arch="qwen2", seed=0)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     assert hf.model.layers[0].self_attn.q_proj.bias is not None
-    llm = LLM(folder, max_num_batched_tokens=32, num_kv_blocks=24, block_size=4, max_model_len=256)
+    llm = LLM(folder, dtype="float32", max_num_batched_tokens=32, num_kv_blocks=24, block_size=4, max_model_len=256)
     g = torch.Generator().manual_seed(1)
     vocab = hf.config.vocab_size
     prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (3, 17, 40, 9, 64, 1, 25, 33)]

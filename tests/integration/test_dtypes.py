@@ -21,7 +21,7 @@ def test_default_model_in_half_precision_answers(dtype):
 def test_tiny_model_bfloat16_close_to_float32(tiny_model_dir):
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=5)
     prompts = [[5, 9, 17, 33, 61], [100, 7, 3]]
-    ref = LLM(tiny_model_dir, num_kv_blocks=32).generate(prompts, params, use_tqdm=False)
+    ref = LLM(tiny_model_dir, dtype="float32", num_kv_blocks=32).generate(prompts, params, use_tqdm=False)
     half = LLM(tiny_model_dir, dtype="bfloat16", num_kv_blocks=32).generate(prompts, params, use_tqdm=False)
     for a, b in zip(ref, half):
         # The first generated token agrees within the top-5 of the other precision.
