@@ -1,4 +1,5 @@
-"""Native CPU paged attention: a small C kernel (OpenMP, reads K/V in place from the blocks),
+"""Native CPU paged attention: a small C kernel (OpenMP, reads K/V in place from the blocks, in
+float32, bfloat16, float16 or fp8 with per-tensor scales, accumulating in float32),
 compiled once with the system C compiler and cached; the torch backend is the fallback.
 
 The kernel shares torch's OpenMP runtime (torch ships `libgomp.so.1`, and the kernel links the
@@ -67,11 +68,26 @@ def load_kernel() -> ctypes.CDLL | None:
     except (OSError, RuntimeError) as e:
         logger.warning("CPU paged-attention kernel unavailable (%s); using the torch backend", e)
         return None
-    f = lib.paged_attention_f32
-    i64, p = ctypes.c_int64, ctypes.c_void_p
-    f.argtypes = [p, p, p, p, i64, p, p, p, i64, p, i64, i64, i64, i64, ctypes.c_float, i64]
+    f = lib.paged_attention
+    i32, i64, p, f32 = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    f.argtypes = [p, i32, p, p, i32, p, p, i64, p, p, p, i64, p, i64, i64, i64, i64, f32, f32, i64]
     f.restype = None
     return lib
+
+
+# Element-type codes of the kernel (see DT_* in paged_attention.c).
+_QUERY_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_KV_CODES = {**_QUERY_CODES, **{d: 3 for d in FP8_DTYPES}}
+KERNEL_DTYPES = tuple(_QUERY_CODES)
+
+
+@lru_cache(maxsize=None)
+def fp8_table(dtype: torch.dtype) -> torch.Tensor:
+    """[256] float32 value of each one-byte code of an fp8 dtype (what the kernel decodes with)."""
+    if dtype not in FP8_DTYPES:
+        return torch.zeros(1)
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float().contiguous()
 
 
 def paged_attention_native(
@@ -84,15 +100,22 @@ def paged_attention_native(
     work: torch.Tensor,
     scale: float,
     sliding_window: int,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """q: [T, H, D] float32 contiguous; kv_cache: [2, num_blocks, block_size, KVH, D]. -> [T, H * D]."""
+    """q: [T, H, D] contiguous (float32/bfloat16/float16); kv_cache: [2, num_blocks, block_size,
+    KVH, D] in one of those or an fp8 dtype, holding K / k_scale and V / v_scale. -> [T, H * D]."""
     T, H, D = q.shape
     _, _, bs, kvh, _ = kv_cache.shape
     out = torch.empty(T, H * D, dtype=q.dtype)
-    lib.paged_attention_f32(
+    table = fp8_table(kv_cache.dtype)
+    lib.paged_attention(
         q.data_ptr(),
+        _QUERY_CODES[q.dtype],
         kv_cache[0].data_ptr(),
         kv_cache[1].data_ptr(),
+        _KV_CODES[kv_cache.dtype],
+        table.data_ptr(),
         block_tables.data_ptr(),
         block_tables.shape[1],
         query_start_loc.data_ptr(),
@@ -104,7 +127,8 @@ def paged_attention_native(
         kvh,
         D,
         bs,
-        scale,
+        scale * k_scale,
+        v_scale,
         sliding_window,
     )
     return out

@@ -15,6 +15,7 @@ from typing import Any
 
 from pagedllm.config import (
     DTYPES,
+    KV_CACHE_DTYPES,
     PREEMPTION_MODES,
     SCHEDULING_POLICIES,
     CacheConfig,
@@ -97,6 +98,9 @@ class EngineArgs:
     served_model_name: str | None = arg(None, "model name reported to clients", shown_default="model's name")
     dtype: str = arg("auto", "compute dtype (auto: bfloat16 where the CPU has AVX-512 BF16 or AMX, else float32)",
                      choices=("auto", *DTYPES))
+    kv_cache_dtype: str = arg("auto", "KV cache element type (auto: the compute dtype; fp8 = fp8_e4m3, "
+                              "with per-tensor scales)", choices=KV_CACHE_DTYPES)
+    calculate_kv_scales: bool = arg(False, "fp8 KV cache: scales from the first batch's K/V maxima (else 1.0)")
     max_model_len: int | None = arg(None, "longest prompt + output", parse=int, shown_default="model's")
     seed: int = arg(0, "seed for unseeded sampling", parse=int)
     block_size: int = arg(16, "tokens per KV cache block", parse=int)
@@ -220,6 +224,7 @@ class EngineArgs:
             served_model_name=self.served_model_name or source.name,
             hf_config=hf_config,
             dtype=dtype,
+            kv_cache_dtype=self.kv_cache_dtype,
             max_model_len=max_model_len,
             eos_token_ids=frozenset(load_generation_eos_ids(source)),
             seed=self.seed,
@@ -231,6 +236,7 @@ class EngineArgs:
             num_kv_blocks=self.num_kv_blocks,
             enable_prefix_caching=self.enable_prefix_caching,
             swap_space=self.swap_space,
+            calculate_kv_scales=self.calculate_kv_scales,
         )
         budget = self.max_num_batched_tokens or 2048
         scheduler_config = SchedulerConfig(

@@ -25,6 +25,7 @@ from pagedllm.worker.sampler import Sampler, SamplingMetadata, SamplingRow, comp
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_KV_DTYPES = {**_DTYPES, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 # Default KV budget: this share of the memory available after loading, at most this many bytes.
 _DEFAULT_KV_FRACTION = 0.3
 _DEFAULT_KV_MAX_BYTES = 4 << 30
@@ -47,6 +48,7 @@ class ModelRunner:
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
         self.dtype = _DTYPES[model_config.dtype]
+        self.kv_dtype = _KV_DTYPES[model_config.kv_cache_dtype]
         self.device = torch.device("cpu")
         self.requests: dict[str, RequestState] = {}
         self.generators: dict[str, torch.Generator] = {}
@@ -61,8 +63,9 @@ class ModelRunner:
         self._kv_buffers: list[mmap.mmap] = []
         self.num_blocks = 0
         self.num_swap_blocks = 0
-        # The native CPU attention kernel serves float32; other dtypes use the torch backend.
-        self.native_kernel = load_kernel() if self.dtype == torch.float32 else None
+        # The native CPU attention kernel serves every dtype and KV cache dtype; the torch backend
+        # is the fallback where it cannot be compiled.
+        self.native_kernel = load_kernel()
 
     # ---- set-up ---------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -108,6 +111,7 @@ class ModelRunner:
         self.kv_caches = [self._zeroed(shape) for _ in attn_layers]
         for layer in attn_layers:
             layer.kv_cache = self.kv_caches[layer.layer_idx]
+            layer.calculate_kv_scales = self.cache_config.calculate_kv_scales
         self.num_blocks = num_blocks
 
     def determine_num_swap_blocks(self) -> int:
@@ -145,11 +149,14 @@ class ModelRunner:
             (torch.tensor([p[0] for p in pairs]), torch.tensor([p[1] for p in pairs]), src_pool, dst_pool)
             for pairs, src_pool, dst_pool in moves
         ]
+        def raw(t: torch.Tensor) -> torch.Tensor:  # fp8 blocks move as bytes (no fp8 index_copy_)
+            return t.view(torch.uint8) if t.element_size() == 1 else t
+
         for layer in range(len(self.kv_caches)):
             # Cache layout [2, num_blocks, block_size, heads, head_dim]: blocks on dim 1.
-            data = [src_pool[layer].index_select(1, src) for src, _, src_pool, _ in index]
+            data = [raw(src_pool[layer]).index_select(1, src) for src, _, src_pool, _ in index]
             for (_, dst, _, dst_pool), d in zip(index, data):
-                dst_pool[layer].index_copy_(1, dst, d)
+                raw(dst_pool[layer]).index_copy_(1, dst, d)
 
     def flops_per_token(self) -> float:
         """Linear-layer work of one token through the decoder layers (2 FLOPs per weight)."""
@@ -177,10 +184,11 @@ class ModelRunner:
 
     def _zeroed(self, shape: tuple[int, ...]) -> torch.Tensor:
         """A zero tensor on anonymous memory: instant to create, pages committed on first write."""
-        nbytes = math.prod(shape) * torch.empty(0, dtype=self.dtype).element_size()
+        nbytes = math.prod(shape) * torch.empty(0, dtype=self.kv_dtype).element_size()
         buf = mmap.mmap(-1, nbytes)
         self._kv_buffers.append(buf)
-        return torch.frombuffer(buf, dtype=self.dtype).view(shape)
+        # frombuffer has no fp8 path: map the bytes, then reinterpret them.
+        return torch.frombuffer(buf, dtype=torch.uint8).view(self.kv_dtype).view(shape)
 
     # ---- per step -------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
