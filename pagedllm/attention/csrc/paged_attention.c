@@ -11,10 +11,11 @@
  * one KV head) and streams the keys it may see in runs of KB = 16 keys (within one cache block),
  * with an online softmax.
  *
- * Register blocking: each run of K is converted once into a transposed float32 tile kt[D][KB],
- * so that the scores of one query row against the 16 keys are one 16-lane vector built by D
+ * Register blocking: with at least TRANSPOSE_MIN_ROWS query rows per KV head (prompt chunks),
+ * each run of K is converted once into a transposed float32 tile kt[D][KB], so that the scores of one query row against the 16 keys are one 16-lane vector built by D
  * fused multiply-adds (s[0:16] += q[d] * kt[d][0:16]) with no horizontal reduction; rows are
- * taken RB at a time so that each tile load feeds RB FMAs. V is converted once per run into
+ * taken RB at a time so that each tile load feeds RB FMAs. A decode has only G rows, too few to
+ * pay for the transpose: its K run is converted row by row and each score is one dot product. V is converted once per run into
  * vt[KB][D] and added as p[j] * vt[j] over D.
  *
  * Layouts: q, out [T, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D];
@@ -26,6 +27,8 @@
 
 #define KB 16
 #define RB 4
+/* Query rows sharing a KV head from which the transposed K tile pays for its strided loads. */
+#define TRANSPOSE_MIN_ROWS 8
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_FP8 = 3 };
 
@@ -88,6 +91,20 @@ static inline void store_f32(void *dst, int64_t off, const float *restrict src, 
         break;
     }
     }
+}
+
+static inline float dot_n(const float *restrict a, const float *restrict b, const int64_t n) {
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* Constant trip counts for the common head sizes (unrolled and vectorized once inlined). */
+static inline float dot(const float *restrict a, const float *restrict b, int64_t d) {
+    if (d == 64) return dot_n(a, b, 64);
+    if (d == 128) return dot_n(a, b, 128);
+    return dot_n(a, b, d);
 }
 
 /* Scores of up to RB rows against the run's KB keys: s[r][j] = sum_d q[r][d] * kt[d][j]. */
@@ -160,15 +177,22 @@ void paged_attention(const void *q, int q_dt, const void *k_cache, const void *v
                 if (kn > KB) kn = KB;
                 if (kn > last + 1 - k0) kn = last + 1 - k0;
                 const int64_t base = ((bt[k0 / BS] * BS + off) * KVH + kh) * D;
-                /* kt[d][j] = K[key j][d]: one strided load per d; keys past the run are 0. */
-                for (int64_t d = 0; d < D; d++) {
-                    load_f32(kt + d * KB, k_cache, base + d, stride, kn, kv_dt, fp8_table);
-                    for (int64_t j = kn; j < KB; j++) kt[d * KB + j] = 0.f;
-                }
                 for (int64_t j = 0; j < kn; j++) load_f32(vt + j * D, v_cache, base + j * stride, 1, D, kv_dt, fp8_table);
-                for (int64_t r0 = 0; r0 < rows; r0 += RB) {
-                    const int64_t nr = rows - r0 < RB ? rows - r0 : RB;
-                    scores_rb(s + r0 * KB, qf + r0 * D, nr, kt, D);
+                if (rows >= TRANSPOSE_MIN_ROWS) {
+                    /* kt[d][j] = K[key j][d]: one strided load per d; keys past the run are 0. */
+                    for (int64_t d = 0; d < D; d++) {
+                        load_f32(kt + d * KB, k_cache, base + d, stride, kn, kv_dt, fp8_table);
+                        for (int64_t j = kn; j < KB; j++) kt[d * KB + j] = 0.f;
+                    }
+                    for (int64_t r0 = 0; r0 < rows; r0 += RB) {
+                        const int64_t nr = rows - r0 < RB ? rows - r0 : RB;
+                        scores_rb(s + r0 * KB, qf + r0 * D, nr, kt, D);
+                    }
+                } else {
+                    /* Few rows (a decode): the transpose would not pay; contiguous rows, dot each. */
+                    for (int64_t j = 0; j < kn; j++) load_f32(kt + j * D, k_cache, base + j * stride, 1, D, kv_dt, fp8_table);
+                    for (int64_t row = 0; row < rows; row++)
+                        for (int64_t j = 0; j < kn; j++) s[row * KB + j] = dot(qf + row * D, kt + j * D, D);
                 }
                 for (int64_t row = 0; row < rows; row++) {
                     float *sr = s + row * KB;
