@@ -29,6 +29,7 @@
 #define RB 4
 /* Query rows sharing a KV head from which the transposed K tile pays for its strided loads. */
 #define TRANSPOSE_MIN_ROWS 8
+#define PARALLEL_MIN_PAIRS 65536
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_FP8 = 3 };
 
@@ -141,7 +142,12 @@ void paged_attention(const void *q, int q_dt, const void *k_cache, const void *v
                      void *out, int64_t H, int64_t KVH, int64_t D, int64_t BS, float scale, float v_scale,
                      int64_t window) {
     const int64_t G = H / KVH;
-#pragma omp parallel for schedule(dynamic, 1) collapse(2)
+    /* Query-row x key pairs of the call: below PARALLEL_MIN_PAIRS (a few hundred microseconds of
+     * work, e.g. one decode) one thread does it all, as waking the team would cost more. */
+    int64_t pairs = 0;
+    for (int64_t w = 0; w < num_work; w++) pairs += work[3 * w + 2] * seq_lens[work[3 * w]];
+    pairs *= H;
+#pragma omp parallel for schedule(dynamic, 1) collapse(2) if (pairs >= PARALLEL_MIN_PAIRS)
     for (int64_t w = 0; w < num_work; w++) {
         for (int64_t kh = 0; kh < KVH; kh++) {
             const int64_t r = work[3 * w], t0 = work[3 * w + 1], nt = work[3 * w + 2];
