@@ -92,6 +92,13 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
         raise ValueError(f"unknown backend(s) {', '.join(bad)}; choose from {', '.join(BACKENDS)}")
     if "pagedllm" in backends and backends[0] != "pagedllm":
         backends = ["pagedllm"] + [b for b in backends if b != "pagedllm"]
+    from pagedllm.config import DTYPES
+
+    dtypes = [args.dtype] if isinstance(args.dtype, str) else args.dtype
+    bad = [d for d in dtypes if d not in ("auto", *DTYPES)]
+    if bad or not dtypes:
+        raise ValueError(f"--dtype {','.join(dtypes)}: choose from auto, {', '.join(DTYPES)}")
+    args.dtype = dtypes[0]
     engine_args = EngineArgs.from_cli_args(args)
     engine_kwargs = {f.name: getattr(engine_args, f.name) for f in dataclasses.fields(engine_args) if f.name != "model"}
     kv_space = args.vllm_kv_cache_space
@@ -100,6 +107,7 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
     reqs, info = build_workload(args, engine_args.model)
     opts = {
         "backends": backends,
+        "dtypes": dtypes,
         "model": engine_args.model,
         "engine_args": engine_kwargs,
         "seed": engine_args.seed,
@@ -135,6 +143,13 @@ def _add_throughput(sub: Any) -> None:
     p.add_argument("--output-json", default=None, help="write the results here")
     _add_workload_args(p, None)
     EngineArgs.add_cli_args(p)
+    # Here --dtype takes a list: every backend runs once in each dtype, in this order.
+    for action in p._actions:
+        if action.dest == "dtype":
+            action.type, action.choices, action.metavar = _csv, None, "D1,D2"
+            action.default = ["auto"]
+            action.help = ("dtypes to run every backend in, e.g. float32,bfloat16 (auto: each engine's own "
+                           "default; ratios compare engines within one dtype)")
     p.set_defaults(func=_cmd_throughput)
 
 

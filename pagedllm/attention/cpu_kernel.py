@@ -29,6 +29,9 @@ _SRC = Path(__file__).parent / "csrc" / "paged_attention.c"
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 # Query tokens of one request handled together by one work item (they share every K/V load).
 QUERY_TILE = 8
+# Prompt chunks of at least this many tokens skip the kernel: their context is gathered once and
+# attended with torch's fused SDPA, which runs GEMM-shaped tiles near the matmul rate.
+DENSE_MIN_TOKENS = 128
 
 
 def _cpu_signature() -> str:

@@ -32,6 +32,17 @@ class AttentionGroup:
 
 
 @dataclass
+class DenseAttention:
+    """A long prompt chunk attended with fused SDPA over its gathered context (native path)."""
+
+    query_start: int
+    query_len: int
+    blocks: torch.Tensor  # [nblocks] block ids of keys 0 .. seq_len - 1
+    seq_len: int
+    mask: torch.Tensor  # [query_len, seq_len] bool
+
+
+@dataclass
 class AttentionMetadata:
     num_tokens: int
     # [T] cache slot (block_id * block_size + offset) of each new token's K/V.
@@ -47,6 +58,8 @@ class AttentionMetadata:
     groups: list[AttentionGroup] = field(default_factory=list)
     # The compiled native kernel, or None to use the torch backend.
     native: Any = None
+    # Long prompt chunks that bypass the native kernel's work items (see DenseAttention).
+    dense: list[DenseAttention] = field(default_factory=list)
 
 
 _CURRENT: AttentionMetadata | None = None

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.cpu_kernel import FP8_DTYPES, paged_attention_native
-from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.metadata import AttentionMetadata, DenseAttention
 
 
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
@@ -56,6 +56,22 @@ def gather_kv(kv_cache: torch.Tensor, which: int, index: torch.Tensor, dtype: to
     return cache[index].to(dtype)
 
 
+def dense_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, d: DenseAttention, scale: float, k_scale: float, v_scale: float
+) -> torch.Tensor:
+    """One long chunk: gather its context once, then one fused SDPA (GEMM-shaped, flash-style
+    tiling inside torch) with the shifted causal mask. -> [query_len, H * D]."""
+    _, H, D = q.shape
+    kvh = kv_cache.shape[3]
+    # [nblocks, bs, KVH, D] -> [1, KVH, seq_len, D]
+    k = gather_kv(kv_cache, 0, d.blocks, q.dtype, k_scale).view(-1, kvh, D)[: d.seq_len].transpose(0, 1)
+    v = gather_kv(kv_cache, 1, d.blocks, q.dtype, v_scale).view(-1, kvh, D)[: d.seq_len].transpose(0, 1)
+    qd = q[d.query_start : d.query_start + d.query_len].transpose(0, 1)
+    o = F.scaled_dot_product_attention(qd[None], k[None], v[None], attn_mask=d.mask, scale=scale,
+                                       enable_gqa=kvh != H)
+    return o[0].transpose(0, 1).reshape(d.query_len, H * D)
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -69,10 +85,13 @@ def paged_attention(
     """q: [T, H, D]; k, v: [T, KVH, D]. Returns [T, H * D]."""
     write_kv(kv_cache, k, v, md.slot_mapping, k_scale, v_scale)
     if md.native is not None:
-        return paged_attention_native(
+        out = paged_attention_native(
             md.native, q, kv_cache, md.block_tables, md.query_start_loc, md.seq_lens, md.work, scale,
             md.sliding_window, k_scale, v_scale,
         )
+        for d in md.dense:
+            out[d.query_start : d.query_start + d.query_len] = dense_attention(q, kv_cache, d, scale, k_scale, v_scale)
+        return out
     T, H, D = q.shape
     kvh = k.shape[1]
     out = q.new_empty(T, H * D)

@@ -18,7 +18,7 @@ def run(spec: dict) -> dict:
     import vllm
     from vllm import LLM, SamplingParams
 
-    kwargs = {"model": spec["hf_model_dir"], "dtype": spec.get("dtype", "float32"), "seed": spec.get("seed", 0)}
+    kwargs = {"model": spec["hf_model_dir"], "dtype": spec.get("dtype", "auto"), "seed": spec.get("seed", 0)}
     if spec.get("max_model_len"):
         kwargs["max_model_len"] = spec["max_model_len"]
     llm = LLM(**kwargs)
@@ -39,6 +39,7 @@ def run(spec: dict) -> dict:
         "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
         "output_tokens": sum(len(c.token_ids) for o in outs for c in o.outputs),
         "vllm_version": vllm.__version__,
+        "dtype": str(llm.llm_engine.model_config.dtype).removeprefix("torch."),
     }
 
 

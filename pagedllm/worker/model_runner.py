@@ -12,8 +12,8 @@ import numpy as np
 import psutil
 import torch
 
-from pagedllm.attention.cpu_kernel import QUERY_TILE, load_kernel
-from pagedllm.attention.metadata import AttentionGroup, AttentionMetadata, set_attention_metadata
+from pagedllm.attention.cpu_kernel import DENSE_MIN_TOKENS, QUERY_TILE, load_kernel
+from pagedllm.attention.metadata import AttentionGroup, AttentionMetadata, DenseAttention, set_attention_metadata
 from pagedllm.config import CacheConfig, ModelConfig
 from pagedllm.core.scheduler_output import Logprobs, ModelRunnerOutput, SchedulerOutput
 from pagedllm.layers.attention import Attention
@@ -243,6 +243,9 @@ class ModelRunner:
             sliding_window=self.model_config.sliding_window or 0,
             groups=groups,
             native=self.native_kernel,
+            dense=[
+                DenseAttention(d.query_start, d.query_len, t(d.blocks), d.seq_len, t(d.mask)) for d in batch.dense
+            ],
         )
 
     def _prompt_logprob_rows(
@@ -307,6 +310,7 @@ class ModelRunner:
             self.model_config.sliding_window,
             build_groups=self.native_kernel is None,
             query_tile=QUERY_TILE,
+            dense_min_tokens=DENSE_MIN_TOKENS if self.native_kernel is not None else 0,
         )
         md = self._attention_metadata(batch)
         with set_attention_metadata(md):

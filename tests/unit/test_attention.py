@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.cpu_kernel import QUERY_TILE, load_kernel
-from pagedllm.attention.metadata import AttentionGroup, AttentionMetadata
+from pagedllm.attention.metadata import AttentionGroup, AttentionMetadata, DenseAttention
 from pagedllm.attention.torch_backend import paged_attention
 from pagedllm.worker.input_batch import RequestState, build_batch
 
@@ -28,8 +28,9 @@ def make_case(seed: int, starts: list[int], n: list[int]):
     return states
 
 
-def metadata(states, n, window: int, native) -> AttentionMetadata:
-    b = build_batch(states, n, BS, window or None, build_groups=native is None, query_tile=QUERY_TILE)
+def metadata(states, n, window: int, native, dense_min: int = 0) -> AttentionMetadata:
+    b = build_batch(states, n, BS, window or None, build_groups=native is None, query_tile=QUERY_TILE,
+                    dense_min_tokens=dense_min)
     t = torch.from_numpy
     groups = [
         AttentionGroup(g.batch_size, g.max_query_len, t(g.query_index), t(g.out_rows), t(g.out_dest),
@@ -37,7 +38,9 @@ def metadata(states, n, window: int, native) -> AttentionMetadata:
         for g in b.groups
     ]
     return AttentionMetadata(len(b.input_ids), t(b.slot_mapping), t(b.block_tables), t(b.query_start_loc),
-                             t(b.seq_lens), t(b.work), window, groups, native)
+                             t(b.seq_lens), t(b.work), window, groups, native,
+                             [DenseAttention(d.query_start, d.query_len, t(d.blocks), d.seq_len, t(d.mask))
+                              for d in b.dense])
 
 
 def reference(states, n, q, kv, window: int) -> torch.Tensor:
@@ -70,17 +73,19 @@ CASES = [
 
 @pytest.mark.parametrize("window", [0, 5])
 @pytest.mark.parametrize("starts,n", CASES)
-@pytest.mark.parametrize("backend", ["torch", "native"])
+@pytest.mark.parametrize("backend", ["torch", "native", "native+dense"])
 def test_paged_attention_matches_dense(backend, starts, n, window):
-    native = load_kernel() if backend == "native" else None
-    if backend == "native" and native is None:
+    native = load_kernel() if backend != "torch" else None
+    if backend != "torch" and native is None:
         pytest.skip("no C compiler for the native kernel")
     states = make_case(len(n) + window, starts, n)
     g = torch.Generator().manual_seed(7)
     kv = torch.randn(2, NUM_BLOCKS, BS, KVH, D, generator=g)
     T = sum(n)
     q, k, v = torch.randn(T, H, D, generator=g), torch.randn(T, KVH, D, generator=g), torch.randn(T, KVH, D, generator=g)
-    md = metadata(states, n, window, native)
+    # native+dense: chunks of 8 tokens or more go through the gathered-context SDPA path.
+    md = metadata(states, n, window, native, dense_min=8 if backend == "native+dense" else 0)
+    assert bool(md.dense) == (backend == "native+dense" and max(n) >= 8)
     out = paged_attention(q, k, v, kv, md, D**-0.5)
     # The new K/V were written into their slots before attention read them.
     assert torch.equal(kv[0].view(-1, KVH, D)[md.slot_mapping], k)

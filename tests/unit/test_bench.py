@@ -167,15 +167,19 @@ def test_bench_throughput_pagedllm_end_to_end(tiny_model_dir, tmp_path, capsys) 
 
     out = tmp_path / "t.json"
     rc = main(["bench", "throughput", "--backend", "pagedllm", "--model", tiny_model_dir, "--num-prompts", "4",
-               "--input-len-range", "8:16", "--output-len-range", "4:8", "--output-json", str(out)])
+               "--input-len-range", "8:16", "--output-len-range", "4:8", "--dtype", "float32,bfloat16",
+               "--output-json", str(out)])
     assert rc == 0
     report = json.loads(out.read_text())
-    (row,) = report["results"]
-    assert row["ok"] and row["backend"] == "pagedllm" and row["num_requests"] == 4
-    assert row["output_tokens"] == report["workload"]["output_tokens"] and "warning" not in row
-    assert row["output_tokens_per_s"] > 0 and 0 < row["mfu"] < 1 and row["peak_rss_bytes"] > 0
-    assert row["startup_s"] > 0 and row["vs_pagedllm"]["output_tokens_per_s"] == pytest.approx(1.0)
-    assert "pagedllm" in capsys.readouterr().out
+    rows = report["results"]
+    assert [(r["backend"], r["dtype"]) for r in rows] == [("pagedllm", "float32"), ("pagedllm", "bfloat16")]
+    for row in rows:  # each dtype is its own baseline, against its own matmul peak
+        assert row["ok"] and row["num_requests"] == 4
+        assert row["output_tokens"] == report["workload"]["output_tokens"] and "warning" not in row
+        assert row["output_tokens_per_s"] > 0 and 0 < row["mfu"] < 1 and row["peak_rss_bytes"] > 0
+        assert row["startup_s"] > 0 and row["vs_pagedllm"]["output_tokens_per_s"] == pytest.approx(1.0)
+    assert set(report["peak_matmul_flops_per_s_by_dtype"]) == {"float32", "bfloat16"}
+    assert "bfloat16" in capsys.readouterr().out
 
 
 def test_bench_throughput_vllm_without_peers_venv(tiny_model_dir, tmp_path, capsys) -> None:
