@@ -277,9 +277,9 @@ def _add_latency(sub: Any) -> None:
     p.add_argument("--num-iters", type=int, default=5, help="measured iterations (median reported)")
     p.add_argument("--num-iters-warmup", type=int, default=1, help="iterations run first and not counted")
     p.add_argument("--workload-seed", type=int, default=0, help="seed of the random prompt")
-    p.add_argument("--compare", type=_csv, default=None, metavar="llama.cpp",
+    p.add_argument("--compare", type=_csv, default=None, metavar="llama.cpp,hf",
                    help="peers to time on the same weights, prompt, dtype and threads (llama.cpp: the GGUF "
-                        "model rewritten unquantized in each dtype)")
+                        "model rewritten unquantized in each dtype; hf: transformers on its HF folder)")
     p.add_argument("--peers-venv", default=None, help="virtual environment with llama-cpp-python (default .venv-peers)")
     p.add_argument("--output-json", default=None, help="write the results here")
     EngineArgs.add_cli_args(p)

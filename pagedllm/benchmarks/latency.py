@@ -146,10 +146,45 @@ def run_llamacpp_latency(model: str | None, dtype: str, input_len: int, output_l
     return run.result | {"gguf": path, "gguf_type": _GGUF_TYPES[dtype]}
 
 
+def run_hf_latency(model: str | None, dtype: str, input_len: int, output_len: int, num_iters: int,
+                   num_warmup: int, seed: int) -> dict[str, Any]:
+    """HF transformers on the same weights (the model's HF folder) and prompt, in this process:
+    prefill = a greedy `generate` of one token (time to the first token); decode = what a
+    generate of output_len tokens takes beyond that, per token."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm.benchmarks.throughput import hf_model_dir
+
+    t0 = time.perf_counter()
+    hf = AutoModelForCausalLM.from_pretrained(hf_model_dir(model), dtype=getattr(torch, dtype),
+                                              local_files_only=True).eval()
+    load_s = time.perf_counter() - t0
+    prompt = random_workload(1, (input_len, input_len), (output_len, output_len), vocab_info(model), seed)[0]
+    ids = torch.tensor([prompt.prompt_token_ids])
+    iters = []
+    with torch.inference_mode():
+        for it in range(num_warmup + num_iters):
+            def gen(n: int) -> float:
+                s0 = time.perf_counter()
+                hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                            do_sample=False, pad_token_id=0)
+                return time.perf_counter() - s0
+
+            prefill = gen(1)  # the prompt's forward and the first token
+            total = gen(output_len)
+            if it >= num_warmup:
+                iters.append((prefill, max(total - prefill, 1e-9) / (output_len - 1)))
+    decode = statistics.median(d for _, d in iters)
+    del hf
+    return {"load_s": load_s, "prefill_ms": 1000 * statistics.median(p for p, _ in iters),
+            "decode_ms_per_token": 1000 * decode, "decode_tokens_per_s": 1 / decode}
+
+
 def run_latency_matrix(model: str | None, engine_kwargs: dict[str, Any], dtypes: list[str], compare: list[str],
                        input_len: int, output_len: int, num_iters: int, num_warmup: int, seed: int = 0,
                        peers_venv: str | None = None) -> dict[str, Any]:
-    """pagedllm in each dtype, and each peer in `compare` (llama.cpp) in the same dtype, one run."""
+    """pagedllm in each dtype, and each peer in `compare` (llama.cpp, hf) in the same dtype, one run."""
     import torch
 
     from pagedllm.benchmarks.throughput import BackendUnavailable
@@ -162,10 +197,13 @@ def run_latency_matrix(model: str | None, engine_kwargs: dict[str, Any], dtypes:
         row: dict[str, Any] = {"dtype": dtype, "dtype_requested": requested, "pagedllm": r}
         for peer in compare:
             try:
-                if peer != "llama.cpp":
-                    raise BackendUnavailable(f"unknown peer {peer!r} (latency compares with llama.cpp)")
-                p = run_llamacpp_latency(model, dtype, input_len, output_len, num_iters, num_warmup, seed,
-                                         peers_venv, torch.get_num_threads())
+                if peer == "llama.cpp":
+                    p = run_llamacpp_latency(model, dtype, input_len, output_len, num_iters, num_warmup, seed,
+                                             peers_venv, torch.get_num_threads())
+                elif peer == "hf":
+                    p = run_hf_latency(model, dtype, input_len, output_len, num_iters, num_warmup, seed)
+                else:
+                    raise BackendUnavailable(f"unknown peer {peer!r} (latency compares with llama.cpp, hf)")
                 p["decode_weight_fraction_of_peak_bw"] = (
                     r["model"]["decode_weight_bytes"] / (p["decode_ms_per_token"] / 1000) / r["peak_copy_bytes_per_s"])
                 p["pagedllm_decode_speedup"] = p["decode_ms_per_token"] / r["decode_ms_per_token"]

@@ -107,3 +107,21 @@ def test_tiny_qwen2_with_qkv_bias_matches_transformers(tmp_path):
     matched = run_comparison(llm, hf, prompts)
     assert llm.llm_engine.scheduler.num_preemptions > 0
     assert sum(m == MAX_TOKENS for m in matched) >= len(prompts) - 1, matched
+
+
+@pytest.mark.slow
+def test_default_model_bfloat16_matches_transformers_bfloat16():
+    """bf16 against HF transformers in bf16 on the same weights: every sequence matches or differs
+    first at a near-tie (top-5 rule); the exact matches are reported."""
+    hf = AutoModelForCausalLM.from_pretrained(default_hf_folder(), dtype=torch.bfloat16).eval()
+    llm = LLM(dtype="bfloat16", max_num_batched_tokens=256, num_kv_blocks=64, max_model_len=512, block_size=16)
+    tok = llm.get_tokenizer()
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
+               for p in PROMPTS]
+    matched = run_comparison(llm, hf, prompts)
+    exact = sum(m == MAX_TOKENS for m in matched)
+    print(f"bfloat16: {exact}/{len(prompts)} sequences equal HF transformers token for token")
+    # bf16 rounds every layer's output to 8 mantissa bits and the two engines round at different
+    # points (fused QKV, attention kernel accumulation in fp32), so near-ties flip more often than
+    # in fp32; most sequences still match over their whole length.
+    assert exact >= len(prompts) * 3 // 4, matched

@@ -195,3 +195,22 @@ def test_bench_throughput_vllm_without_peers_venv(tiny_model_dir, tmp_path, caps
     captured = capsys.readouterr()
     assert "skipped: vLLM's CPU build is not installed" in captured.out
     assert "Traceback" not in captured.err
+
+
+def test_bench_latency_per_dtype_with_peers(tiny_model_dir, tmp_path, capsys) -> None:
+    from pagedllm.entrypoints.cli import main
+
+    out = tmp_path / "l.json"
+    rc = main(["bench", "latency", "--model", tiny_model_dir, "--input-len", "8", "--output-len", "4",
+               "--num-iters", "1", "--num-iters-warmup", "0", "--dtype", "float32,bfloat16",
+               "--compare", "hf,llama.cpp", "--num-kv-blocks", "16", "--output-json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert [r["dtype"] for r in report["runs"]] == ["float32", "bfloat16"]
+    for row in report["runs"]:
+        assert row["pagedllm"]["model"]["dtype"] == row["dtype"]
+        assert 0 < row["pagedllm"]["decode_weight_fraction_of_peak_bw"]
+        assert row["hf"]["ok"] and row["hf"]["pagedllm_decode_speedup"] > 0
+        # llama.cpp runs GGUF files only: a Hugging Face folder is skipped with the reason.
+        assert not row["llama.cpp"]["ok"] and "GGUF" in row["llama.cpp"]["reason"]
+    assert "weight roofline" in capsys.readouterr().out
