@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-import traceback
 
 
 def run(spec: dict) -> dict:
@@ -43,18 +42,7 @@ def run(spec: dict) -> dict:
     }
 
 
-def main(argv: list) -> int:
-    with open(argv[0]) as f:
-        spec = json.load(f)
-    try:
-        result = run(spec)
-    except BaseException as exc:  # noqa: BLE001 - any failure becomes the reported reason
-        traceback.print_exc()
-        result = {"error": f"{type(exc).__name__}: {exc}"}
-    with open(spec["result"], "w") as f:
-        json.dump(result, f)
-    return 0 if "error" not in result else 1
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from peer_child import child_main  # this script's folder is first on sys.path
+
+    sys.exit(child_main(sys.argv[1:], run))
