@@ -39,7 +39,8 @@ class DenseAttention:
     query_len: int
     blocks: torch.Tensor  # [nblocks] block ids of keys 0 .. seq_len - 1
     seq_len: int
-    mask: torch.Tensor  # [query_len, seq_len] bool
+    # [query_len, seq_len] bool, only with a sliding window (else causal from the positions)
+    mask: torch.Tensor | None
 
 
 @dataclass

@@ -56,20 +56,44 @@ def gather_kv(kv_cache: torch.Tensor, which: int, index: torch.Tensor, dtype: to
     return cache[index].to(dtype)
 
 
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
+    """torch's CPU flash attention on [H, Lq, D] / [H, Lk, D]: (out [H, Lq, D], logsumexp [H, Lq])."""
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q[None], k[None], v[None], 0.0, causal, scale=scale)
+    return o[0], lse[0]
+
+
 def dense_attention(
     q: torch.Tensor, kv_cache: torch.Tensor, d: DenseAttention, scale: float, k_scale: float, v_scale: float
 ) -> torch.Tensor:
-    """One long chunk: gather its context once, then one fused SDPA (GEMM-shaped, flash-style
-    tiling inside torch) with the shifted causal mask. -> [query_len, H * D]."""
+    """One long chunk: gather its context once, then fused flash attention (GEMM-shaped tiles).
+    -> [query_len, H * D].
+
+    The chunk's queries see the cached context [0, ctx0) fully and the chunk itself causally, so
+    the two parts run as an unmasked and a causal (square, masked tiles skipped) flash call, merged
+    by their log-sum-exps: o = (o1 e^lse1 + o2 e^lse2) / (e^lse1 + e^lse2). A sliding window
+    takes one masked SDPA call instead.
+    """
     _, H, D = q.shape
     kvh = kv_cache.shape[3]
-    # [nblocks, bs, KVH, D] -> [1, KVH, seq_len, D]
+    # [nblocks, bs, KVH, D] -> [KVH, seq_len, D]
     k = gather_kv(kv_cache, 0, d.blocks, q.dtype, k_scale).view(-1, kvh, D)[: d.seq_len].transpose(0, 1)
     v = gather_kv(kv_cache, 1, d.blocks, q.dtype, v_scale).view(-1, kvh, D)[: d.seq_len].transpose(0, 1)
-    qd = q[d.query_start : d.query_start + d.query_len].transpose(0, 1)
-    o = F.scaled_dot_product_attention(qd[None], k[None], v[None], attn_mask=d.mask, scale=scale,
-                                       enable_gqa=kvh != H)
-    return o[0].transpose(0, 1).reshape(d.query_len, H * D)
+    qd = q[d.query_start : d.query_start + d.query_len].transpose(0, 1)  # [H, q, D]
+    if d.mask is not None:
+        o = F.scaled_dot_product_attention(qd[None], k[None], v[None], attn_mask=d.mask, scale=scale,
+                                           enable_gqa=kvh != H)[0]
+        return o.transpose(0, 1).reshape(d.query_len, H * D)
+    if kvh != H:
+        k, v = k.repeat_interleave(H // kvh, 0), v.repeat_interleave(H // kvh, 0)
+    ctx0 = d.seq_len - d.query_len
+    o, lse = _flash(qd, k[:, ctx0:], v[:, ctx0:], True, scale)
+    if ctx0 > 0:
+        o1, lse1 = _flash(qd, k[:, :ctx0], v[:, :ctx0], False, scale)
+        m = torch.maximum(lse, lse1)
+        w, w1 = (lse - m).exp_().unsqueeze(-1), (lse1 - m).exp_().unsqueeze(-1)
+        o = ((o.float() * w + o1.float() * w1) / (w + w1)).to(q.dtype)
+    return o.transpose(0, 1).reshape(d.query_len, H * D)
 
 
 def paged_attention(

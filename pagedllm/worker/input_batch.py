@@ -51,7 +51,9 @@ class DenseChunk:
     query_len: int
     blocks: np.ndarray  # [ceil(seq_len / block_size)] block ids of the context, in order
     seq_len: int  # keys 0 .. seq_len - 1 (the cached context plus the chunk itself)
-    mask: np.ndarray  # [query_len, seq_len] bool: True where a query may see a key
+    # [query_len, seq_len] bool, True where a query may see a key; only with a sliding window
+    # (without one, the chunk is causal after its cached context and needs no mask).
+    mask: np.ndarray | None
 
 
 @dataclass
@@ -145,13 +147,13 @@ def _dense_chunk(
     query_start: int, qlen: int, start: int, blocks: np.ndarray, block_size: int, sliding_window: int | None
 ) -> DenseChunk:
     seq_len = start + qlen
-    # Query j sits at position start + j and sees keys 0 .. start + j (the causal limit shifted
-    # by the cached context): start 3, qlen 2 -> rows [1,1,1,1,0], [1,1,1,1,1].
-    qpos = start + np.arange(qlen)[:, None]
-    kpos = np.arange(seq_len)[None, :]
-    mask = kpos <= qpos
+    mask = None
     if sliding_window:
-        mask &= kpos > qpos - sliding_window
+        # Query j sits at position start + j and sees keys start + j - window + 1 .. start + j:
+        # start 3, qlen 2, window 3 -> rows [0,1,1,1,0], [0,0,1,1,1].
+        qpos = start + np.arange(qlen)[:, None]
+        kpos = np.arange(seq_len)[None, :]
+        mask = (kpos <= qpos) & (kpos > qpos - sliding_window)
     return DenseChunk(query_start, qlen, blocks[: -(-seq_len // block_size)].copy(), seq_len, mask)
 
 

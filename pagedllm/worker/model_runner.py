@@ -244,7 +244,9 @@ class ModelRunner:
             groups=groups,
             native=self.native_kernel,
             dense=[
-                DenseAttention(d.query_start, d.query_len, t(d.blocks), d.seq_len, t(d.mask)) for d in batch.dense
+                DenseAttention(d.query_start, d.query_len, t(d.blocks), d.seq_len,
+                               None if d.mask is None else t(d.mask))
+                for d in batch.dense
             ],
         )
 
