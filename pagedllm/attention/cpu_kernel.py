@@ -43,33 +43,40 @@ def _cpu_signature() -> str:
     return platform.machine() + "|".join(lines)
 
 
-def _build(out: Path) -> None:
+def _build(src: Path, out: Path) -> None:
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         raise RuntimeError("no C compiler (gcc/cc) found")
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         target = Path(tmp) / out.name
-        proc = subprocess.run([cc, *_FLAGS, str(_SRC), "-o", str(target), "-lm"], capture_output=True, text=True)
+        proc = subprocess.run([cc, *_FLAGS, str(src), "-o", str(target), "-lm"], capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[:500]}")
         os.replace(target, out)
 
 
-@lru_cache(maxsize=1)
-def load_kernel() -> ctypes.CDLL | None:
-    """The compiled kernel, or None (with one warning) when it cannot be built here."""
-    if os.environ.get("PAGEDLLM_ATTENTION_BACKEND", "").lower() == "torch":
-        return None
-    key = hashlib.sha256(_SRC.read_bytes() + " ".join(_FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
-    lib_path = cache_dir() / "kernels" / f"paged_attention_{key}.so"
+def compile_native(src: Path) -> ctypes.CDLL | None:
+    """`src` compiled for this CPU (cached by source, flags and CPU), or None with one warning."""
+    key = hashlib.sha256(src.read_bytes() + " ".join(_FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
+    lib_path = cache_dir() / "kernels" / f"{src.stem}_{key}.so"
     try:
         if not lib_path.exists():
-            _build(lib_path)
-            logger.info("compiled the CPU paged-attention kernel into %s", lib_path)
-        lib = ctypes.CDLL(str(lib_path))
+            _build(src, lib_path)
+            logger.info("compiled %s into %s", src.name, lib_path)
+        return ctypes.CDLL(str(lib_path))
     except (OSError, RuntimeError) as e:
-        logger.warning("CPU paged-attention kernel unavailable (%s); using the torch backend", e)
+        logger.warning("native kernel %s unavailable (%s); using torch", src.name, e)
+        return None
+
+
+@lru_cache(maxsize=1)
+def load_kernel() -> ctypes.CDLL | None:
+    """The compiled attention kernel, or None (with one warning) when it cannot be built here."""
+    if os.environ.get("PAGEDLLM_ATTENTION_BACKEND", "").lower() == "torch":
+        return None
+    lib = compile_native(_SRC)
+    if lib is None:
         return None
     f = lib.paged_attention
     i32, i64, p, f32 = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float

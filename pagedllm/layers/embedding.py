@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.layers.native_linear import small_m_linear
+
 
 class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype) -> None:
@@ -25,4 +27,5 @@ class LMHead(nn.Module):
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden, dtype=dtype), requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight).float()
+        y = small_m_linear(hidden, self.weight, None)
+        return (y if y is not None else F.linear(hidden, self.weight)).float()

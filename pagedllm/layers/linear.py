@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.layers.native_linear import small_m_linear
+
 
 class UnquantizedLinearMethod:
     """Plain dense weights in the model dtype."""
@@ -23,7 +25,8 @@ class UnquantizedLinearMethod:
         pass
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        y = small_m_linear(x, layer.weight, bias)  # bf16 decode rows: one pass over the weights
+        return y if y is not None else F.linear(x, layer.weight, bias)
 
 
 class Linear(nn.Module):
