@@ -115,6 +115,7 @@ def paged_attention_native(
 ) -> torch.Tensor:
     """q: [T, H, D] contiguous (float32/bfloat16/float16); kv_cache: [2, num_blocks, block_size,
     KVH, D] in one of those or an fp8 dtype, holding K / k_scale and V / v_scale. -> [T, H * D]."""
+    q = q.contiguous()  # rows of q may be strided views of a fused projection
     T, H, D = q.shape
     _, _, bs, kvh, _ = kv_cache.shape
     out = torch.empty(T, H * D, dtype=q.dtype)

@@ -168,3 +168,17 @@ def test_fp8_cache_round_trip_and_attention(fp8):
     ref = reference(states, n, q, dec, 0)
     for out in outs:
         torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_rotary_on_fused_qkv_equals_separate_rotations():
+    from types import SimpleNamespace
+
+    from pagedllm.layers.rotary import RotaryEmbedding
+
+    rope = RotaryEmbedding(SimpleNamespace(rope_theta=10000.0), D, 256, torch.float32)
+    qkv = torch.randn(5, (H + 2 * KVH) * D)
+    q, k, _ = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
+    pos = torch.tensor([0, 3, 7, 100, 255])
+    fq, fk = rope(pos, q, k)  # adjacent views: one pass
+    sq, sk = rope(pos, q.clone(), k.clone())  # separate tensors: two passes
+    assert torch.equal(fq, sq) and torch.equal(fk, sk)
