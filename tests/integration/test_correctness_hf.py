@@ -146,3 +146,20 @@ def test_default_model_bfloat16_matches_transformers_bfloat16():
     # points (fused QKV, fp32 accumulation in the attention and decode GEMM kernels, HF's padded
     # batch), so near-ties flip more often than in fp32; most sequences still match throughout.
     assert exact >= len(prompts) // 2, matched
+
+
+def test_long_prompt_chunks_on_the_dense_path_match_transformers(tmp_path):
+    """Chunks of 128+ tokens take the gathered-context flash path (first chunk causal, later
+    chunks merged with the cached context); greedy output still equals transformers."""
+    from pagedllm.attention.cpu_kernel import DENSE_MIN_TOKENS
+
+    folder = make_tiny_checkpoint(str(tmp_path / "llama"), arch="llama", seed=3)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, hf.config.vocab_size, (n,), generator=g).tolist() for n in (300, 170)]
+    # A 150-token budget: chunks of 150 (dense, the second one after 150 cached tokens) and 20.
+    llm = LLM(folder, dtype="float32", max_num_batched_tokens=150, num_kv_blocks=64, block_size=16,
+              max_model_len=512)
+    assert 150 >= DENSE_MIN_TOKENS
+    matched = run_comparison(llm, hf, prompts)
+    assert all(m == MAX_TOKENS for m in matched), matched
