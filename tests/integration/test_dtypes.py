@@ -51,3 +51,15 @@ def test_tiny_model_narrow_kv_cache_close_to_float32(tiny_model_dir, kv_dtype):
 def test_unknown_kv_cache_dtype_is_rejected(tiny_model_dir):
     with pytest.raises(ValueError, match="fp4"):
         LLM(tiny_model_dir, kv_cache_dtype="fp4")
+
+
+def test_fp8_kv_cache_survives_swap_preemption(tiny_model_dir):
+    # fp8 blocks move to the host pool and back as bytes: the output equals a run without preemption.
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    prompts = [[5 + i, 9, 17, 33, 61, 2, 8, 40] * 4 for i in range(8)]
+    common = dict(dtype="float32", kv_cache_dtype="fp8_e4m3", block_size=4)
+    roomy = LLM(tiny_model_dir, num_kv_blocks=200, **common).generate(prompts, params, use_tqdm=False)
+    llm = LLM(tiny_model_dir, num_kv_blocks=40, preemption_mode="swap", swap_space=0.01, **common)
+    tight = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in tight] == [o.outputs[0].token_ids for o in roomy]
