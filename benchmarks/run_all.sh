@@ -5,7 +5,7 @@
 # usage: benchmarks/run_all.sh [throughput] [serve] [latency] [prefill] [kvquality] [scheduler] [memory]
 #        (default: all)
 # Approximate times on 2 cores: throughput 40-60 min (hf ~25, vllm ~15 incl. start-up), serve ~30 min,
-# latency 1 min, scheduler 2 min, memory 10 s.
+# latency 3 min, prefill 5 min, kvquality 3 min, scheduler 2 min, memory 10 s.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PB=.venv/bin/pagedllm
@@ -29,7 +29,7 @@ for step in "${steps[@]}"; do
         --compare llama.cpp,hf --output-json "$R/latency.json" ;;
     prefill)
       $PB bench latency --input-len 7000 --output-len 2 --num-iters 1 --num-iters-warmup 0 --max-model-len 8192 \
-        --max-num-batched-tokens 2048 --dtype float32,bfloat16 --compare hf --output-json "$R/prefill.json" ;;
+        --dtype float32,bfloat16 --compare hf --output-json "$R/prefill.json" ;;
     kvquality)
       .venv/bin/python benchmarks/kv_cache_dtype_quality.py --dtype bfloat16 --calculate-kv-scales \
         --output-json "$R/kv_cache_dtype_quality.json" ;;
