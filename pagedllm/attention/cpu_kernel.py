@@ -26,6 +26,7 @@ from pagedllm.utils import cache_dir
 logger = logging.getLogger(__name__)
 
 _SRC = Path(__file__).parent / "csrc" / "paged_attention.c"
+_SHARED_HEADER = Path(__file__).parent / "csrc" / "bf16.h"  # included by every native kernel
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 # Query tokens of one request handled together by one work item (they share every K/V load).
 QUERY_TILE = 8
@@ -57,8 +58,10 @@ def _build(src: Path, out: Path) -> None:
 
 
 def compile_native(src: Path) -> ctypes.CDLL | None:
-    """`src` compiled for this CPU (cached by source, flags and CPU), or None with one warning."""
-    key = hashlib.sha256(src.read_bytes() + " ".join(_FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
+    """`src` compiled for this CPU (cached by source, shared header, flags and CPU), or None with
+    one warning."""
+    text = src.read_bytes() + _SHARED_HEADER.read_bytes()
+    key = hashlib.sha256(text + " ".join(_FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
     lib_path = cache_dir() / "kernels" / f"{src.stem}_{key}.so"
     try:
         if not lib_path.exists():

@@ -25,6 +25,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define KB 16
 #define RB 4
 /* Query rows sharing a KV head from which the transposed K tile pays for its strided loads. */
@@ -32,20 +34,6 @@
 #define PARALLEL_MIN_PAIRS 65536
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_FP8 = 3 };
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(u >> 16);
-}
 
 /* dst[i] = value of element (off + i * stride) of src, for i < n. */
 static inline void load_f32(float *restrict dst, const void *src, int64_t off, int64_t stride, int64_t n, int dt,

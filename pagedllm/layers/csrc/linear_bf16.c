@@ -15,23 +15,11 @@
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 
+#include "../../attention/csrc/bf16.h"
+
 #define MAXM 4
 #define NR 4
 #define PARALLEL_MIN_ELEMS (1 << 20)
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(u >> 16);
-}
 
 int linear_bf16_small_m(const uint16_t *x, int64_t M, const uint16_t *w, int64_t N, int64_t K,
                         const uint16_t *bias, uint16_t *y) {
