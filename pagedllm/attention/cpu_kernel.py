@@ -33,6 +33,9 @@ QUERY_TILE = 8
 # Prompt chunks of at least this many tokens skip the kernel: their context is gathered once and
 # attended with torch's fused SDPA, which runs GEMM-shaped tiles near the matmul rate.
 DENSE_MIN_TOKENS = 128
+# ... and at least this many query-key pairs: below it the paged kernel is as fast and the flash
+# call's fixed cost dominates (a 512-token first chunk has 131k pairs; 512 after 2048, 1.2M).
+DENSE_MIN_PAIRS = 1 << 20
 
 
 def _cpu_signature() -> str:

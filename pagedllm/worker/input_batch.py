@@ -82,8 +82,10 @@ def build_batch(
     build_groups: bool = True,
     query_tile: int = 8,
     dense_min_tokens: int = 0,
+    dense_min_pairs: int = 0,
 ) -> BatchArrays:
-    """`dense_min_tokens` > 0: chunks of at least that many tokens are attended densely."""
+    """`dense_min_tokens` > 0: chunks of at least that many tokens, with at least `dense_min_pairs`
+    query-key pairs (causal), are attended densely."""
     R = len(states)
     n = np.asarray(num_scheduled, dtype=np.int64)
     starts = np.asarray([s.num_computed_tokens for s in states], dtype=np.int64)
@@ -118,7 +120,10 @@ def build_batch(
             if sel.any()
         ]
 
-    is_dense = n >= dense_min_tokens if dense_min_tokens > 0 else np.zeros(R, dtype=bool)
+    if dense_min_tokens > 0:
+        is_dense = (n >= dense_min_tokens) & (n * (starts + n / 2) >= dense_min_pairs)
+    else:
+        is_dense = np.zeros(R, dtype=bool)
     dense = [
         _dense_chunk(int(qsl[i]), int(n[i]), int(starts[i]), table[i], block_size, sliding_window)
         for i in np.nonzero(is_dense)[0]

@@ -12,7 +12,7 @@ import numpy as np
 import psutil
 import torch
 
-from pagedllm.attention.cpu_kernel import DENSE_MIN_TOKENS, QUERY_TILE, load_kernel
+from pagedllm.attention.cpu_kernel import DENSE_MIN_PAIRS, DENSE_MIN_TOKENS, QUERY_TILE, load_kernel
 from pagedllm.attention.metadata import AttentionGroup, AttentionMetadata, DenseAttention, set_attention_metadata
 from pagedllm.config import CacheConfig, ModelConfig
 from pagedllm.core.scheduler_output import Logprobs, ModelRunnerOutput, SchedulerOutput
@@ -66,6 +66,8 @@ class ModelRunner:
         # The native CPU attention kernel serves every dtype and KV cache dtype; the torch backend
         # is the fallback where it cannot be compiled.
         self.native_kernel = load_kernel()
+        # Long prompt chunks with at least this many query-key pairs attend densely (fused SDPA).
+        self.dense_min_pairs = DENSE_MIN_PAIRS
 
     # ---- set-up ---------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -313,6 +315,7 @@ class ModelRunner:
             build_groups=self.native_kernel is None,
             query_tile=QUERY_TILE,
             dense_min_tokens=DENSE_MIN_TOKENS if self.native_kernel is not None else 0,
+            dense_min_pairs=self.dense_min_pairs,
         )
         md = self._attention_metadata(batch)
         with set_attention_metadata(md):

@@ -161,5 +161,7 @@ def test_long_prompt_chunks_on_the_dense_path_match_transformers(tmp_path):
     llm = LLM(folder, dtype="float32", max_num_batched_tokens=150, num_kv_blocks=64, block_size=16,
               max_model_len=512)
     assert 150 >= DENSE_MIN_TOKENS
+    # These chunks are short of the pair threshold (no gain at this size): take the dense path anyway.
+    llm.llm_engine.executor.runner.dense_min_pairs = 0
     matched = run_comparison(llm, hf, prompts)
     assert all(m == MAX_TOKENS for m in matched), matched
