@@ -72,7 +72,9 @@ def throughput_section(r: dict[str, Any], img: Path) -> str:
         def ratio(key: str) -> str:
             return f" ({v[key]:.2f}x)" if key in v else ""
 
-        label = x["backend"] + (f" (batch {x['best_batch_size']})" if "best_batch_size" in x else "")
+        label = (x["backend"] + (f" {x['dtype']}" if "dtype" in x else "")
+                 + (" (default)" if x.get("dtype_requested") == "auto" else "")
+                 + (f" (batch {x['best_batch_size']})" if "best_batch_size" in x else ""))
         rows.append([
             label, f"{x['requests_per_s']:.3f}{ratio('requests_per_s')}",
             f"{x['output_tokens_per_s']:.1f}{ratio('output_tokens_per_s')}",
@@ -181,7 +183,50 @@ def serve_section(reports: list[dict[str, Any]], img: Path) -> str:
     return "".join(parts)
 
 
+def latency_matrix_table(m: dict[str, Any]) -> str:
+    """pagedllm and its peers per dtype: prefill (time to first token), decode tok/s, roofline."""
+    rows = []
+    for run in m["runs"]:
+        r = run["pagedllm"]
+        rows.append([run["dtype"], "pagedllm", f"{r['prefill_ms']:.1f}",
+                     f"{100 * r['prefill_fraction_of_peak_flops']:.0f}%", f"{r['decode_tokens_per_s']:.1f}",
+                     f"{100 * r['decode_weight_fraction_of_peak_bw']:.0f}%", "1.00x / 1.00x"])
+        for peer, p in run.items():
+            if peer in ("dtype", "dtype_requested", "pagedllm"):
+                continue
+            if not p["ok"]:
+                rows.append([run["dtype"], peer, "skipped: " + p["reason"].replace("|", "/"), "", "", "", ""])
+                continue
+            rows.append([run["dtype"], peer, f"{p['prefill_ms']:.1f}", "-", f"{p['decode_tokens_per_s']:.1f}",
+                         f"{100 * p['decode_weight_fraction_of_peak_bw']:.0f}%" if "decode_weight_fraction_of_peak_bw" in p
+                         else "-",
+                         f"{p['pagedllm_prefill_speedup']:.2f}x / {p['pagedllm_decode_speedup']:.2f}x"])
+    first = m["runs"][0]["pagedllm"]
+    return (run_block(first.get("meta")) +
+            f"\nOne request, prompt {m['input_len']} tokens, output {m['output_len']} tokens, median of "
+            f"{m['num_iters']} runs; copy peak {first['peak_copy_bytes_per_s'] / 1e9:.1f} GB/s, fp32 matmul peak "
+            f"{first['peak_matmul_flops_per_s'] / 1e9:.1f} GFLOP/s. Weight roofline = bytes of weights one decode "
+            "step reads / copy peak. Speed-up = peer time / pagedllm time (prefill / decode).\n\n"
+            + table(["dtype", "engine", "prefill (TTFT) ms", "prefill % of fp32 peak", "decode tok/s",
+                     "of weight roofline", "pagedllm speed-up"], rows))
+
+
+def kv_quality_section(q: dict[str, Any]) -> str:
+    rows = [[r["dtype"], r["kv_cache_dtype"] + (" (calculated scales)" if r["calculate_kv_scales"] else " (scale 1.0)"),
+             f"{r['exact_sequences']}/{r['num_prompts']}", f"{100 * r['mean_agreement']:.1f}%",
+             f"{r['mean_abs_delta_logprob']:.4f}", f"{r['max_abs_delta_logprob']:.3f}"] for r in q["rows"]]
+    return ("## KV cache dtype: correctness cost\n\n```\nPYTHONPATH=. python benchmarks/kv_cache_dtype_quality.py "
+            "--dtype bfloat16 --calculate-kv-scales --output-json benchmarks/results/kv_cache_dtype_quality.json\n```\n"
+            "Greedy decoding of the 64 HF correctness prompts (chat template, 32 tokens) with each cache dtype "
+            "against the model dtype's own cache; agreement = tokens before the first difference; |Δlogprob| of the "
+            "same chosen token while the runs agree.\n\n"
+            + table(["model dtype", "KV cache", "identical sequences", "mean agreement", "mean abs Δlogprob",
+                     "max abs Δlogprob"], rows))
+
+
 def latency_section(r: dict[str, Any]) -> str:
+    if r.get("benchmark") == "latency_matrix":
+        return "## Single-request latency\n\n" + latency_matrix_table(r)
     g = 1e9
     rows = [
         ["prefill", f"{r['prefill_ms']:.1f} ms", f"{r['prefill_flops_per_s'] / g:.1f} GFLOP/s "
@@ -385,6 +430,12 @@ def main() -> None:
         parts.append(memory_section(m, img_dir / "bench-kv-waste.png"))
     else:
         missing.append("memory.json")
+    if (pf := load(res / "prefill.json")) is not None:
+        parts.append("## Long-context prefill\n\n" + latency_matrix_table(pf))
+    if (kq := load(res / "kv_cache_dtype_quality.json")) is not None:
+        parts.append(kv_quality_section(kq))
+    if (note := res / "dtype_fast_path.md").exists():
+        parts.append(note.read_text())
     sched = load(res / "bench_scheduling.json") or load(res / "bench_scheduling_quick.json")
     if sched is not None:
         parts.append(scheduling_section(sched))

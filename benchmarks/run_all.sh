@@ -2,29 +2,37 @@
 # The measurements behind docs/benchmarks.md, one after another, then the report.
 # Run on a quiet machine (`uptime` load average below 0.5) with nothing else running; with
 # OMP_NUM_THREADS unset every engine uses all cores. `make peers` first for the vLLM rows.
-# usage: benchmarks/run_all.sh [throughput] [serve] [latency] [scheduler] [memory]   (default: all)
+# usage: benchmarks/run_all.sh [throughput] [serve] [latency] [prefill] [kvquality] [scheduler] [memory]
+#        (default: all)
 # Approximate times on 2 cores: throughput 40-60 min (hf ~25, vllm ~15 incl. start-up), serve ~30 min,
-# latency 1 min, scheduler 2 min, memory 10 s.
+# latency 3 min, prefill 5 min, kvquality 3 min, scheduler 2 min, memory 10 s.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PB=.venv/bin/pagedllm
 R=benchmarks/results
 mkdir -p "$R"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(throughput serve latency scheduler memory)
+[ ${#steps[@]} -eq 0 ] && steps=(throughput serve latency prefill kvquality scheduler memory)
 uptime
 for step in "${steps[@]}"; do
   case "$step" in
     throughput)
       $PB bench throughput --num-prompts 128 --input-len-range 32:512 --output-len-range 16:256 \
-        --compare hf,vllm --output-json "$R/throughput.json" ;;
+        --dtype float32,bfloat16 --compare hf,vllm --output-json "$R/throughput.json" ;;
     serve)
       for server in pagedllm vllm; do
         $PB bench serve --launch "$server" --num-prompts 32 --input-len-range 32:256 --output-len-range 16:128 \
           --request-rate 0.125,0.25,0.5,inf --slo-ttft 5000 --slo-tpot 500 --output-json "$R/serve-$server.json" || true
       done ;;
     latency)
-      $PB bench latency --input-len 128 --output-len 64 --num-iters 5 --output-json "$R/latency.json" ;;
+      $PB bench latency --input-len 32 --output-len 128 --num-iters 3 --dtype float32,bfloat16 \
+        --compare llama.cpp,hf --output-json "$R/latency.json" ;;
+    prefill)
+      $PB bench latency --input-len 7000 --output-len 2 --num-iters 1 --num-iters-warmup 0 --max-model-len 8192 \
+        --dtype float32,bfloat16 --compare hf --output-json "$R/prefill.json" ;;
+    kvquality)
+      .venv/bin/python benchmarks/kv_cache_dtype_quality.py --dtype bfloat16 --calculate-kv-scales \
+        --output-json "$R/kv_cache_dtype_quality.json" ;;
     scheduler)
       $PB bench scheduler --num-running 64,256,1024 --num-steps 200 --output-json "$R/scheduler.json" ;;
     memory)

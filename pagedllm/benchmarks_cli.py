@@ -92,6 +92,7 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
         raise ValueError(f"unknown backend(s) {', '.join(bad)}; choose from {', '.join(BACKENDS)}")
     if "pagedllm" in backends and backends[0] != "pagedllm":
         backends = ["pagedllm"] + [b for b in backends if b != "pagedllm"]
+    dtypes = _dtype_list(args)
     engine_args = EngineArgs.from_cli_args(args)
     engine_kwargs = {f.name: getattr(engine_args, f.name) for f in dataclasses.fields(engine_args) if f.name != "model"}
     kv_space = args.vllm_kv_cache_space
@@ -100,6 +101,7 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
     reqs, info = build_workload(args, engine_args.model)
     opts = {
         "backends": backends,
+        "dtypes": dtypes,
         "model": engine_args.model,
         "engine_args": engine_kwargs,
         "seed": engine_args.seed,
@@ -135,6 +137,8 @@ def _add_throughput(sub: Any) -> None:
     p.add_argument("--output-json", default=None, help="write the results here")
     _add_workload_args(p, None)
     EngineArgs.add_cli_args(p)
+    _make_dtype_a_list(p, "dtypes to run every backend in, e.g. float32,bfloat16 (auto: each engine's own "
+                          "default; ratios compare engines within one dtype)")
     p.set_defaults(func=_cmd_throughput)
 
 
@@ -224,13 +228,40 @@ def _engine_kwargs(args: argparse.Namespace) -> tuple[str | None, dict[str, Any]
     return ea.model, {f.name: getattr(ea, f.name) for f in dataclasses.fields(ea) if f.name != "model"}
 
 
-def _cmd_latency(args: argparse.Namespace) -> int:
-    from pagedllm.benchmarks.latency import format_latency, run_latency
+def _dtype_list(args: argparse.Namespace) -> list[str]:
+    """The list a bench's --dtype D1,D2 names (validated); args.dtype becomes the first."""
+    from pagedllm.config import DTYPES
 
+    dtypes = [args.dtype] if isinstance(args.dtype, str) else args.dtype
+    bad = [d for d in dtypes if d not in ("auto", *DTYPES)]
+    if bad or not dtypes:
+        raise ValueError(f"--dtype {','.join(dtypes)}: choose from auto, {', '.join(DTYPES)}")
+    args.dtype = dtypes[0]
+    return dtypes
+
+
+def _make_dtype_a_list(p: argparse.ArgumentParser, help_text: str) -> None:
+    """Turns the engine's --dtype into a comma-separated list for a bench that runs each dtype."""
+    for action in p._actions:
+        if action.dest == "dtype":
+            action.type, action.choices, action.metavar = _csv, None, "D1,D2"
+            action.default = ["auto"]
+            action.help = help_text
+
+
+def _cmd_latency(args: argparse.Namespace) -> int:
+    from pagedllm.benchmarks.latency import format_latency, format_latency_matrix, run_latency, run_latency_matrix
+
+    dtypes = _dtype_list(args)
     model, kwargs = _engine_kwargs(args)
-    report = run_latency(model, kwargs, args.input_len, args.output_len, args.num_iters, args.num_iters_warmup,
-                         args.workload_seed)
-    print(format_latency(report))
+    if len(dtypes) == 1 and not args.compare:
+        report = run_latency(model, kwargs, args.input_len, args.output_len, args.num_iters,
+                             args.num_iters_warmup, args.workload_seed)
+        print(format_latency(report))
+    else:
+        report = run_latency_matrix(model, kwargs, dtypes, args.compare or [], args.input_len, args.output_len,
+                                    args.num_iters, args.num_iters_warmup, args.workload_seed, args.peers_venv)
+        print(format_latency_matrix(report))
     _write_json(report, args.output_json)
     return 0
 
@@ -246,8 +277,13 @@ def _add_latency(sub: Any) -> None:
     p.add_argument("--num-iters", type=int, default=5, help="measured iterations (median reported)")
     p.add_argument("--num-iters-warmup", type=int, default=1, help="iterations run first and not counted")
     p.add_argument("--workload-seed", type=int, default=0, help="seed of the random prompt")
+    p.add_argument("--compare", type=_csv, default=None, metavar="llama.cpp,hf",
+                   help="peers to time on the same weights, prompt, dtype and threads (llama.cpp: the GGUF "
+                        "model rewritten unquantized in each dtype; hf: transformers on its HF folder)")
+    p.add_argument("--peers-venv", default=None, help="virtual environment with llama-cpp-python (default .venv-peers)")
     p.add_argument("--output-json", default=None, help="write the results here")
     EngineArgs.add_cli_args(p)
+    _make_dtype_a_list(p, "dtypes to time, e.g. float32,bfloat16 (auto: the engine's choice)")
     p.set_defaults(func=_cmd_latency)
 
 

@@ -12,6 +12,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
 EXECUTOR_BACKENDS = ("mp", "ray", "external_launcher")
+# KV cache element types (vLLM's names; "fp8" means fp8_e4m3); "auto" is the model dtype.
+KV_CACHE_DTYPES = ("auto", *DTYPES, "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,9 @@ class CacheConfig:
     """Reuse cached KV blocks across requests that share a prefix."""
     swap_space: float = 4.0
     """GiB of host memory for blocks of swapped-out requests (preemption mode swap/auto)."""
+    calculate_kv_scales: bool = False
+    """fp8 KV cache: set each layer's K and V scales from the first batch's absolute maxima
+    (otherwise 1.0)."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:
@@ -110,7 +116,10 @@ class ModelConfig:
     hf_config: Any
     """The transformers PretrainedConfig describing the architecture."""
     dtype: str = "float32"
-    """Compute and KV cache dtype: float32, bfloat16 or float16."""
+    """Compute dtype: float32, bfloat16 or float16."""
+    kv_cache_dtype: str = ""
+    """Element type of the KV cache: float32, bfloat16, float16, fp8_e4m3 or fp8_e5m2 ("" or
+    auto: the compute dtype; fp8: fp8_e4m3)."""
     max_model_len: int = 8192
     """Longest sequence (prompt + output) accepted."""
     eos_token_ids: frozenset[int] = frozenset()
@@ -128,6 +137,10 @@ class ModelConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.kv_cache_dtype not in ("", *KV_CACHE_DTYPES):
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        kv = {"": self.dtype, "auto": self.dtype, "fp8": "fp8_e4m3"}.get(self.kv_cache_dtype, self.kv_cache_dtype)
+        object.__setattr__(self, "kv_cache_dtype", kv)  # resolved once, at construction
 
     @property
     def vocab_size(self) -> int:
@@ -154,7 +167,7 @@ class ModelConfig:
         return getattr(self.hf_config, "sliding_window", None) or None
 
     def kv_bytes_per_token(self) -> int:
-        itemsize = 4 if self.dtype == "float32" else 2
+        itemsize = KV_CACHE_ITEMSIZE[self.kv_cache_dtype]
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
 
 

@@ -15,7 +15,7 @@ logger = logging.getLogger(__name__)
 
 
 class PagedAttentionBackend:
-    """Paged attention on CPU: the native C kernel (float32) or the torch SDPA reference."""
+    """Paged attention on CPU: the native C kernel or the torch SDPA reference."""
 
     query_tile = QUERY_TILE
 
@@ -32,8 +32,8 @@ class PagedAttentionBackend:
         return self.native is None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                md: AttentionMetadata, scale: float) -> torch.Tensor:
-        return paged_attention(q, k, v, kv_cache, md, scale)
+                md: AttentionMetadata, scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+        return paged_attention(q, k, v, kv_cache, md, scale, k_scale, v_scale)
 
 
 class TritonAttentionBackend:
@@ -61,14 +61,14 @@ AttentionBackend = PagedAttentionBackend | TritonAttentionBackend
 
 
 def select_attention_backend(
-    dtype: torch.dtype, triton: bool = False, block_size: int = 16, num_queries_per_kv: int = 1
+    triton: bool = False, block_size: int = 16, num_queries_per_kv: int = 1
 ) -> AttentionBackend:
-    """Triton when asked (GPU); on the CPU the native kernel serves float32 and other dtypes use
-    the torch backend."""
+    """Triton when asked (GPU); on the CPU the native kernel (every dtype and KV cache dtype), or
+    the torch reference where no compiler is found."""
     backend: AttentionBackend
     if triton:
         backend = TritonAttentionBackend(block_size, num_queries_per_kv)
     else:
-        backend = PagedAttentionBackend(load_kernel() if dtype == torch.float32 else None)
+        backend = PagedAttentionBackend(load_kernel())
     logger.debug("attention backend: %s", backend.name)
     return backend

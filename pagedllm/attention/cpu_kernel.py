@@ -1,4 +1,5 @@
-"""Native CPU paged attention: a small C kernel (OpenMP, reads K/V in place from the blocks),
+"""Native CPU paged attention: a small C kernel (OpenMP, reads K/V in place from the blocks, in
+float32, bfloat16, float16 or fp8 with per-tensor scales, accumulating in float32),
 compiled once with the system C compiler and cached; the torch backend is the fallback.
 
 The kernel shares torch's OpenMP runtime (torch ships `libgomp.so.1`, and the kernel links the
@@ -25,9 +26,16 @@ from pagedllm.utils import cache_dir
 logger = logging.getLogger(__name__)
 
 _SRC = Path(__file__).parent / "csrc" / "paged_attention.c"
+_SHARED_HEADER = Path(__file__).parent / "csrc" / "bf16.h"  # included by every native kernel
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 # Query tokens of one request handled together by one work item (they share every K/V load).
 QUERY_TILE = 8
+# Prompt chunks of at least this many tokens skip the kernel: their context is gathered once and
+# attended with torch's fused SDPA, which runs GEMM-shaped tiles near the matmul rate.
+DENSE_MIN_TOKENS = 128
+# ... and at least this many query-key pairs: below it the paged kernel is as fast and the flash
+# call's fixed cost dominates (a 512-token first chunk has 131k pairs; 512 after 2048, 1.2M).
+DENSE_MIN_PAIRS = 1 << 20
 
 
 def _cpu_signature() -> str:
@@ -39,39 +47,63 @@ def _cpu_signature() -> str:
     return platform.machine() + "|".join(lines)
 
 
-def _build(out: Path) -> None:
+def _build(src: Path, out: Path) -> None:
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         raise RuntimeError("no C compiler (gcc/cc) found")
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         target = Path(tmp) / out.name
-        proc = subprocess.run([cc, *_FLAGS, str(_SRC), "-o", str(target), "-lm"], capture_output=True, text=True)
+        proc = subprocess.run([cc, *_FLAGS, str(src), "-o", str(target), "-lm"], capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[:500]}")
         os.replace(target, out)
 
 
-@lru_cache(maxsize=1)
-def load_kernel() -> ctypes.CDLL | None:
-    """The compiled kernel, or None (with one warning) when it cannot be built here."""
-    if os.environ.get("PAGEDLLM_ATTENTION_BACKEND", "").lower() == "torch":
-        return None
-    key = hashlib.sha256(_SRC.read_bytes() + " ".join(_FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
-    lib_path = cache_dir() / "kernels" / f"paged_attention_{key}.so"
+def compile_native(src: Path) -> ctypes.CDLL | None:
+    """`src` compiled for this CPU (cached by source, shared header, flags and CPU), or None with
+    one warning."""
+    text = src.read_bytes() + _SHARED_HEADER.read_bytes()
+    key = hashlib.sha256(text + " ".join(_FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
+    lib_path = cache_dir() / "kernels" / f"{src.stem}_{key}.so"
     try:
         if not lib_path.exists():
-            _build(lib_path)
-            logger.info("compiled the CPU paged-attention kernel into %s", lib_path)
-        lib = ctypes.CDLL(str(lib_path))
+            _build(src, lib_path)
+            logger.info("compiled %s into %s", src.name, lib_path)
+        return ctypes.CDLL(str(lib_path))
     except (OSError, RuntimeError) as e:
-        logger.warning("CPU paged-attention kernel unavailable (%s); using the torch backend", e)
+        logger.warning("native kernel %s unavailable (%s); using torch", src.name, e)
         return None
-    f = lib.paged_attention_f32
-    i64, p = ctypes.c_int64, ctypes.c_void_p
-    f.argtypes = [p, p, p, p, i64, p, p, p, i64, p, i64, i64, i64, i64, ctypes.c_float, i64]
+
+
+@lru_cache(maxsize=1)
+def load_kernel() -> ctypes.CDLL | None:
+    """The compiled attention kernel, or None (with one warning) when it cannot be built here."""
+    if os.environ.get("PAGEDLLM_ATTENTION_BACKEND", "").lower() == "torch":
+        return None
+    lib = compile_native(_SRC)
+    if lib is None:
+        return None
+    f = lib.paged_attention
+    i32, i64, p, f32 = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    f.argtypes = [p, i32, p, p, i32, p, p, i64, p, p, p, i64, p, i64, i64, i64, i64, f32, f32, i64]
     f.restype = None
     return lib
+
+
+# Element-type codes of the kernel (see DT_* in paged_attention.c).
+_QUERY_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_KV_CODES = {**_QUERY_CODES, **{d: 3 for d in FP8_DTYPES}}
+KERNEL_DTYPES = tuple(_QUERY_CODES)
+
+
+@lru_cache(maxsize=None)
+def fp8_table(dtype: torch.dtype) -> torch.Tensor:
+    """[256] float32 value of each one-byte code of an fp8 dtype (what the kernel decodes with)."""
+    if dtype not in FP8_DTYPES:
+        return torch.zeros(1)
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float().contiguous()
 
 
 def paged_attention_native(
@@ -84,15 +116,23 @@ def paged_attention_native(
     work: torch.Tensor,
     scale: float,
     sliding_window: int,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """q: [T, H, D] float32 contiguous; kv_cache: [2, num_blocks, block_size, KVH, D]. -> [T, H * D]."""
+    """q: [T, H, D] contiguous (float32/bfloat16/float16); kv_cache: [2, num_blocks, block_size,
+    KVH, D] in one of those or an fp8 dtype, holding K / k_scale and V / v_scale. -> [T, H * D]."""
+    q = q.contiguous()  # rows of q may be strided views of a fused projection
     T, H, D = q.shape
     _, _, bs, kvh, _ = kv_cache.shape
     out = torch.empty(T, H * D, dtype=q.dtype)
-    lib.paged_attention_f32(
+    table = fp8_table(kv_cache.dtype)
+    lib.paged_attention(
         q.data_ptr(),
+        _QUERY_CODES[q.dtype],
         kv_cache[0].data_ptr(),
         kv_cache[1].data_ptr(),
+        _KV_CODES[kv_cache.dtype],
+        table.data_ptr(),
         block_tables.data_ptr(),
         block_tables.shape[1],
         query_start_loc.data_ptr(),
@@ -104,7 +144,8 @@ def paged_attention_native(
         kvh,
         D,
         bs,
-        scale,
+        scale * k_scale,
+        v_scale,
         sliding_window,
     )
     return out

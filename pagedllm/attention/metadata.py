@@ -32,6 +32,18 @@ class AttentionGroup:
 
 
 @dataclass
+class DenseAttention:
+    """A long prompt chunk attended with fused SDPA over its gathered context (native path)."""
+
+    query_start: int
+    query_len: int
+    blocks: torch.Tensor  # [nblocks] block ids of keys 0 .. seq_len - 1
+    seq_len: int
+    # [query_len, seq_len] bool, only with a sliding window (else causal from the positions)
+    mask: torch.Tensor | None
+
+
+@dataclass
 class AttentionMetadata:
     num_tokens: int
     # [T] cache slot (block_id * block_size + offset) of each new token's K/V.
@@ -52,6 +64,8 @@ class AttentionMetadata:
     triton: bool = False
     max_query_len: int = 0
     num_splits: int = 1
+    # Long prompt chunks that bypass the native kernel's work items (see DenseAttention).
+    dense: list[DenseAttention] = field(default_factory=list)
 
 
 class ForwardContext:

@@ -71,13 +71,14 @@ def run_metadata(extra_versions: dict[str, str | None] | None = None) -> dict[st
 
 # ---- machine peaks --------------------------------------------------------------------------
 
-def measure_matmul_peak(n: int = 1024, seconds: float = 2.0) -> float:
-    """fp32 FLOP/s of a large square matmul (2 n^3 FLOPs each), with torch's current threads."""
+def measure_matmul_peak(n: int = 1024, seconds: float = 2.0, dtype: str = "float32") -> float:
+    """FLOP/s of a large square matmul in `dtype` (2 n^3 FLOPs each), with torch's current threads."""
     import torch
 
-    a = torch.randn(n, n)
-    b = torch.randn(n, n)
-    c = torch.empty(n, n)
+    dt = getattr(torch, dtype)
+    a = torch.randn(n, n).to(dt)
+    b = torch.randn(n, n).to(dt)
+    c = torch.empty(n, n, dtype=dt)
     torch.mm(a, b, out=c)  # warm-up
     best = 0.0
     deadline = time.perf_counter() + seconds

@@ -108,3 +108,132 @@ def format_latency(r: dict[str, Any]) -> str:
         f"{r['decode_weight_kv_bandwidth'] / g:.2f} GB/s with the KV cache",
         f"request latency    {r['request_latency_s']:9.2f} s",
     ])
+
+
+# GGUF tensor type llama.cpp runs for each pagedllm dtype.
+_GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
+
+def run_llamacpp_latency(model: str | None, dtype: str, input_len: int, output_len: int, num_iters: int,
+                         num_warmup: int, seed: int, peers_venv: str | None, threads: int) -> dict[str, Any]:
+    """llama.cpp on the same weights (the model's GGUF rewritten unquantized in `dtype`), the same
+    prompt and the same number of threads, in a child process of the peers' python."""
+    import os
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from pagedllm.benchmarks.gguf_export import export_unquantized_gguf
+    from pagedllm.benchmarks.throughput import BackendUnavailable, peers_python, run_child
+    from pagedllm.models.loader import resolve_model
+
+    source = resolve_model(model)
+    if source.kind != "gguf":
+        raise BackendUnavailable(f"llama.cpp needs a GGUF model; {source.path} is a {source.kind} folder")
+    python = peers_python(peers_venv)
+    path = export_unquantized_gguf(source.path, _GGUF_TYPES[dtype])
+    prompt = random_workload(1, (input_len, input_len), (output_len, output_len), vocab_info(model), seed)[0]
+    spec = {"backend": "llama.cpp", "tag": f"llama.cpp-{dtype}", "model_path": path,
+            "prompt_token_ids": prompt.prompt_token_ids, "output_len": output_len, "num_iters": num_iters,
+            "num_warmup": num_warmup, "threads": threads}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    print(f"--- llama.cpp ({dtype}, {Path(path).name}): starting ---", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(prefix="pagedllm-bench-") as workdir:
+        run = run_child([str(python), str(Path(__file__).with_name("llamacpp_worker.py"))], env, spec, workdir,
+                        None)
+    if run.returncode != 0 or "decode_ms_per_token" not in run.result:
+        raise BackendUnavailable(f"llama.cpp failed: {run.result.get('error') or f'exit code {run.returncode}'}")
+    return run.result | {"gguf": path, "gguf_type": _GGUF_TYPES[dtype]}
+
+
+def run_hf_latency(model: str | None, dtype: str, input_len: int, output_len: int, num_iters: int,
+                   num_warmup: int, seed: int) -> dict[str, Any]:
+    """HF transformers on the same weights (the model's HF folder) and prompt, in this process:
+    prefill = a greedy `generate` of one token (time to the first token); decode = what a
+    generate of output_len tokens takes beyond that, per token."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm.benchmarks.throughput import hf_model_dir
+
+    t0 = time.perf_counter()
+    hf = AutoModelForCausalLM.from_pretrained(hf_model_dir(model), dtype=getattr(torch, dtype),
+                                              local_files_only=True).eval()
+    load_s = time.perf_counter() - t0
+    prompt = random_workload(1, (input_len, input_len), (output_len, output_len), vocab_info(model), seed)[0]
+    ids = torch.tensor([prompt.prompt_token_ids])
+    iters = []
+    with torch.inference_mode():
+        for it in range(num_warmup + num_iters):
+            def gen(n: int) -> float:
+                s0 = time.perf_counter()
+                hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                            do_sample=False, pad_token_id=0)
+                return time.perf_counter() - s0
+
+            prefill = gen(1)  # the prompt's forward and the first token
+            total = gen(output_len)
+            if it >= num_warmup:
+                iters.append((prefill, max(total - prefill, 1e-9) / (output_len - 1)))
+    decode = statistics.median(d for _, d in iters)
+    del hf
+    return {"load_s": load_s, "prefill_ms": 1000 * statistics.median(p for p, _ in iters),
+            "decode_ms_per_token": 1000 * decode, "decode_tokens_per_s": 1 / decode}
+
+
+def run_latency_matrix(model: str | None, engine_kwargs: dict[str, Any], dtypes: list[str], compare: list[str],
+                       input_len: int, output_len: int, num_iters: int, num_warmup: int, seed: int = 0,
+                       peers_venv: str | None = None) -> dict[str, Any]:
+    """pagedllm in each dtype, and each peer in `compare` (llama.cpp, hf) in the same dtype, one run."""
+    import torch
+
+    from pagedllm.benchmarks.throughput import BackendUnavailable
+    from pagedllm.hardware import resolve_dtype
+
+    runs = []
+    for requested in dtypes:
+        dtype = resolve_dtype(requested)
+        r = run_latency(model, {**engine_kwargs, "dtype": dtype}, input_len, output_len, num_iters, num_warmup, seed)
+        row: dict[str, Any] = {"dtype": dtype, "dtype_requested": requested, "pagedllm": r}
+        for peer in compare:
+            try:
+                if peer == "llama.cpp":
+                    p = run_llamacpp_latency(model, dtype, input_len, output_len, num_iters, num_warmup, seed,
+                                             peers_venv, torch.get_num_threads())
+                elif peer == "hf":
+                    p = run_hf_latency(model, dtype, input_len, output_len, num_iters, num_warmup, seed)
+                else:
+                    raise BackendUnavailable(f"unknown peer {peer!r} (latency compares with llama.cpp, hf)")
+                p["decode_weight_fraction_of_peak_bw"] = (
+                    r["model"]["decode_weight_bytes"] / (p["decode_ms_per_token"] / 1000) / r["peak_copy_bytes_per_s"])
+                p["pagedllm_decode_speedup"] = p["decode_ms_per_token"] / r["decode_ms_per_token"]
+                p["pagedllm_prefill_speedup"] = p["prefill_ms"] / r["prefill_ms"]
+                row[peer] = {"ok": True, **p}
+            except BackendUnavailable as exc:
+                row[peer] = {"ok": False, "reason": str(exc)}
+        runs.append(row)
+    return {"benchmark": "latency_matrix", "input_len": input_len, "output_len": output_len,
+            "num_iters": num_iters, "runs": runs}
+
+
+def format_latency_matrix(m: dict[str, Any]) -> str:
+    lines = []
+    for row in m["runs"]:
+        lines.append(format_latency(row["pagedllm"]))
+        lines.append("")
+    lines.append(f"{'dtype':10s} {'engine':10s} {'prefill ms':>11s} {'decode tok/s':>13s} {'weight roofline':>16s} "
+                 f"{'pagedllm speed-up (decode, prefill)':>36s}")
+    for row in m["runs"]:
+        r = row["pagedllm"]
+        lines.append(f"{row['dtype']:10s} {'pagedllm':10s} {r['prefill_ms']:11.1f} {r['decode_tokens_per_s']:13.1f} "
+                     f"{100 * r['decode_weight_fraction_of_peak_bw']:15.0f}% {'':>36s}")
+        for peer, p in row.items():
+            if peer in ("dtype", "dtype_requested", "pagedllm"):
+                continue
+            if not p["ok"]:
+                lines.append(f"{row['dtype']:10s} {peer:10s} skipped: {p['reason']}")
+                continue
+            lines.append(f"{row['dtype']:10s} {peer:10s} {p['prefill_ms']:11.1f} {p['decode_tokens_per_s']:13.1f} "
+                         f"{100 * p['decode_weight_fraction_of_peak_bw']:15.0f}% "
+                         f"{p['pagedllm_decode_speedup']:17.2f}x, {p['pagedllm_prefill_speedup']:.2f}x")
+    return "\n".join(lines)

@@ -25,6 +25,7 @@ from typing import Any
 from pagedllm.benchmarks.env import REPO_ROOT, PeakRSSMonitor, measure_matmul_peak, run_metadata
 from pagedllm.benchmarks.flops import FORMULA, ModelShape
 from pagedllm.benchmarks.workloads import BenchRequest, dump_workload, workload_summary
+from pagedllm.hardware import resolve_dtype
 
 BACKENDS = ("pagedllm", "hf", "vllm")
 
@@ -73,8 +74,9 @@ def hf_model_dir(model: str | None) -> str:
 def run_child(cmd: list[str], env: dict[str, str], spec: dict[str, Any], workdir: str,
               timeout: float | None) -> ChildRun:
     """Runs one backend's child, echoing its output to stderr (progress bars included)."""
-    spec_path = Path(workdir) / f"spec-{spec['backend']}.json"
-    spec["result"] = str(Path(workdir) / f"result-{spec['backend']}.json")
+    tag = spec.get("tag", spec["backend"])
+    spec_path = Path(workdir) / f"spec-{tag}.json"
+    spec["result"] = str(Path(workdir) / f"result-{tag}.json")
     spec_path.write_text(json.dumps(spec))
     tail = bytearray()
 
@@ -129,17 +131,19 @@ def _failure_reason(backend: str, run: ChildRun) -> str:
     return f"{backend} exited with code {run.returncode} without a result; its last line: {last}"
 
 
-def run_backend(backend: str, opts: dict[str, Any], workload_path: str, workdir: str) -> dict[str, Any]:
+def run_backend(backend: str, opts: dict[str, Any], workload_path: str, workdir: str,
+                dtype: str = "auto") -> dict[str, Any]:
+    """One backend in one dtype ("auto": each engine's own default; hf: pagedllm's choice)."""
     env = dict(os.environ)
-    spec: dict[str, Any] = {"backend": backend, "workload": workload_path, "seed": opts["seed"]}
+    spec: dict[str, Any] = {"backend": backend, "workload": workload_path, "seed": opts["seed"], "dtype": dtype}
     if backend == "pagedllm":
         cmd = [sys.executable, "-m", "pagedllm.benchmarks.worker"]
-        spec.update(model=opts["model"], engine_args=opts["engine_args"])
+        spec.update(model=opts["model"], engine_args={**opts["engine_args"], "dtype": dtype})
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     elif backend == "hf":
         cmd = [sys.executable, "-m", "pagedllm.benchmarks.worker"]
         spec.update(hf_model_dir=hf_model_dir(opts["model"]), hf_batch_sizes=opts["hf_batch_sizes"],
-                    hf_probe_prompts=opts["hf_probe_prompts"])
+                    hf_probe_prompts=opts["hf_probe_prompts"], dtype=resolve_dtype(dtype))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     elif backend == "vllm":
         python = peers_python(opts["peers_venv"])
@@ -149,13 +153,16 @@ def run_backend(backend: str, opts: dict[str, Any], workload_path: str, workdir:
         env.pop("PYTHONPATH", None)
     else:
         raise BackendUnavailable(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
-    print(f"--- {backend}: starting ---", file=sys.stderr, flush=True)
+    print(f"--- {backend} ({dtype}): starting ---", file=sys.stderr, flush=True)
+    spec["tag"] = f"{backend}-{dtype}"
     run = run_child(cmd, env, spec, workdir, opts.get("timeout"))
     if run.returncode != 0 or "elapsed_s" not in run.result:
         raise BackendUnavailable(_failure_reason(backend, run))
     r = run.result
     out = {
         "backend": backend,
+        "dtype": r.get("dtype", dtype),
+        "dtype_requested": dtype,
         "ok": True,
         "startup_s": r["ready_time"] - run.spawn_time,
         "load_s": r["load_s"],
@@ -180,36 +187,44 @@ def run_throughput(reqs: list[BenchRequest], workload_info: dict[str, Any], opts
     shape = ModelShape.from_hf_config(load_hf_config(resolve_model(opts["model"])))
     workload_flops = sum(shape.request_flops(r.prompt_len, r.output_len) for r in reqs)
     expected_out = sum(r.output_len for r in reqs)
-    peak = measure_matmul_peak() if "pagedllm" in opts["backends"] else None
+    dtypes = opts.get("dtypes") or ["auto"]
+    # The matmul peak of each dtype a pagedllm run uses ("auto" resolved as the engine resolves it).
+    peaks = {d: measure_matmul_peak(dtype=resolve_dtype(d)) for d in dtypes} if "pagedllm" in opts["backends"] else {}
     rows = []
     with tempfile.TemporaryDirectory(prefix="pagedllm-bench-") as workdir:
         wl_path = str(Path(workdir) / "workload.json")
         dump_workload(reqs, wl_path)
-        for backend in opts["backends"]:
-            try:
-                row = run_backend(backend, opts, wl_path, workdir)
-            except BackendUnavailable as exc:
-                print(f"--- {backend}: skipped: {exc}", file=sys.stderr, flush=True)
-                rows.append({"backend": backend, "ok": False, "reason": str(exc)})
-                continue
-            row["model_flops"] = workload_flops
-            row["achieved_flops_per_s"] = workload_flops / row["elapsed_s"]
-            if peak:
-                row["mfu"] = row["achieved_flops_per_s"] / peak
-            if row["output_tokens"] != expected_out:
-                row["warning"] = f"produced {row['output_tokens']} output tokens, the workload asks {expected_out}"
-            if "vllm_version" in row:
-                meta["versions"]["vllm"] = row["vllm_version"]
-            rows.append(row)
-            print(f"--- {backend}: done in {row['elapsed_s']:.1f} s", file=sys.stderr, flush=True)
+        for dtype in dtypes:
+            for backend in opts["backends"]:
+                try:
+                    row = run_backend(backend, opts, wl_path, workdir, dtype)
+                except BackendUnavailable as exc:
+                    print(f"--- {backend} ({dtype}): skipped: {exc}", file=sys.stderr, flush=True)
+                    rows.append({"backend": backend, "dtype": dtype, "dtype_requested": dtype, "ok": False,
+                                 "reason": str(exc)})
+                    continue
+                row["model_flops"] = workload_flops
+                row["achieved_flops_per_s"] = workload_flops / row["elapsed_s"]
+                if dtype in peaks:
+                    row["peak_matmul_flops_per_s"] = peaks[dtype]
+                    row["mfu"] = row["achieved_flops_per_s"] / peaks[dtype]
+                if row["output_tokens"] != expected_out:
+                    row["warning"] = f"produced {row['output_tokens']} output tokens, the workload asks {expected_out}"
+                if "vllm_version" in row:
+                    meta["versions"]["vllm"] = row["vllm_version"]
+                rows.append(row)
+                print(f"--- {backend} ({dtype}): done in {row['elapsed_s']:.1f} s", file=sys.stderr, flush=True)
     meta["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]
-    base = next((r for r in rows if r["backend"] == "pagedllm" and r["ok"]), None)
-    if base:
-        for r in rows:
-            if r["ok"]:
-                r["vs_pagedllm"] = {k: r[k] / base[k] for k in
-                                    ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s",
-                                     "peak_rss_bytes", "startup_s") if base[k]}
+    # Ratios are to pagedllm in the same requested dtype.
+    for dtype in dtypes:
+        base = next((r for r in rows if r["backend"] == "pagedllm" and r["dtype_requested"] == dtype and r["ok"]), None)
+        if base:
+            for r in rows:
+                if r["ok"] and r["dtype_requested"] == dtype:
+                    r["vs_pagedllm"] = {k: r[k] / base[k] for k in
+                                        ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s",
+                                         "peak_rss_bytes", "startup_s") if base[k]}
+    peak = peaks.get(dtypes[0])
     return {
         "benchmark": "throughput",
         "meta": meta,
@@ -217,6 +232,8 @@ def run_throughput(reqs: list[BenchRequest], workload_info: dict[str, Any], opts
         "model": {"name": opts["model"] or "smollm2-135m-instruct", "decoder_params": shape.decoder_params,
                   "total_params": shape.total_params, "flops_per_output_token_ctx0": shape.token_flops(0)},
         "peak_matmul_flops_per_s": peak,
+        "peak_matmul_flops_per_s_by_dtype": {resolve_dtype(d): p for d, p in peaks.items()},
+        "dtypes": dtypes,
         "flops_formula": FORMULA,
         "hf_batch_selection": HF_SELECTION,
         "results": rows,
@@ -238,15 +255,16 @@ def _cell(value: float, ratio: float | None, fmt: str) -> str:
 
 
 def format_table(report: dict[str, Any]) -> str:
-    headers = ["backend", "req/s", "output tok/s", "total tok/s", "peak RSS GiB", "start-up s", "gen s", "MFU"]
+    headers = ["backend", "dtype", "req/s", "output tok/s", "total tok/s", "peak RSS GiB", "start-up s", "gen s", "MFU"]
     lines = []
     for r in report["results"]:
         if not r["ok"]:
-            lines.append([r["backend"], "skipped: " + r["reason"]])
+            lines.append([f"{r['backend']} ({r.get('dtype', 'auto')})", "skipped: " + r["reason"]])
             continue
         v = r.get("vs_pagedllm", {})
         lines.append([
             r["backend"] + (f" (bs {r['best_batch_size']})" if "best_batch_size" in r else ""),
+            r.get("dtype", "-") + (" (auto)" if r.get("dtype_requested") == "auto" else ""),
             _cell(r["requests_per_s"], v.get("requests_per_s"), ".3f"),
             _cell(r["output_tokens_per_s"], v.get("output_tokens_per_s"), ".1f"),
             _cell(r["total_tokens_per_s"], v.get("total_tokens_per_s"), ".1f"),
@@ -264,7 +282,9 @@ def format_table(report: dict[str, Any]) -> str:
     peak = report.get("peak_matmul_flops_per_s")
     out.append(
         f"workload: {wl['kind']}, {wl['num_requests']} requests, {wl['prompt_tokens']} prompt + {wl['output_tokens']} "
-        f"output tokens; ratios (Nx) are to pagedllm"
-        + (f"; MFU against a measured fp32 matmul peak of {peak / 1e9:.1f} GFLOP/s" if peak else "")
+        f"output tokens; ratios (Nx) are to pagedllm in the same requested dtype"
+        + ("; MFU against the measured matmul peak of the dtype: " + ", ".join(
+            f"{d} {p / 1e9:.1f} GFLOP/s" for d, p in report.get("peak_matmul_flops_per_s_by_dtype", {}).items())
+           if report.get("peak_matmul_flops_per_s_by_dtype") else "")
     )
     return "\n".join(out)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-import traceback
 
 
 def run(spec: dict) -> dict:
@@ -18,7 +17,7 @@ def run(spec: dict) -> dict:
     import vllm
     from vllm import LLM, SamplingParams
 
-    kwargs = {"model": spec["hf_model_dir"], "dtype": spec.get("dtype", "float32"), "seed": spec.get("seed", 0)}
+    kwargs = {"model": spec["hf_model_dir"], "dtype": spec.get("dtype", "auto"), "seed": spec.get("seed", 0)}
     if spec.get("max_model_len"):
         kwargs["max_model_len"] = spec["max_model_len"]
     llm = LLM(**kwargs)
@@ -39,21 +38,11 @@ def run(spec: dict) -> dict:
         "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
         "output_tokens": sum(len(c.token_ids) for o in outs for c in o.outputs),
         "vllm_version": vllm.__version__,
+        "dtype": str(llm.llm_engine.model_config.dtype).removeprefix("torch."),
     }
 
 
-def main(argv: list) -> int:
-    with open(argv[0]) as f:
-        spec = json.load(f)
-    try:
-        result = run(spec)
-    except BaseException as exc:  # noqa: BLE001 - any failure becomes the reported reason
-        traceback.print_exc()
-        result = {"error": f"{type(exc).__name__}: {exc}"}
-    with open(spec["result"], "w") as f:
-        json.dump(result, f)
-    return 0 if "error" not in result else 1
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from peer_child import child_main  # this script's folder is first on sys.path
+
+    sys.exit(child_main(sys.argv[1:], run))

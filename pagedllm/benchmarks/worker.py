@@ -47,6 +47,7 @@ def run_pagedllm(spec: dict[str, Any]) -> dict[str, Any]:
         "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
         "output_tokens": sum(len(c.token_ids) for o in outs for c in o.outputs),
         "num_kv_blocks": llm.llm_engine.num_blocks,
+        "dtype": llm.llm_engine.model_config.dtype,
     }
 
 
@@ -83,7 +84,8 @@ def run_hf(spec: dict[str, Any]) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = spec["hf_model_dir"]
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, spec.get("dtype", "float32")),
+                                                 local_files_only=True)
     model.eval()
     tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id

@@ -17,6 +17,7 @@ from pagedllm.config import (
     DEVICES,
     DTYPES,
     EXECUTOR_BACKENDS,
+    KV_CACHE_DTYPES,
     PREEMPTION_MODES,
     SCHEDULING_POLICIES,
     CacheConfig,
@@ -139,8 +140,11 @@ class EngineArgs:
         shown_default="smollm2-135m-instruct")
     tokenizer: str | None = arg(None, "tokenizer folder, if not the model's", shown_default="model's")
     served_model_name: str | None = arg(None, "model name reported to clients", shown_default="model's name")
-    dtype: str = arg("auto", "compute dtype (auto: float32 on CPU, bfloat16 on GPU)",
+    dtype: str = arg("auto", "compute dtype (auto: bfloat16 on a GPU or where the CPU has AVX-512 BF16 or AMX, else float32)",
                      choices=("auto", *DTYPES))
+    kv_cache_dtype: str = arg("auto", "KV cache element type (auto: the compute dtype; fp8 = fp8_e4m3, "
+                              "with per-tensor scales)", choices=KV_CACHE_DTYPES)
+    calculate_kv_scales: bool = arg(False, "fp8 KV cache: scales from the first batch's K/V maxima (else 1.0)")
     max_model_len: int | None = arg(None, "longest prompt + output", parse=int, shown_default="model's")
     seed: int = arg(0, "seed for unseeded sampling", parse=int)
     block_size: int = arg(16, "tokens per KV cache block", parse=int)
@@ -259,6 +263,7 @@ class EngineArgs:
         return cls(**kwargs)
 
     def create_engine_config(self) -> EngineConfig:
+        from pagedllm.hardware import resolve_dtype
         from pagedllm.models.loader import load_generation_eos_ids, load_hf_config, resolve_model
 
         source = resolve_model(self.model)
@@ -272,7 +277,7 @@ class EngineArgs:
                 f"max_model_len={max_model_len} is larger than the model's max_position_embeddings={max_pos}"
             )
         device = resolve_device(self.device)
-        dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+        dtype = resolve_dtype(self.dtype, device)
         model_config = ModelConfig(
             model=self.model or source.name,
             kind=source.kind,
@@ -280,6 +285,7 @@ class EngineArgs:
             served_model_name=self.served_model_name or source.name,
             hf_config=hf_config,
             dtype=dtype,
+            kv_cache_dtype=self.kv_cache_dtype,
             max_model_len=max_model_len,
             eos_token_ids=frozenset(load_generation_eos_ids(source)),
             seed=self.seed,
@@ -291,6 +297,7 @@ class EngineArgs:
             num_kv_blocks=self.num_kv_blocks,
             enable_prefix_caching=self.enable_prefix_caching,
             swap_space=self.swap_space,
+            calculate_kv_scales=self.calculate_kv_scales,
         )
         budget = self.max_num_batched_tokens or 2048
         scheduler_config = SchedulerConfig(

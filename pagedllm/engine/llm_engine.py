@@ -58,7 +58,7 @@ class LLMEngine:
             cc.block_size,
             capacity,
             num_blocks * cc.block_size * mc.kv_bytes_per_token() / (1 << 30),
-            mc.dtype,
+            mc.kv_cache_dtype,
             mc.max_model_len,
             capacity / mc.max_model_len,
             sc.max_num_batched_tokens,

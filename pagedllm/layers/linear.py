@@ -20,6 +20,7 @@ from torch import nn
 from pagedllm.distributed.parallel_state import TensorParallelGroup
 
 _SINGLE = TensorParallelGroup()
+from pagedllm.layers.native_linear import small_m_linear
 
 
 class UnquantizedLinearMethod:
@@ -32,7 +33,8 @@ class UnquantizedLinearMethod:
         pass
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        y = small_m_linear(x, layer.weight, bias)  # bf16 decode rows: one pass over the weights
+        return y if y is not None else F.linear(x, layer.weight, bias)
 
 
 class Linear(nn.Module):

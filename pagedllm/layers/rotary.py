@@ -78,4 +78,11 @@ class RotaryEmbedding(nn.Module):
 
             return rotary(positions, q, k, self.cos, self.sin, self.head_dim)
         cos, sin = self._lookup(positions)
+        qw = q.shape[1]
+        if (q.dim() == 2 and k.dim() == 2 and q.stride() == k.stride() and q.stride(1) == 1
+                and k.data_ptr() == q.data_ptr() + qw * q.element_size()):
+            # q and k side by side in one row (the fused QKV output): rotate both in one pass.
+            qk = q.as_strided((q.shape[0], qw + k.shape[1]), q.stride())
+            out = self._rotate(qk, cos, sin)
+            return out[:, :qw], out[:, qw:]
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

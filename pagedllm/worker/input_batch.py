@@ -44,6 +44,19 @@ class GroupArrays:
 
 
 @dataclass
+class DenseChunk:
+    """One long prompt chunk attended densely: its context is gathered once per layer."""
+
+    query_start: int  # first row of the chunk in the flat batch
+    query_len: int
+    blocks: np.ndarray  # [ceil(seq_len / block_size)] block ids of the context, in order
+    seq_len: int  # keys 0 .. seq_len - 1 (the cached context plus the chunk itself)
+    # [query_len, seq_len] bool, True where a query may see a key; only with a sliding window
+    # (without one, the chunk is causal after its cached context and needs no mask).
+    mask: np.ndarray | None
+
+
+@dataclass
 class BatchArrays:
     input_ids: np.ndarray  # [T]
     positions: np.ndarray  # [T]
@@ -52,6 +65,9 @@ class BatchArrays:
     seq_lens: np.ndarray  # [R]
     block_tables: np.ndarray  # [R, max_blocks]
     work: np.ndarray  # [W, 3] native-kernel work items: (request, first query token, tokens)
+    # Requests whose chunk is long enough for dense attention (fused SDPA over their gathered
+    # context) instead of the paged kernel; they have no work items.
+    dense: list[DenseChunk]
     groups: list[GroupArrays]
     # Rows of the flat batch whose logits are sampled, and which requests they belong to.
     sample_rows: np.ndarray
@@ -65,7 +81,11 @@ def build_batch(
     sliding_window: int | None = None,
     build_groups: bool = True,
     query_tile: int = 8,
+    dense_min_tokens: int = 0,
+    dense_min_pairs: int = 0,
 ) -> BatchArrays:
+    """`dense_min_tokens` > 0: chunks of at least that many tokens, with at least `dense_min_pairs`
+    query-key pairs (causal), are attended densely."""
     R = len(states)
     n = np.asarray(num_scheduled, dtype=np.int64)
     starts = np.asarray([s.num_computed_tokens for s in states], dtype=np.int64)
@@ -100,6 +120,16 @@ def build_batch(
             if sel.any()
         ]
 
+    if dense_min_tokens > 0:
+        is_dense = (n >= dense_min_tokens) & (n * (starts + n / 2) >= dense_min_pairs)
+    else:
+        is_dense = np.zeros(R, dtype=bool)
+    dense = [
+        _dense_chunk(int(qsl[i]), int(n[i]), int(starts[i]), table[i], block_size, sliding_window)
+        for i in np.nonzero(is_dense)[0]
+    ]
+    work = _work_items(np.where(is_dense, 0, n), query_tile)
+
     # A request samples when its scheduled tokens reach the end of its known tokens.
     total = np.asarray([len(s.token_ids) for s in states], dtype=np.int64)
     sample_req = np.nonzero(seq_lens == total)[0]
@@ -110,15 +140,30 @@ def build_batch(
         query_start_loc=qsl,
         seq_lens=seq_lens,
         block_tables=table,
-        work=_work_items(n, query_tile),
+        work=work,
+        dense=dense,
         groups=groups,
         sample_rows=qsl[sample_req + 1] - 1,
         sample_req_indices=sample_req,
     )
 
 
+def _dense_chunk(
+    query_start: int, qlen: int, start: int, blocks: np.ndarray, block_size: int, sliding_window: int | None
+) -> DenseChunk:
+    seq_len = start + qlen
+    mask = None
+    if sliding_window:
+        # Query j sits at position start + j and sees keys start + j - window + 1 .. start + j:
+        # start 3, qlen 2, window 3 -> rows [0,1,1,1,0], [0,0,1,1,1].
+        qpos = start + np.arange(qlen)[:, None]
+        kpos = np.arange(seq_len)[None, :]
+        mask = (kpos <= qpos) & (kpos > qpos - sliding_window)
+    return DenseChunk(query_start, qlen, blocks[: -(-seq_len // block_size)].copy(), seq_len, mask)
+
+
 def _work_items(n: np.ndarray, tile: int) -> np.ndarray:
-    """Splits each request's query tokens into tiles of at most `tile` tokens.
+    """Splits each request's query tokens into tiles of at most `tile` tokens (none for n = 0).
 
     n = [1, 19, 2], tile 8 -> (req, first, count): (0,0,1) (1,0,8) (1,8,8) (1,16,3) (2,0,2)
     """

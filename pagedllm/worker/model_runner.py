@@ -14,7 +14,8 @@ import psutil
 import torch
 
 from pagedllm.attention.backend import select_attention_backend
-from pagedllm.attention.metadata import AttentionGroup, AttentionMetadata, ForwardContext
+from pagedllm.attention.cpu_kernel import DENSE_MIN_PAIRS, DENSE_MIN_TOKENS
+from pagedllm.attention.metadata import AttentionGroup, AttentionMetadata, DenseAttention, ForwardContext
 from pagedllm.config import CacheConfig, DeviceConfig, ModelConfig
 from pagedllm.distributed.parallel_state import ParallelContext
 from pagedllm.core.scheduler_output import Logprobs, ModelRunnerOutput, SchedulerOutput
@@ -29,6 +30,7 @@ from pagedllm.worker.sampler import Sampler, SamplingMetadata, SamplingRow, comp
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_KV_DTYPES = {**_DTYPES, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 # Default KV budget: this share of the memory available after loading, at most this many bytes.
 _DEFAULT_KV_FRACTION = 0.3
 _DEFAULT_KV_MAX_BYTES = 4 << 30
@@ -75,6 +77,7 @@ class ModelRunner:
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
         self.dtype = _DTYPES[model_config.dtype]
+        self.kv_dtype = _KV_DTYPES[model_config.kv_cache_dtype]
         # ---- device: chosen once; every tensor of a step is created on it ----
         self.device_config = device_config or DeviceConfig()
         self.device = torch.device(self.device_config.device)
@@ -95,15 +98,18 @@ class ModelRunner:
         self.num_swap_blocks = 0
         # Chosen once; bound with this runner's forward context to every attention layer. Triton
         # attention on the GPU (and, for tests, on the CPU under Triton's interpreter); on the CPU
-        # the native kernel, or the torch reference for dtypes the kernel does not read.
+        # the native kernel (every dtype and KV cache dtype), or the torch reference where it
+        # cannot be compiled.
         triton = self.is_cuda or os.environ.get("PAGEDLLM_ATTENTION_BACKEND", "").lower() == "triton"
         self.attn_backend = select_attention_backend(
-            self.dtype, triton=triton, block_size=self.block_size,
+            triton=triton, block_size=self.block_size,
             num_queries_per_kv=model_config.num_heads // model_config.num_kv_heads)
         self.triton_attention = triton
         self.native_kernel = self.attn_backend.native
         self.query_tile = self.attn_backend.query_tile
         self.forward_context = ForwardContext()
+        # Long prompt chunks with at least this many query-key pairs attend densely (fused SDPA).
+        self.dense_min_pairs = DENSE_MIN_PAIRS
 
     # ---- set-up ---------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -138,7 +144,7 @@ class ModelRunner:
     def kv_bytes_per_token(self) -> int:
         """KV bytes of one token on this rank: its stage's layers and its KV heads."""
         layers = self._attention_layers(self.model)  # type: ignore[arg-type]
-        itemsize = torch.empty(0, dtype=self.dtype).element_size()
+        itemsize = torch.empty(0, dtype=self.kv_dtype).element_size()
         return sum(2 * a.num_kv_heads * a.head_dim * itemsize for a in layers)
 
     def determine_num_blocks(self) -> int:
@@ -167,6 +173,7 @@ class ModelRunner:
         ]
         for layer, cache in zip(attn_layers, self.kv_caches):
             layer.kv_cache = cache
+            layer.calculate_kv_scales = self.cache_config.calculate_kv_scales
         self.num_blocks = num_blocks
         if self.device_config.use_cuda_graphs:
             self.capture_cuda_graphs()
@@ -199,7 +206,7 @@ class ModelRunner:
         (lazily committed, so unused swap space costs no memory)."""
         shapes = [(2, num_swap_blocks, *kv.shape[2:]) for kv in self.kv_caches]
         if self.is_cuda:
-            self.swap_caches = [dev.pinned_zeros(shape, self.dtype) for shape in shapes] if num_swap_blocks else []
+            self.swap_caches = [dev.pinned_zeros(shape, self.kv_dtype) for shape in shapes] if num_swap_blocks else []
         else:
             self.swap_caches = [self._zeroed(shape) for shape in shapes] if num_swap_blocks else []
         self.num_swap_blocks = num_swap_blocks
@@ -231,11 +238,14 @@ class ModelRunner:
             )
             for pairs, src_pool, dst_pool in moves
         ]
+        def raw(t: torch.Tensor) -> torch.Tensor:  # fp8 blocks move as bytes (no fp8 index_copy_)
+            return t.view(torch.uint8) if t.element_size() == 1 else t
+
         for layer in range(len(self.kv_caches)):
             # Cache layout [2, num_blocks, block_size, heads, head_dim]: blocks on dim 1.
-            data = [src_pool[layer].index_select(1, src) for src, _, src_pool, _ in index]
+            data = [raw(src_pool[layer]).index_select(1, src) for src, _, src_pool, _ in index]
             for (_, dst, _, dst_pool), d in zip(index, data):
-                dst_pool[layer].index_copy_(1, dst, d.to(dst_pool[layer].device))
+                raw(dst_pool[layer]).index_copy_(1, dst, d.to(dst_pool[layer].device))
 
     def flops_per_token(self) -> float:
         """Linear-layer work of one token through the decoder layers (2 FLOPs per weight)."""
@@ -265,11 +275,12 @@ class ModelRunner:
     def _zeroed(self, shape: tuple[int, ...]) -> torch.Tensor:
         """A zero tensor on anonymous memory: instant to create, pages committed on first write."""
         if self.is_cuda:
-            return torch.zeros(shape, dtype=self.dtype, device=self.device)
-        nbytes = math.prod(shape) * torch.empty(0, dtype=self.dtype).element_size()
+            return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        nbytes = math.prod(shape) * torch.empty(0, dtype=self.kv_dtype).element_size()
         buf = mmap.mmap(-1, nbytes)
         self._kv_buffers.append(buf)
-        return torch.frombuffer(buf, dtype=self.dtype).view(shape)
+        # frombuffer has no fp8 path: map the bytes, then reinterpret them.
+        return torch.frombuffer(buf, dtype=torch.uint8).view(self.kv_dtype).view(shape)
 
     # ---- per step -------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -324,6 +335,11 @@ class ModelRunner:
             sliding_window=self.model_config.sliding_window or 0,
             groups=groups,
             native=self.native_kernel,
+            dense=[
+                DenseAttention(d.query_start, d.query_len, t(d.blocks), d.seq_len,
+                               None if d.mask is None else t(d.mask))
+                for d in batch.dense
+            ],
             **self._gpu_attention_fields(batch),
         )
 
@@ -399,6 +415,15 @@ class ModelRunner:
             if state is not None and tokens:
                 state.token_ids.extend(tokens)
 
+    def _batch_options(self) -> dict[str, object]:
+        """How build_batch lays out attention work for this runner's backend."""
+        return {
+            "build_groups": self.attn_backend.needs_groups,
+            "query_tile": self.query_tile,
+            "dense_min_tokens": DENSE_MIN_TOKENS if self.native_kernel is not None else 0,
+            "dense_min_pairs": self.dense_min_pairs,
+        }
+
     def _model_inputs(self, batch: BatchArrays) -> tuple[torch.Tensor, torch.Tensor]:
         ids = torch.from_numpy(batch.input_ids).to(self.device, non_blocking=True)
         return ids, torch.from_numpy(batch.positions).to(self.device, non_blocking=True)
@@ -423,7 +448,7 @@ class ModelRunner:
         for a, b in _micro_batches(counts, p.pp_size):
             mb = batch if (a, b) == (0, len(counts)) else build_batch(
                 states[a:b], counts[a:b], self.block_size, self.model_config.sliding_window,
-                build_groups=self.attn_backend.needs_groups, query_tile=self.query_tile,
+                **self._batch_options(),
             )
             h_in = None
             if not p.is_first_stage:
@@ -452,8 +477,7 @@ class ModelRunner:
             list(so.num_scheduled_tokens.values()),
             self.block_size,
             self.model_config.sliding_window,
-            build_groups=self.attn_backend.needs_groups,
-            query_tile=self.query_tile,
+            **self._batch_options(),
         )
         hidden = self._forward(states, list(so.num_scheduled_tokens.values()), batch)
         forks = self._fork(so, states)

@@ -43,13 +43,13 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture(scope="module")
 def llm() -> LLM:
     """The default model with a large token budget (whole prompts in one step)."""
-    return LLM(max_model_len=MAX_MODEL_LEN, kv_cache_memory=256 << 20)
+    return LLM(dtype="float32", max_model_len=MAX_MODEL_LEN, kv_cache_memory=256 << 20)
 
 
 @pytest.fixture(scope="module")
 def chunked_llm() -> LLM:
     """The default model with a 24-token budget: every longer prompt is prefilled in chunks."""
-    return LLM(max_model_len=MAX_MODEL_LEN, kv_cache_memory=128 << 20, max_num_batched_tokens=24)
+    return LLM(dtype="float32", max_model_len=MAX_MODEL_LEN, kv_cache_memory=128 << 20, max_num_batched_tokens=24)
 
 
 def assert_idle(llm: LLM) -> None:
@@ -356,8 +356,10 @@ def test_prompt_logprobs_complete_after_prefix_cache_hit(llm: LLM) -> None:
 
 def test_prompt_logprobs_not_repeated_after_preemption(tiny_model_dir: str) -> None:
     # 12 blocks of 4 tokens cannot hold four requests of 10-17 + 20 tokens: recompute preemption.
-    tight = LLM(tiny_model_dir, num_kv_blocks=12, block_size=4, max_num_batched_tokens=16, max_model_len=256)
-    roomy = LLM(tiny_model_dir, num_kv_blocks=128, block_size=4, max_num_batched_tokens=16, max_model_len=256)
+    tight = LLM(tiny_model_dir, dtype="float32", num_kv_blocks=12, block_size=4, max_num_batched_tokens=16,
+                max_model_len=256)
+    roomy = LLM(tiny_model_dir, dtype="float32", num_kv_blocks=128, block_size=4, max_num_batched_tokens=16,
+                max_model_len=256)
     prompts = [[(7 * i + 13 * j) % 300 + 5 for j in range(n)] for i, n in enumerate((10, 17, 9, 14))]
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, prompt_logprobs=1)
     outs = tight.generate(prompts, params, use_tqdm=False)

@@ -27,7 +27,7 @@ PROMPTS = [SYSTEM + q for q in QUESTIONS] + [
 ]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 # 12 blocks of 16 tokens hold about two of the ~56-token requests at once: preemption is certain.
-TIGHT = {"num_kv_blocks": 12, "block_size": 16, "max_model_len": 256}
+TIGHT = {"dtype": "float32", "num_kv_blocks": 12, "block_size": 16, "max_model_len": 256}
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def roomy() -> LLM:
-    return LLM(num_kv_blocks=128, block_size=16, max_model_len=256)
+    return LLM(dtype="float32", num_kv_blocks=128, block_size=16, max_model_len=256)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def tokens(llm: LLM) -> list[list[int]]:
 
 
 def test_greedy_same_without_prefix_caching(reference: list[list[int]]) -> None:
-    llm = LLM(num_kv_blocks=128, block_size=16, max_model_len=256, enable_prefix_caching=False)
+    llm = LLM(dtype="float32", num_kv_blocks=128, block_size=16, max_model_len=256, enable_prefix_caching=False)
     assert tokens(llm) == reference
     stats = llm.llm_engine.scheduler.get_stats()
     assert stats.prefix_cache_hits == 0 and stats.prefix_cache_queries == 0 and stats.num_preemptions == 0

@@ -56,7 +56,7 @@ class Server:
         self.log = open(log_path, "wb")
         cmd = [
             sys.executable, "-m", "pagedllm.entrypoints.cli", "serve",
-            "--port", str(self.port), "--kv-cache-memory", KV, "--api-key", API_KEY,
+            "--port", str(self.port), "--kv-cache-memory", KV, "--dtype", "float32", "--api-key", API_KEY,
             "--disable-uvicorn-access-log", *extra,
         ]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -129,7 +129,7 @@ def http(server: Server):
 @pytest.fixture(scope="module")
 def llm(servers) -> LLM:
     # After the servers: they load in parallel while this process loads its own copy.
-    return LLM(kv_cache_memory=512 << 20)
+    return LLM(dtype="float32", kv_cache_memory=512 << 20)
 
 
 def metrics(http: httpx.Client) -> dict[str, float]:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.cpu_kernel import QUERY_TILE, load_kernel
-from pagedllm.attention.metadata import AttentionGroup, AttentionMetadata
+from pagedllm.attention.metadata import AttentionGroup, AttentionMetadata, DenseAttention
 from pagedllm.attention.torch_backend import paged_attention
 from pagedllm.worker.input_batch import RequestState, build_batch
 
@@ -28,8 +28,9 @@ def make_case(seed: int, starts: list[int], n: list[int]):
     return states
 
 
-def metadata(states, n, window: int, native) -> AttentionMetadata:
-    b = build_batch(states, n, BS, window or None, build_groups=native is None, query_tile=QUERY_TILE)
+def metadata(states, n, window: int, native, dense_min: int = 0) -> AttentionMetadata:
+    b = build_batch(states, n, BS, window or None, build_groups=native is None, query_tile=QUERY_TILE,
+                    dense_min_tokens=dense_min)
     t = torch.from_numpy
     groups = [
         AttentionGroup(g.batch_size, g.max_query_len, t(g.query_index), t(g.out_rows), t(g.out_dest),
@@ -37,7 +38,9 @@ def metadata(states, n, window: int, native) -> AttentionMetadata:
         for g in b.groups
     ]
     return AttentionMetadata(len(b.input_ids), t(b.slot_mapping), t(b.block_tables), t(b.query_start_loc),
-                             t(b.seq_lens), t(b.work), window, groups, native)
+                             t(b.seq_lens), t(b.work), window, groups, native,
+                             dense=[DenseAttention(d.query_start, d.query_len, t(d.blocks), d.seq_len,
+                                             None if d.mask is None else t(d.mask)) for d in b.dense])
 
 
 def reference(states, n, q, kv, window: int) -> torch.Tensor:
@@ -70,17 +73,19 @@ CASES = [
 
 @pytest.mark.parametrize("window", [0, 5])
 @pytest.mark.parametrize("starts,n", CASES)
-@pytest.mark.parametrize("backend", ["torch", "native"])
+@pytest.mark.parametrize("backend", ["torch", "native", "native+dense"])
 def test_paged_attention_matches_dense(backend, starts, n, window):
-    native = load_kernel() if backend == "native" else None
-    if backend == "native" and native is None:
+    native = load_kernel() if backend != "torch" else None
+    if backend != "torch" and native is None:
         pytest.skip("no C compiler for the native kernel")
     states = make_case(len(n) + window, starts, n)
     g = torch.Generator().manual_seed(7)
     kv = torch.randn(2, NUM_BLOCKS, BS, KVH, D, generator=g)
     T = sum(n)
     q, k, v = torch.randn(T, H, D, generator=g), torch.randn(T, KVH, D, generator=g), torch.randn(T, KVH, D, generator=g)
-    md = metadata(states, n, window, native)
+    # native+dense: chunks of 8 tokens or more go through the gathered-context SDPA path.
+    md = metadata(states, n, window, native, dense_min=8 if backend == "native+dense" else 0)
+    assert bool(md.dense) == (backend == "native+dense" and max(n) >= 8)
     out = paged_attention(q, k, v, kv, md, D**-0.5)
     # The new K/V were written into their slots before attention read them.
     assert torch.equal(kv[0].view(-1, KVH, D)[md.slot_mapping], k)
@@ -91,3 +96,89 @@ def test_work_items_split_queries_into_tiles():
     states = make_case(0, [0, 0, 0], [1, 19, 2])
     b = build_batch(states, [1, 19, 2], BS, query_tile=8)
     assert b.work.tolist() == [[0, 0, 1], [1, 0, 8], [1, 8, 8], [1, 16, 3], [2, 0, 2]]
+
+
+# Tolerances of the low-precision caches, against dense float32 attention on the values the cache
+# actually holds (so they bound the kernel's arithmetic, not the rounding of the cache): the
+# kernel accumulates in float32, and only q's rounding to the query dtype (bf16: 8 mantissa bits,
+# relative error 2^-9 per element; fp16: 2^-12) and the output's rounding (same) remain. With
+# O(1) scores over D = 32, bf16 gives errors up to a few 1e-3 on O(1) outputs; fp16 about 8x less.
+LOW_PRECISION = {
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+    torch.float16: dict(atol=3e-3, rtol=3e-3),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("starts,n", CASES[1:3])
+def test_native_kernel_half_precision_matches_dense_fp32(dtype, starts, n):
+    native = load_kernel()
+    if native is None:
+        pytest.skip("no C compiler for the native kernel")
+    states = make_case(len(n), starts, n)
+    g = torch.Generator().manual_seed(3)
+    kv = torch.randn(2, NUM_BLOCKS, BS, KVH, D, generator=g).to(dtype)
+    T = sum(n)
+    q, k, v = (torch.randn(T, h, D, generator=g).to(dtype) for h in (H, KVH, KVH))
+    md = metadata(states, n, 0, native)
+    out = paged_attention(q, k, v, kv, md, D**-0.5)
+    assert out.dtype == dtype
+    ref = reference(states, n, q.float(), kv.float(), 0)
+    torch.testing.assert_close(out.float(), ref, **LOW_PRECISION[dtype])
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_cache_round_trip_and_attention(fp8):
+    from pagedllm.attention.torch_backend import gather_kv, to_cache_dtype, write_kv
+
+    native = load_kernel()
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(40, KVH, D, generator=g) * 3
+    scale = float(x.abs().max()) / torch.finfo(fp8).max
+    back = to_cache_dtype(x, fp8, scale).float() * scale
+    # Half an ulp: relative 2^-4 (e4m3, 3 mantissa bits) or 2^-3 (e5m2, 2 bits), and near zero
+    # half the smallest subnormal step of e4m3 (2^-10, times the scale).
+    rel = 2.0**-4 if fp8 == torch.float8_e4m3fn else 2.0**-3
+    assert ((back - x).abs() <= rel * x.abs() + scale * 2.0**-10).all()
+    # Values beyond the range saturate instead of turning into NaN.
+    assert torch.isfinite(to_cache_dtype(x * 100, fp8, scale).float()).all()
+
+    starts, n = CASES[1]
+    states = make_case(1, starts, n)
+    kv32 = torch.randn(2, NUM_BLOCKS, BS, KVH, D, generator=g)
+    k_scale, v_scale = 0.01, 0.02
+    kv = torch.empty(kv32.shape, dtype=fp8)
+    kv[0] = to_cache_dtype(kv32[0], fp8, k_scale)
+    kv[1] = to_cache_dtype(kv32[1], fp8, v_scale)
+    T = sum(n)
+    q, k, v = (torch.randn(T, h, D, generator=g) for h in (H, KVH, KVH))
+    outs = []
+    for backend in ("torch", "native"):
+        if backend == "native" and native is None:
+            continue
+        cache = kv.clone()
+        md = metadata(states, n, 0, native if backend == "native" else None)
+        outs.append(paged_attention(q, k, v, cache, md, D**-0.5, k_scale, v_scale))
+    # Against dense float32 attention on the decoded cache (the new K/V written too).
+    cache = kv.clone()
+    write_kv(cache, k, v, metadata(states, n, 0, None).slot_mapping, k_scale, v_scale)
+    all_blocks = torch.arange(NUM_BLOCKS)
+    dec = torch.stack([gather_kv(cache, 0, all_blocks, torch.float32, k_scale),
+                       gather_kv(cache, 1, all_blocks, torch.float32, v_scale)])
+    ref = reference(states, n, q, dec, 0)
+    for out in outs:
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_rotary_on_fused_qkv_equals_separate_rotations():
+    from types import SimpleNamespace
+
+    from pagedllm.layers.rotary import RotaryEmbedding
+
+    rope = RotaryEmbedding(SimpleNamespace(rope_theta=10000.0), D, 256, torch.float32)
+    qkv = torch.randn(5, (H + 2 * KVH) * D)
+    q, k, _ = qkv.split([H * D, KVH * D, KVH * D], dim=-1)
+    pos = torch.tensor([0, 3, 7, 100, 255])
+    fq, fk = rope(pos, q, k)  # adjacent views: one pass
+    sq, sk = rope(pos, q.clone(), k.clone())  # separate tensors: two passes
+    assert torch.equal(fq, sq) and torch.equal(fk, sk)

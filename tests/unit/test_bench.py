@@ -167,15 +167,19 @@ def test_bench_throughput_pagedllm_end_to_end(tiny_model_dir, tmp_path, capsys) 
 
     out = tmp_path / "t.json"
     rc = main(["bench", "throughput", "--backend", "pagedllm", "--model", tiny_model_dir, "--num-prompts", "4",
-               "--input-len-range", "8:16", "--output-len-range", "4:8", "--output-json", str(out)])
+               "--input-len-range", "8:16", "--output-len-range", "4:8", "--dtype", "float32,bfloat16",
+               "--output-json", str(out)])
     assert rc == 0
     report = json.loads(out.read_text())
-    (row,) = report["results"]
-    assert row["ok"] and row["backend"] == "pagedllm" and row["num_requests"] == 4
-    assert row["output_tokens"] == report["workload"]["output_tokens"] and "warning" not in row
-    assert row["output_tokens_per_s"] > 0 and 0 < row["mfu"] < 1 and row["peak_rss_bytes"] > 0
-    assert row["startup_s"] > 0 and row["vs_pagedllm"]["output_tokens_per_s"] == pytest.approx(1.0)
-    assert "pagedllm" in capsys.readouterr().out
+    rows = report["results"]
+    assert [(r["backend"], r["dtype"]) for r in rows] == [("pagedllm", "float32"), ("pagedllm", "bfloat16")]
+    for row in rows:  # each dtype is its own baseline, against its own matmul peak
+        assert row["ok"] and row["num_requests"] == 4
+        assert row["output_tokens"] == report["workload"]["output_tokens"] and "warning" not in row
+        assert row["output_tokens_per_s"] > 0 and 0 < row["mfu"] < 1 and row["peak_rss_bytes"] > 0
+        assert row["startup_s"] > 0 and row["vs_pagedllm"]["output_tokens_per_s"] == pytest.approx(1.0)
+    assert set(report["peak_matmul_flops_per_s_by_dtype"]) == {"float32", "bfloat16"}
+    assert "bfloat16" in capsys.readouterr().out
 
 
 def test_bench_throughput_vllm_without_peers_venv(tiny_model_dir, tmp_path, capsys) -> None:
@@ -191,3 +195,22 @@ def test_bench_throughput_vllm_without_peers_venv(tiny_model_dir, tmp_path, caps
     captured = capsys.readouterr()
     assert "skipped: vLLM's CPU build is not installed" in captured.out
     assert "Traceback" not in captured.err
+
+
+def test_bench_latency_per_dtype_with_peers(tiny_model_dir, tmp_path, capsys) -> None:
+    from pagedllm.entrypoints.cli import main
+
+    out = tmp_path / "l.json"
+    rc = main(["bench", "latency", "--model", tiny_model_dir, "--input-len", "8", "--output-len", "4",
+               "--num-iters", "1", "--num-iters-warmup", "0", "--dtype", "float32,bfloat16",
+               "--compare", "hf,llama.cpp", "--num-kv-blocks", "16", "--output-json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert [r["dtype"] for r in report["runs"]] == ["float32", "bfloat16"]
+    for row in report["runs"]:
+        assert row["pagedllm"]["model"]["dtype"] == row["dtype"]
+        assert 0 < row["pagedllm"]["decode_weight_fraction_of_peak_bw"]
+        assert row["hf"]["ok"] and row["hf"]["pagedllm_decode_speedup"] > 0
+        # llama.cpp runs GGUF files only: a Hugging Face folder is skipped with the reason.
+        assert not row["llama.cpp"]["ok"] and "GGUF" in row["llama.cpp"]["reason"]
+    assert "weight roofline" in capsys.readouterr().out

@@ -47,8 +47,11 @@ def test_device_resolution_and_validation() -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU defaults")
-def test_auto_on_a_cpu_keeps_float32_and_the_cpu(tiny_model_dir: str) -> None:
+def test_auto_on_a_cpu_keeps_the_cpu_and_its_dtype(tiny_model_dir: str) -> None:
+    from pagedllm.hardware import choose_auto_dtype, cpu_flags
+
     config = EngineArgs(model=tiny_model_dir, max_num_seqs=16).create_engine_config()
-    assert config.device_config.device == "cpu" and config.model_config.dtype == "float32"
+    assert config.device_config.device == "cpu"
+    assert config.model_config.dtype == choose_auto_dtype(cpu_flags())[0]
     assert config.device_config.cuda_graph_sizes == (1, 2, 4, 8, 16)
     assert not config.device_config.use_cuda_graphs

@@ -1,0 +1,57 @@
+"""Times one request on llama.cpp (llama-cpp-python); run by the peers' python as a script.
+
+Standalone on purpose (standard library, numpy and llama_cpp only). usage: llamacpp_worker.py SPEC.json
+The spec names the GGUF file, the prompt token ids, the output length, the iterations and the
+threads; the result has the median prefill time and mean decode time per token (greedy: argmax of
+the last logits, one token evaluated per step, as pagedllm's decode step does).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+
+def run(spec: dict) -> dict:
+    import llama_cpp
+    import numpy as np
+
+    t0 = time.perf_counter()
+    prompt = spec["prompt_token_ids"]
+    threads = spec["threads"]
+    llm = llama_cpp.Llama(model_path=spec["model_path"], n_threads=threads, n_threads_batch=threads,
+                          n_ctx=len(prompt) + spec["output_len"] + 8, n_batch=max(512, len(prompt)), verbose=False)
+    load_s = time.perf_counter() - t0
+    ready = time.time()
+    iters = []
+    for it in range(spec["num_warmup"] + spec["num_iters"]):
+        llm.reset()
+        s0 = time.perf_counter()
+        llm.eval(prompt)
+        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        prefill = time.perf_counter() - s0
+        steps = []
+        for _ in range(spec["output_len"] - 1):
+            s0 = time.perf_counter()
+            llm.eval([tok])
+            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            steps.append(time.perf_counter() - s0)
+        if it >= spec["num_warmup"]:
+            iters.append((prefill, statistics.fmean(steps)))
+    decode = statistics.median(d for _, d in iters)
+    return {
+        "ready_time": ready,
+        "load_s": load_s,
+        "elapsed_s": sum(p + d * (spec["output_len"] - 1) for p, d in iters),
+        "prefill_ms": 1000 * statistics.median(p for p, _ in iters),
+        "decode_ms_per_token": 1000 * decode,
+        "decode_tokens_per_s": 1 / decode,
+        "llama_cpp_version": llama_cpp.__version__,
+    }
+
+
+if __name__ == "__main__":
+    from peer_child import child_main  # this script's folder is first on sys.path
+
+    sys.exit(child_main(sys.argv[1:], run))
