@@ -31,6 +31,29 @@ from pagedllm.core.scheduler_output import (
 logger = logging.getLogger(__name__)
 
 
+def check_request_limits(
+    num_prompt_tokens: int, max_tokens: int, n: int, config: SchedulerConfig, num_blocks: int, block_size: int
+) -> None:
+    """Rejects a request that could never complete (ValueError naming the numbers). The front end
+    runs it before any engine state changes; the scheduler runs it again as a guard."""
+    max_len = config.max_model_len
+    total = num_prompt_tokens + max_tokens
+    if total > max_len:
+        raise ValueError(
+            f"This model's maximum context length is {max_len} tokens, but the request asks for "
+            f"{total} tokens ({num_prompt_tokens} in the prompt and {max_tokens} "
+            f"to generate). Please reduce the length of the prompt or of max_tokens."
+        )
+    need = -(-total // block_size)
+    if need > num_blocks:
+        raise ValueError(
+            f"the request needs {total} tokens of KV cache ({need} blocks of {block_size}) but the "
+            f"whole KV cache holds {num_blocks * block_size} tokens ({num_blocks} blocks)"
+        )
+    if n > config.max_num_seqs:
+        raise ValueError(f"n={n} samples exceed max_num_seqs={config.max_num_seqs} sequences per step")
+
+
 @dataclass
 class SchedulerStats:
     num_running: int
@@ -92,23 +115,10 @@ class Scheduler:
     # ---- admission ------------------------------------------------------------------------
     def check_request(self, request: Request) -> None:
         """Rejects a request that could never complete, naming the numbers."""
-        max_len = self.config.max_model_len
-        total = request.num_prompt_tokens + request.max_tokens
-        if total > max_len:
-            raise ValueError(
-                f"This model's maximum context length is {max_len} tokens, but the request asks for "
-                f"{total} tokens ({request.num_prompt_tokens} in the prompt and {request.max_tokens} "
-                f"to generate). Please reduce the length of the prompt or of max_tokens."
-            )
-        need = self.kv.blocks_needed(total)
-        if need > self.kv.num_blocks:
-            raise ValueError(
-                f"the request needs {total} tokens of KV cache ({need} blocks of {self.kv.block_size}) but the "
-                f"whole KV cache holds {self.kv.num_blocks * self.kv.block_size} tokens ({self.kv.num_blocks} blocks)"
-            )
-        n = request.sampling_params.n
-        if n > self.config.max_num_seqs:
-            raise ValueError(f"n={n} samples exceed max_num_seqs={self.config.max_num_seqs} sequences per step")
+        check_request_limits(
+            request.num_prompt_tokens, request.max_tokens, request.sampling_params.n, self.config,
+            self.kv.num_blocks, self.kv.block_size,
+        )
 
     def add_request(self, request: Request, forks: Sequence[Request] = ()) -> None:
         """Queues a request. `forks` are the other samples of an n > 1 request: they share its

@@ -613,10 +613,10 @@ def test_engine_failure_gives_500_and_health_503(tiny_model_dir: str) -> None:
     from pagedllm.entrypoints.openai.api_server import build_app
 
     engine = LLMEngine.from_engine_args(EngineArgs(model=tiny_model_dir, num_kv_blocks=64))
-    async_engine = AsyncLLMEngine(engine)
+    async_engine = AsyncLLMEngine.from_llm_engine(engine)
     template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
     app = build_app(async_engine, served_model_names=["tiny"], chat_template=template)
-    build_app(AsyncLLMEngine(engine), served_model_names=["other"])  # a second app: its own registry
+    build_app(AsyncLLMEngine.from_llm_engine(engine), served_model_names=["other"])  # a second app: its own registry
 
     async def run() -> None:
         transport = httpx.ASGITransport(app=app)
@@ -632,7 +632,7 @@ def test_engine_failure_gives_500_and_health_503(tiny_model_dir: str) -> None:
             def broken_step():
                 raise RuntimeError("injected fault")
 
-            engine.step = broken_step  # type: ignore[method-assign]
+            engine.core.step = broken_step  # type: ignore[method-assign]
             r = await asyncio.wait_for(c.post(COMP, json={"prompt": "hello", "max_tokens": 3}), timeout=30)
             assert r.status_code == 500
             assert_error_shape(r.json())

@@ -8,13 +8,14 @@ Every error is the OpenAI error object {"error": {"message", "type", "param", "c
 from __future__ import annotations
 
 import argparse
-import asyncio
+import contextlib
 import hmac
 import json
 import logging
 import os
 import signal
 import socket
+from collections.abc import AsyncIterator
 from typing import Any
 
 import uvicorn
@@ -162,14 +163,13 @@ def build_app(
     stat_logger: PrometheusStatLogger | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `async_engine` (which the caller starts and shuts down)."""
-    engine = async_engine.engine
-    mc, cc = engine.model_config, engine.config.cache_config
+    mc, cc = async_engine.model_config, async_engine.config.cache_config
     names = list(served_model_names or [mc.served_model_name])
     if stat_logger is None:
         stat_logger = next((s for s in async_engine.stat_loggers if isinstance(s, PrometheusStatLogger)), None)
     if stat_logger is None:
         stat_logger = PrometheusStatLogger(
-            names[0], mc.max_model_len, cc.block_size, engine.num_blocks, cc.enable_prefix_caching
+            names[0], mc.max_model_len, cc.block_size, async_engine.num_blocks, cc.enable_prefix_caching
         )
         async_engine.stat_loggers.append(stat_logger)
     prometheus = stat_logger
@@ -178,7 +178,13 @@ def build_app(
     chat = OpenAIServingChat(async_engine, names, max_logprobs, chat_template, state)
     base = OpenAIServing(async_engine, names, max_logprobs, chat_template, state)
 
-    app = FastAPI(title="pagedllm", version=__version__, description="OpenAI-compatible LLM server")
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()  # engine-core messages reach this event loop from now on
+        yield
+
+    app = FastAPI(title="pagedllm", version=__version__, description="OpenAI-compatible LLM server",
+                  lifespan=lifespan)
     app.state.async_engine = async_engine
     app.state.server_state = state
     app.state.stat_logger = prometheus
@@ -258,7 +264,7 @@ def build_app(
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise bad_request(f"token ids {bad[:8]} are out of vocabulary (vocab size {vocab})", "tokens")
-        text = base.tokenizer.decode(body.tokens, skip_special_tokens=False)
+        text = async_engine.tokenizer.decode(body.tokens, skip_special_tokens=False)
         return Response(DetokenizeResponse(prompt=text).model_dump_json(), media_type="application/json")
 
     # ---- operations -----------------------------------------------------------------------
@@ -280,24 +286,11 @@ def build_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        await refresh_gauges(async_engine, prometheus)
+        # Only what the engine core pushed with its outputs: a scrape never waits on the engine.
         return Response(generate_latest(prometheus.registry), media_type=CONTENT_TYPE_LATEST)
 
     app.add_middleware(GuardMiddleware, api_keys=list(api_keys or []), max_body_bytes=max_body_bytes)
     return app
-
-
-async def refresh_gauges(async_engine: AsyncLLMEngine, prometheus: PrometheusStatLogger) -> None:
-    """Records the scheduler's state between steps, so gauges are current even when the engine is
-    idle (an abort frees blocks without a step, and stat loggers only hear about steps). It runs on
-    the engine thread, like every other record, so counter differences are never taken twice."""
-    if async_engine.errored:
-        return
-    fut = async_engine.call_in_engine(lambda e: prometheus.record_scheduler(e.scheduler.get_stats()))
-    try:
-        await asyncio.wait_for(asyncio.wrap_future(fut), timeout=2.0)
-    except Exception:  # a busy or failed engine: serve the values recorded last
-        return
 
 
 def validation_error(exc: RequestValidationError) -> OpenAIError:
@@ -372,7 +365,7 @@ def run_server(args: argparse.Namespace) -> int:
     """Claims the address, loads the engine, serves until SIGINT/SIGTERM, then shuts down cleanly."""
     from pagedllm.engine.arg_utils import EngineArgs
     from pagedllm.engine.async_engine import LoggingStatLogger
-    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.engine.core_client import EngineStartError
 
     if args.max_queued_requests is not None and args.max_queued_requests < 1:
         raise ValueError(f"--max-queued-requests must be at least 1, got {args.max_queued_requests}")
@@ -389,17 +382,35 @@ def run_server(args: argparse.Namespace) -> int:
     # refused until uvicorn starts listening on it, after the engine is ready.
     sock = bind_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
+    loggers: list[Any] = [] if args.disable_log_stats else [LoggingStatLogger()]
     try:
-        logger.info("Loading model %s", engine_args.model or "smollm2-135m-instruct")
-        engine = LLMEngine.from_engine_args(engine_args)
+        logger.info("Loading model %s in the engine-core process", engine_args.model or "smollm2-135m-instruct")
+        async_engine = AsyncLLMEngine.from_engine_args(
+            engine_args, log_level=args.log_level, max_queued_requests=args.max_queued_requests,
+            stat_loggers=loggers,
+        )
+    except EngineStartError as e:
+        sock.close()
+        logger.error("the engine could not start: %s", e)
+        return 1
     except BaseException:
         sock.close()
         raise
-    mc = engine.model_config
+    try:
+        return _serve(args, async_engine, sock, chat_template, api_keys)
+    finally:
+        async_engine.shutdown()  # never leaves the engine-core process behind
+        sock.close()
+
+
+def _serve(
+    args: argparse.Namespace, async_engine: AsyncLLMEngine, sock: socket.socket, chat_template: str | None,
+    api_keys: list[str],
+) -> int:
+    host, port = sock.getsockname()[:2]
+    mc = async_engine.model_config
     if chat_template is not None:
-        engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=chat_template)
-    loggers: list[Any] = [] if args.disable_log_stats else [LoggingStatLogger()]
-    async_engine = AsyncLLMEngine(engine, max_queued_requests=args.max_queued_requests, stat_loggers=loggers)
+        async_engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=chat_template)
     names = [mc.served_model_name]
     app = build_app(
         async_engine,
@@ -420,7 +431,15 @@ def run_server(args: argparse.Namespace) -> int:
         timeout_keep_alive=5,
     )
     server = _Server(config, app.state.server_state)
-    async_engine.start()
+    exit_code = 0
+
+    def on_engine_dead() -> None:
+        # Every request in flight has its error already; exit non-zero so a supervisor restarts us.
+        nonlocal exit_code
+        exit_code = 1
+        server.should_exit = True
+
+    async_engine.on_dead.append(on_engine_dead)
     shown = f"[{host}]" if ":" in host else host
     logger.info(
         "Serving %s at http://%s:%d (OpenAI-compatible: /v1/completions, /v1/chat/completions)", names[0], shown, port
@@ -433,7 +452,8 @@ def run_server(args: argparse.Namespace) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        async_engine.shutdown()
-        sock.close()
-    logger.info("Server stopped")
-    return 0
+    if exit_code:
+        logger.error("Server stopped: the engine failed (exit code %d)", exit_code)
+    else:
+        logger.info("Server stopped")
+    return exit_code

@@ -13,7 +13,6 @@ from typing import Any, TypeVar
 from fastapi import Request
 
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError
-from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.output_processor import TokenTexts
 from pagedllm.entrypoints.openai.protocol import (
     ChatMessage,
@@ -277,12 +276,12 @@ class OpenAIServing:
     ) -> None:
         self.async_engine = async_engine
         self.state = state or ServerState()
-        self.engine: LLMEngine = async_engine.engine
-        self.tokenizer = self.engine.tokenizer
+        self.processor = async_engine.processor
+        self.tokenizer = async_engine.tokenizer
         self.served_model_names = list(served_model_names)
         self.max_logprobs = max_logprobs
         self.chat_template = chat_template
-        self.max_model_len = self.engine.model_config.max_model_len
+        self.max_model_len = async_engine.model_config.max_model_len
         self.token_text = TokenTexts(self.tokenizer.rust)
 
     # ---- checks ---------------------------------------------------------------------------
@@ -338,13 +337,13 @@ class OpenAIServing:
         if text == "":
             raise bad_request("prompt must not be empty", "prompt")
         ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        _, ids = self.engine.tokenize_prompt({"prompt": text, "prompt_token_ids": ids})
+        _, ids = self.processor.tokenize_prompt({"prompt": text, "prompt_token_ids": ids})
         return EnginePrompt(ids, text)
 
     def prompt_from_ids(self, ids: list[int]) -> EnginePrompt:
         if not ids:
             raise bad_request("prompt must not be empty", "prompt")
-        _, ids = self.engine.tokenize_prompt(list(ids))
+        _, ids = self.processor.tokenize_prompt(list(ids))
         return EnginePrompt(ids, None)
 
     def prompt_text(self, p: EnginePrompt) -> str:
@@ -377,7 +376,7 @@ class OpenAIServing:
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         if not ids:
             raise bad_request("the rendered conversation is empty", "messages")
-        _, ids = self.engine.tokenize_prompt({"prompt": text, "prompt_token_ids": ids})
+        _, ids = self.processor.tokenize_prompt({"prompt": text, "prompt_token_ids": ids})
         return EnginePrompt(ids, text)
 
     async def run_blocking(self, fn: Callable[[], T], size: int) -> T:
@@ -438,7 +437,7 @@ class OpenAIServing:
         )
         try:
             params = SamplingParams(**kwargs)
-            params.verify_vocab(self.engine.model_config.vocab_size)
+            params.verify_vocab(self.async_engine.model_config.vocab_size)
         except (ValueError, TypeError) as e:
             # SamplingParams names the field first ("top_p must be in (0, 1], got 0.0.").
             first = str(e).split(" ", 1)[0]

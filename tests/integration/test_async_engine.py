@@ -1,0 +1,161 @@
+"""The serving front end with the engine core on a thread of this process (tiny random model):
+clients that leave at any moment, /metrics while the engine is busy, one request's failure,
+colliding ids. Each of these once took the whole engine down."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+
+import httpx
+import pytest
+
+from pagedllm import SamplingParams
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.async_engine import AsyncLLMEngine, RequestFailedError
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.openai.api_server import build_app
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture()
+def engine(tiny_model_dir: str) -> LLMEngine:
+    return LLMEngine.from_engine_args(EngineArgs(model=tiny_model_dir, num_kv_blocks=64, seed=0))
+
+
+def idle_and_clean(e: LLMEngine) -> None:
+    s = e.scheduler.get_stats()
+    assert (s.num_running, s.num_waiting, s.num_swapped) == (0, 0, 0), s
+    e.scheduler.check_integrity()
+    assert e.scheduler.kv.usage == 0
+
+
+async def wait_until(cond, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def collect(ae: AsyncLLMEngine, rid: str, prompt: str = "hello", **kw) -> str:
+    params = SamplingParams(temperature=0, max_tokens=kw.pop("max_tokens", 8), ignore_eos=True, **kw)
+    text = ""
+    async for out in ae.generate(prompt, params, rid):
+        text = out.outputs[0].text
+    return text
+
+
+def test_clients_leaving_at_random_moments_never_kill_the_engine(engine: LLMEngine) -> None:
+    """A request cancelled while the engine is still busy with the previous step (its add not yet
+    handled), mid-prefill or mid-decode only aborts itself."""
+    rng = random.Random(1234)
+    ae = AsyncLLMEngine.from_llm_engine(engine)
+
+    async def run() -> None:
+        before = await collect(ae, "ref")
+        tasks = []
+        for i in range(120):
+            task = asyncio.ensure_future(collect(ae, f"r{i}", f"story {i}", max_tokens=rng.randint(1, 24)))
+            tasks.append(task)
+            if rng.random() < 0.7:
+                await asyncio.sleep(rng.choice([0, 0, 0.0005, 0.002, 0.01]))
+                task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await wait_until(lambda: not ae.output_processor.requests and ae.last_stats.num_running == 0)
+        await wait_until(lambda: not engine.scheduler.has_unfinished_requests())
+        assert not ae.errored
+        assert await collect(ae, "ref2") == before
+
+    try:
+        asyncio.run(run())
+    finally:
+        ae.shutdown()
+    idle_and_clean(engine)
+
+
+def test_metrics_and_health_never_wait_on_the_engine(engine: LLMEngine) -> None:
+    """A step that takes long (here: held on purpose) delays no scrape and cancels nothing."""
+    ae = AsyncLLMEngine.from_llm_engine(engine)
+    app = build_app(ae, served_model_names=["tiny"])
+    release = threading.Event()
+    real_step = engine.core.step
+
+    def slow_step():
+        release.wait(timeout=20)
+        return real_step()
+
+    async def run() -> None:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=60) as c:
+            engine.core.step = slow_step  # type: ignore[method-assign]
+            req = asyncio.ensure_future(c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4}))
+            await wait_until(lambda: bool(ae.output_processor.requests))
+            for _ in range(5):
+                t0 = time.monotonic()
+                assert (await c.get("/metrics")).status_code == 200
+                assert (await c.get("/health")).status_code == 200
+                assert time.monotonic() - t0 < 1.0
+            release.set()
+            r = await req
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+            assert not ae.errored
+
+    try:
+        asyncio.run(run())
+    finally:
+        release.set()
+        ae.shutdown()
+    idle_and_clean(engine)
+
+
+def test_a_failing_request_fails_alone(engine: LLMEngine) -> None:
+    """A detokenizer error in one request ends that request with an error; the others finish."""
+    ae = AsyncLLMEngine.from_llm_engine(engine)
+
+    async def run() -> None:
+        good = [asyncio.ensure_future(collect(ae, f"good{i}", f"fine {i}", max_tokens=12)) for i in range(3)]
+        bad = asyncio.ensure_future(collect(ae, "bad", "broken", max_tokens=12))
+        await wait_until(lambda: "bad" in ae.output_processor.requests)
+        detok = ae.output_processor.requests["bad"].seqs[0].detok
+
+        def broken(*args, **kwargs):
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+
+        detok.update = broken  # type: ignore[method-assign]
+        with pytest.raises(RequestFailedError, match="bad"):
+            await bad
+        assert all(len(t) > 0 for t in await asyncio.gather(*good))
+        assert not ae.errored
+        await wait_until(lambda: not engine.scheduler.has_unfinished_requests())
+
+    try:
+        asyncio.run(run())
+    finally:
+        ae.shutdown()
+    idle_and_clean(engine)
+
+
+def test_colliding_ids_are_rejected_before_anything_changes(engine: LLMEngine) -> None:
+    """`0_a` is the id of sample 0 of request `a` (n=2): a new request may not take it, nor may a
+    request whose samples would take ids in flight. Nothing of the running request changes."""
+    ae = AsyncLLMEngine.from_llm_engine(engine)
+
+    async def run() -> None:
+        params = SamplingParams(n=2, max_tokens=30, ignore_eos=True, temperature=0)
+        gen = ae.generate("hello", params, "a")
+        first = await gen.__anext__()
+        for rid, n in (("0_a", 1), ("a", 1), ("a", 3)):
+            with pytest.raises(ValueError, match="in use"):
+                await ae.generate("x", SamplingParams(n=n, max_tokens=2), rid).__anext__()
+        assert ae.output_processor.seq_owner["0_a"][0].request_id == "a"
+        outs = [first] + [o async for o in gen]
+        assert outs[-1].finished and [len(c.token_ids) for c in outs[-1].outputs] == [30, 30]
+
+    try:
+        asyncio.run(run())
+    finally:
+        ae.shutdown()
+    idle_and_clean(engine)
