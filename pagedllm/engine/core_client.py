@@ -131,6 +131,7 @@ class MultiProcessClient:
                 kind, payload = self.codec.decode(self.output.recv())
                 if kind == MsgKind.READY:
                     self.num_blocks = payload.num_blocks
+                    logger.info("Engine core process %d ready", payload.pid)
                     return payload
                 if kind == MsgKind.DEAD:
                     self.shutdown()

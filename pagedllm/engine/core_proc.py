@@ -26,6 +26,8 @@ logger = logging.getLogger(__name__)
 # How long an idle engine waits for a request before it checks that its parent is alive.
 _IDLE_POLL_MS = 500
 _PR_SET_PDEATHSIG = 1
+# Set to 1 to check the scheduler's and block pool's invariants after every step (tests do).
+CHECK_INTEGRITY_ENV = "PAGEDLLM_CHECK_INTEGRITY"
 
 
 def _die_with_parent() -> None:
@@ -78,6 +80,7 @@ def _serve(config: EngineConfig, inbox: zmq.Socket, outbox: zmq.Socket, codec: C
     from pagedllm.engine.core_io import EngineCoreOutputs
 
     core = EngineCore(config)
+    check = os.environ.get(CHECK_INTEGRITY_ENV) == "1"
     outbox.send(codec.encode(MsgKind.READY, EngineReady(core.num_blocks, os.getpid())))
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
@@ -109,6 +112,8 @@ def _serve(config: EngineConfig, inbox: zmq.Socket, outbox: zmq.Socket, codec: C
                 core.abort_requests(payload, RequestStatus.FINISHED_STOPPED)
             elif kind == MsgKind.SHUTDOWN:
                 return
+        if check:
+            core.scheduler.check_integrity()
         if core.has_unfinished_requests():
             outputs, stats = core.step()
             wire = rejected + [to_wire(o) for o in outputs]

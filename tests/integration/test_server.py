@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +23,8 @@ import openai
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from server_helpers import Server as _Server
+from server_helpers import assert_error_shape, metrics
 
 pytestmark = pytest.mark.slow
 
@@ -42,53 +42,9 @@ TOP = 5
 
 
 # ---- servers ------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
+class Server(_Server):
     def __init__(self, log_path: Path, *extra: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self.log = open(log_path, "wb")
-        cmd = [
-            sys.executable, "-m", "pagedllm.entrypoints.cli", "serve",
-            "--port", str(self.port), "--kv-cache-memory", KV, "--api-key", API_KEY,
-            "--disable-uvicorn-access-log", *extra,
-        ]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        env.pop("PAGEDLLM_API_KEY", None)
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-
-    def output(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_ready(self, timeout: float = 180.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"server exited with {self.proc.returncode}:\n{self.output()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        pytest.fail(f"server not ready after {timeout} s:\n{self.output()[-3000:]}")
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        return self.proc.returncode
+        super().__init__(log_path, "--kv-cache-memory", KV, "--api-key", API_KEY, *extra)
 
 
 @pytest.fixture(scope="module")
@@ -132,12 +88,6 @@ def llm(servers) -> LLM:
     return LLM(kv_cache_memory=512 << 20)
 
 
-def metrics(http: httpx.Client) -> dict[str, float]:
-    """Unlabelled view of /metrics: name{...} value -> {name: value} (last sample of each name)."""
-    text = http.get("/metrics").text
-    return {m[0]: float(m[1]) for m in re.findall(r"^(pagedllm:\w+)(?:\{[^}]*\})? (\S+)$", text, re.M)}
-
-
 def wait_idle(http: httpx.Client, timeout: float = 30.0) -> dict[str, float]:
     deadline = time.monotonic() + timeout
     while True:
@@ -147,14 +97,6 @@ def wait_idle(http: httpx.Client, timeout: float = 30.0) -> dict[str, float]:
         if time.monotonic() > deadline:
             pytest.fail(f"the engine still holds requests or blocks: {m}")
         time.sleep(0.1)
-
-
-def assert_error_shape(body: dict) -> None:
-    assert set(body) == {"error"}, body
-    err = body["error"]
-    assert set(err) == {"message", "type", "param", "code"}, err
-    assert isinstance(err["message"], str) and err["message"], err
-    assert isinstance(err["type"], str) and err["type"], err
 
 
 def assert_close(ours: list[str], our_tops: list[set[str]], ref: list[str], ref_tops: list[set[str]]) -> None:

@@ -8,6 +8,7 @@ Every error is the OpenAI error object {"error": {"message", "type", "param", "c
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import hmac
 import json
@@ -52,6 +53,8 @@ from pagedllm.metrics import PrometheusStatLogger
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
+# After an engine fault the server answers (503) for this long, then exits with code 1.
+ENGINE_DEAD_EXIT_DELAY_S = 1.0
 # Routes open without an API key; every other route is guarded when keys are configured.
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping"})
 GUARDED_PATHS = frozenset({"/tokenize", "/detokenize"})
@@ -434,10 +437,11 @@ def _serve(
     exit_code = 0
 
     def on_engine_dead() -> None:
-        # Every request in flight has its error already; exit non-zero so a supervisor restarts us.
+        # Every request in flight has its error already. /health answers 503 for a moment, then
+        # the server exits non-zero so that a supervisor restarts it.
         nonlocal exit_code
         exit_code = 1
-        server.should_exit = True
+        asyncio.get_running_loop().call_later(ENGINE_DEAD_EXIT_DELAY_S, lambda: setattr(server, "should_exit", True))
 
     async_engine.on_dead.append(on_engine_dead)
     shown = f"[{host}]" if ":" in host else host
