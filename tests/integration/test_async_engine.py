@@ -159,3 +159,39 @@ def test_colliding_ids_are_rejected_before_anything_changes(engine: LLMEngine) -
     finally:
         ae.shutdown()
     idle_and_clean(engine)
+
+
+def test_metrics_count_requests_and_step_histograms(engine: LLMEngine) -> None:
+    """An n=3 request is one success; per-request and per-step histograms are filled from what
+    the engine core pushed (no scrape asks the engine anything)."""
+    import re
+
+    ae = AsyncLLMEngine.from_llm_engine(engine)
+    app = build_app(ae, served_model_names=["tiny"])
+
+    async def run() -> str:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=60) as c:
+            r = await c.post("/v1/completions", json={"prompt": "hi", "n": 3, "max_tokens": 5, "ignore_eos": True})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 15
+            return (await c.get("/metrics")).text
+
+    try:
+        text = asyncio.run(run())
+    finally:
+        ae.shutdown()
+
+    def value(name: str) -> float:
+        found = re.findall(rf"^pagedllm:{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
+        assert found, name
+        return sum(float(v) for v in found)
+
+    assert value("request_success_total") == 1
+    for name in ("request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
+                 "e2e_request_latency_seconds"):
+        assert value(f"{name}_count") == 1, name
+    assert value("request_generation_tokens_sum") == 15
+    assert value("iteration_tokens_total_count") >= 5  # at least one step per generated position
+    assert value("iteration_tokens_total_sum") >= 2 + 15 - 3  # the prompt once, then every sample's tokens
+    assert value("engine_step_time_seconds_count") == value("iteration_tokens_total_count")
+    assert value("num_requests_running") == 0 and value("kv_cache_usage_perc") == 0
