@@ -249,6 +249,7 @@ def simulate(
     parent_of: dict[str, str] = {}
     outputs: dict[str, list[int]] = {}
     aborted: set[str] = set()
+    swap_dropped = 0
     finished: set[str] = set()
     arrival_step: dict[str, int] = {}
     aged_since: dict[str, int] = {}  # step at which a never-admitted request became aged
@@ -287,6 +288,7 @@ def simulate(
         # Random aborts: running, waiting, swapped, or a sample still waiting for its fork.
         if rng.random() < 0.03 and sched.has_unfinished_requests():
             victim = sched.requests[rng.choice(sorted(sched.requests))]
+            swap_dropped += len(kv.swapped_blocks.get(victim.request_id, ()))  # never swapped back in
             assert sched.finish_requests(victim.request_id, RequestStatus.FINISHED_ABORTED) == [victim]
             aborted.add(victim.request_id)
             sched.check_integrity()
@@ -363,9 +365,10 @@ def simulate(
         req = requests[rid]
         assert outputs[rid] == [sampled_token(rid, i) for i in range(req.max_tokens)], rid
         assert req.output_token_ids == outputs[rid]
+    # Every block swapped out came back in, is still out, or belonged to a request aborted while out.
     assert worker.moved["swap_out"] == worker.moved["swap_in"] + sum(
         len(b) for b in kv.swapped_blocks.values()
-    ) or aborted  # blocks of requests aborted while swapped never come back
+    ) + swap_dropped
     return {
         "steps": step,
         "requests": len(requests),
