@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import SchedulerStats
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.core_io import EngineCoreOutputs, MsgKind, StepStats, from_wire
+from pagedllm.engine.core_io import EngineCoreOutputs, MsgKind, StepStats
 from pagedllm.engine.llm_engine import LLMEngine, PromptType, load_frontend_tokenizer
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.processor import Processor
@@ -114,7 +114,7 @@ class AsyncLLMEngine:
         self.dead_error: str | None = None
         # Called once (on the event loop) when the engine core dies, e.g. to stop the server.
         self.on_dead: list[Callable[[], None]] = []
-        self.last_stats = StepStats(0, 0, 0, 0.0, 0, 0, 0, {})
+        self.last_stats = StepStats.idle()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped = False
 
@@ -167,7 +167,7 @@ class AsyncLLMEngine:
     # ---- requests -------------------------------------------------------------------------
     def num_waiting(self) -> int:
         """Requests held by the front end that the engine does not report as running."""
-        return max(len(self.output_processor.requests) - self.last_stats.num_running, 0)
+        return max(len(self.output_processor.requests) - self.last_stats.scheduler.num_running, 0)
 
     def _check_alive(self) -> None:
         if self.dead_error is not None:
@@ -241,7 +241,7 @@ class AsyncLLMEngine:
         self.last_stats = step
         stats = IterationStats(num_scheduled_tokens=step.num_scheduled_tokens, num_preempted=step.num_preempted,
                                step_time=step.step_time)
-        result = self.output_processor.process_outputs([from_wire(o) for o in msg.outputs], stats)
+        result = self.output_processor.process_outputs(msg.outputs, stats)
         for out in result.outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
@@ -255,7 +255,7 @@ class AsyncLLMEngine:
             self.client.abort(result.stopped, stopped=True)
         if result.failed_seq_ids:
             self.client.abort(result.failed_seq_ids)
-        scheduler_stats = step.scheduler_stats()
+        scheduler_stats = step.scheduler
         for sl in self.stat_loggers:
             sl.record(scheduler_stats, stats)
             sl.log()

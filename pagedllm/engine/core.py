@@ -111,16 +111,12 @@ class EngineCore:
         so = self.scheduler.schedule()
         out = self.executor.execute_model(so)
         core_outputs = self.scheduler.update_from_output(so, out)
-        stats = StepStats.from_scheduler(
-            self.scheduler.get_stats(),
-            num_scheduled_tokens=so.total_num_scheduled_tokens,
-            num_preempted=so.num_preempted,
-            step_time=time.perf_counter() - t0,
-        )
+        stats = StepStats(self.scheduler.get_stats(), so.total_num_scheduled_tokens, so.num_preempted,
+                          time.perf_counter() - t0)
         return core_outputs, stats
 
     def stats(self) -> StepStats:
-        return StepStats.from_scheduler(self.scheduler.get_stats())
+        return StepStats(self.scheduler.get_stats())
 
     def reset_prefix_cache(self) -> None:
         self.scheduler.kv.reset_prefix_cache()

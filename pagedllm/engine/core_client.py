@@ -18,7 +18,7 @@ import zmq
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.request import RequestStatus
-from pagedllm.engine.core_io import Codec, EngineCoreOutputs, EngineCoreRequest, EngineReady, MsgKind, to_wire
+from pagedllm.engine.core_io import Codec, EngineCoreOutputs, EngineCoreRequest, EngineReady, MsgKind
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class InProcessClient:
                         item = None
                 if core.has_unfinished_requests():
                     outputs, stats = core.step()
-                    self._deliver(MsgKind.OUTPUTS, EngineCoreOutputs([to_wire(o) for o in outputs], stats))
+                    self._deliver(MsgKind.OUTPUTS, EngineCoreOutputs(outputs, stats))
                 elif changed:
                     self._deliver(MsgKind.OUTPUTS, EngineCoreOutputs([], core.stats()))
         except BaseException as e:  # a real fault: the front end fails everyone in flight

@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 
 from pagedllm.core.scheduler import SchedulerStats
-from pagedllm.core.scheduler_output import EngineCoreOutput, Logprobs
+from pagedllm.core.scheduler_output import EngineCoreOutput
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -50,48 +50,20 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
 class StepStats(msgspec.Struct, array_like=True):
     """The scheduler's state after a step (or after idle commands) and what the step did."""
 
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    kv_cache_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    num_preemptions_by_mode: dict[str, int]
+    scheduler: SchedulerStats
     num_scheduled_tokens: int = 0
     num_preempted: int = 0
     step_time: float = 0.0
 
     @classmethod
-    def from_scheduler(cls, s: SchedulerStats, **step: Any) -> StepStats:
-        return cls(s.num_running, s.num_waiting, s.num_swapped, s.kv_cache_usage, s.prefix_cache_queries,
-                   s.prefix_cache_hits, s.num_preemptions, dict(s.num_preemptions_by_mode), **step)
-
-    def scheduler_stats(self) -> SchedulerStats:
-        return SchedulerStats(self.num_running, self.num_waiting, self.num_swapped, self.kv_cache_usage,
-                              self.prefix_cache_queries, self.prefix_cache_hits, self.num_preemptions,
-                              dict(self.num_preemptions_by_mode))
-
-
-class WireLogprobs(msgspec.Struct, array_like=True):
-    token_ids: list[list[int]]
-    logprobs: list[list[float]]
-    ranks: list[int]
-
-
-class WireOutput(msgspec.Struct, array_like=True, omit_defaults=True):
-    req_id: str
-    new_token_ids: list[int]
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    logprobs: WireLogprobs | None = None
-    prompt_logprobs: WireLogprobs | None = None
-    num_cached_tokens: int = 0
-    first_scheduled_time: float | None = None
+    def idle(cls) -> StepStats:
+        return cls(SchedulerStats(0, 0, 0, 0.0, 0, 0, 0))
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True):
-    outputs: list[WireOutput]
+    """One step's outputs (EngineCoreOutput dataclasses travel as MessagePack maps) and stats."""
+
+    outputs: list[EngineCoreOutput]
     stats: StepStats
 
 
@@ -110,24 +82,6 @@ class EngineReady(msgspec.Struct, array_like=True):
 
     num_blocks: int
     pid: int
-
-
-def _wire_lp(lp: Logprobs | None) -> WireLogprobs | None:
-    return None if lp is None else WireLogprobs(lp.token_ids, lp.logprobs, lp.ranks)
-
-
-def _core_lp(lp: WireLogprobs | None) -> Logprobs | None:
-    return None if lp is None else Logprobs(lp.token_ids, lp.logprobs, lp.ranks)
-
-
-def to_wire(o: EngineCoreOutput) -> WireOutput:
-    return WireOutput(o.req_id, o.new_token_ids, o.finish_reason, o.stop_reason, _wire_lp(o.logprobs),
-                      _wire_lp(o.prompt_logprobs), o.num_cached_tokens, o.first_scheduled_time)
-
-
-def from_wire(o: WireOutput) -> EngineCoreOutput:
-    return EngineCoreOutput(o.req_id, o.new_token_ids, o.finish_reason, o.stop_reason, _core_lp(o.logprobs),
-                            _core_lp(o.prompt_logprobs), o.num_cached_tokens, o.first_scheduled_time)
 
 
 # Every message is (kind, payload): one frame of MessagePack.

@@ -19,7 +19,8 @@ import zmq
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.request import RequestStatus
-from pagedllm.engine.core_io import Codec, EngineReady, MsgKind, WireOutput, to_wire
+from pagedllm.core.scheduler_output import EngineCoreOutput
+from pagedllm.engine.core_io import Codec, EngineReady, MsgKind
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ def _serve(config: EngineConfig, inbox: zmq.Socket, outbox: zmq.Socket, codec: C
                 logger.info("the API server process is gone; the engine core exits")
                 return
             continue
-        rejected: list[WireOutput] = []
+        rejected: list[EngineCoreOutput] = []
         while True:  # every command that has arrived, then one step
             try:
                 frame = inbox.recv(zmq.NOBLOCK)
@@ -105,7 +106,7 @@ def _serve(config: EngineConfig, inbox: zmq.Socket, outbox: zmq.Socket, codec: C
                     core.add_request(payload)
                 except ValueError as e:  # validated by the front end; fail this request alone
                     logger.error("request %s rejected by the engine core: %s", payload.request_id, e)
-                    rejected += [WireOutput(sid, [], finish_reason="abort") for sid in payload.seq_ids]
+                    rejected += [EngineCoreOutput(sid, [], finish_reason="abort") for sid in payload.seq_ids]
             elif kind == MsgKind.ABORT:
                 core.abort_requests(payload)
             elif kind == MsgKind.STOP:
@@ -116,7 +117,7 @@ def _serve(config: EngineConfig, inbox: zmq.Socket, outbox: zmq.Socket, codec: C
             core.scheduler.check_integrity()
         if core.has_unfinished_requests():
             outputs, stats = core.step()
-            wire = rejected + [to_wire(o) for o in outputs]
+            wire = rejected + outputs
             outbox.send(codec.encode(MsgKind.OUTPUTS, EngineCoreOutputs(wire, stats)))
         elif changed:  # aborts while idle free blocks: the front end's gauges hear of it
             outbox.send(codec.encode(MsgKind.OUTPUTS, EngineCoreOutputs(rejected, core.stats())))

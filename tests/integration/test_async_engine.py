@@ -64,7 +64,7 @@ def test_clients_leaving_at_random_moments_never_kill_the_engine(engine: LLMEngi
                 await asyncio.sleep(rng.choice([0, 0, 0.0005, 0.002, 0.01]))
                 task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await wait_until(lambda: not ae.output_processor.requests and ae.last_stats.num_running == 0)
+        await wait_until(lambda: not ae.output_processor.requests and ae.last_stats.scheduler.num_running == 0)
         await wait_until(lambda: not engine.scheduler.has_unfinished_requests())
         assert not ae.errored
         assert await collect(ae, "ref2") == before
