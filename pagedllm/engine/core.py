@@ -22,6 +22,10 @@ from pagedllm.executor.uniproc import InProcessExecutor
 logger = logging.getLogger(__name__)
 
 
+class KVCacheAllocationError(ValueError):
+    """The KV cache asked for does not fit in memory (the message names the size and the flag)."""
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         t0 = time.perf_counter()
@@ -30,7 +34,15 @@ class EngineCore:
         self.model_config = mc
         self.executor = InProcessExecutor(mc, cc)
         num_blocks = self.executor.determine_num_blocks()
-        self.executor.initialize_kv_cache(num_blocks)
+        kv_bytes = num_blocks * cc.block_size * mc.kv_bytes_per_token()
+        try:
+            self.executor.initialize_kv_cache(num_blocks)
+        except (OSError, MemoryError, RuntimeError) as e:
+            raise KVCacheAllocationError(
+                f"cannot allocate the KV cache: {num_blocks} blocks of {cc.block_size} tokens = "
+                f"{kv_bytes / (1 << 30):.2f} GiB ({type(e).__name__}: {e}); lower --kv-cache-memory "
+                "(or --num-kv-blocks)"
+            ) from None
         # The host swap pool exists only for preemption modes that can swap.
         num_swap_blocks = self.executor.determine_num_swap_blocks() if sc.preemption_mode != "recompute" else 0
         self.executor.initialize_swap_space(num_swap_blocks)
@@ -39,6 +51,13 @@ class EngineCore:
         self.scheduler = Scheduler(sc, kv, self.preemption_costs)
         self.num_blocks = num_blocks
         capacity = num_blocks * cc.block_size
+        weights = self._weight_bytes()
+        logger.info(
+            "Memory bound: %.2f GiB of weights + %.2f GiB of KV cache (touched as it fills) + %.2f GiB of host "
+            "swap space at most, plus the runtime's overhead",
+            weights / (1 << 30), kv_bytes / (1 << 30),
+            num_swap_blocks * cc.block_size * mc.kv_bytes_per_token() / (1 << 30),
+        )
         logger.info(
             "Model %s loaded (%s). KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s); maximum "
             "concurrency at max_model_len=%d: %.2fx; token budget %d per step, at most %d sequences; %s policy, "
@@ -59,6 +78,11 @@ class EngineCore:
             num_swap_blocks,
             time.perf_counter() - t0,
         )
+
+    def _weight_bytes(self) -> int:
+        model = self.executor.runner.model
+        tensors = [*model.parameters(), *model.buffers()]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def _measure_preemption_costs(self) -> PreemptionCostModel:
         """Measures FLOP/s and block-copy bytes/s once, for preemption mode auto."""

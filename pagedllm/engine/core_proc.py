@@ -65,6 +65,10 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log
         _serve(config, inbox, outbox, codec, parent_pid)
     except SystemExit:
         pass
+    except ValueError as e:  # bad configuration found while starting (e.g. a KV cache too large)
+        logger.error("engine core: %s", e)
+        outbox.send(codec.encode(MsgKind.DEAD, str(e)))
+        code = 1
     except BaseException as e:
         logger.error("engine core failed:\n%s", traceback.format_exc())
         outbox.send(codec.encode(MsgKind.DEAD, f"{type(e).__name__}: {e}"))
