@@ -194,6 +194,10 @@ class OutputProcessor:
         self, state: RequestState, seq: SequenceState, co: EngineCoreOutput, now: float, stats: IterationStats,
         stopped_by_string: list[str],
     ) -> None:
+        if seq.finished:
+            # A sequence the front end ended (a stop string) may still get the output of a step the
+            # engine core ran before it heard of the stop: it is not part of the sequence.
+            return
         # With n > 1 every sample computes the prompt: keep the first sample's logprobs only.
         if co.prompt_logprobs is not None and state.prompt_logprobs is not None and seq.index == 0:
             state.prompt_logprobs.extend(self._to_logprob_dicts(co.prompt_logprobs))

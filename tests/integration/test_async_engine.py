@@ -195,3 +195,22 @@ def test_metrics_count_requests_and_step_histograms(engine: LLMEngine) -> None:
     assert value("iteration_tokens_total_sum") >= 2 + 15 - 3  # the prompt once, then every sample's tokens
     assert value("engine_step_time_seconds_count") == value("iteration_tokens_total_count")
     assert value("num_requests_running") == 0 and value("kv_cache_usage_perc") == 0
+
+
+def test_tokens_after_a_stop_string_are_dropped(engine: LLMEngine) -> None:
+    """With the engine core in another process, a step may run before it hears that the front end
+    stopped a sample on a stop string: that step's token is not part of the sample."""
+    from pagedllm.core.scheduler_output import EngineCoreOutput
+    from pagedllm.sampling_params import RequestOutputKind
+
+    op = ae_op = AsyncLLMEngine.from_llm_engine(engine).output_processor  # the serving front end's
+    tok = engine.tokenizer
+    ids = tok.encode("fox dog", add_special_tokens=False)
+    params = SamplingParams(n=2, stop=["dog"], max_tokens=10, output_kind=RequestOutputKind.CUMULATIVE)
+    op.add_request("r", "p", [1, 2], params, time.time())
+    res = op.process_outputs([EngineCoreOutput("0_r", ids), EngineCoreOutput("1_r", ids[:1])])
+    assert res.stopped == ["0_r"]
+    text = res.outputs[0].outputs[0].text
+    late = op.process_outputs([EngineCoreOutput("0_r", ids[:1]), EngineCoreOutput("1_r", ids[:1])])
+    assert late.outputs[0].outputs[0].text == text and late.outputs[0].outputs[0].finish_reason == "stop"
+    assert late.stopped == [] and ae_op is op
