@@ -26,6 +26,15 @@ def engine(tiny_model_dir: str) -> LLMEngine:
     return LLMEngine.from_engine_args(EngineArgs(model=tiny_model_dir, num_kv_blocks=64, seed=0))
 
 
+@pytest.fixture()
+def ae(engine: LLMEngine):
+    """The serving front end over `engine`'s core, on a thread of this process."""
+    front = AsyncLLMEngine.from_llm_engine(engine)
+    yield front
+    front.shutdown()
+    idle_and_clean(engine)
+
+
 def idle_and_clean(e: LLMEngine) -> None:
     s = e.scheduler.get_stats()
     assert (s.num_running, s.num_waiting, s.num_swapped) == (0, 0, 0), s
@@ -48,11 +57,10 @@ async def collect(ae: AsyncLLMEngine, rid: str, prompt: str = "hello", **kw) -> 
     return text
 
 
-def test_clients_leaving_at_random_moments_never_kill_the_engine(engine: LLMEngine) -> None:
+def test_clients_leaving_at_random_moments_never_kill_the_engine(engine: LLMEngine, ae: AsyncLLMEngine) -> None:
     """A request cancelled while the engine is still busy with the previous step (its add not yet
     handled), mid-prefill or mid-decode only aborts itself."""
     rng = random.Random(1234)
-    ae = AsyncLLMEngine.from_llm_engine(engine)
 
     async def run() -> None:
         before = await collect(ae, "ref")
@@ -69,16 +77,11 @@ def test_clients_leaving_at_random_moments_never_kill_the_engine(engine: LLMEngi
         assert not ae.errored
         assert await collect(ae, "ref2") == before
 
-    try:
-        asyncio.run(run())
-    finally:
-        ae.shutdown()
-    idle_and_clean(engine)
+    asyncio.run(run())
 
 
-def test_metrics_and_health_never_wait_on_the_engine(engine: LLMEngine) -> None:
+def test_metrics_and_health_never_wait_on_the_engine(engine: LLMEngine, ae: AsyncLLMEngine) -> None:
     """A step that takes long (here: held on purpose) delays no scrape and cancels nothing."""
-    ae = AsyncLLMEngine.from_llm_engine(engine)
     app = build_app(ae, served_model_names=["tiny"])
     release = threading.Event()
     real_step = engine.core.step
@@ -107,13 +110,10 @@ def test_metrics_and_health_never_wait_on_the_engine(engine: LLMEngine) -> None:
         asyncio.run(run())
     finally:
         release.set()
-        ae.shutdown()
-    idle_and_clean(engine)
 
 
-def test_a_failing_request_fails_alone(engine: LLMEngine) -> None:
+def test_a_failing_request_fails_alone(engine: LLMEngine, ae: AsyncLLMEngine) -> None:
     """A detokenizer error in one request ends that request with an error; the others finish."""
-    ae = AsyncLLMEngine.from_llm_engine(engine)
 
     async def run() -> None:
         good = [asyncio.ensure_future(collect(ae, f"good{i}", f"fine {i}", max_tokens=12)) for i in range(3)]
@@ -131,17 +131,12 @@ def test_a_failing_request_fails_alone(engine: LLMEngine) -> None:
         assert not ae.errored
         await wait_until(lambda: not engine.scheduler.has_unfinished_requests())
 
-    try:
-        asyncio.run(run())
-    finally:
-        ae.shutdown()
-    idle_and_clean(engine)
+    asyncio.run(run())
 
 
-def test_colliding_ids_are_rejected_before_anything_changes(engine: LLMEngine) -> None:
+def test_colliding_ids_are_rejected_before_anything_changes(engine: LLMEngine, ae: AsyncLLMEngine) -> None:
     """`0_a` is the id of sample 0 of request `a` (n=2): a new request may not take it, nor may a
     request whose samples would take ids in flight. Nothing of the running request changes."""
-    ae = AsyncLLMEngine.from_llm_engine(engine)
 
     async def run() -> None:
         params = SamplingParams(n=2, max_tokens=30, ignore_eos=True, temperature=0)
@@ -154,19 +149,14 @@ def test_colliding_ids_are_rejected_before_anything_changes(engine: LLMEngine) -
         outs = [first] + [o async for o in gen]
         assert outs[-1].finished and [len(c.token_ids) for c in outs[-1].outputs] == [30, 30]
 
-    try:
-        asyncio.run(run())
-    finally:
-        ae.shutdown()
-    idle_and_clean(engine)
+    asyncio.run(run())
 
 
-def test_metrics_count_requests_and_step_histograms(engine: LLMEngine) -> None:
+def test_metrics_count_requests_and_step_histograms(engine: LLMEngine, ae: AsyncLLMEngine) -> None:
     """An n=3 request is one success; per-request and per-step histograms are filled from what
     the engine core pushed (no scrape asks the engine anything)."""
     import re
 
-    ae = AsyncLLMEngine.from_llm_engine(engine)
     app = build_app(ae, served_model_names=["tiny"])
 
     async def run() -> str:
@@ -176,10 +166,7 @@ def test_metrics_count_requests_and_step_histograms(engine: LLMEngine) -> None:
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 15
             return (await c.get("/metrics")).text
 
-    try:
-        text = asyncio.run(run())
-    finally:
-        ae.shutdown()
+    text = asyncio.run(run())
 
     def value(name: str) -> float:
         found = re.findall(rf"^pagedllm:{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
@@ -197,13 +184,13 @@ def test_metrics_count_requests_and_step_histograms(engine: LLMEngine) -> None:
     assert value("num_requests_running") == 0 and value("kv_cache_usage_perc") == 0
 
 
-def test_tokens_after_a_stop_string_are_dropped(engine: LLMEngine) -> None:
+def test_tokens_after_a_stop_string_are_dropped(engine: LLMEngine, ae: AsyncLLMEngine) -> None:
     """With the engine core in another process, a step may run before it hears that the front end
     stopped a sample on a stop string: that step's token is not part of the sample."""
     from pagedllm.core.scheduler_output import EngineCoreOutput
     from pagedllm.sampling_params import RequestOutputKind
 
-    op = ae_op = AsyncLLMEngine.from_llm_engine(engine).output_processor  # the serving front end's
+    op = ae.output_processor
     tok = engine.tokenizer
     ids = tok.encode("fox dog", add_special_tokens=False)
     params = SamplingParams(n=2, stop=["dog"], max_tokens=10, output_kind=RequestOutputKind.CUMULATIVE)
@@ -213,4 +200,4 @@ def test_tokens_after_a_stop_string_are_dropped(engine: LLMEngine) -> None:
     text = res.outputs[0].outputs[0].text
     late = op.process_outputs([EngineCoreOutput("0_r", ids[:1]), EngineCoreOutput("1_r", ids[:1])])
     assert late.outputs[0].outputs[0].text == text and late.outputs[0].outputs[0].finish_reason == "stop"
-    assert late.stopped == [] and ae_op is op
+    assert late.stopped == []
