@@ -115,16 +115,22 @@ def test_metrics_and_health_never_wait_on_the_engine(engine: LLMEngine, ae: Asyn
 def test_a_failing_request_fails_alone(engine: LLMEngine, ae: AsyncLLMEngine) -> None:
     """A detokenizer error in one request ends that request with an error; the others finish."""
 
+    def broken(*args, **kwargs):
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+
+    register = ae.output_processor.add_request
+
+    def add_request(request_id: str, *args, **kwargs):  # "bad" gets a detokenizer that fails
+        seq_ids = register(request_id, *args, **kwargs)
+        if request_id == "bad":
+            ae.output_processor.requests[request_id].seqs[0].detok.update = broken  # type: ignore[method-assign]
+        return seq_ids
+
+    ae.output_processor.add_request = add_request  # type: ignore[method-assign]
+
     async def run() -> None:
         good = [asyncio.ensure_future(collect(ae, f"good{i}", f"fine {i}", max_tokens=12)) for i in range(3)]
         bad = asyncio.ensure_future(collect(ae, "bad", "broken", max_tokens=12))
-        await wait_until(lambda: "bad" in ae.output_processor.requests)
-        detok = ae.output_processor.requests["bad"].seqs[0].detok
-
-        def broken(*args, **kwargs):
-            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
-
-        detok.update = broken  # type: ignore[method-assign]
         with pytest.raises(RequestFailedError, match="bad"):
             await bad
         assert all(len(t) > 0 for t in await asyncio.gather(*good))
