@@ -290,6 +290,13 @@ The commands (`pagedllm bench <name> --help` for every flag):
 - `pagedllm bench serve --launch pagedllm,vllm | --base-url URL`: streamed /v1/completions at Poisson
   arrivals (`--request-rate 0.5,1,2,inf`), each launched server in turn on the same workload with the
   ratios of the first to the second, or against any OpenAI-compatible server (llama.cpp's too).
+- guidellm (a separate benchmarking client, pinned `guidellm==0.8.1` in its own environment so it
+  cannot disturb pagedllm's: `python -m venv .venv-guidellm && .venv-guidellm/bin/pip install
+  torch==2.13.0 && .venv-guidellm/bin/pip install guidellm==0.8.1 -c <(echo torch==2.13.0)`), a
+  concurrent sweep of 1, 4, 16 and 64 streams with synthetic 256-token prompts and 64-token outputs
+  against `pagedllm serve` on port 8000 (`HF` is the default model's Hugging Face folder,
+  `python -c "from pagedllm.models.loader import default_hf_folder; print(default_hf_folder())"`):
+  `guidellm run --backend kind=openai_http,target=http://127.0.0.1:8000,model=smollm2-135m-instruct,request_format=/v1/chat/completions --data kind=synthetic_text,prompt_tokens=256,output_tokens=64 --tokenizer kind=hf_auto,model=$HF --profile kind=concurrent,streams=1 --override profile.streams 1,4,16,64 --constraint kind=max_requests,count=128 --output kind=json,path=benchmarks/results/guidellm.json`
 - `pagedllm bench latency`: one request's prefill and per-token decode time against the machine's peaks.
 - `pagedllm bench scheduler`: the scheduler's CPU time per step at 64 / 256 / 1,024 running requests.
 - `pagedllm bench memory`: KV cache utilization per block size against contiguous reservation.
