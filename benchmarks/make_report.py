@@ -134,9 +134,17 @@ def _rate_x(rates: list[Any]) -> tuple[list[float], list[str]]:
     return xs, [str(x) if x != "inf" else "burst" for x in rates]
 
 
-def serve_section(reports: list[dict[str, Any]], img: Path) -> str:
+SERVE_PLOTS = (("output_throughput", None, "output tok/s", "tok/s", False),
+               ("ttft_ms", "mean", "mean TTFT", "ms", True),
+               ("tpot_ms", "mean", "mean TPOT", "ms", True),
+               ("itl_ms", "median", "median ITL", "ms", True),
+               ("goodput", None, "goodput", "req/s", False))
+
+
+def serve_section(reports: list[dict[str, Any]], img: Path, ratios: list[dict[str, Any]] | None = None) -> str:
+    """Reports of `pagedllm bench serve` (one per server); one plot per metric over request rates."""
     parts = ["## Online serving\n"]
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    fig, axes = plt.subplots(1, len(SERVE_PLOTS), figsize=(4 * len(SERVE_PLOTS), 3.6))
     plotted = False
     for n, r in enumerate(reports):
         if r.get("error"):
@@ -165,20 +173,27 @@ def serve_section(reports: list[dict[str, Any]], img: Path) -> str:
         if slo:
             parts.append(f"\nGoodput SLOs: TTFT <= {slo['ttft_ms']} ms, TPOT <= {slo['tpot_ms']} ms.\n")
         xs, labels = _rate_x([m["request_rate"] for m in r["runs"]])
-        for ax, key, title in zip(axes, ("ttft_ms", "tpot_ms", "e2el_ms"), ("TTFT", "TPOT", "end-to-end latency")):
-            for q, style in (("median", "-o"), ("p99", "--x")):
-                ax.plot(xs, [m[key][q] for m in r["runs"]], style, color=f"C{n}", label=f"{r['server']} {q}")
+        for ax, (key, q, title, unit, log) in zip(axes, SERVE_PLOTS):
+            ys = [(m.get(key) if q is None else m[key][q]) for m in r["runs"]]
+            ax.plot(xs, [float("nan") if y is None else y for y in ys], "-o", color=f"C{n}", label=r["server"])
             ax.set_xticks(xs, labels)
             ax.set_title(title)
             ax.set_xlabel("request rate (req/s)")
-            ax.set_ylabel("ms")
-            ax.set_yscale("log")
+            ax.set_ylabel(unit)
+            if log:
+                ax.set_yscale("log")
             plotted = True
+    if ratios:
+        parts.append(f"\n### Ratios {ratios[0]['servers']} (same run, same workload)\n\n")
+        keys = ("output_throughput", "mean_ttft", "mean_tpot", "median_itl", "goodput", "peak_rss")
+        parts.append(table(["rate/s", "out tok/s", "mean TTFT", "mean TPOT", "median ITL", "goodput", "peak RSS"],
+                           [[str(r["request_rate"]), *(fmt(r[k], ".2f") for k in keys)] for r in ratios]))
+        parts.append("\nThroughput and goodput: higher is better for the first server; latency and RSS: lower.\n")
     if plotted:
         axes[0].legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(img, dpi=120)
-        parts.append(f"\n![serving latency](img/{img.name})\n")
+        parts.append(f"\n![serving: throughput, TTFT, TPOT, ITL, goodput per request rate](img/{img.name})\n")
     plt.close(fig)
     return "".join(parts)
 
@@ -317,8 +332,16 @@ The commands (`pagedllm bench <name> --help` for every flag):
 
 - `pagedllm bench throughput [--compare hf,vllm] [--workload random|shared-prefix | --dataset FILE]`:
   offline generation, each engine in its own fresh process on the same workload.
-- `pagedllm bench serve --launch pagedllm|vllm | --base-url URL`: streamed /v1/completions at Poisson
-  arrivals (`--request-rate 0.5,1,inf`), against any OpenAI-compatible server (llama.cpp's too).
+- `pagedllm bench serve --launch pagedllm,vllm | --base-url URL`: streamed /v1/completions at Poisson
+  arrivals (`--request-rate 0.5,1,2,inf`), each launched server in turn on the same workload with the
+  ratios of the first to the second, or against any OpenAI-compatible server (llama.cpp's too).
+- guidellm (a separate benchmarking client, pinned `guidellm==0.8.1` in its own environment so it
+  cannot disturb pagedllm's: `python -m venv .venv-guidellm && .venv-guidellm/bin/pip install
+  torch==2.13.0 && .venv-guidellm/bin/pip install guidellm==0.8.1 -c <(echo torch==2.13.0)`), a
+  concurrent sweep of 1, 4, 16 and 64 streams with synthetic 256-token prompts and 64-token outputs
+  against `pagedllm serve` on port 8000 (`HF` is the default model's Hugging Face folder,
+  `python -c "from pagedllm.models.loader import default_hf_folder; print(default_hf_folder())"`):
+  `guidellm run --backend kind=openai_http,target=http://127.0.0.1:8000,model=smollm2-135m-instruct,request_format=/v1/chat/completions --data kind=synthetic_text,prompt_tokens=256,output_tokens=64 --tokenizer kind=hf_auto,model=$HF --profile kind=concurrent,streams=1 --override profile.streams 1,4,16,64 --constraint kind=max_requests,count=128 --output kind=json,path=benchmarks/results/guidellm.json`
 - `pagedllm bench latency`: one request's prefill and per-token decode time against the machine's peaks.
 - `pagedllm bench scheduler`: the scheduler's CPU time per step at 64 / 256 / 1,024 running requests.
 - `pagedllm bench memory`: KV cache utilization per block size against contiguous reservation.
@@ -416,9 +439,12 @@ def main() -> None:
     later = [x for p in sorted(res.glob("throughput-*.json")) if (x := load(p)) is not None]
     if later:
         parts.append(later_throughput_section(later, t))
-    serve = [s for p in sorted(res.glob("serve*.json")) if (s := load(p)) is not None]
+    loaded = [s for p in sorted(res.glob("serve*.json")) if (s := load(p)) is not None]
+    # A run of `--launch pagedllm,vllm` holds both servers' reports and their ratios.
+    serve = [r for s in loaded for r in (s["servers"] if "servers" in s else [s])]
+    ratios = next((s["ratios"] for s in loaded if s.get("ratios")), None)
     if serve:
-        parts.append(serve_section(serve, img_dir / "bench-serve-latency.png"))
+        parts.append(serve_section(serve, img_dir / "bench-serve-latency.png", ratios))
     else:
         missing.append("serve*.json")
     for name, fn in (("latency.json", latency_section), ("scheduler.json", scheduler_section)):

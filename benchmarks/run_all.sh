@@ -20,10 +20,9 @@ for step in "${steps[@]}"; do
       $PB bench throughput --num-prompts 128 --input-len-range 32:512 --output-len-range 16:256 \
         --dtype float32,bfloat16 --compare hf,vllm --output-json "$R/throughput.json" ;;
     serve)
-      for server in pagedllm vllm; do
-        $PB bench serve --launch "$server" --num-prompts 32 --input-len-range 32:256 --output-len-range 16:128 \
-          --request-rate 0.125,0.25,0.5,inf --slo-ttft 5000 --slo-tpot 500 --output-json "$R/serve-$server.json" || true
-      done ;;
+      # Both servers on their default dtype, one after the other on the same workload, in one run.
+      $PB bench serve --launch pagedllm,vllm --num-prompts 48 --input-len-range 32:512 --output-len-range 16:256 \
+        --request-rate 0.5,1,2,inf --slo-ttft 5000 --slo-tpot 500 --output-json "$R/serve.json" || true ;;
     latency)
       $PB bench latency --input-len 32 --output-len 128 --num-iters 3 --dtype float32,bfloat16 \
         --compare llama.cpp,hf --output-json "$R/latency.json" ;;

@@ -151,10 +151,25 @@ def _rate_list(text: str) -> list[float]:
     return rates
 
 
+def _launch_list(text: str) -> list[str]:
+    kinds = [k.strip() for k in text.split(",") if k.strip()]
+    bad = [k for k in kinds if k not in ("pagedllm", "vllm")]
+    if not kinds or bad or len(set(kinds)) != len(kinds):
+        raise argparse.ArgumentTypeError(f"--launch takes pagedllm, vllm or pagedllm,vllm, got {text!r}")
+    return kinds
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     import shlex
 
-    from pagedllm.benchmarks.serve import LaunchedServer, LaunchError, format_serve_table, run_serve_bench
+    from pagedllm.benchmarks.serve import (
+        LaunchedServer,
+        LaunchError,
+        format_serve_ratios,
+        format_serve_table,
+        run_serve_bench,
+        serve_ratios,
+    )
 
     if bool(args.base_url) == bool(args.launch):
         raise ValueError("pass exactly one of --base-url URL (a running server) or --launch pagedllm|vllm")
@@ -173,21 +188,31 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         "num_warmup": args.num_warmup,
         "server_label": args.label,
     }
-    if args.launch:
-        try:
-            with LaunchedServer(args.launch, args.model, shlex.split(args.server_args or ""), args.peers_venv,
-                                args.launch_timeout) as server:
-                report = run_serve_bench(server.base_url, reqs, info, opts, server)
-        except LaunchError as exc:
-            print(f"pagedllm bench serve: cannot launch {args.launch}: {exc}", file=sys.stderr)
-            _write_json({"benchmark": "serve", "server": args.launch, "error": str(exc), "runs": []},
-                        args.output_json)
-            return 1
-    else:
+    if not args.launch:
         report = run_serve_bench(args.base_url, reqs, info, opts)
-    print(format_serve_table(report))
-    _write_json(report, args.output_json)
-    return 0
+        print(format_serve_table(report))
+        _write_json(report, args.output_json)
+        return 0
+    reports = []
+    for kind in args.launch:  # one after the other on the same workload, never two at once
+        try:
+            with LaunchedServer(kind, args.model, shlex.split(args.server_args or ""), args.peers_venv,
+                                args.launch_timeout) as server:
+                reports.append(run_serve_bench(server.base_url, reqs, info, {**opts, "server_label": kind}, server))
+        except LaunchError as exc:
+            print(f"pagedllm bench serve: cannot launch {kind}: {exc}", file=sys.stderr)
+            reports.append({"benchmark": "serve", "server": kind, "error": str(exc), "runs": []})
+    for report in reports:
+        if "error" not in report:
+            print(format_serve_table(report))
+    if len(reports) == 1:
+        _write_json(reports[0], args.output_json)
+        return 1 if "error" in reports[0] else 0
+    ratios = serve_ratios(reports)
+    if ratios:
+        print(format_serve_ratios(ratios))
+    _write_json({"benchmark": "serve", "servers": reports, "ratios": ratios}, args.output_json)
+    return 1 if any("error" in r for r in reports) else 0
 
 
 def _add_serve(sub: Any) -> None:
@@ -195,8 +220,9 @@ def _add_serve(sub: Any) -> None:
                        description="Streams /v1/completions requests at Poisson (or burst) arrivals and reports "
                                    "TTFT, TPOT, ITL, end-to-end latency, throughput and goodput.")
     p.add_argument("--base-url", default=None, help="server to measure, e.g. http://127.0.0.1:8000")
-    p.add_argument("--launch", choices=("pagedllm", "vllm"), default=None,
-                   help="start this server on a free loopback port, measure it, stop it")
+    p.add_argument("--launch", type=_launch_list, default=None, metavar="pagedllm,vllm",
+                   help="start each of these servers in turn on a free loopback port, measure it, stop it; "
+                        "with two, the report gives the first's figures over the second's per rate")
     p.add_argument("--server-args", default=None, help="extra flags for the launched server, as one string")
     p.add_argument("--launch-timeout", type=float, default=900.0, help="seconds to wait for the server's /health")
     p.add_argument("--model", default=None,

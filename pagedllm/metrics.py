@@ -82,7 +82,15 @@ class PrometheusStatLogger:
                              REQUEST_LATENCY_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds", "Time waiting before first scheduled.",
                                     REQUEST_LATENCY_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds", "Time from first scheduled to first token.",
+                                      REQUEST_LATENCY_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds", "Time from first token to finish.",
+                                     REQUEST_LATENCY_BUCKETS)
+        self.step_time = histogram("engine_step_time_seconds", "Time of one engine-core step "
+                                   "(schedule, execute, update).", ITL_BUCKETS)
         tb = token_buckets(max_model_len)
+        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens computed in one engine step.",
+                                          token_buckets(max(max_model_len, 16384)))
         self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt length of finished requests.", tb)
         self.request_generation_tokens = histogram(
             "request_generation_tokens", "Generated length of finished requests.", tb
@@ -140,10 +148,15 @@ class PrometheusStatLogger:
             ttft.observe(t)
         for t in it.inter_token_latencies:
             itl.observe(t)
-        for f in it.finished:
+        if it.num_scheduled_tokens:
+            self.iteration_tokens.labels(m).observe(it.num_scheduled_tokens)
+            self.step_time.labels(m).observe(it.step_time)
+        for f in it.finished:  # one per request, whatever its n
             self.request_success.labels(m, f.finish_reason).inc()
             self.e2e.labels(m).observe(f.e2e_latency)
             self.queue_time.labels(m).observe(f.queue_time)
+            self.prefill_time.labels(m).observe(f.prefill_time)
+            self.decode_time.labels(m).observe(f.decode_time)
             self.request_prompt_tokens.labels(m).observe(f.num_prompt_tokens)
             self.request_generation_tokens.labels(m).observe(f.num_generation_tokens)
 

@@ -177,8 +177,9 @@ class LaunchedServer:
                 folder = hf_model_dir(model)
             except BackendUnavailable as exc:
                 raise LaunchError(str(exc)) from None
+            # vLLM on its default dtype (bfloat16 on CPUs that have it), as a user would run it.
             self.cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
-                        "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32"]
+                        "--host", "127.0.0.1", "--port", str(self.port)]
             self.env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
             self.env.pop("PYTHONPATH", None)
         else:
@@ -311,4 +312,37 @@ def format_serve_table(report: dict[str, Any]) -> str:
         )
         for e in m["errors"]:
             lines.append(f"        error: {e}")
+    return "\n".join(lines)
+
+
+def serve_ratios(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The first server's figures over the second's, rate by rate (e.g. output tok/s 1.5 = 50% more)."""
+    if len(reports) != 2 or any("error" in r for r in reports):
+        return []
+    ours, peer = reports
+    out = []
+    for a, b in zip(ours["runs"], peer["runs"]):
+        def ratio(x: float | None, y: float | None) -> float | None:
+            return None if x is None or not y else round(x / y, 3)
+
+        out.append({
+            "request_rate": a["request_rate"],
+            "servers": f"{ours['server']}/{peer['server']}",
+            "output_throughput": ratio(a["output_throughput"], b["output_throughput"]),
+            "mean_ttft": ratio(a["ttft_ms"]["mean"], b["ttft_ms"]["mean"]),
+            "mean_tpot": ratio(a["tpot_ms"]["mean"], b["tpot_ms"]["mean"]),
+            "median_itl": ratio(a["itl_ms"]["median"], b["itl_ms"]["median"]),
+            "goodput": ratio(a.get("goodput"), b.get("goodput")),
+            "peak_rss": ratio(ours.get("server_peak_rss_bytes"), peer.get("server_peak_rss_bytes")),
+        })
+    return out
+
+
+def format_serve_ratios(ratios: list[dict[str, Any]]) -> str:
+    keys = ("output_throughput", "mean_ttft", "mean_tpot", "median_itl", "goodput", "peak_rss")
+    lines = [f"ratios {ratios[0]['servers']} (throughput and goodput: higher is better; latency, RSS: lower)",
+             f"{'rate/s':>7} " + " ".join(f"{k:>17}" for k in keys)]
+    for r in ratios:
+        lines.append(f"{str(r['request_rate']):>7} " + " ".join(
+            f"{'-' if r[k] is None else format(r[k], '.2f'):>17}" for k in keys))
     return "\n".join(lines)

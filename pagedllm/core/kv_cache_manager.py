@@ -16,6 +16,7 @@ per request per step.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from pagedllm.core.block_pool import BlockPool, KVBlock, hash_block_tokens
 from pagedllm.core.request import Request
@@ -23,6 +24,23 @@ from pagedllm.core.request import Request
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+@dataclass(frozen=True)
+class KVCacheStats:
+    """The KV cache's figures, as the scheduler reports them (the only way they leave this class)."""
+
+    usage: float
+    """Fraction of device blocks in use."""
+    num_free_blocks: int
+    swap_usage: float
+    """Fraction of the host swap pool in use (0 without one)."""
+    prefix_queries: int
+    """Prompt tokens looked up in the prefix cache so far."""
+    prefix_hits: int
+    """Of those, tokens found."""
+    num_cow_copies: int
+    """Shared blocks copied before a write so far."""
 
 
 class KVCacheManager:
@@ -66,6 +84,16 @@ class KVCacheManager:
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
+
+    def stats(self) -> KVCacheStats:
+        return KVCacheStats(
+            usage=self.pool.usage,
+            num_free_blocks=self.pool.num_free_blocks,
+            swap_usage=self.swap_pool.usage if self.swap_pool else 0.0,
+            prefix_queries=self.prefix_queries,
+            prefix_hits=self.prefix_hits,
+            num_cow_copies=self.num_cow_copies,
+        )
 
     def blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)

@@ -9,6 +9,7 @@ Plain Python: tests drive `schedule()` / `update_from_output()` with fake model 
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections.abc import Sequence
@@ -29,6 +30,38 @@ from pagedllm.core.scheduler_output import (
 )
 
 logger = logging.getLogger(__name__)
+
+
+def check_request_limits(
+    num_prompt_tokens: int, max_tokens: int, n: int, config: SchedulerConfig, num_blocks: int, block_size: int
+) -> None:
+    """Rejects a request that could never complete (ValueError naming the numbers). The front end
+    runs it before any engine state changes; the scheduler runs it again as a guard."""
+    max_len = config.max_model_len
+    total = num_prompt_tokens + max_tokens
+    if total > max_len:
+        raise ValueError(
+            f"This model's maximum context length is {max_len} tokens, but the request asks for "
+            f"{total} tokens ({num_prompt_tokens} in the prompt and {max_tokens} "
+            f"to generate). Please reduce the length of the prompt or of max_tokens."
+        )
+    need = -(-total // block_size)
+    if need > num_blocks:
+        raise ValueError(
+            f"the request needs {total} tokens of KV cache ({need} blocks of {block_size}) but the "
+            f"whole KV cache holds {num_blocks * block_size} tokens ({num_blocks} blocks)"
+        )
+    if n > config.max_num_seqs:
+        raise ValueError(f"n={n} samples exceed max_num_seqs={config.max_num_seqs} sequences per step")
+
+
+class WorkerView(enum.Enum):
+    """What the worker holds of a request it has been sent."""
+
+    HELD = 1
+    """Its state (tokens, block table, random generator): send only what changed."""
+    DROPPED = 2
+    """Preempted: the worker dropped it but keeps its random generator; send it in full again."""
 
 
 @dataclass
@@ -80,35 +113,20 @@ class Scheduler:
         self.swapped: list[Request] = []  # in swap-out order
         # n > 1: samples waiting to be forked off their parent (sample 0) once its prompt is computed.
         self._pending_forks: dict[str, list[Request]] = {}
-        # Requests whose state the worker holds; the rest are sent in full when scheduled.
-        self._known_to_worker: set[str] = set()
-        # Requests the worker has ever seen (it keeps per-request random generators until they end).
-        self._sent: set[str] = set()
-        self._forget: set[str] = set()
-        self._preempted_ids: set[str] = set()
+        # What the worker knows of each request it has seen (absent: never sent).
+        self._worker: dict[str, WorkerView] = {}
+        # What the worker must forget before the next step: request id -> preempted (True) or ended.
+        self._forget: dict[str, bool] = {}
         self.num_preemptions = 0
         self.num_preemptions_by_mode = {"recompute": 0, "swap": 0}
 
     # ---- admission ------------------------------------------------------------------------
     def check_request(self, request: Request) -> None:
         """Rejects a request that could never complete, naming the numbers."""
-        max_len = self.config.max_model_len
-        total = request.num_prompt_tokens + request.max_tokens
-        if total > max_len:
-            raise ValueError(
-                f"This model's maximum context length is {max_len} tokens, but the request asks for "
-                f"{total} tokens ({request.num_prompt_tokens} in the prompt and {request.max_tokens} "
-                f"to generate). Please reduce the length of the prompt or of max_tokens."
-            )
-        need = self.kv.blocks_needed(total)
-        if need > self.kv.num_blocks:
-            raise ValueError(
-                f"the request needs {total} tokens of KV cache ({need} blocks of {self.kv.block_size}) but the "
-                f"whole KV cache holds {self.kv.num_blocks * self.kv.block_size} tokens ({self.kv.num_blocks} blocks)"
-            )
-        n = request.sampling_params.n
-        if n > self.config.max_num_seqs:
-            raise ValueError(f"n={n} samples exceed max_num_seqs={self.config.max_num_seqs} sequences per step")
+        check_request_limits(
+            request.num_prompt_tokens, request.max_tokens, request.sampling_params.n, self.config,
+            self.kv.num_blocks, self.kv.block_size,
+        )
 
     def add_request(self, request: Request, forks: Sequence[Request] = ()) -> None:
         """Queues a request. `forks` are the other samples of an n > 1 request: they share its
@@ -165,11 +183,8 @@ class Scheduler:
         self.requests.pop(req.request_id, None)
         # Samples still waiting for this parent's fork go on alone, computing the prompt themselves.
         self.waiting.extend(self._pending_forks.pop(req.request_id, ()))
-        self._known_to_worker.discard(req.request_id)
-        if req.request_id in self._sent:
-            self._sent.discard(req.request_id)
-            self._forget.add(req.request_id)
-            self._preempted_ids.discard(req.request_id)
+        if self._worker.pop(req.request_id, None) is not None:
+            self._forget[req.request_id] = False  # it ended: the worker drops its random generator too
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.swapped or self._pending_forks)
@@ -188,13 +203,16 @@ class Scheduler:
         return len(self.running) + sum(len(self._pending_forks.get(r.request_id, ())) for r in self.running)
 
     # ---- one step -------------------------------------------------------------------------
-    def _num_new_tokens(self, req: Request, budget: int, partial_left: int) -> int:
-        n = req.num_tokens - req.num_computed_tokens
+    def _num_new_tokens(self, req: Request, budget: int, partial_left: int, computed: int | None = None) -> int:
+        """Tokens to schedule for `req` this step, counting from `computed` (default: its
+        num_computed_tokens; an admission passes its prefix-cache hit)."""
+        computed = req.num_computed_tokens if computed is None else computed
+        n = req.num_tokens - computed
         if self.config.long_prefill_token_threshold and n > 1:
             n = min(n, self.config.long_prefill_token_threshold)
         n = min(n, budget)
         # A prompt chunk (more than the one decode token) counts against the partial-prefill limit.
-        if n > 1 or req.num_computed_tokens + n < req.num_tokens:
+        if n > 1 or computed + n < req.num_tokens:
             if partial_left == 0:
                 return 0
         return n
@@ -234,10 +252,9 @@ class Scheduler:
         self.num_preemptions += 1
         self.num_preemptions_by_mode[mode] += 1
         # The worker forgets it (keeping its random generator) and is sent it in full on return.
-        if rid in self._known_to_worker:
-            self._known_to_worker.discard(rid)
-            self._forget.add(rid)
-            self._preempted_ids.add(rid)
+        if self._worker.get(rid) == WorkerView.HELD:
+            self._worker[rid] = WorkerView.DROPPED
+            self._forget[rid] = True
         step.preempted.append(req)
 
     def schedule(self) -> SchedulerOutput:
@@ -295,12 +312,7 @@ class Scheduler:
         extra_seqs = 1 + len(self._pending_forks.get(req.request_id, ()))
         while True:
             hits, num_hit = ([], 0) if swapped else self.kv.get_computed_blocks(req)
-            if not swapped:
-                req.num_computed_tokens = num_hit
-            n = self._num_new_tokens(req, step.budget, step.partial_left)
-            if not swapped:
-                # allocate_slots counts the hits itself: they precede the request's computed tokens.
-                req.num_computed_tokens = 0
+            n = self._num_new_tokens(req, step.budget, step.partial_left, None if swapped else num_hit)
             if n == 0:
                 return False
             has_slot = self._num_seqs() + extra_seqs <= self.config.max_num_seqs
@@ -352,7 +364,7 @@ class Scheduler:
         # Batch order: requests the worker knows first, then new ones (worker relies on this).
         for rid, n in scheduled.items():
             req = self.requests[rid]
-            if rid in self._known_to_worker:
+            if self._worker.get(rid) == WorkerView.HELD:
                 cached_reqs.append(
                     CachedRequestData(
                         rid, step.new_block_ids[rid], req.num_computed_tokens, self.kv.replaced_blocks(rid)
@@ -361,7 +373,7 @@ class Scheduler:
                 ordered[rid] = n
         for rid, n in scheduled.items():
             req = self.requests[rid]
-            if rid not in self._known_to_worker:
+            if self._worker.get(rid) != WorkerView.HELD:
                 new_reqs.append(
                     NewRequestData(
                         req_id=rid,
@@ -375,9 +387,8 @@ class Scheduler:
                 )
                 ordered[rid] = n
         for rid, n in scheduled.items():
-            self._known_to_worker.add(rid)
-            self._sent.add(rid)
-            self.requests[rid].num_computed_tokens += n
+            self._worker[rid] = WorkerView.HELD
+            self.requests[rid].num_computed_tokens += n  # the one place progress advances
         forked = self._fork_samples(scheduled)
         self.policy.on_step([self.requests[r] for r in scheduled], scheduled)
         swap_out, swap_in, copies = self.kv.take_block_moves()
@@ -386,16 +397,15 @@ class Scheduler:
             cached_reqs=cached_reqs,
             num_scheduled_tokens=ordered,
             total_num_scheduled_tokens=sum(scheduled.values()),
-            finished_req_ids=self._forget,
-            preempted_req_ids=self._preempted_ids,
+            finished_req_ids=set(self._forget),
+            preempted_req_ids={rid for rid, preempted in self._forget.items() if preempted},
             blocks_to_swap_out=swap_out,
             blocks_to_swap_in=swap_in,
             blocks_to_copy=copies,
             forked_reqs=forked,
             num_preempted=len(step.preempted),
         )
-        self._forget = set()
-        self._preempted_ids = set()
+        self._forget = {}
         return out
 
     def _fork_samples(self, scheduled: dict[str, int]) -> list[ForkedRequestData]:
@@ -418,8 +428,7 @@ class Scheduler:
                 child.num_cached_tokens = parent.num_cached_tokens
                 child.first_scheduled_time = parent.first_scheduled_time
                 self.running.append(child)
-                self._known_to_worker.add(cid)
-                self._sent.add(cid)
+                self._worker[cid] = WorkerView.HELD
                 forked.append(ForkedRequestData(cid, rid, child.sampling_params, self.kv.get_block_ids(cid)))
         return forked
 
@@ -462,17 +471,18 @@ class Scheduler:
 
     # ---- introspection --------------------------------------------------------------------
     def get_stats(self) -> SchedulerStats:
+        kv = self.kv.stats()
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting) + self._num_pending_forks(),
             num_swapped=len(self.swapped),
-            kv_cache_usage=self.kv.usage,
-            prefix_cache_queries=self.kv.prefix_queries,
-            prefix_cache_hits=self.kv.prefix_hits,
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_queries,
+            prefix_cache_hits=kv.prefix_hits,
             num_preemptions=self.num_preemptions,
             num_preemptions_by_mode=dict(self.num_preemptions_by_mode),
-            swap_usage=self.kv.swap_pool.usage if self.kv.swap_pool else 0.0,
-            num_cow_copies=self.kv.num_cow_copies,
+            swap_usage=kv.swap_usage,
+            num_cow_copies=kv.num_cow_copies,
         )
 
     def check_integrity(self) -> None:

@@ -1,23 +1,32 @@
-"""An engine for servers: one background thread steps the LLMEngine; each request has its own
-async stream of RequestOutputs; a cancelled stream aborts its request and frees its blocks."""
+"""The serving front end: tokenization, validation, detokenization and per-request streams,
+on the server's event loop; the engine core runs in its own process (or, for tests and simple
+use, on a thread of this one) and answers every step with outputs and scheduler statistics.
+
+Everything that touches request state here runs on the event loop, so a client that leaves at
+any moment (before admission, mid-prefill, mid-stream, at its last token) only ever removes its
+own request and sends one abort. A failure while processing one request's output fails that
+request alone; an engine-core fault fails every request in flight with EngineDeadError.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
-import queue
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
+from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import SchedulerStats
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.engine.core_io import EngineCoreOutputs, MsgKind, StepStats
+from pagedllm.engine.llm_engine import LLMEngine, PromptType, load_frontend_tokenizer
+from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.processor import Processor
 from pagedllm.engine.stats import IterationStats
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.tokenizer import TokenizerWrapper
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +37,10 @@ class EngineDeadError(RuntimeError):
 
 class EngineOverloadedError(RuntimeError):
     """The waiting queue is full; the client should retry later."""
+
+
+class RequestFailedError(RuntimeError):
+    """One request failed inside the engine (its outputs could not be processed); others go on."""
 
 
 class StatLogger(Protocol):
@@ -82,53 +95,83 @@ class LoggingStatLogger:
 class AsyncLLMEngine:
     def __init__(
         self,
-        engine: LLMEngine,
+        config: EngineConfig,
+        tokenizer: TokenizerWrapper,
+        client: Any,
         max_queued_requests: int | None = None,
         stat_loggers: list[StatLogger] | None = None,
     ) -> None:
-        self.engine = engine
+        self.config = config
+        self.model_config = config.model_config
+        self.tokenizer = tokenizer
+        self.client = client
+        self.num_blocks: int = client.num_blocks
+        self.processor = Processor(config, tokenizer, self.num_blocks)
+        self.output_processor = OutputProcessor(tokenizer.rust)
         self.max_queued_requests = max_queued_requests
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
-        self._commands: queue.Queue[tuple[str, Any, concurrent.futures.Future | None]] = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        # Adds submitted by clients and adds handled by the engine thread (each written by one thread).
-        self._adds_submitted = 0
-        self._adds_handled = 0
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
-        self.dead_error: BaseException | None = None
-        # Held while enqueuing a command and while the dying loop fails the queue, so that no
-        # command can slip in after the loop has drained it for the last time.
-        self._submit_lock = threading.Lock()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self.dead_error: str | None = None
+        # Called once (on the event loop) when the engine core dies, e.g. to stop the server.
+        self.on_dead: list[Callable[[], None]] = []
+        self.last_stats = StepStats.idle()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopped = False
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> AsyncLLMEngine:
-        return cls(LLMEngine.from_engine_args(args), **kwargs)
+    def from_engine_args(cls, args: EngineArgs, multiprocess: bool = True, log_level: str = "INFO",
+                         **kwargs: Any) -> AsyncLLMEngine:
+        """Starts the engine core (loading the model there) and the front end here."""
+        from pagedllm.engine.core_client import MultiProcessClient
+
+        config = args.create_engine_config()
+        if not multiprocess:
+            return cls.from_llm_engine(LLMEngine(config), **kwargs)
+        client = MultiProcessClient(config, log_level)
+        try:
+            tokenizer = load_frontend_tokenizer(config)  # while the engine core loads the model
+            client.wait_ready()
+        except BaseException:
+            client.shutdown()
+            raise
+        return cls(config, tokenizer, client, **kwargs)
+
+    @classmethod
+    def from_llm_engine(cls, engine: LLMEngine, **kwargs: Any) -> AsyncLLMEngine:
+        """Serves an in-process engine's core from a thread of this process."""
+        from pagedllm.engine.core_client import InProcessClient
+
+        return cls(engine.config, engine.tokenizer, InProcessClient(engine.core), **kwargs)
 
     # ---- lifecycle ------------------------------------------------------------------------
     @property
     def errored(self) -> bool:
         return self.dead_error is not None
 
-    @property
-    def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
     def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="pagedllm-engine", daemon=True)
-            self._thread.start()
+        """Starts delivering engine-core messages to the running event loop (idempotent)."""
+        if self._loop is not None:
+            return
+        loop = self._loop = asyncio.get_running_loop()
+
+        def deliver(kind: MsgKind, payload: Any) -> None:  # any thread
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(self._on_message, kind, payload)
+
+        self.client.start(deliver)
 
     def shutdown(self) -> None:
-        self._stop.set()
-        self._commands.put(("wake", None, None))
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        self._stopped = True
+        self.client.shutdown()
 
     # ---- requests -------------------------------------------------------------------------
     def num_waiting(self) -> int:
-        sched = self.engine.scheduler
-        return len(sched.waiting) + len(sched.swapped) + self._adds_submitted - self._adds_handled
+        """Requests held by the front end that the engine does not report as running."""
+        return max(len(self.output_processor.requests) - self.last_stats.scheduler.num_running, 0)
+
+    def _check_alive(self) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine has failed: {self.dead_error}")
 
     async def generate(
         self,
@@ -141,23 +184,23 @@ class AsyncLLMEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Streams the request's outputs; raises ValueError (bad input), EngineOverloadedError or
         EngineDeadError. Leaving the iteration early aborts the request."""
-        if self.dead_error is not None:
-            raise EngineDeadError(f"the engine has failed: {self.dead_error}")
+        self._check_alive()
         if self.max_queued_requests is not None and self.num_waiting() >= self.max_queued_requests:
             raise EngineOverloadedError(
                 f"the waiting queue is full ({self.max_queued_requests} requests); retry later"
             )
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        text, req = self.processor.make_request(
+            request_id, prompt, sampling_params, self.output_processor, None, priority, user, cache_salt
+        )
         self.start()
-        loop = asyncio.get_running_loop()
         stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (loop, stream)
+        self.output_processor.add_request(
+            request_id, text, req.prompt_token_ids, sampling_params, req.arrival_time, priority
+        )
+        self._streams[request_id] = stream
         finished = False
         try:
-            fut: concurrent.futures.Future = concurrent.futures.Future()
-            self._submit(("add", (request_id, prompt, sampling_params, priority, user, cache_salt), fut))
-            await asyncio.wrap_future(fut)
+            self.client.add_request(req)
             while True:
                 item = await stream.get()
                 if isinstance(item, BaseException):
@@ -169,93 +212,59 @@ class AsyncLLMEngine:
         finally:
             self._streams.pop(request_id, None)
             if not finished:
-                self._commands.put(("abort", request_id, None))
+                self._abort(request_id)
 
-    def _submit(self, command: tuple[str, Any, concurrent.futures.Future | None]) -> None:
-        with self._submit_lock:
-            if self.dead_error is not None:
-                raise EngineDeadError(f"the engine has failed: {self.dead_error!r}")
-            if command[0] == "add":
-                self._adds_submitted += 1
-            self._commands.put(command)
+    def _abort(self, request_id: str) -> None:
+        seq_ids = self.output_processor.remove_request(request_id)
+        if seq_ids and self.dead_error is None and not self._stopped:
+            self.client.abort(seq_ids)
 
     async def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id, None))
+        self._abort(request_id)
 
-    def call_in_engine(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
-        """Runs `fn(engine)` on the engine thread between steps (e.g. reset_prefix_cache)."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self.start()
-        self._submit(("call", fn, fut))
-        return fut
-
-    # ---- the engine thread ----------------------------------------------------------------
-    def _handle(self, kind: str, payload: Any, fut: concurrent.futures.Future | None) -> None:
-        if kind == "add":
-            self._adds_handled += 1
-            rid, prompt, params, priority, user, salt = payload
-            try:
-                self.engine.add_request(rid, prompt, params, priority=priority, user=user, cache_salt=salt)
-            except Exception as e:  # ValueError for bad input; the loop goes on
-                assert fut is not None
-                fut.set_exception(e)
-                return
-            if rid not in self._streams:  # the client left before the request was queued
-                self.engine.abort_request(rid)
-            assert fut is not None
-            fut.set_result(None)
-        elif kind == "abort":
-            self.engine.abort_request(payload)
-        elif kind == "call":
-            assert fut is not None
-            try:
-                fut.set_result(payload(self.engine))
-            except Exception as e:
-                fut.set_exception(e)
-
-    def _drain_commands(self, block: bool) -> None:
-        try:
-            item = self._commands.get(timeout=1.0) if block else self._commands.get_nowait()
-        except queue.Empty:
+    # ---- messages from the engine core (on the event loop) --------------------------------
+    def _on_message(self, kind: MsgKind, payload: Any) -> None:
+        if self.dead_error is not None:
             return
-        while True:
-            self._handle(*item)
+        if kind == MsgKind.OUTPUTS:
             try:
-                item = self._commands.get_nowait()
-            except queue.Empty:
-                return
+                self._on_outputs(payload)
+            except Exception as e:
+                logger.exception("processing engine outputs failed")
+                self._die(f"{type(e).__name__}: {e}")
+        elif kind == MsgKind.DEAD:
+            if not self._stopped:
+                self._die(payload)
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            entry = self._streams.get(out.request_id)
-            if entry is not None:
-                loop, stream = entry
-                loop.call_soon_threadsafe(stream.put_nowait, out)
+    def _on_outputs(self, msg: EngineCoreOutputs) -> None:
+        step = msg.stats
+        self.last_stats = step
+        stats = IterationStats(num_scheduled_tokens=step.num_scheduled_tokens, num_preempted=step.num_preempted,
+                               step_time=step.step_time)
+        result = self.output_processor.process_outputs(msg.outputs, stats)
+        for out in result.outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.put_nowait(out)
+        for rid, err in result.failed.items():
+            logger.error("request %s failed: %r", rid, err)
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream.put_nowait(RequestFailedError(f"request {rid} failed: {type(err).__name__}: {err}"))
+        if result.stopped:
+            self.client.abort(result.stopped, stopped=True)
+        if result.failed_seq_ids:
+            self.client.abort(result.failed_seq_ids)
+        scheduler_stats = step.scheduler
+        for sl in self.stat_loggers:
+            sl.record(scheduler_stats, stats)
+            sl.log()
 
-    def _loop(self) -> None:
-        engine = self.engine
-        try:
-            while not self._stop.is_set():
-                self._drain_commands(block=not engine.has_unfinished_requests())
-                if engine.has_unfinished_requests():
-                    outputs = engine.step()
-                    self._dispatch(outputs)
-                    stats = engine.scheduler.get_stats()
-                    for sl in self.stat_loggers:
-                        sl.record(stats, engine.last_iteration_stats)
-                for sl in self.stat_loggers:
-                    sl.log()
-        except BaseException as e:  # a real fault: fail everyone in flight, report unhealthy
-            logger.exception("engine loop failed")
-            err = EngineDeadError(f"the engine has failed: {e!r}")
-            with self._submit_lock:
-                self.dead_error = e
-                while True:
-                    try:
-                        _, _, fut = self._commands.get_nowait()
-                    except queue.Empty:
-                        break
-                    if fut is not None and not fut.done():
-                        fut.set_exception(err)
-            for loop, stream in list(self._streams.values()):
-                loop.call_soon_threadsafe(stream.put_nowait, err)
+    def _die(self, reason: str) -> None:
+        logger.error("the engine has failed: %s", reason)
+        self.dead_error = reason
+        err = EngineDeadError(f"the engine has failed: {reason}")
+        for stream in list(self._streams.values()):
+            stream.put_nowait(err)
+        for callback in self.on_dead:
+            callback()

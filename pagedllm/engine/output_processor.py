@@ -1,4 +1,9 @@
-"""Turns per-step EngineCoreOutputs into RequestOutputs: text, logprobs, stop strings, n > 1."""
+"""Turns per-step EngineCoreOutputs into RequestOutputs: text, logprobs, stop strings, n > 1.
+
+It runs in the front end (the API server process when serving). A failure while processing one
+request's output (a detokenizer error, say) fails that request alone: it is reported in
+`ProcessedOutputs.failed` and its sequences are handed back for the engine core to abort.
+"""
 
 from __future__ import annotations
 
@@ -72,6 +77,18 @@ def child_id(request_id: str, index: int, n: int) -> str:
     return request_id if n == 1 else f"{index}_{request_id}"
 
 
+@dataclass
+class ProcessedOutputs:
+    outputs: list[RequestOutput]
+    """RequestOutputs to hand out."""
+    stopped: list[str]
+    """Sequence ids stopped by a stop string (the engine core must finish them)."""
+    failed: dict[str, Exception] = field(default_factory=dict)
+    """Requests that failed while their outputs were processed, with the error."""
+    failed_seq_ids: list[str] = field(default_factory=list)
+    """Unfinished sequences of the failed requests (the engine core must abort them)."""
+
+
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -112,6 +129,10 @@ class OutputProcessor:
             self.seq_owner[s.seq_id] = (state, s)
         return [s.seq_id for s in seqs]
 
+    def __contains__(self, request_id: object) -> bool:
+        """Whether `request_id` names a request or a sample of one in flight."""
+        return request_id in self.requests or request_id in self.seq_owner
+
     def remove_request(self, request_id: str) -> list[str]:
         """Forgets a request; returns its unfinished sequence ids (for the scheduler to abort)."""
         state = self.requests.pop(request_id, None)
@@ -135,63 +156,84 @@ class OutputProcessor:
 
     def process_outputs(
         self, core_outputs: list[EngineCoreOutput], stats: IterationStats | None = None
-    ) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the RequestOutputs to hand out and the sequence ids stopped by a stop string."""
+    ) -> ProcessedOutputs:
+        """RequestOutputs for one step's core outputs; see ProcessedOutputs."""
         now = time.time()
         stats = stats if stats is not None else IterationStats()
         touched: dict[str, RequestState] = {}
-        stopped_by_string: list[str] = []
+        result = ProcessedOutputs([], [])
         for co in core_outputs:
             owner = self.seq_owner.get(co.req_id)
             if owner is None:
                 continue
             state, seq = owner
-            # With n > 1 every sample computes the prompt: keep the first sample's logprobs only.
-            if co.prompt_logprobs is not None and state.prompt_logprobs is not None and seq.index == 0:
-                state.prompt_logprobs.extend(self._to_logprob_dicts(co.prompt_logprobs))
-            if co.new_token_ids:
-                m = state.metrics
-                if m.first_scheduled_time is None:
-                    m.first_scheduled_time = co.first_scheduled_time
-                if m.first_token_time is None:
-                    m.first_token_time = now
-                    state.num_cached_tokens = co.num_cached_tokens
-                    stats.num_prompt_tokens += len(state.prompt_token_ids)
-                    stats.time_to_first_tokens.append(now - m.arrival_time)
-                elif m.last_token_time is not None:
-                    stats.inter_token_latencies.append(now - m.last_token_time)
-                m.last_token_time = now
-                stats.num_generation_tokens += len(co.new_token_ids)
-                self._update_sequence(seq, co)
-                if seq.finish_reason == "stop" and isinstance(seq.stop_reason, str) and not co.finished:
-                    stopped_by_string.append(seq.seq_id)
-            state.updated.add(seq.index)
+            try:
+                self._process_one(state, seq, co, now, stats, result.stopped)
+            except Exception as e:  # this request's failure, not the engine's
+                result.failed[state.request_id] = e
+                result.failed_seq_ids += self.remove_request(state.request_id)
+                touched.pop(state.request_id, None)
+                continue
             touched[state.request_id] = state
-        outputs = []
         for state in touched.values():
-            out = self._make_output(state)
+            try:
+                out = self._make_output(state)
+            except Exception as e:
+                result.failed[state.request_id] = e
+                result.failed_seq_ids += self.remove_request(state.request_id)
+                continue
             if state.finished:
                 state.metrics.finished_time = now
-                stats.finished.extend(self._finished_stats(state, now))
+                stats.finished.append(self._finished_stats(state, now))
                 self.remove_request(state.request_id)
             if out is not None:
-                outputs.append(out)
-        return outputs, stopped_by_string
+                result.outputs.append(out)
+        return result
+
+    def _process_one(
+        self, state: RequestState, seq: SequenceState, co: EngineCoreOutput, now: float, stats: IterationStats,
+        stopped_by_string: list[str],
+    ) -> None:
+        if seq.finished:
+            # A sequence the front end ended (a stop string) may still get the output of a step the
+            # engine core ran before it heard of the stop: it is not part of the sequence.
+            return
+        # With n > 1 every sample computes the prompt: keep the first sample's logprobs only.
+        if co.prompt_logprobs is not None and state.prompt_logprobs is not None and seq.index == 0:
+            state.prompt_logprobs.extend(self._to_logprob_dicts(co.prompt_logprobs))
+        if co.new_token_ids:
+            m = state.metrics
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time = co.first_scheduled_time
+            if m.first_token_time is None:
+                m.first_token_time = now
+                state.num_cached_tokens = co.num_cached_tokens
+                stats.num_prompt_tokens += len(state.prompt_token_ids)
+                stats.time_to_first_tokens.append(now - m.arrival_time)
+            elif m.last_token_time is not None:
+                stats.inter_token_latencies.append(now - m.last_token_time)
+            m.last_token_time = now
+            stats.num_generation_tokens += len(co.new_token_ids)
+            self._update_sequence(seq, co)
+            if seq.finish_reason == "stop" and isinstance(seq.stop_reason, str) and not co.finished:
+                stopped_by_string.append(seq.seq_id)
+        state.updated.add(seq.index)
 
     @staticmethod
-    def _finished_stats(state: RequestState, now: float) -> list[FinishedRequestStats]:
+    def _finished_stats(state: RequestState, now: float) -> FinishedRequestStats:
+        """One record per request (an n > 1 request counts once; its tokens are summed)."""
         m = state.metrics
-        queued = (m.first_scheduled_time or now) - m.arrival_time
-        return [
-            FinishedRequestStats(
-                finish_reason=s.finish_reason or "abort",
-                e2e_latency=now - m.arrival_time,
-                queue_time=max(queued, 0.0),
-                num_prompt_tokens=len(state.prompt_token_ids),
-                num_generation_tokens=len(s.token_ids),
-            )
-            for s in state.seqs
-        ]
+        scheduled = m.first_scheduled_time or now
+        first_token = m.first_token_time or now
+        return FinishedRequestStats(
+            finish_reason=state.seqs[0].finish_reason or "abort",
+            e2e_latency=now - m.arrival_time,
+            queue_time=max(scheduled - m.arrival_time, 0.0),
+            prefill_time=max(first_token - scheduled, 0.0),
+            decode_time=max(now - first_token, 0.0),
+            num_prompt_tokens=len(state.prompt_token_ids),
+            num_generation_tokens=sum(len(s.token_ids) for s in state.seqs),
+        )
 
     def _update_sequence(self, seq: SequenceState, co: EngineCoreOutput) -> None:
         seq.token_ids.extend(co.new_token_ids)

@@ -353,6 +353,12 @@ def test_prompt_logprobs_complete_after_prefix_cache_hit(llm: LLM) -> None:
     _check_prompt_logprobs(first, 1)
     _check_prompt_logprobs(second, 1)
 
+    def values(out):
+        return [None if d is None else {t: (lp.logprob, lp.rank) for t, lp in d.items()} for d in out.prompt_logprobs]
+
+    assert values(second) == values(first)  # the same numbers, not only the same shapes
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+
 
 def test_prompt_logprobs_not_repeated_after_preemption(tiny_model_dir: str) -> None:
     # 12 blocks of 4 tokens cannot hold four requests of 10-17 + 20 tokens: recompute preemption.

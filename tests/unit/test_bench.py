@@ -58,7 +58,8 @@ def test_scheduler_bench_small() -> None:
     r = time_scheduler(16, 20, input_range=(8, 32), output_range=(4, 16), show_progress=False)
     assert r["mean_scheduled_requests"] == pytest.approx(16, abs=1)
     assert r["step_us_mean"] > 0 and r["requests_completed"] > 0
-    assert r["schedule_us"] + r["update_us"] == pytest.approx(r["step_us_mean"])
+    assert r["schedule_us"] > 0 and r["update_us"] > 0
+    assert r["step_us_median"] <= r["step_us_p99"]
 
 
 def test_memory_bench_waste_is_sane() -> None:

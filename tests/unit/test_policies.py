@@ -90,7 +90,7 @@ def test_priority_preemption_spares_a_request_whose_fresh_blocks_were_just_hit()
     """"x" (low priority) computes its prompt in chunks; in the step that keys its blocks 2 and 3,
     "y" is admitted first and hits them. Preempting "x" for "w" later in that step would drop their
     computation and leave y's hit unwritten (the fake worker checks every read)."""
-    from test_scheduler_sim import FakeWorker
+    from fake_worker import FakeWorker
 
     sched = make_sched(num_blocks=6, caching=True, policy="priority", long_prefill_token_threshold=8)
     worker = FakeWorker(4, 6)

@@ -14,6 +14,7 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from pagedllm.sampling_params import SamplingParams
+from fake_worker import FakeWorker
 
 EOS = 2
 FILLER = 1000  # a token that is neither EOS nor a stop token
@@ -44,60 +45,32 @@ def make_req(
 
 
 class Driver:
-    """Runs steps with a fake model: a request samples one token exactly when its prompt (and all
-    tokens so far) is computed after this step's scheduling; otherwise it gets an empty list.
-
-    Also plays the worker's side of the SchedulerOutput contract: it keeps the requests it knows,
-    with their block tables, and checks every output against them.
-    """
+    """Runs steps against the shared fake worker (tests/unit/fake_worker.py), whose model samples
+    `token_fn(request)` for a request exactly when its prompt (and all tokens so far) is computed.
+    Checks the scheduler's side of each step as well: budgets, and what it sends the worker
+    against what it holds."""
 
     def __init__(self, sched: Scheduler, token_fn: Callable[[Request], int] | None = None) -> None:
         self.sched = sched
         self.token_fn = token_fn or (lambda req: FILLER)
-        self.known: dict[str, list[int]] = {}  # worker: req id -> block table
-        self.parked: set[str] = set()  # preempted, if the output names them apart
+        kv = sched.kv
+        self.worker = FakeWorker(kv.block_size, kv.num_blocks, kv.num_swap_blocks,
+                                 sample=lambda rid, _: self.token_fn(sched.requests[rid]))
         self.outputs: dict[str, list[int]] = {}
         self.finish_reasons: dict[str, str] = {}
         self.history: list[SchedulerOutput] = []
 
     def check_contract(self, so: SchedulerOutput) -> None:
         sched = self.sched
-        preempted = getattr(so, "preempted_req_ids", set())
-        for rid in so.finished_req_ids:
-            if rid in self.known:
-                del self.known[rid]
-                if rid in preempted:
-                    self.parked.add(rid)  # the worker may keep per-request state until it ends
-            else:
-                assert rid in self.parked, f"{rid} forgotten but the worker never had it"
-                self.parked.discard(rid)
-        new_ids = [d.req_id for d in so.new_reqs]
-        cached_ids = [d.req_id for d in so.cached_reqs]
-        assert list(so.num_scheduled_tokens) == cached_ids + new_ids  # batch order: cached, then new
         assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
-        for d in so.cached_reqs:
-            assert d.req_id in self.known, f"{d.req_id} sent as cached but the worker does not know it"
-            for i, block_id in d.replaced_block_ids:  # copy-on-write
-                assert (self.known[d.req_id][i], block_id) in so.blocks_to_copy
-                self.known[d.req_id][i] = block_id
-            self.known[d.req_id] += d.new_block_ids
         for d in so.new_reqs:
-            assert d.req_id not in self.known, f"{d.req_id} sent as new but the worker knows it"
-            self.parked.discard(d.req_id)
             req = sched.requests[d.req_id]
             assert d.prompt_token_ids == req.prompt_token_ids
-            assert d.output_token_ids == req.output_token_ids
-            assert d.output_token_ids == self.outputs.get(d.req_id, [])
-            self.known[d.req_id] = list(d.block_ids)
-        for f in so.forked_reqs:
-            assert f.req_id not in self.known and f.block_ids == self.known[f.parent_id]
-            self.known[f.req_id] = list(f.block_ids)
+            assert d.output_token_ids == req.output_token_ids == self.outputs.get(d.req_id, [])
         for rid, n in so.num_scheduled_tokens.items():
             req = sched.requests[rid]
-            assert n > 0
-            assert req.num_computed_tokens <= req.num_tokens
-            assert self.known[rid] == sched.kv.get_block_ids(rid)
-            assert len(self.known[rid]) >= sched.kv.blocks_needed(req.num_computed_tokens)
+            assert n > 0 and req.num_computed_tokens <= req.num_tokens
+            assert len(sched.kv.get_block_ids(rid)) >= sched.kv.blocks_needed(req.num_computed_tokens)
 
     def step(self) -> tuple[SchedulerOutput, list[EngineCoreOutput]]:
         sched = self.sched
@@ -105,18 +78,21 @@ class Driver:
         self.history.append(so)
         assert so.total_num_scheduled_tokens <= sched.config.max_num_batched_tokens
         self.check_contract(so)
-        req_ids = list(so.num_scheduled_tokens) + [f.req_id for f in so.forked_reqs]
-        sampled = []
-        for rid in req_ids:
-            req = sched.requests[rid]
-            sampled.append([self.token_fn(req)] if req.num_computed_tokens == req.num_tokens else [])
-        results = sched.update_from_output(so, ModelRunnerOutput(req_ids, sampled))
+        results = sched.update_from_output(so, self.worker.execute(so))
         for res in results:
             self.outputs.setdefault(res.req_id, []).extend(res.new_token_ids)
             if res.finished:
                 self.finish_reasons[res.req_id] = res.finish_reason
         sched.check_integrity()
         return so, results
+
+    def flush(self) -> SchedulerOutput:
+        """An empty step that tells the worker about the last finished requests."""
+        so = self.sched.schedule()
+        assert so.is_empty
+        self.check_contract(so)
+        self.worker.execute(so)
+        return so
 
     def run(self, max_steps: int = 1000) -> int:
         steps = 0
@@ -335,6 +311,7 @@ def test_scheduler_output_contract_new_cached_finished() -> None:
     so = sched.schedule()  # nothing to run; tells the worker about the last finishers
     assert so.is_empty
     d.check_contract(so)
+    d.worker.execute(so)
     d.history.append(so)
     sent_new: dict[str, int] = {}
     forgotten: dict[str, int] = {}
@@ -349,7 +326,7 @@ def test_scheduler_output_contract_new_cached_finished() -> None:
     assert sum(sent_new.values()) == 3 + n_pre
     assert sum(forgotten.values()) == 3 + n_pre
     assert sent_new == forgotten
-    assert d.known == {}
+    assert d.worker.reqs == {}
     assert sched.schedule().finished_req_ids == set()
 
 
@@ -472,8 +449,8 @@ def test_abort_of_preempted_waiting_request() -> None:
     sched.finish_requests("c", RequestStatus.FINISHED_ABORTED)
     sched.check_integrity()
     d.run()  # the contract checks accept the abort of a request the worker was told to forget
-    d.check_contract(sched.schedule())
-    assert d.known == {} and d.parked == set()
+    d.flush()
+    assert d.worker.reqs == {} and d.worker.parked == set()
     assert "c" not in sched.requests and len(d.outputs["a"]) == len(d.outputs["b"]) == 8
     assert sched.kv.usage == 0
 
@@ -673,8 +650,8 @@ def test_abort_of_swapped_request_frees_host_blocks() -> None:
     assert sched.kv.swap_pool.num_free_blocks == 8
     sched.check_integrity()
     d.run()
-    d.check_contract(sched.schedule())
-    assert d.known == {} and d.parked == set()
+    d.flush()
+    assert d.worker.reqs == {} and d.worker.parked == set()
 
 
 # ---- prefix cache through the scheduler ---------------------------------------------------------
@@ -687,7 +664,9 @@ def test_reset_prefix_cache_while_requests_run() -> None:
     d = Driver(sched)
     d.step()
     d.step()
-    assert sched.kv.prefix_hits > 0 or sched.kv.prefix_queries > 0
+    # r0's three full prompt blocks (12 of its 13 tokens) are keyed in the cache once written;
+    # r1 and r2 then each find all three: 3 x 13 tokens looked up, 2 x 12 found.
+    assert (sched.kv.prefix_hits, sched.kv.prefix_queries) == (24, 39)
     sched.kv.reset_prefix_cache()  # mid-prefill and mid-decode: every request keeps its blocks
     sched.check_integrity()
     assert all(b.block_hash is None for b in sched.kv.pool.blocks)

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: a FastAPI app around one AsyncLLMEngine, run by uvicorn.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize,
-POST /detokenize (all behind --api-key when given), GET /health, GET /metrics, GET /version (open).
+POST /detokenize, GET /docs, /redoc, /openapi.json (all behind --api-key when given), GET /health,
+GET /metrics, GET /version (open).
 Every error is the OpenAI error object {"error": {"message", "type", "param", "code"}}.
 """
 
@@ -9,15 +10,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
 import os
 import signal
 import socket
+from collections.abc import AsyncIterator
 from typing import Any
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -39,25 +43,25 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagedllm.entrypoints.openai.serving_engine import (
+from pagedllm.entrypoints.openai.errors import (
     OpenAIError,
-    OpenAIServing,
     ServerState,
     bad_request,
+    error_response,
     to_openai_error,
+    validation_error,
 )
+from pagedllm.entrypoints.openai.serving_engine import OpenAIServing
 from pagedllm.metrics import PrometheusStatLogger
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
+# After an engine fault the server answers (503) for this long, then exits with code 1.
+ENGINE_DEAD_EXIT_DELAY_S = 1.0
 # Routes open without an API key; every other route is guarded when keys are configured.
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping"})
-GUARDED_PATHS = frozenset({"/tokenize", "/detokenize"})
-
-
-def error_response(err: OpenAIError) -> JSONResponse:
-    return JSONResponse(err.body().model_dump(), status_code=err.status, headers=err.headers)
+GUARDED_PATHS = frozenset({"/tokenize", "/detokenize", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 
 
 # ---- API keys and body size: plain ASGI, before any routing or body parsing -----------------
@@ -102,8 +106,11 @@ class GuardMiddleware:
         length = headers.get(b"content-length")
         too_large = OpenAIError(
             413,
-            f"the request body is larger than the server's limit of {self.max_body_bytes} bytes",
+            f"the request body is larger than the server's limit of {self.max_body_bytes} bytes "
+            "(--max-request-body-size)",
             code="request_too_large",
+            # The rest of the body is never read: the connection cannot carry another request.
+            headers={"Connection": "close"},
         )
         if length is not None:
             try:
@@ -119,6 +126,19 @@ class GuardMiddleware:
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
             return
+        content_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+        if content_type and not (content_type == b"application/json" or content_type.endswith(b"+json")):
+            err = OpenAIError(
+                415,
+                f"Content-Type must be application/json, got {content_type.decode(errors='replace')!r} "
+                "(e.g. curl -H 'Content-Type: application/json')",
+                code="unsupported_media_type",
+            )
+            await error_response(err)(scope, receive, send)
+            return
+        if not content_type:  # no label at all: read the body as the JSON it must be
+            raw = list(scope.get("headers") or [])
+            scope = {**scope, "headers": [*raw, (b"content-type", b"application/json")]}
         chunks: list[bytes] = []
         size = 0
         while True:
@@ -133,22 +153,53 @@ class GuardMiddleware:
             chunks.append(body)
             if not message.get("more_body", False):
                 break
-        content_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
-        if not content_type.endswith(b"json"):
-            # Every body here is JSON: read it as such even when a client (e.g. plain curl -d) labels
-            # it as a form, instead of failing with a confusing "not a dictionary" error.
-            raw = [(k, v) for k, v in scope.get("headers") or [] if k != b"content-type"]
-            scope = {**scope, "headers": [*raw, (b"content-type", b"application/json")]}
+        body = b"".join(chunks)
+        bad = lone_surrogate(body)
+        if bad is not None:
+            await error_response(bad_request(f"{bad} is not valid Unicode text: it holds a lone surrogate"
+                                              " (an unpaired \\uD800-\\uDFFF escape)", bad))(scope, receive, send)
+            return
         replayed = False
 
         async def replay() -> Message:
             nonlocal replayed
             if not replayed:
                 replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                return {"type": "http.request", "body": body, "more_body": False}
             return await receive()  # after the body: http.disconnect when the client leaves
 
         await self.app(scope, replay, send)
+
+
+def lone_surrogate(body: bytes) -> str | None:
+    """The path of the first string in a JSON body that holds a lone surrogate (only a \\uD8xx-
+    \\uDFxx escape can put one there), or None. Such text cannot be encoded or tokenized."""
+    if b"\\ud" not in body.lower():
+        return None
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return None  # malformed JSON: the route's parser reports it
+
+    def walk(value: object, path: str) -> str | None:
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                found = walk(k, path) or walk(v, f"{path}.{k}" if path else str(k))
+                if found:
+                    return found
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                found = walk(v, f"{path}[{i}]")
+                if found:
+                    return found
+        return None
+
+    return walk(doc, "")
 
 
 # ---- the app ----------------------------------------------------------------------------------
@@ -162,14 +213,13 @@ def build_app(
     stat_logger: PrometheusStatLogger | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `async_engine` (which the caller starts and shuts down)."""
-    engine = async_engine.engine
-    mc, cc = engine.model_config, engine.config.cache_config
+    mc, cc = async_engine.model_config, async_engine.config.cache_config
     names = list(served_model_names or [mc.served_model_name])
     if stat_logger is None:
         stat_logger = next((s for s in async_engine.stat_loggers if isinstance(s, PrometheusStatLogger)), None)
     if stat_logger is None:
         stat_logger = PrometheusStatLogger(
-            names[0], mc.max_model_len, cc.block_size, engine.num_blocks, cc.enable_prefix_caching
+            names[0], mc.max_model_len, cc.block_size, async_engine.num_blocks, cc.enable_prefix_caching
         )
         async_engine.stat_loggers.append(stat_logger)
     prometheus = stat_logger
@@ -178,7 +228,13 @@ def build_app(
     chat = OpenAIServingChat(async_engine, names, max_logprobs, chat_template, state)
     base = OpenAIServing(async_engine, names, max_logprobs, chat_template, state)
 
-    app = FastAPI(title="pagedllm", version=__version__, description="OpenAI-compatible LLM server")
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()  # engine-core messages reach this event loop from now on
+        yield
+
+    app = FastAPI(title="pagedllm", version=__version__, description="OpenAI-compatible LLM server",
+                  lifespan=lifespan)
     app.state.async_engine = async_engine
     app.state.server_state = state
     app.state.stat_logger = prometheus
@@ -258,7 +314,7 @@ def build_app(
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise bad_request(f"token ids {bad[:8]} are out of vocabulary (vocab size {vocab})", "tokens")
-        text = base.tokenizer.decode(body.tokens, skip_special_tokens=False)
+        text = async_engine.tokenizer.decode(body.tokens, skip_special_tokens=False)
         return Response(DetokenizeResponse(prompt=text).model_dump_json(), media_type="application/json")
 
     # ---- operations -----------------------------------------------------------------------
@@ -280,47 +336,11 @@ def build_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        await refresh_gauges(async_engine, prometheus)
+        # Only what the engine core pushed with its outputs: a scrape never waits on the engine.
         return Response(generate_latest(prometheus.registry), media_type=CONTENT_TYPE_LATEST)
 
     app.add_middleware(GuardMiddleware, api_keys=list(api_keys or []), max_body_bytes=max_body_bytes)
     return app
-
-
-async def refresh_gauges(async_engine: AsyncLLMEngine, prometheus: PrometheusStatLogger) -> None:
-    """Records the scheduler's state between steps, so gauges are current even when the engine is
-    idle (an abort frees blocks without a step, and stat loggers only hear about steps). It runs on
-    the engine thread, like every other record, so counter differences are never taken twice."""
-    if async_engine.errored:
-        return
-    fut = async_engine.call_in_engine(lambda e: prometheus.record_scheduler(e.scheduler.get_stats()))
-    try:
-        await asyncio.wait_for(asyncio.wrap_future(fut), timeout=2.0)
-    except Exception:  # a busy or failed engine: serve the values recorded last
-        return
-
-
-def validation_error(exc: RequestValidationError) -> OpenAIError:
-    """FastAPI's validation errors as one 400 naming the first problem."""
-    errors = exc.errors()
-    if not errors:
-        return bad_request("invalid request")
-    first = errors[0]
-    if first.get("type") == "json_invalid":
-        ctx = first.get("ctx") or {}
-        return bad_request(f"malformed JSON body: {ctx.get('error', 'invalid JSON')}")
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-    # Union members add their type name to the location ("prompt.str"); keep the field path.
-    param = loc[0] if loc else None
-    where = ".".join(loc) if loc else "body"
-    msg = first.get("msg", "invalid value")
-    if "input" in first and first.get("type") not in ("missing",):
-        shown = json.dumps(first["input"], default=str)
-        if len(shown) > 80:
-            shown = shown[:77] + "..."
-        msg = f"{msg} (got {shown})"
-    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
-    return bad_request(f"invalid request: {where}: {msg}{more}", param)
 
 
 # ---- running it -------------------------------------------------------------------------------
@@ -355,6 +375,31 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+class HeaderTimeoutProtocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with a bound on reading a request's headers: a connection that
+    has not sent complete headers `header_read_timeout` seconds after it opened (or after its last
+    response) is closed, so that slow-header clients cannot hold connections open forever."""
+
+    header_read_timeout = 10.0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_header_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm_header_timer()
+
+    def _arm_header_timer(self) -> None:
+        cycle = self.cycle  # a new request replaces it as soon as its headers are in
+
+        def expire() -> None:
+            if self.cycle is cycle and not self.transport.is_closing():
+                self.transport.close()
+
+        self.loop.call_later(self.header_read_timeout, expire)
+
+
 class _Server(uvicorn.Server):
     """uvicorn's server, which first tells requests in flight to end (they answer 503) so that its
     graceful shutdown does not wait for long generations."""
@@ -372,7 +417,7 @@ def run_server(args: argparse.Namespace) -> int:
     """Claims the address, loads the engine, serves until SIGINT/SIGTERM, then shuts down cleanly."""
     from pagedllm.engine.arg_utils import EngineArgs
     from pagedllm.engine.async_engine import LoggingStatLogger
-    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.engine.core_client import EngineStartError
 
     if args.max_queued_requests is not None and args.max_queued_requests < 1:
         raise ValueError(f"--max-queued-requests must be at least 1, got {args.max_queued_requests}")
@@ -380,6 +425,8 @@ def run_server(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-logprobs must be non-negative, got {args.max_logprobs}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if not args.header_read_timeout > 0:
+        raise ValueError(f"--header-read-timeout must be positive, got {args.header_read_timeout}")
     chat_template = load_chat_template(args.chat_template)
     api_keys = list(args.api_key or [])
     if not api_keys and os.environ.get("PAGEDLLM_API_KEY"):
@@ -389,17 +436,35 @@ def run_server(args: argparse.Namespace) -> int:
     # refused until uvicorn starts listening on it, after the engine is ready.
     sock = bind_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
+    loggers: list[Any] = [] if args.disable_log_stats else [LoggingStatLogger()]
     try:
-        logger.info("Loading model %s", engine_args.model or "smollm2-135m-instruct")
-        engine = LLMEngine.from_engine_args(engine_args)
+        logger.info("Loading model %s in the engine-core process", engine_args.model or "smollm2-135m-instruct")
+        async_engine = AsyncLLMEngine.from_engine_args(
+            engine_args, log_level=args.log_level, max_queued_requests=args.max_queued_requests,
+            stat_loggers=loggers,
+        )
+    except EngineStartError as e:
+        sock.close()
+        logger.error("the engine could not start: %s", e)
+        return 1
     except BaseException:
         sock.close()
         raise
-    mc = engine.model_config
+    try:
+        return _serve(args, async_engine, sock, chat_template, api_keys)
+    finally:
+        async_engine.shutdown()  # never leaves the engine-core process behind
+        sock.close()
+
+
+def _serve(
+    args: argparse.Namespace, async_engine: AsyncLLMEngine, sock: socket.socket, chat_template: str | None,
+    api_keys: list[str],
+) -> int:
+    host, port = sock.getsockname()[:2]
+    mc = async_engine.model_config
     if chat_template is not None:
-        engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=chat_template)
-    loggers: list[Any] = [] if args.disable_log_stats else [LoggingStatLogger()]
-    async_engine = AsyncLLMEngine(engine, max_queued_requests=args.max_queued_requests, stat_loggers=loggers)
+        async_engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], chat_template=chat_template)
     names = [mc.served_model_name]
     app = build_app(
         async_engine,
@@ -418,9 +483,19 @@ def run_server(args: argparse.Namespace) -> int:
         access_log=not args.disable_uvicorn_access_log,
         timeout_graceful_shutdown=5,
         timeout_keep_alive=5,
+        http=type("Protocol", (HeaderTimeoutProtocol,), {"header_read_timeout": args.header_read_timeout}),
     )
     server = _Server(config, app.state.server_state)
-    async_engine.start()
+    exit_code = 0
+
+    def on_engine_dead() -> None:
+        # Every request in flight has its error already. /health answers 503 for a moment, then
+        # the server exits non-zero so that a supervisor restarts it.
+        nonlocal exit_code
+        exit_code = 1
+        asyncio.get_running_loop().call_later(ENGINE_DEAD_EXIT_DELAY_S, lambda: setattr(server, "should_exit", True))
+
+    async_engine.on_dead.append(on_engine_dead)
     shown = f"[{host}]" if ":" in host else host
     logger.info(
         "Serving %s at http://%s:%d (OpenAI-compatible: /v1/completions, /v1/chat/completions)", names[0], shown, port
@@ -433,7 +508,8 @@ def run_server(args: argparse.Namespace) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        async_engine.shutdown()
-        sock.close()
-    logger.info("Server stopped")
-    return 0
+    if exit_code:
+        logger.error("Server stopped: the engine failed (exit code %d)", exit_code)
+    else:
+        logger.info("Server stopped")
+    return exit_code

@@ -28,6 +28,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="chat template: a file path or the Jinja template itself (default: the model's)")
     g.add_argument("--max-request-body-size", type=parse_size, default=8 << 20,
                    help="largest request body accepted, e.g. 8MiB (default); larger ones get 413")
+    g.add_argument("--header-read-timeout", type=float, default=10.0,
+                   help="seconds a connection may take to send a request's headers before it is closed")
     g.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput log line")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug", "trace"))

@@ -23,16 +23,10 @@ from pagedllm.entrypoints.openai.protocol import (
     UsageInfo,
     random_id,
 )
-from pagedllm.entrypoints.openai.serving_engine import (
-    ClientDisconnected,
-    EngineCall,
-    OpenAIServing,
-    await_unless_disconnected,
-    bad_request,
-    to_openai_error,
-    usage_info,
-)
-from pagedllm.entrypoints.openai.streaming import EngineStreamingResponse, sse
+from pagedllm.entrypoints.openai.engine_call import EngineCall
+from pagedllm.entrypoints.openai.errors import bad_request
+from pagedllm.entrypoints.openai.serving_engine import OpenAIServing, usage_info
+from pagedllm.entrypoints.openai.streaming import sse
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind
 
@@ -78,37 +72,29 @@ class OpenAIServingChat(OpenAIServing):
             output_kind=RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY,
         )
         request_id = random_id("chatcmpl")
-        call = EngineCall(self.async_engine, request_id, self.state)
-        try:
-            firsts = await await_unless_disconnected(
-                raw_request,
-                self.async_engine,
-                call.start([prompt], params, body.priority, body.user, body.cache_salt),
-                self.state,
-            )
-        except ClientDisconnected:
-            await call.close()
-            return Response(status_code=499)
-        except BaseException:
-            await call.close()
-            raise
-        if body.stream:
-            return EngineStreamingResponse(self._stream(body, model, request_id, call, len(prompt.token_ids), firsts[0]))
-        await call.close()
-        out = firsts[0]
-        choices = [
-            ChatChoice(
-                index=c.index,
-                message=ChatMessageOut(role="assistant", content=c.text),
-                logprobs=self._logprobs(c, top) if top is not None else None,
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
-            )
-            for c in sorted(out.outputs, key=lambda c: c.index)
-        ]
-        usage = usage_info(len(prompt.token_ids), sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens)
-        resp = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
-        return Response(content=resp.model_dump_json(), media_type="application/json")
+        n_prompt = len(prompt.token_ids)
+
+        def respond(outputs: list[RequestOutput]) -> Response:
+            out = outputs[0]
+            choices = [
+                ChatChoice(
+                    index=c.index,
+                    message=ChatMessageOut(role="assistant", content=c.text),
+                    logprobs=self._logprobs(c, top) if top is not None else None,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+                for c in sorted(out.outputs, key=lambda c: c.index)
+            ]
+            usage = usage_info(n_prompt, sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens)
+            resp = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+            return Response(content=resp.model_dump_json(), media_type="application/json")
+
+        return await self.run(
+            raw_request, request_id, [prompt], params, body,
+            lambda call, firsts: self._stream(body, model, request_id, call, n_prompt, firsts[0]),
+            respond,
+        )
 
     def _logprobs(self, c: CompletionOutput, top: int) -> ChatLogProbs:
         content = []
@@ -167,20 +153,14 @@ class OpenAIServingChat(OpenAIServing):
                 result.append(chunk([choice]))
             return result
 
-        try:
-            # The first chunk of every choice names the role.
-            for j in range(body.n):
-                yield chunk([ChatChunkChoice(index=j, delta=DeltaMessage(role="assistant", content=""))])
-            for s in chunks_for(first):
+        # The first chunk of every choice names the role.
+        for j in range(body.n):
+            yield chunk([ChatChunkChoice(index=j, delta=DeltaMessage(role="assistant", content=""))])
+        for s in chunks_for(first):
+            yield s
+        while (item := await call.next()) is not None:
+            for s in chunks_for(item[1]):
                 yield s
-            while (item := await call.next()) is not None:
-                for s in chunks_for(item[1]):
-                    yield s
-            if include_usage:
-                yield chunk([], usage_info(prompt_tokens, sum(num_tokens), cached))
-        except Exception as e:
-            yield sse(to_openai_error(e).body().model_dump_json())
-        finally:
-            await call.close()
-        yield sse("[DONE]")
+        if include_usage:
+            yield chunk([], usage_info(prompt_tokens, sum(num_tokens), cached))
 

@@ -28,17 +28,10 @@ from pagedllm.entrypoints.openai.protocol import (
     UsageInfo,
     random_id,
 )
-from pagedllm.entrypoints.openai.serving_engine import (
-    ClientDisconnected,
-    EngineCall,
-    EnginePrompt,
-    OpenAIServing,
-    await_unless_disconnected,
-    bad_request,
-    to_openai_error,
-    usage_info,
-)
-from pagedllm.entrypoints.openai.streaming import EngineStreamingResponse, sse
+from pagedllm.entrypoints.openai.engine_call import EngineCall, EnginePrompt
+from pagedllm.entrypoints.openai.errors import bad_request
+from pagedllm.entrypoints.openai.serving_engine import OpenAIServing, usage_info
+from pagedllm.entrypoints.openai.streaming import sse
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind
 
@@ -97,24 +90,11 @@ class OpenAIServingCompletion(OpenAIServing):
             output_kind=RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY,
         )
         request_id = random_id("cmpl")
-        call = EngineCall(self.async_engine, request_id, self.state)
-        try:
-            firsts = await await_unless_disconnected(
-                raw_request,
-                self.async_engine,
-                call.start(prompts, params, body.priority, body.user, body.cache_salt),
-                self.state,
-            )
-        except ClientDisconnected:
-            await call.close()
-            return Response(status_code=499)
-        except BaseException:
-            await call.close()
-            raise
-        if body.stream:
-            return EngineStreamingResponse(self._stream(body, model, request_id, call, prompts, firsts, echo_only))
-        await call.close()
-        return self._response(body, model, request_id, prompts, firsts, echo_only)
+        return await self.run(
+            raw_request, request_id, prompts, params, body,
+            lambda call, firsts: self._stream(body, model, request_id, call, prompts, firsts, echo_only),
+            lambda outputs: self._response(body, model, request_id, prompts, outputs, echo_only),
+        )
 
     # ---- non-streaming --------------------------------------------------------------------
     def _response(
@@ -224,25 +204,18 @@ class OpenAIServingCompletion(OpenAIServing):
                     result.append(sse(chunk.model_dump_json()))
             return result
 
-        try:
-            for i, out in enumerate(firsts):
-                for s in chunks_for(i, out):
-                    yield s
-            while (item := await call.next()) is not None:
-                for s in chunks_for(*item):
-                    yield s
-            for i in range(len(prompts)):
-                for s in chunks_for(i, last.get(i), final=True):
-                    yield s
-            if include_usage:
-                final = CompletionChunk(id=request_id, created=created, model=model, choices=[], usage=usage_now())
-                yield sse(final.model_dump_json())
-        except Exception as e:
-            err = to_openai_error(e)
-            yield sse(err.body().model_dump_json())
-        finally:
-            await call.close()
-        yield sse("[DONE]")
+        for i, out in enumerate(firsts):
+            for s in chunks_for(i, out):
+                yield s
+        while (item := await call.next()) is not None:
+            for s in chunks_for(*item):
+                yield s
+        for i in range(len(prompts)):
+            for s in chunks_for(i, last.get(i), final=True):
+                yield s
+        if include_usage:
+            final = CompletionChunk(id=request_id, created=created, model=model, choices=[], usage=usage_now())
+            yield sse(final.model_dump_json())
 
     def _feed(
         self,

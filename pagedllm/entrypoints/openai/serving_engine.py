@@ -1,28 +1,30 @@
-"""What /v1/completions and /v1/chat/completions share: errors, model names, prompt checks,
-SamplingParams from a request body, and running engine requests with abort on disconnect."""
+"""What /v1/completions and /v1/chat/completions share: model names, prompt checks, chat
+rendering, logprob entries and the one run loop (`OpenAIServing.run`). Errors live in errors.py,
+the engine call with disconnect handling in engine_call.py, the sampling mapping in sampling.py."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import math
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from fastapi import Request
+from fastapi.responses import Response
 
-from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError
-from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.engine.output_processor import TokenTexts
-from pagedllm.entrypoints.openai.protocol import (
-    ChatMessage,
-    ErrorInfo,
-    ErrorResponse,
-    PromptTokenUsageInfo,
-    SamplingFields,
-    UsageInfo,
+from pagedllm.entrypoints.openai.engine_call import (
+    ClientDisconnected,
+    EngineCall,
+    EnginePrompt,
+    await_unless_disconnected,
 )
+from pagedllm.entrypoints.openai.errors import OpenAIError, ServerState, bad_request, to_openai_error
+from pagedllm.entrypoints.openai.protocol import ChatMessage, PromptTokenUsageInfo, SamplingFields, UsageInfo
+from pagedllm.entrypoints.openai.sampling import sampling_params_from_request
+from pagedllm.entrypoints.openai.streaming import EngineStreamingResponse, sse
 from pagedllm.outputs import Logprob, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -32,8 +34,6 @@ T = TypeVar("T")
 
 # JSON has no infinity: logprobs of impossible tokens are reported as this.
 MIN_LOGPROB = -9999.0
-# How often a waiting request checks that the engine is still alive.
-_POLL_S = 1.0
 # Prompts longer than this (characters) are tokenized on a worker thread, not the event loop.
 _THREAD_TOKENIZE_CHARS = 20_000
 
@@ -47,221 +47,8 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 })
 
 
-class OpenAIError(Exception):
-    """An error answered with the OpenAI error object and an HTTP status."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers
-
-    def body(self) -> ErrorResponse:
-        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
-
-
-def bad_request(message: str, param: str | None = None) -> OpenAIError:
-    return OpenAIError(400, message, param=param)
-
-
-def to_openai_error(e: BaseException) -> OpenAIError:
-    """Maps engine exceptions to HTTP: bad input 400, full queue 429, dead engine or anything else 500."""
-    if isinstance(e, OpenAIError):
-        return e
-    if isinstance(e, EngineOverloadedError):
-        return OpenAIError(429, str(e), type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
-    if isinstance(e, EngineDeadError):
-        return OpenAIError(500, str(e), type="server_error", code="engine_dead")
-    if isinstance(e, ValueError):
-        return bad_request(str(e))
-    logger.error("unexpected error while serving a request", exc_info=e)
-    return OpenAIError(500, f"internal server error: {type(e).__name__}", type="server_error")
-
-
-class ClientDisconnected(Exception):
-    """The client went away; whatever it asked for has been aborted."""
-
-
-@dataclass
-class ServerState:
-    """Shared by the routes of one app; `shutting_down` ends requests in flight (503) so that a
-    graceful shutdown does not wait for long generations."""
-
-    shutting_down: bool = False
-
-
-def shutting_down_error() -> OpenAIError:
-    return OpenAIError(503, "the server is shutting down", type="server_error", code="shutting_down",
-                       headers={"Retry-After": "5"})
-
-
 def clamp_logprob(x: float) -> float:
     return x if x > MIN_LOGPROB else MIN_LOGPROB  # also maps -inf (and NaN) to the floor
-
-
-@dataclass
-class EnginePrompt:
-    """One prompt ready for the engine: its token ids and text (for echo)."""
-
-    token_ids: list[int]
-    text: str | None
-
-    def as_engine_input(self) -> dict[str, Any]:
-        return {"prompt": self.text, "prompt_token_ids": self.token_ids}
-
-
-class EngineCall:
-    """The engine requests behind one API call (one per prompt), merged into one stream.
-
-    `start()` submits every prompt and waits for each one's first output, so that bad input,
-    a full queue or a dead engine is known before any response header is sent. `next()` then
-    yields (prompt index, output) pairs; `close()` aborts whatever has not finished and must
-    run on every path (it is safe to call twice).
-    """
-
-    def __init__(self, engine: AsyncLLMEngine, base_id: str, state: ServerState | None = None) -> None:
-        self.engine = engine
-        self.base_id = base_id
-        self.state = state or ServerState()
-        self.request_ids: list[str] = []
-        self._gens: list[Any] = []
-        self._finished: set[int] = set()
-        self._tasks: list[asyncio.Task] = []
-        self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
-        self._live = 0
-        self._closed = False
-
-    async def start(
-        self,
-        prompts: list[EnginePrompt],
-        params: SamplingParams,
-        priority: int = 0,
-        user: str | None = None,
-        cache_salt: str | None = None,
-    ) -> list[RequestOutput]:
-        for i, p in enumerate(prompts):
-            rid = f"{self.base_id}-{i}"
-            self.request_ids.append(rid)
-            self._gens.append(
-                self.engine.generate(p.as_engine_input(), params.clone(), rid, priority, user, cache_salt)
-            )
-        results = await asyncio.gather(*(g.__anext__() for g in self._gens), return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            await self.close()
-            # Report the most telling error: a dead engine, then bad input, then a full queue.
-            for kind in (EngineDeadError, ValueError, EngineOverloadedError):
-                for e in errors:
-                    if isinstance(e, kind):
-                        raise e
-            raise errors[0]
-        for i, out in enumerate(results):
-            assert isinstance(out, RequestOutput)
-            if out.finished:
-                self._finished.add(i)
-        return results  # type: ignore[return-value]
-
-    def _start_pumps(self) -> None:
-        async def pump(i: int, gen: Any) -> None:
-            try:
-                async for out in gen:
-                    self._queue.put_nowait((i, out))
-                self._queue.put_nowait((i, None))
-            except Exception as e:
-                self._queue.put_nowait((i, e))
-
-        self._live = len(self._gens)
-        self._tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(self._gens)]
-
-    async def next(self) -> tuple[int, RequestOutput] | None:
-        """The next output of any prompt, or None when all have finished."""
-        if not self._tasks:
-            self._start_pumps()
-        while self._live:
-            if self.state.shutting_down:
-                raise shutting_down_error()
-            try:
-                if self._queue.empty():
-                    i, item = await asyncio.wait_for(self._queue.get(), timeout=_POLL_S)
-                else:
-                    i, item = self._queue.get_nowait()
-            except asyncio.TimeoutError:
-                if self.engine.errored:
-                    raise EngineDeadError(f"the engine has failed: {self.engine.dead_error!r}") from None
-                continue
-            if item is None:
-                self._live -= 1
-                continue
-            if isinstance(item, BaseException):
-                raise item
-            if item.finished:
-                self._finished.add(i)
-            return i, item
-        return None
-
-    async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        # Synchronous part first: even under cancellation the aborts reach the engine.
-        for t in self._tasks:
-            t.cancel()
-        for i, rid in enumerate(self.request_ids):
-            if i not in self._finished:
-                await self.engine.abort(rid)
-        for g in self._gens:
-            try:
-                await g.aclose()
-            except RuntimeError:
-                pass  # still running in a cancelled pump task; its own finally aborts it
-
-
-async def await_unless_disconnected(
-    raw_request: Request | None, engine: AsyncLLMEngine, aw: Awaitable[T], state: ServerState | None = None
-) -> T:
-    """Awaits `aw`, cancelling it (which aborts its engine requests) when the client disconnects,
-    the engine dies or the server shuts down."""
-    task = asyncio.ensure_future(aw)
-    watcher: asyncio.Task | None = None
-    if raw_request is not None:
-
-        async def wait_disconnect() -> None:
-            while True:
-                message = await raw_request.receive()
-                if message["type"] == "http.disconnect":
-                    return
-
-        watcher = asyncio.ensure_future(wait_disconnect())
-    try:
-        while True:
-            waiting = {task} if watcher is None else {task, watcher}
-            done, _ = await asyncio.wait(waiting, timeout=_POLL_S, return_when=asyncio.FIRST_COMPLETED)
-            if task in done:
-                return task.result()
-            if watcher is not None and watcher in done:
-                raise ClientDisconnected()
-            if engine.errored:
-                raise EngineDeadError(f"the engine has failed: {engine.dead_error!r}")
-            if state is not None and state.shutting_down:
-                raise shutting_down_error()
-    finally:
-        for t in (task, watcher):
-            if t is not None and not t.done():
-                t.cancel()
-        if not task.done():
-            # Let the cancellation reach the engine streams' `finally` (which aborts them).
-            await asyncio.gather(task, return_exceptions=True)
 
 
 class OpenAIServing:
@@ -277,12 +64,12 @@ class OpenAIServing:
     ) -> None:
         self.async_engine = async_engine
         self.state = state or ServerState()
-        self.engine: LLMEngine = async_engine.engine
-        self.tokenizer = self.engine.tokenizer
+        self.processor = async_engine.processor
+        self.tokenizer = async_engine.tokenizer
         self.served_model_names = list(served_model_names)
         self.max_logprobs = max_logprobs
         self.chat_template = chat_template
-        self.max_model_len = self.engine.model_config.max_model_len
+        self.max_model_len = async_engine.model_config.max_model_len
         self.token_text = TokenTexts(self.tokenizer.rust)
 
     # ---- checks ---------------------------------------------------------------------------
@@ -338,13 +125,13 @@ class OpenAIServing:
         if text == "":
             raise bad_request("prompt must not be empty", "prompt")
         ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        _, ids = self.engine.tokenize_prompt({"prompt": text, "prompt_token_ids": ids})
+        _, ids = self.processor.tokenize_prompt({"prompt": text, "prompt_token_ids": ids})
         return EnginePrompt(ids, text)
 
     def prompt_from_ids(self, ids: list[int]) -> EnginePrompt:
         if not ids:
             raise bad_request("prompt must not be empty", "prompt")
-        _, ids = self.engine.tokenize_prompt(list(ids))
+        _, ids = self.processor.tokenize_prompt(list(ids))
         return EnginePrompt(ids, None)
 
     def prompt_text(self, p: EnginePrompt) -> str:
@@ -377,7 +164,7 @@ class OpenAIServing:
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         if not ids:
             raise bad_request("the rendered conversation is empty", "messages")
-        _, ids = self.engine.tokenize_prompt({"prompt": text, "prompt_token_ids": ids})
+        _, ids = self.processor.tokenize_prompt({"prompt": text, "prompt_token_ids": ids})
         return EnginePrompt(ids, text)
 
     async def run_blocking(self, fn: Callable[[], T], size: int) -> T:
@@ -386,7 +173,7 @@ class OpenAIServing:
             return fn()
         return await asyncio.to_thread(fn)
 
-    # ---- sampling -------------------------------------------------------------------------
+    # ---- running ----------------------------------------------------------------------
     def sampling_params(
         self,
         body: SamplingFields,
@@ -395,55 +182,55 @@ class OpenAIServing:
         prompt_logprobs: int | None,
         output_kind: RequestOutputKind,
     ) -> SamplingParams:
-        if body.best_of is not None and body.best_of != body.n:
-            raise bad_request(f"best_of={body.best_of} is not supported (only best_of == n={body.n})", "best_of")
-        if body.stream_options is not None and not body.stream:
-            raise bad_request("stream_options is only allowed when stream is true", "stream_options")
-        if body.seed is not None and not -(2**63) <= body.seed < 2**63:
-            raise bad_request(f"seed must fit in 64 bits, got {body.seed}", "seed")
-        logit_bias = None
-        if body.logit_bias:
-            logit_bias = {}
-            for key, value in body.logit_bias.items():
-                try:
-                    tid = int(key)
-                except ValueError:
-                    raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
-                if not -100.0 <= value <= 100.0:
-                    raise bad_request(f"logit_bias values must be in [-100, 100], got {value}", "logit_bias")
-                logit_bias[tid] = value
-        kwargs: dict[str, Any] = dict(
-            n=body.n,
-            presence_penalty=_default(body.presence_penalty, 0.0),
-            frequency_penalty=_default(body.frequency_penalty, 0.0),
-            repetition_penalty=_default(body.repetition_penalty, 1.0),
-            temperature=_default(body.temperature, 1.0),
-            top_p=_default(body.top_p, 1.0),
-            top_k=_default(body.top_k, 0),
-            min_p=_default(body.min_p, 0.0),
-            seed=body.seed,
-            stop=body.stop,
-            stop_token_ids=body.stop_token_ids,
-            ignore_eos=body.ignore_eos,
-            max_tokens=max_tokens,
-            min_tokens=body.min_tokens,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            skip_special_tokens=body.skip_special_tokens,
-            spaces_between_special_tokens=body.spaces_between_special_tokens,
-            include_stop_str_in_output=body.include_stop_str_in_output,
-            logit_bias=logit_bias,
-            allowed_token_ids=body.allowed_token_ids,
-            output_kind=output_kind,
+        return sampling_params_from_request(
+            body, self.async_engine.model_config.vocab_size, max_tokens, logprobs, prompt_logprobs, output_kind
         )
+
+    async def run(
+        self,
+        raw_request: Request | None,
+        request_id: str,
+        prompts: list[EnginePrompt],
+        params: SamplingParams,
+        body: Any,
+        stream: Callable[[EngineCall, list[RequestOutput]], AsyncIterator[str]],
+        respond: Callable[[list[RequestOutput]], Response],
+    ) -> Response:
+        """The one run loop of chat and completions: submit every prompt and wait for their first
+        outputs (so bad input, a full queue or a dead engine is an HTTP status, not an event);
+        a client gone meanwhile gets 499 and its requests are aborted. Then either stream server-sent
+        events from `stream` (an error mid-stream becomes an error event; [DONE] ends every stream)
+        or wait for the final outputs and answer with `respond`."""
+        call = EngineCall(self.async_engine, request_id, self.state)
         try:
-            params = SamplingParams(**kwargs)
-            params.verify_vocab(self.engine.model_config.vocab_size)
-        except (ValueError, TypeError) as e:
-            # SamplingParams names the field first ("top_p must be in (0, 1], got 0.0.").
-            first = str(e).split(" ", 1)[0]
-            raise bad_request(str(e), first if first in type(body).model_fields else None) from None
-        return params
+            firsts = await await_unless_disconnected(
+                raw_request,
+                self.async_engine,
+                call.start(prompts, params, body.priority, body.user, body.cache_salt),
+                self.state,
+            )
+        except ClientDisconnected:
+            await call.close()
+            return Response(status_code=499)
+        except BaseException:
+            await call.close()
+            raise
+        if body.stream:
+            return EngineStreamingResponse(self._events(call, stream(call, firsts)))
+        await call.close()
+        return respond(firsts)
+
+    @staticmethod
+    async def _events(call: EngineCall, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+        try:
+            async for s in chunks:
+                yield s
+        except Exception as e:
+            yield sse(to_openai_error(e).body().model_dump_json())
+        finally:
+            await chunks.aclose()  # type: ignore[attr-defined]
+            await call.close()
+        yield sse("[DONE]")
 
     # ---- logprobs -------------------------------------------------------------------------
     def token_entry(self, tid: int, d: dict[int, Logprob] | None) -> tuple[str, float | None]:
@@ -480,10 +267,6 @@ def message_to_dict(m: ChatMessage) -> dict[str, Any]:
         if value is not None:
             d[key] = value
     return d
-
-
-def _default(value: T | None, default: T) -> T:
-    return default if value is None else value
 
 
 def usage_info(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageInfo:

@@ -1,0 +1,156 @@
+"""The engine core: the scheduler, the KV cache and the executor, nothing else.
+
+`step()` is schedule -> execute -> update. It knows token ids only: tokenization, detokenization,
+stop strings and request outputs live in the front end (`LLMEngine` offline, `AsyncLLMEngine`
+for the server), which may run in another process (see engine/core_proc.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.preemption import PreemptionCostModel
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.scheduler_output import EngineCoreOutput
+from pagedllm.engine.core_io import EngineCoreRequest, StepStats
+from pagedllm.executor import create_executor
+
+logger = logging.getLogger(__name__)
+
+
+class KVCacheAllocationError(ValueError):
+    """The KV cache asked for does not fit in memory (the message names the size and the flag)."""
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        t0 = time.perf_counter()
+        self.config = config
+        mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
+        self.model_config = mc
+        self.executor = create_executor(config)
+        num_blocks = self.executor.determine_num_blocks()
+        kv_bytes = num_blocks * cc.block_size * mc.kv_bytes_per_token()
+        try:
+            self.executor.initialize_kv_cache(num_blocks)
+        except (OSError, MemoryError, RuntimeError) as e:
+            raise KVCacheAllocationError(
+                f"cannot allocate the KV cache: {num_blocks} blocks of {cc.block_size} tokens = "
+                f"{kv_bytes / (1 << 30):.2f} GiB ({type(e).__name__}: {e}); lower --kv-cache-memory "
+                "(or --num-kv-blocks)"
+            ) from None
+        # The host swap pool exists only for preemption modes that can swap.
+        num_swap_blocks = self.executor.determine_num_swap_blocks() if sc.preemption_mode != "recompute" else 0
+        self.executor.initialize_swap_space(num_swap_blocks)
+        self.preemption_costs = self._measure_preemption_costs() if sc.preemption_mode == "auto" else None
+        kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, num_swap_blocks)
+        self.scheduler = Scheduler(sc, kv, self.preemption_costs)
+        self.num_blocks = num_blocks
+        capacity = num_blocks * cc.block_size
+        weights = self._weight_bytes()
+        logger.info(
+            "Memory bound: %.2f GiB of weights + %.2f GiB of KV cache (touched as it fills) + %.2f GiB of host "
+            "swap space at most, plus the runtime's overhead",
+            weights / (1 << 30), kv_bytes / (1 << 30),
+            num_swap_blocks * cc.block_size * mc.kv_bytes_per_token() / (1 << 30),
+        )
+        logger.info(
+            "Model %s loaded (%s). KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s); maximum "
+            "concurrency at max_model_len=%d: %.2fx; token budget %d per step, at most %d sequences; %s policy, "
+            "%s preemption (%d host swap blocks); ready in %.1f s",
+            mc.model,
+            mc.kind,
+            num_blocks,
+            cc.block_size,
+            capacity,
+            num_blocks * cc.block_size * mc.kv_bytes_per_token() / (1 << 30),
+            mc.kv_cache_dtype,
+            mc.max_model_len,
+            capacity / mc.max_model_len,
+            sc.max_num_batched_tokens,
+            sc.max_num_seqs,
+            sc.policy,
+            sc.preemption_mode,
+            num_swap_blocks,
+            time.perf_counter() - t0,
+        )
+
+    def _weight_bytes(self) -> int:
+        """This process's model weights (0 when they live in worker processes)."""
+        runner = getattr(self.executor, "runner", None)
+        if runner is None:
+            return 0
+        model = runner.model
+        tensors = [*model.parameters(), *model.buffers()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def _measure_preemption_costs(self) -> PreemptionCostModel:
+        """Measures FLOP/s and block-copy bytes/s once, for preemption mode auto."""
+        mc, bs = self.model_config, self.config.cache_config.block_size
+        flops, copy = self.executor.measure_preemption_rates()
+        costs = PreemptionCostModel(
+            flops_per_second=flops,
+            copy_bytes_per_second=copy,
+            flops_per_token=self.executor.flops_per_token(),
+            attention_flops_per_pair=4.0 * mc.num_layers * mc.num_heads * mc.head_dim,
+            kv_bytes_per_block=mc.kv_bytes_per_token() * bs,
+        )
+        logger.info(
+            "Preemption costs: %.1f GFLOP/s, %.2f GB/s block copies; swapping beats recompute from %.0f tokens",
+            flops / 1e9, copy / 1e9, costs.break_even_tokens(bs),
+        )
+        return costs
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(self, req: EngineCoreRequest) -> None:
+        """Queues a request validated by the front end (sample 0 computes the prompt; the other
+        samples of an n > 1 request are forked off it, sharing its blocks)."""
+        params = req.params()
+        n = len(req.seq_ids)
+        if params.seed is not None and n > 1:
+            child_params = [params.clone() for _ in range(n)]
+            for i, p in enumerate(child_params):
+                p.seed = params.seed + i  # the n samples of a seeded request differ from each other
+        else:
+            child_params = [params] * n
+        eos = self.model_config.eos_token_ids
+        requests = [
+            Request(sid, req.prompt_token_ids, child_params[i], eos, req.arrival_time, req.priority, req.user,
+                    req.cache_salt, req.max_tokens)
+            for i, sid in enumerate(req.seq_ids)
+        ]
+        self.scheduler.add_request(requests[0], forks=requests[1:])
+
+    def abort_requests(self, seq_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """Ends sequences now (abort, or a stop string found by the front end) and frees their blocks."""
+        self.scheduler.finish_requests(list(seq_ids), status)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the step -------------------------------------------------------------------------
+    def step(self) -> tuple[list[EngineCoreOutput], StepStats]:
+        """Schedule tokens, run the model on them, append the sampled tokens."""
+        t0 = time.perf_counter()
+        so = self.scheduler.schedule()
+        out = self.executor.execute_model(so)
+        core_outputs = self.scheduler.update_from_output(so, out)
+        stats = StepStats(self.scheduler.get_stats(), so.total_num_scheduled_tokens, so.num_preempted,
+                          time.perf_counter() - t0)
+        return core_outputs, stats
+
+    def stats(self) -> StepStats:
+        return StepStats(self.scheduler.get_stats())
+
+    def shutdown(self) -> None:
+        """Stops the executor's worker processes, if it has any."""
+        stop = getattr(self.executor, "shutdown", None)
+        if stop is not None:
+            stop()
+
+    def reset_prefix_cache(self) -> None:
+        self.scheduler.kv.reset_prefix_cache()

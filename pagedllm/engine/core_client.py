@@ -1,0 +1,199 @@
+"""How the front end reaches the engine core: in this process on a thread, or in its own
+process over ZeroMQ. Both deliver (kind, payload) messages to the front end's event loop."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import queue
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.request import RequestStatus
+from pagedllm.engine.core_io import Codec, EngineCoreOutputs, EngineCoreRequest, EngineReady, MsgKind
+
+logger = logging.getLogger(__name__)
+
+# (kind, payload) -> None, called on the front end's event loop.
+Sink = Callable[[MsgKind, Any], None]
+
+
+class EngineStartError(RuntimeError):
+    """The engine core could not start (the message says why)."""
+
+
+class InProcessClient:
+    """The engine core on a daemon thread of this process (offline tools and tests)."""
+
+    def __init__(self, core: Any) -> None:
+        self.core = core
+        self.num_blocks: int = core.num_blocks
+        self._commands: queue.Queue[tuple[MsgKind, Any]] = queue.Queue()
+        self._thread: threading.Thread | None = None
+
+    def start(self, deliver: Callable[[MsgKind, Any], None]) -> None:
+        """`deliver` is thread-safe (it hands the message over to the event loop)."""
+        self._deliver = deliver
+        self._thread = threading.Thread(target=self._loop, name="pagedllm-engine-core", daemon=True)
+        self._thread.start()
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        self._commands.put((MsgKind.ADD, req))
+
+    def abort(self, seq_ids: list[str], stopped: bool = False) -> None:
+        self._commands.put((MsgKind.STOP if stopped else MsgKind.ABORT, seq_ids))
+
+    def shutdown(self) -> None:
+        self._commands.put((MsgKind.SHUTDOWN, None))
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        core = self.core
+        try:
+            while True:
+                busy = core.has_unfinished_requests()
+                try:
+                    item = self._commands.get(timeout=1.0) if not busy else self._commands.get_nowait()
+                except queue.Empty:
+                    item = None
+                changed = False
+                while item is not None:
+                    kind, payload = item
+                    changed = True
+                    if kind == MsgKind.SHUTDOWN:
+                        return
+                    if kind == MsgKind.ADD:
+                        core.add_request(payload)
+                    else:
+                        status = RequestStatus.FINISHED_STOPPED if kind == MsgKind.STOP else RequestStatus.FINISHED_ABORTED
+                        core.abort_requests(payload, status)
+                    try:
+                        item = self._commands.get_nowait()
+                    except queue.Empty:
+                        item = None
+                if core.has_unfinished_requests():
+                    outputs, stats = core.step()
+                    self._deliver(MsgKind.OUTPUTS, EngineCoreOutputs(outputs, stats))
+                elif changed:
+                    self._deliver(MsgKind.OUTPUTS, EngineCoreOutputs([], core.stats()))
+        except BaseException as e:  # a real fault: the front end fails everyone in flight
+            logger.exception("engine core failed")
+            self._deliver(MsgKind.DEAD, f"{type(e).__name__}: {e}")
+
+
+class MultiProcessClient:
+    """The engine core in its own process (engine/core_proc.py), reached over ZeroMQ IPC sockets."""
+
+    def __init__(self, config: EngineConfig, log_level: str = "INFO") -> None:
+        from pagedllm.engine.core_proc import run_engine_core
+
+        self.codec = Codec()
+        self._dir = tempfile.mkdtemp(prefix="pagedllm-")
+        self.ctx = zmq.Context()
+        self.input = self.ctx.socket(zmq.PUSH)
+        self.input.setsockopt(zmq.LINGER, 0)
+        input_addr = f"ipc://{self._dir}/input"
+        self.input.bind(input_addr)
+        self.output = self.ctx.socket(zmq.PULL)
+        self.output.setsockopt(zmq.LINGER, 0)
+        output_addr = f"ipc://{self._dir}/output"
+        self.output.bind(output_addr)
+        mp = multiprocessing.get_context("spawn")
+        self.proc = mp.Process(
+            target=run_engine_core,
+            args=(config, input_addr, output_addr, log_level, os.getpid()),
+            name="pagedllm-engine-core",
+            # Not daemonic: the engine core starts tensor/pipeline-parallel worker processes of its
+            # own. It dies with this process (see core_proc) and shutdown() always reaps it.
+            daemon=False,
+        )
+        self.proc.start()
+        self.num_blocks = 0
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid
+
+    def wait_ready(self, timeout: float = 1800.0) -> EngineReady:
+        """Blocks until the engine core has loaded the model; raises EngineStartError if it fails."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.output.poll(200):
+                kind, payload = self.codec.decode(self.output.recv())
+                if kind == MsgKind.READY:
+                    self.num_blocks = payload.num_blocks
+                    logger.info("Engine core process %d ready", payload.pid)
+                    return payload
+                if kind == MsgKind.DEAD:
+                    self.shutdown()
+                    raise EngineStartError(payload)
+            if not self.proc.is_alive():
+                code = self.proc.exitcode
+                self.shutdown()
+                raise EngineStartError(f"the engine core process exited with code {code} while starting")
+        self.shutdown()
+        raise EngineStartError(f"the engine core was not ready after {timeout:.0f} s")
+
+    def start(self, deliver: Callable[[MsgKind, Any], None]) -> None:
+        self._deliver = deliver
+        self._thread = threading.Thread(target=self._receive, name="pagedllm-core-output", daemon=True)
+        self._thread.start()
+
+    def _receive(self) -> None:
+        """Decodes outputs as they arrive and watches the process: if it dies, says so once."""
+        while not self._stopping:
+            try:
+                if self.output.poll(100):
+                    kind, payload = self.codec.decode(self.output.recv())
+                    self._deliver(kind, payload)
+                    if kind == MsgKind.DEAD:
+                        return
+                    continue
+            except zmq.ZMQError:
+                if self._stopping:
+                    return
+                raise
+            if not self.proc.is_alive() and not self._stopping:
+                self._deliver(MsgKind.DEAD, f"the engine core process died (exit code {self.proc.exitcode})")
+                return
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        self.input.send(self.codec.encode(MsgKind.ADD, req))
+
+    def abort(self, seq_ids: list[str], stopped: bool = False) -> None:
+        self.input.send(self.codec.encode(MsgKind.STOP if stopped else MsgKind.ABORT, seq_ids))
+
+    def shutdown(self) -> None:
+        """Stops the engine core: asks, then SIGTERM, then SIGKILL; never leaves it running."""
+        if self._stopping:
+            return
+        self._stopping = True
+        if self.proc.is_alive():
+            try:
+                self.input.send(self.codec.encode(MsgKind.SHUTDOWN), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            self.proc.join(timeout=5)
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(timeout=3)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(timeout=3)
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+        self.input.close(linger=0)
+        self.output.close(linger=0)
+        self.ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)

@@ -1,0 +1,92 @@
+"""Request validation, once, in the front end, before any engine state changes: prompt forms and
+vocabulary, sampling parameters against the vocabulary, length and KV capacity, n, and ids that
+must not collide with a request (or a sample of an n > 1 request) already in flight."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Container
+from typing import Any, Union
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.scheduler import check_request_limits
+from pagedllm.engine.core_io import EngineCoreRequest
+from pagedllm.engine.output_processor import child_id
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.tokenizer import TokenizerWrapper
+
+# A prompt: text, token ids, or vLLM's dict forms {"prompt": ...} / {"prompt_token_ids": [...]}.
+PromptType = Union[str, list[int], dict[str, Any]]
+
+
+class Processor:
+    def __init__(self, config: EngineConfig, tokenizer: TokenizerWrapper, num_blocks: int) -> None:
+        self.config = config
+        self.model_config = config.model_config
+        self.tokenizer = tokenizer
+        self.num_blocks = num_blocks
+
+    def tokenize_prompt(self, prompt: PromptType, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt, validated against the vocabulary."""
+        text: str | None
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                text, ids = prompt["prompt"], None
+            else:
+                raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+        elif isinstance(prompt, str):
+            text, ids = prompt, None
+        elif isinstance(prompt, (list, tuple)):
+            text, ids = None, list(prompt)
+        else:
+            raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+        if ids is None:
+            if not isinstance(text, str):
+                raise ValueError(f"prompt text must be a string, got {type(text).__name__}")
+            ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        if not ids:
+            raise ValueError("The decoder prompt cannot be empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:8]} are out of vocabulary (vocab size {vocab})")
+        return text, ids
+
+    def make_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        in_use: Container[str],
+        arrival_time: float | None = None,
+        priority: int = 0,
+        user: str | None = None,
+        cache_salt: str | None = None,
+    ) -> tuple[str | None, EngineCoreRequest]:
+        """Validates everything about a request; raises ValueError and changes nothing on bad input.
+        `in_use` holds the ids of requests and of their samples already in flight."""
+        n = params.n
+        seq_ids = [child_id(request_id, i, n) for i in range(n)]
+        taken = [i for i in dict.fromkeys([request_id, *seq_ids]) if i in in_use]
+        if taken:
+            raise ValueError(f"request id {request_id!r} collides with ids already in use: {taken}")
+        text, ids = self.tokenize_prompt(prompt)
+        params.verify_vocab(self.model_config.vocab_size)
+        max_len = self.model_config.max_model_len
+        max_tokens = params.max_tokens if params.max_tokens is not None else max(max_len - len(ids), 1)
+        cc = self.config.cache_config
+        check_request_limits(len(ids), max_tokens, n, self.config.scheduler_config, self.num_blocks, cc.block_size)
+        req = EngineCoreRequest(
+            request_id=request_id,
+            seq_ids=seq_ids,
+            prompt_token_ids=ids,
+            sampling_params=EngineCoreRequest.params_to_wire(params),
+            max_tokens=max_tokens,
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+            priority=priority,
+            user=user,
+            cache_salt=cache_salt,
+        )
+        return text, req

@@ -1,0 +1,209 @@
+"""The serving front end with the engine core on a thread of this process (tiny random model):
+clients that leave at any moment, /metrics while the engine is busy, one request's failure,
+colliding ids. Each of these once took the whole engine down."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+
+import httpx
+import pytest
+
+from pagedllm import SamplingParams
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.async_engine import AsyncLLMEngine, RequestFailedError
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.openai.api_server import build_app
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture()
+def engine(tiny_model_dir: str) -> LLMEngine:
+    return LLMEngine.from_engine_args(EngineArgs(model=tiny_model_dir, num_kv_blocks=64, seed=0))
+
+
+@pytest.fixture()
+def ae(engine: LLMEngine):
+    """The serving front end over `engine`'s core, on a thread of this process."""
+    front = AsyncLLMEngine.from_llm_engine(engine)
+    yield front
+    front.shutdown()
+    idle_and_clean(engine)
+
+
+def idle_and_clean(e: LLMEngine) -> None:
+    s = e.scheduler.get_stats()
+    assert (s.num_running, s.num_waiting, s.num_swapped) == (0, 0, 0), s
+    e.scheduler.check_integrity()
+    assert e.scheduler.kv.usage == 0
+
+
+async def wait_until(cond, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def collect(ae: AsyncLLMEngine, rid: str, prompt: str = "hello", **kw) -> str:
+    params = SamplingParams(temperature=0, max_tokens=kw.pop("max_tokens", 8), ignore_eos=True, **kw)
+    text = ""
+    async for out in ae.generate(prompt, params, rid):
+        text = out.outputs[0].text
+    return text
+
+
+def test_clients_leaving_at_random_moments_never_kill_the_engine(engine: LLMEngine, ae: AsyncLLMEngine) -> None:
+    """A request cancelled while the engine is still busy with the previous step (its add not yet
+    handled), mid-prefill or mid-decode only aborts itself."""
+    rng = random.Random(1234)
+
+    async def run() -> None:
+        before = await collect(ae, "ref")
+        tasks = []
+        for i in range(120):
+            task = asyncio.ensure_future(collect(ae, f"r{i}", f"story {i}", max_tokens=rng.randint(1, 24)))
+            tasks.append(task)
+            if rng.random() < 0.7:
+                await asyncio.sleep(rng.choice([0, 0, 0.0005, 0.002, 0.01]))
+                task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await wait_until(lambda: not ae.output_processor.requests and ae.last_stats.scheduler.num_running == 0)
+        await wait_until(lambda: not engine.scheduler.has_unfinished_requests())
+        assert not ae.errored
+        assert await collect(ae, "ref2") == before
+
+    asyncio.run(run())
+
+
+def test_metrics_and_health_never_wait_on_the_engine(engine: LLMEngine, ae: AsyncLLMEngine) -> None:
+    """A step that takes long (here: held on purpose) delays no scrape and cancels nothing."""
+    app = build_app(ae, served_model_names=["tiny"])
+    release = threading.Event()
+    real_step = engine.core.step
+
+    def slow_step():
+        release.wait(timeout=20)
+        return real_step()
+
+    async def run() -> None:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=60) as c:
+            engine.core.step = slow_step  # type: ignore[method-assign]
+            req = asyncio.ensure_future(c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4}))
+            await wait_until(lambda: bool(ae.output_processor.requests))
+            for _ in range(5):
+                t0 = time.monotonic()
+                assert (await c.get("/metrics")).status_code == 200
+                assert (await c.get("/health")).status_code == 200
+                assert time.monotonic() - t0 < 1.0
+            release.set()
+            r = await req
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+            assert not ae.errored
+
+    try:
+        asyncio.run(run())
+    finally:
+        release.set()
+
+
+def test_a_failing_request_fails_alone(engine: LLMEngine, ae: AsyncLLMEngine) -> None:
+    """A detokenizer error in one request ends that request with an error; the others finish."""
+
+    def broken(*args, **kwargs):
+        raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+
+    register = ae.output_processor.add_request
+
+    def add_request(request_id: str, *args, **kwargs):  # "bad" gets a detokenizer that fails
+        seq_ids = register(request_id, *args, **kwargs)
+        if request_id == "bad":
+            ae.output_processor.requests[request_id].seqs[0].detok.update = broken  # type: ignore[method-assign]
+        return seq_ids
+
+    ae.output_processor.add_request = add_request  # type: ignore[method-assign]
+
+    async def run() -> None:
+        good = [asyncio.ensure_future(collect(ae, f"good{i}", f"fine {i}", max_tokens=12)) for i in range(3)]
+        bad = asyncio.ensure_future(collect(ae, "bad", "broken", max_tokens=12))
+        with pytest.raises(RequestFailedError, match="bad"):
+            await bad
+        assert all(len(t) > 0 for t in await asyncio.gather(*good))
+        assert not ae.errored
+        await wait_until(lambda: not engine.scheduler.has_unfinished_requests())
+
+    asyncio.run(run())
+
+
+def test_colliding_ids_are_rejected_before_anything_changes(engine: LLMEngine, ae: AsyncLLMEngine) -> None:
+    """`0_a` is the id of sample 0 of request `a` (n=2): a new request may not take it, nor may a
+    request whose samples would take ids in flight. Nothing of the running request changes."""
+
+    async def run() -> None:
+        params = SamplingParams(n=2, max_tokens=30, ignore_eos=True, temperature=0)
+        gen = ae.generate("hello", params, "a")
+        first = await gen.__anext__()
+        for rid, n in (("0_a", 1), ("a", 1), ("a", 3)):
+            with pytest.raises(ValueError, match="in use"):
+                await ae.generate("x", SamplingParams(n=n, max_tokens=2), rid).__anext__()
+        assert ae.output_processor.seq_owner["0_a"][0].request_id == "a"
+        outs = [first] + [o async for o in gen]
+        assert outs[-1].finished and [len(c.token_ids) for c in outs[-1].outputs] == [30, 30]
+
+    asyncio.run(run())
+
+
+def test_metrics_count_requests_and_step_histograms(engine: LLMEngine, ae: AsyncLLMEngine) -> None:
+    """An n=3 request is one success; per-request and per-step histograms are filled from what
+    the engine core pushed (no scrape asks the engine anything)."""
+    import re
+
+    app = build_app(ae, served_model_names=["tiny"])
+
+    async def run() -> str:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=60) as c:
+            r = await c.post("/v1/completions", json={"prompt": "hi", "n": 3, "max_tokens": 5, "ignore_eos": True})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 15
+            return (await c.get("/metrics")).text
+
+    text = asyncio.run(run())
+
+    def value(name: str) -> float:
+        found = re.findall(rf"^pagedllm:{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
+        assert found, name
+        return sum(float(v) for v in found)
+
+    assert value("request_success_total") == 1
+    for name in ("request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
+                 "e2e_request_latency_seconds"):
+        assert value(f"{name}_count") == 1, name
+    assert value("request_generation_tokens_sum") == 15
+    assert value("iteration_tokens_total_count") >= 5  # at least one step per generated position
+    assert value("iteration_tokens_total_sum") >= 2 + 15 - 3  # the prompt once, then every sample's tokens
+    assert value("engine_step_time_seconds_count") == value("iteration_tokens_total_count")
+    assert value("num_requests_running") == 0 and value("kv_cache_usage_perc") == 0
+
+
+def test_tokens_after_a_stop_string_are_dropped(engine: LLMEngine, ae: AsyncLLMEngine) -> None:
+    """With the engine core in another process, a step may run before it hears that the front end
+    stopped a sample on a stop string: that step's token is not part of the sample."""
+    from pagedllm.core.scheduler_output import EngineCoreOutput
+    from pagedllm.sampling_params import RequestOutputKind
+
+    op = ae.output_processor
+    tok = engine.tokenizer
+    ids = tok.encode("fox dog", add_special_tokens=False)
+    params = SamplingParams(n=2, stop=["dog"], max_tokens=10, output_kind=RequestOutputKind.CUMULATIVE)
+    op.add_request("r", "p", [1, 2], params, time.time())
+    res = op.process_outputs([EngineCoreOutput("0_r", ids), EngineCoreOutput("1_r", ids[:1])])
+    assert res.stopped == ["0_r"]
+    text = res.outputs[0].outputs[0].text
+    late = op.process_outputs([EngineCoreOutput("0_r", ids[:1]), EngineCoreOutput("1_r", ids[:1])])
+    assert late.outputs[0].outputs[0].text == text and late.outputs[0].outputs[0].finish_reason == "stop"
+    assert late.stopped == []

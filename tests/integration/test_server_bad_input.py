@@ -1,0 +1,139 @@
+"""Bad input against a real `pagedllm serve` (tiny random model), tried as a new user would: each
+bad request gets the OpenAI error object with the right status, and a good request right after
+it still works. Also: bodies over the limit are refused without being read, slow headers are cut
+off, and the API docs follow --api-key."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server_helpers import Server, assert_error_shape
+
+KEY = "sk-bad-input"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+COMP, CHAT = "/v1/completions", "/v1/chat/completions"
+MSG = [{"role": "user", "content": "hi"}]
+JSON = {"Content-Type": "application/json"}
+
+# (name, path, body: dict (sent as JSON) or bytes (sent as is), extra headers, status)
+BAD = [
+    ("lone-surrogate-prompt", COMP, b'{"prompt": "a\\ud800b", "max_tokens": 2}', JSON, 400),
+    ("lone-surrogate-chat", CHAT, b'{"messages": [{"role": "user", "content": "\\udc00"}]}', JSON, 400),
+    ("json-as-text-plain", COMP, b'{"prompt": "hi", "max_tokens": 2}', {"Content-Type": "text/plain"}, 415),
+    ("json-as-form", COMP, b'{"prompt": "hi"}', {"Content-Type": "application/x-www-form-urlencoded"}, 415),
+    ("invalid-utf8", COMP, b'{"prompt": "\xff\xfe", "max_tokens": 2}', JSON, 400),
+    ("json-null", COMP, b"null", JSON, 400),
+    ("too-many-stop-strings", COMP, {"prompt": "hi", "stop": [f"s{i}" for i in range(65)]}, {}, 400),
+    ("stop-string-too-long", COMP, {"prompt": "hi", "stop": ["x" * 1025]}, {}, 400),
+    ("logit-bias-value", COMP, {"prompt": "hi", "logit_bias": {"5": 200}}, {}, 400),
+    ("logit-bias-oov", COMP, {"prompt": "hi", "logit_bias": {"999999": 1}}, {}, 400),
+    ("allowed-token-ids-empty", COMP, {"prompt": "hi", "allowed_token_ids": []}, {}, 400),
+    ("allowed-token-ids-oov", COMP, {"prompt": "hi", "allowed_token_ids": [5, 100000]}, {}, 400),
+    ("n-over-max-num-seqs", COMP, {"prompt": "hi", "n": 100}, {}, 400),
+    ("best-of-not-n", COMP, {"prompt": "hi", "n": 1, "best_of": 3}, {}, 400),
+    ("prompt-mixed-types", COMP, {"prompt": [1, "a"]}, {}, 400),
+    ("prompt-too-deep", COMP, {"prompt": [[[1]]]}, {}, 400),
+    ("messages-not-a-list", CHAT, {"messages": "hi"}, {}, 400),
+    ("max-tokens-string", COMP, {"prompt": "hi", "max_tokens": "ten"}, {}, 400),
+    ("min-tokens-negative", COMP, {"prompt": "hi", "min_tokens": -1}, {}, 400),
+    ("stop-token-negative", COMP, {"prompt": "hi", "stop_token_ids": [-3]}, {}, 400),
+    ("seed-below-int64", COMP, {"prompt": "hi", "seed": -(2**64)}, {}, 400),
+    ("top-logprobs-negative", CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": -1}, {}, 400),
+    ("continue-without-assistant", CHAT, {"messages": MSG, "continue_final_message": True,
+                                          "add_generation_prompt": False}, {}, 400),
+    ("continue-and-generation-prompt", CHAT, {"messages": MSG + [{"role": "assistant", "content": "x"}],
+                                              "continue_final_message": True}, {}, 400),
+    ("prompt-over-max-model-len", COMP, {"prompt": [5] * 600, "max_tokens": 1}, {}, 400),
+    ("priority-string", COMP, {"prompt": "hi", "priority": "high"}, {}, 400),
+    ("get-on-post-route", COMP, None, {}, 405),
+]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: str):
+    logs = tmp_path_factory.mktemp("bad-input")
+    s = Server(logs / "server.log", tiny_model_dir, "--num-kv-blocks", "128", "--max-num-seqs", "16",
+               "--api-key", KEY, "--header-read-timeout", "1")
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        assert s.stop() == 0
+        assert "Traceback" not in s.output(), s.output()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def http(server: Server):
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as c:
+        yield c
+
+
+def good(http: httpx.Client) -> None:
+    r = http.post(COMP, json={"prompt": "hello", "max_tokens": 3, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+
+
+@pytest.mark.parametrize("name,path,body,headers,status", BAD, ids=[b[0] for b in BAD])
+def test_bad_request_then_good(http: httpx.Client, name: str, path: str, body, headers: dict, status: int) -> None:
+    if body is None:
+        r = http.get(path)
+    elif isinstance(body, bytes):
+        r = http.post(path, content=body, headers=headers)
+    else:
+        r = http.post(path, json=body, headers=headers)
+    assert r.status_code == status, r.text
+    assert_error_shape(r.json())
+    good(http)
+
+
+def test_huge_body_is_refused_unread(server: Server, http: httpx.Client) -> None:
+    """A 40 MB body: 413 with the error object as soon as the headers are in, without the server
+    reading the body (here it is never sent)."""
+    size = 40 << 20
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(f"POST {COMP} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: "
+                  f"application/json\r\nContent-Length: {size}\r\n\r\n".encode() + b'{"prompt": "' + b"x" * 1000)
+        data = b""
+        while b"\r\n\r\n" not in data or not data.rstrip().endswith(b"}"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413"), data[:300]
+    assert b"request_too_large" in body and b"--max-request-body-size" in body
+    good(http)
+
+
+def test_slow_headers_are_cut_off(server: Server, http: httpx.Client) -> None:
+    """200 connections that never finish their headers are closed after --header-read-timeout."""
+
+    async def slow() -> list[bytes]:
+        async def one() -> bytes:
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+            await writer.drain()
+            try:
+                return await asyncio.wait_for(reader.read(), timeout=15)  # b"" once the server closes
+            finally:
+                writer.close()
+
+        return await asyncio.gather(*(one() for _ in range(200)))
+
+    t0 = time.monotonic()
+    results = asyncio.run(slow())
+    assert results == [b""] * 200
+    assert time.monotonic() - t0 < 12
+    good(http)
+
+
+def test_docs_follow_the_api_key(server: Server) -> None:
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert httpx.get(server.url + path).status_code == 401
+        assert httpx.get(server.url + path, headers=AUTH).status_code == 200
