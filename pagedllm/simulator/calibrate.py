@@ -1,0 +1,246 @@
+"""`pagedllm simulate calibrate`: measure this machine with the real engine, fit the cost model,
+and (optionally) validate the simulator against the real engine on several configurations.
+
+Calibration runs a few short workloads through the real LLMEngine, times every `step()` (the
+whole step: schedule, forward, sample, update, detokenize) and computes the same StepFeatures the
+simulated worker computes, from the same SchedulerOutputs (a SimWorker shadows the real one).
+A non-negative least-squares fit of step time on [1, tokens, prefill pairs, decode context,
+sequences, sampled rows] gives the profile's rates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from typing import Any
+
+import numpy as np
+
+from pagedllm.simulator.hardware import HardwareProfile
+from pagedllm.simulator.model import SimModel, model_from_checkpoint
+from pagedllm.simulator.runner import RequestTimes
+from pagedllm.simulator.trace import TraceRequest, prompt_token_ids, synthetic_trace
+from pagedllm.simulator.worker import SimWorker
+
+logger = logging.getLogger(__name__)
+
+FIT_TERMS = ("step_s", "per_token_s", "per_prefill_pair_s", "per_decode_context_s", "per_seq_s", "per_sample_s")
+
+
+@dataclasses.dataclass
+class RealRun:
+    requests: list[RequestTimes]
+    elapsed_s: float
+    steps: list[tuple[list[float], float]]  # (feature row, measured seconds)
+    preemptions_by_mode: dict[str, int]
+    num_kv_blocks: int
+
+
+def run_real(model: str | None, engine_kwargs: dict[str, Any], trace: list[TraceRequest], seed: int = 0) -> RealRun:
+    """Replays a trace through the real engine in real time; returns per-request times and steps."""
+    from pagedllm.llm import LLM
+    from pagedllm.sampling_params import SamplingParams
+
+    llm = LLM(model, **engine_kwargs)
+    eng = llm.llm_engine
+    vocab = eng.model_config.vocab_size
+    # Warm-up (first-call costs), then forget its prefix blocks.
+    for j in range(2):
+        eng.add_request(f"warm{j}", [100 + j] * 48, SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0))
+    while eng.has_unfinished_requests():
+        eng.step()
+    eng.reset_prefix_cache()
+    base_preempt = dict(eng.scheduler.num_preemptions_by_mode)
+
+    shadow = SimWorker(eng.config.cache_config.block_size, check=True)
+    captured: list[Any] = []
+    original_schedule = eng.scheduler.schedule
+
+    def schedule_and_capture():
+        so = original_schedule()
+        captured.append(so)
+        return so
+
+    eng.scheduler.schedule = schedule_and_capture  # type: ignore[method-assign]
+    times = [RequestTimes(r.arrival_s, r.prompt_len, r.output_len) for r in trace]
+    prompts = [prompt_token_ids(r, i, vocab, seed) for i, r in enumerate(trace)]
+    steps: list[tuple[list[float], float]] = []
+    i, n = 0, len(trace)
+    t0 = time.perf_counter()
+    while i < n or eng.has_unfinished_requests():
+        now = time.perf_counter() - t0
+        while i < n and trace[i].arrival_s <= now:
+            r = trace[i]
+            eng.add_request(str(i), {"prompt_token_ids": prompts[i]},
+                            SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0),
+                            arrival_time=time.time())
+            i += 1
+        if not eng.has_unfinished_requests():
+            time.sleep(max(0.0, trace[i].arrival_s - (time.perf_counter() - t0)))
+            continue
+        s = time.perf_counter()
+        outputs = eng.step()
+        end = time.perf_counter()
+        so = captured.pop()
+        _, feats = shadow.execute_model(so)
+        if not so.is_empty:
+            steps.append((feats.as_row(), end - s))
+        for out in outputs:
+            rt = times[int(out.request_id)]
+            if rt.first_token_s < 0 and out.outputs and out.outputs[0].token_ids:
+                rt.first_token_s = end - t0
+            if out.finished:
+                rt.finish_s = end - t0
+    elapsed = time.perf_counter() - t0
+    eng.scheduler.schedule = original_schedule  # type: ignore[method-assign]
+    preempt = {k: v - base_preempt.get(k, 0) for k, v in eng.scheduler.num_preemptions_by_mode.items()}
+    return RealRun(times, elapsed, steps, preempt, eng.num_blocks)
+
+
+def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with non-negative coefficients (drops the most negative term until none is)."""
+    active = list(range(x.shape[1]))
+    while True:
+        coef, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        if (coef >= 0).all() or not active:
+            out = np.zeros(x.shape[1])
+            out[active] = coef
+            return out
+        del active[int(np.argmin(coef))]
+
+
+def fit_profile(model: SimModel, rows: list[list[float]], seconds: list[float], swap_bw: float,
+                memory_bytes: int, name: str) -> tuple[HardwareProfile, dict[str, Any]]:
+    """Profile rates from the fitted coefficients (seconds per regressor)."""
+    x, y = np.asarray(rows, dtype=float), np.asarray(seconds, dtype=float)
+    c = nnls(x, y)
+    pred = x @ c
+    step, per_tok, per_pair, per_ctx, per_seq, per_sample = (float(v) for v in c)
+    if per_tok <= 0:
+        raise RuntimeError("calibration found no per-token cost: the calibration runs were too small")
+    gemm_flops = model.flops_per_token / per_tok
+    profile = HardwareProfile(
+        name=name,
+        gemm_flops=gemm_flops,
+        attn_flops=model.attention_flops_per_pair / per_pair if per_pair > 0 else None,
+        kv_read_bw=model.kv_bytes_per_token / per_ctx if per_ctx > 0 else None,
+        weight_read_bw=None,
+        step_overhead_s=step,
+        per_seq_s=per_seq,
+        per_sample_s=max(0.0, per_sample - model.lm_head_flops / gemm_flops),
+        swap_bw=swap_bw,
+        copy_bw=swap_bw,
+        memory_bytes=memory_bytes,
+        memory_utilization=0.3,
+        source={"calibrated_on": model.name, "coefficients": dict(zip(FIT_TERMS, map(float, c))),
+                "num_steps": len(y), "note": "weight streaming is folded into step_overhead_s"},
+    )
+    fit = {
+        "coefficients": dict(zip(FIT_TERMS, map(float, c))),
+        "num_steps": len(y),
+        "total_measured_s": float(y.sum()),
+        "total_predicted_s": float(pred.sum()),
+        "mean_abs_rel_err": float(np.mean(np.abs(pred - y) / y)),
+    }
+    return profile, fit
+
+
+CALIBRATION_WORKLOADS = [
+    # (engine kwargs, trace): chunked prefill mixed with decodes, then long contexts.
+    ({"max_num_batched_tokens": 256}, dict(num_requests=8, prompt_lens="16:200", output_lens="4:24")),
+    ({"max_num_batched_tokens": 128}, dict(num_requests=3, prompt_lens="400:600", output_lens="4:8")),
+]
+
+
+def _calibration_workloads(quick: bool) -> list[tuple[dict[str, Any], list[TraceRequest]]]:
+    out = []
+    for j, (kw, tr) in enumerate(CALIBRATION_WORKLOADS):
+        tr = dict(tr)
+        if quick:
+            tr["num_requests"] = max(2, tr["num_requests"] // 2)
+        out.append(({"block_size": 16, "num_kv_blocks": 512, "dtype": "float32", "preemption_mode": "swap",
+                     "swap_space": 0.25, **kw},
+                    synthetic_trace(rate=math.inf, seed=100 + j, **tr)))
+    return out
+
+
+def calibrate(model: str | None, quick: bool = False) -> tuple[HardwareProfile, dict[str, Any]]:
+    import platform
+
+    import psutil
+
+    from pagedllm.llm import LLM
+
+    sim_model = model_from_checkpoint(model, "float32")
+    rows: list[list[float]] = []
+    secs: list[float] = []
+    for kw, trace in _calibration_workloads(quick):
+        run = run_real(model, kw, trace)
+        rows += [r for r, _ in run.steps]
+        secs += [s for _, s in run.steps]
+    # Block moves: the engine's own measurement of swapping blocks out and back.
+    llm = LLM(model, num_kv_blocks=64, preemption_mode="swap", swap_space=0.05, dtype="float32")
+    _, copy_bw = llm.llm_engine.executor.measure_preemption_rates()
+    name = f"cpu-{platform.node() or 'host'}-{psutil.cpu_count()}cores"
+    profile, fit = fit_profile(sim_model, rows, secs, copy_bw, psutil.virtual_memory().total, name)
+    profile = dataclasses.replace(profile, source={**profile.source, "swap_copy_bytes_per_s": copy_bw,
+                                                   "load_average": list(__import__("os").getloadavg())})
+    return profile, fit
+
+
+# ---- validation -------------------------------------------------------------------------------
+VALIDATION_BASE = {"block_size": 16, "max_num_batched_tokens": 2048, "scheduling_policy": "fcfs",
+                   "preemption_mode": "recompute", "enable_prefix_caching": True, "num_kv_blocks": 512,
+                   "dtype": "float32", "swap_space": 0.25}
+VALIDATION_CONFIGS = [
+    ("base (budget 2048, fcfs, bs16, prefix on)", {}),
+    ("budget 64", {"max_num_batched_tokens": 64}),
+    ("srtf", {"scheduling_policy": "srtf"}),
+    ("block size 32", {"block_size": 32, "num_kv_blocks": 256}),
+    ("small KV, recompute", {"num_kv_blocks": 20}),
+    ("small KV, swap", {"num_kv_blocks": 20, "preemption_mode": "swap"}),
+    ("prefix caching off", {"enable_prefix_caching": False}),
+]
+
+
+def validation_trace(mode: str, quick: bool) -> list[TraceRequest]:
+    n = 6 if quick else 8
+    rate = math.inf if mode == "offline" else 0.5
+    return synthetic_trace(n, rate, "16:96", "4:16", seed=7, num_prefixes=2, prefix_len=32)
+
+
+def simulate_like(engine_kwargs: dict[str, Any], profile: HardwareProfile, sim_model: SimModel,
+                  trace: list[TraceRequest], num_kv_blocks: int) -> dict[str, Any]:
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.simulator.cli import run_one
+
+    ea = EngineArgs(**{**engine_kwargs, "num_kv_blocks": num_kv_blocks})
+    return run_one(ea, sim_model, profile, trace, 1, 1, True, 2.0, 0.1)
+
+
+def validate(model: str | None, profile: HardwareProfile, quick: bool = False) -> list[dict[str, Any]]:
+    from pagedllm.simulator.report import summarize
+
+    sim_model = model_from_checkpoint(model, "float32")
+    rows = []
+    for mode in ("offline", "poisson"):
+        trace = validation_trace(mode, quick)
+        for name, kw in VALIDATION_CONFIGS:
+            kwargs = {**VALIDATION_BASE, **kw}
+            real = run_real(model, kwargs, trace)
+            real_sum = summarize(real.requests, real.elapsed_s, 2.0, 0.1)
+            sim = simulate_like(kwargs, profile, sim_model, trace, real.num_kv_blocks)
+            keys = ("elapsed_s", "output_tok_s", "mean_ttft_s", "p99_ttft_s", "mean_tpot_s")
+            row = {
+                "name": name, "mode": mode, "engine_args": kwargs,
+                "real": {k: real_sum[k] for k in keys} | {"preemptions_by_mode": real.preemptions_by_mode},
+                "sim": {k: sim[k] for k in keys} | {"preemptions_by_mode": sim["preemptions_by_mode"]},
+            }
+            row["tput_err"] = row["sim"]["output_tok_s"] / row["real"]["output_tok_s"] - 1
+            row["ttft_err"] = row["sim"]["mean_ttft_s"] / row["real"]["mean_ttft_s"] - 1
+            logger.info("%s %s: throughput %+.1f%%, mean TTFT %+.1f%%", name, mode, 100 * row["tput_err"],
+                        100 * row["ttft_err"])
+            rows.append(row)
+    return rows
