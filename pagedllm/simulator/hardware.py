@@ -146,7 +146,9 @@ def gpu_profile(key: str) -> HardwareProfile:
         link_latency_s=o["link_latency_s"],
         memory_bytes=spec.memory_bytes,
         memory_utilization=0.9,
-        source={"peaks": spec.reference, "efficiency": dict(GPU_EFFICIENCY), "overheads": dict(GPU_OVERHEADS)},
+        source={"peaks": spec.reference,
+                "efficiency": {k: {"factor": v, "why": w} for k, (v, w) in GPU_EFFICIENCY.items()},
+                "overheads": {k: {"value": v, "why": w} for k, (v, w) in GPU_OVERHEADS.items()}},
     )
 
 
