@@ -26,7 +26,7 @@ class SimulateError(ValueError):
 def add_simulate_parser(sub: Any) -> None:
     from pagedllm.engine.arg_utils import EngineArgs
 
-    p = sub.add_parser("simulate", help="what-if simulation on the real scheduler with a cost model",
+    p = sub.add_parser("simulate", allow_abbrev=False, help="what-if simulation on the real scheduler with a cost model",
                        description="Drives pagedllm's own scheduler, KV cache manager and policies with a "
                                    "simulated worker whose step times come from a cost model.")
     m = p.add_argument_group("simulated model and hardware")

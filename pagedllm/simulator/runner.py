@@ -94,7 +94,9 @@ class Simulation:
         self.check = check_integrity
         self.num_kv_blocks, self.num_swap_blocks = num_kv_blocks, num_swap_blocks
 
-    def run(self, trace: list[TraceRequest], max_timeline_points: int = 2000) -> SimResult:
+    def run(self, trace: list[TraceRequest], max_timeline_points: int = 2000, track_tokens: bool = False) -> SimResult:
+        """Replays `trace`. With `track_tokens` the timeline also holds the tokens whose K/V the
+        running requests hold (for memory utilization: live tokens / allocated block slots)."""
         sched, worker, cost = self.scheduler, self.worker, self.cost
         times = [RequestTimes(r.arrival_s, r.prompt_len, r.output_len, priority=r.priority, user=r.user)
                  for r in trace]
@@ -102,6 +104,8 @@ class Simulation:
         terms = {"overhead": 0.0, "gemm": 0.0, "prefill_attention": 0.0, "decode_attention": 0.0, "moves": 0.0,
                  "comm": 0.0}
         tl: dict[str, list[float]] = {k: [] for k in ("t", "kv_usage", "running", "waiting", "swapped")}
+        if track_tokens:
+            tl["kv_tokens"] = []
         clock, i, n, steps = 0.0, 0, len(trace), 0
         max_len = self.sc.max_model_len
         t_wall = time.perf_counter()
@@ -152,6 +156,8 @@ class Simulation:
             tl["running"].append(len(sched.running))
             tl["waiting"].append(len(sched.waiting))
             tl["swapped"].append(len(sched.swapped))
+            if track_tokens:
+                tl["kv_tokens"].append(sum(r.num_computed_tokens for r in sched.running))
             steps += 1
         if len(tl["t"]) > max_timeline_points:
             stride = -(-len(tl["t"]) // max_timeline_points)
