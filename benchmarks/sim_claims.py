@@ -94,7 +94,7 @@ def claim_block_size():
     out = {"block_table": [], "host_build_s": {}, "scheduler_step_s": {}, "sim": {}}
     n_req, ctx = 1024, 16384
     for bs in (16, 64):
-        entries = math.ceil(ctx / bs)
+        entries = math.ceil((ctx + 1) / bs)  # the decoded token at position ctx opens a new block
         out["block_table"].append({"block_size": bs, "entries_per_request": entries,
                                    "bytes_int32_1024_requests": 4 * entries * n_req})
         # Host-side lookup cost: the real worker's batch builder, 1,024 decodes at 16K context.

@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 
 class TraceError(ValueError):
     """A trace that cannot be read; the message names the file and line."""
@@ -104,27 +106,28 @@ def write_trace(reqs: list[TraceRequest], path: str | Path) -> None:
     p.write_text("".join(r.to_json() + "\n" for r in reqs), encoding="utf-8")
 
 
-def _lengths(rng: random.Random, spec: str, n: int, name: str) -> list[int]:
+def _lengths(rng: np.random.Generator, spec: str, n: int, name: str) -> np.ndarray:
     """'uniform:LO:HI', 'lognormal:MEAN:SIGMA[:MAX]', 'const:N' or 'N' / 'LO:HI' (uniform)."""
     parts = spec.split(":")
     try:
         if parts[0] == "const" or (len(parts) == 1 and parts[0].isdigit()):
-            v = int(parts[-1])
-            out = [v] * n
+            out = np.full(n, int(parts[-1]), dtype=np.int64)
         elif parts[0] == "lognormal":
             mean, sigma = float(parts[1]), float(parts[2])
             cap = int(parts[3]) if len(parts) > 3 else 1 << 30
+            if not (mean > 0 and sigma >= 0):
+                raise ValueError
             mu = math.log(mean) - sigma * sigma / 2  # so that the mean is `mean`
-            out = [min(cap, max(1, round(rng.lognormvariate(mu, sigma)))) for _ in range(n)]
+            out = np.clip(np.rint(rng.lognormal(mu, sigma, n)), 1, cap).astype(np.int64)
         else:
             lo, hi = (int(parts[1]), int(parts[2])) if parts[0] == "uniform" else (int(parts[0]), int(parts[1]))
             if not 1 <= lo <= hi:
                 raise ValueError
-            out = [rng.randint(lo, hi) for _ in range(n)]
+            out = rng.integers(lo, hi + 1, n)
     except (ValueError, IndexError):
         raise TraceError(f"{name} {spec!r}: expected N, LO:HI, uniform:LO:HI, lognormal:MEAN:SIGMA[:MAX] "
                          "or const:N with positive integers") from None
-    if any(v < 1 for v in out):
+    if n and out.min() < 1:
         raise TraceError(f"{name} {spec!r}: lengths must be at least 1")
     return out
 
@@ -143,32 +146,38 @@ def synthetic_trace(
 ) -> list[TraceRequest]:
     """`num_requests` requests; `rate` requests/s (0 or inf: all at time 0).
 
-    poisson: exponential gaps; bursty: a gamma process with the same mean rate and coefficient
-    of variation sqrt(burst_factor) (shape 1/burst_factor), i.e. clumps of arrivals and lulls.
+    poisson: exponential gaps; bursty: a gamma process with the same mean rate and squared
+    coefficient of variation burst_factor (shape 1/burst_factor): clumps of arrivals and lulls.
+    Prompts are prefix_len shared tokens (one of num_prefixes) plus their drawn length.
     """
     if num_requests < 1:
         raise TraceError(f"--num-requests must be at least 1, got {num_requests}")
     if arrival not in ("poisson", "bursty"):
         raise TraceError(f"arrival process must be poisson or bursty, got {arrival!r}")
-    rng = random.Random(seed)
+    if not burst_factor > 0:
+        raise TraceError(f"--burst-factor must be positive, got {burst_factor}")
+    rng = np.random.default_rng(seed)
     prompts = _lengths(rng, prompt_lens, num_requests, "--prompt-lens")
     outputs = _lengths(rng, output_lens, num_requests, "--output-lens")
-    t = 0.0
-    reqs = []
-    for i in range(num_requests):
-        if rate and math.isfinite(rate) and i:
-            if arrival == "poisson":
-                t += rng.expovariate(rate)
-            else:
-                shape = 1.0 / burst_factor
-                t += rng.gammavariate(shape, 1.0 / (rate * shape))
-        user = f"user{rng.randrange(num_users)}" if num_users else None
-        pid, plen = None, 0
-        if num_prefixes and prefix_len:
-            pid = str(rng.randrange(num_prefixes))
-            plen = prefix_len
-        reqs.append(TraceRequest(round(t, 6), prompts[i] + plen, outputs[i], 0, user, pid, plen))
-    return reqs
+    if rate and math.isfinite(rate):
+        if arrival == "poisson":
+            gaps = rng.exponential(1.0 / rate, num_requests)
+        else:
+            shape = 1.0 / burst_factor
+            gaps = rng.gamma(shape, 1.0 / (rate * shape), num_requests)
+        gaps[0] = 0.0
+        arrivals = np.round(np.cumsum(gaps), 6)
+    else:
+        arrivals = np.zeros(num_requests)
+    users = rng.integers(0, num_users, num_requests) if num_users else None
+    pids = rng.integers(0, num_prefixes, num_requests) if num_prefixes and prefix_len else None
+    plen = prefix_len if pids is not None else 0
+    return [
+        TraceRequest(a, p + plen, o, 0, None if users is None else f"user{u}", None if pids is None else str(q), plen)
+        for a, p, o, u, q in zip(arrivals.tolist(), prompts.tolist(), outputs.tolist(),
+                                 users.tolist() if users is not None else [0] * num_requests,
+                                 pids.tolist() if pids is not None else [0] * num_requests)
+    ]
 
 
 def prompt_token_ids(req: TraceRequest, index: int, vocab: int | None = None, seed: int = 0) -> list[int]:

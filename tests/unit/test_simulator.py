@@ -213,3 +213,11 @@ def test_cli_simulate_json_sweep_and_errors(tmp_path, capsys) -> None:
     assert len(err) == 1 and f"{trace}:1: prompt_len and output_len must be at least 1" in err[0]
     assert main([*common, "--sweep", "colour=red"]) == 2
     assert "not an engine flag" in capsys.readouterr().err
+
+
+def test_calibrate_flags_parse_beside_simulate_flags() -> None:
+    """`simulate calibrate --output X` is the calibrate flag, not an abbreviation of --output-json."""
+    from pagedllm.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(["simulate", "calibrate", "--output", "p.json", "--quick"])
+    assert args.output == "p.json" and args.quick and args.func.__name__ == "cmd_calibrate"
