@@ -224,16 +224,21 @@ class EngineArgs:
             seed=self.seed,
             tokenizer=self.tokenizer,
         )
-        cache_config = CacheConfig(
+        return EngineConfig(model_config, self.create_cache_config(), self.create_scheduler_config(max_model_len))
+
+    def create_cache_config(self) -> CacheConfig:
+        return CacheConfig(
             block_size=self.block_size,
             kv_cache_memory=self.kv_cache_memory,
             num_kv_blocks=self.num_kv_blocks,
             enable_prefix_caching=self.enable_prefix_caching,
             swap_space=self.swap_space,
         )
-        budget = self.max_num_batched_tokens or 2048
-        scheduler_config = SchedulerConfig(
-            max_num_batched_tokens=budget,
+
+    def create_scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        """The scheduler's config; `max_model_len` is resolved against the model by the caller."""
+        return SchedulerConfig(
+            max_num_batched_tokens=self.max_num_batched_tokens or 2048,
             max_num_seqs=self.max_num_seqs,
             max_model_len=max_model_len,
             policy=self.scheduling_policy,
@@ -244,4 +249,3 @@ class EngineArgs:
             user_weights=dict(self.user_weights),
             max_waiting_steps=self.max_waiting_steps,
         )
-        return EngineConfig(model_config, cache_config, scheduler_config)

@@ -166,28 +166,39 @@ def _calibration_workloads(quick: bool) -> list[tuple[dict[str, Any], list[Trace
     return out
 
 
-def calibrate(model: str | None, quick: bool = False) -> tuple[HardwareProfile, dict[str, Any]]:
+def calibration_steps(model: str | None, quick: bool = False) -> list[tuple[list[float], float]]:
+    """(regressors, measured seconds) of every step of the calibration workloads."""
+    steps: list[tuple[list[float], float]] = []
+    for kw, trace in _calibration_workloads(quick):
+        steps += run_real(model, kw, trace).steps
+    return steps
+
+
+def measure_swap_bw(model: str | None) -> float:
+    """Bytes/s of the engine's own block moves out to the host pool and back."""
+    from pagedllm.llm import LLM
+
+    llm = LLM(model, num_kv_blocks=64, preemption_mode="swap", swap_space=0.05, dtype="float32")
+    return llm.llm_engine.executor.measure_preemption_rates()[1]
+
+
+def profile_from_steps(model: str | None, steps: list[tuple[list[float], float]],
+                       swap_bw: float) -> tuple[HardwareProfile, dict[str, Any]]:
+    import os
     import platform
 
     import psutil
 
-    from pagedllm.llm import LLM
-
     sim_model = model_from_checkpoint(model, "float32")
-    rows: list[list[float]] = []
-    secs: list[float] = []
-    for kw, trace in _calibration_workloads(quick):
-        run = run_real(model, kw, trace)
-        rows += [r for r, _ in run.steps]
-        secs += [s for _, s in run.steps]
-    # Block moves: the engine's own measurement of swapping blocks out and back.
-    llm = LLM(model, num_kv_blocks=64, preemption_mode="swap", swap_space=0.05, dtype="float32")
-    _, copy_bw = llm.llm_engine.executor.measure_preemption_rates()
     name = f"cpu-{platform.node() or 'host'}-{psutil.cpu_count()}cores"
-    profile, fit = fit_profile(sim_model, rows, secs, copy_bw, psutil.virtual_memory().total, name)
-    profile = dataclasses.replace(profile, source={**profile.source, "swap_copy_bytes_per_s": copy_bw,
-                                                   "load_average": list(__import__("os").getloadavg())})
-    return profile, fit
+    profile, fit = fit_profile(sim_model, [r for r, _ in steps], [s for _, s in steps], swap_bw,
+                               psutil.virtual_memory().total, name)
+    source = {**profile.source, "swap_copy_bytes_per_s": swap_bw, "load_average": list(os.getloadavg())}
+    return dataclasses.replace(profile, source=source), fit
+
+
+def calibrate(model: str | None, quick: bool = False) -> tuple[HardwareProfile, dict[str, Any]]:
+    return profile_from_steps(model, calibration_steps(model, quick), measure_swap_bw(model))
 
 
 # ---- validation -------------------------------------------------------------------------------
@@ -220,27 +231,44 @@ def simulate_like(engine_kwargs: dict[str, Any], profile: HardwareProfile, sim_m
     return run_one(ea, sim_model, profile, trace, 1, 1, True, 2.0, 0.1)
 
 
-def validate(model: str | None, profile: HardwareProfile, quick: bool = False) -> list[dict[str, Any]]:
+def real_validation_runs(model: str | None, quick: bool = False) -> list[dict[str, Any]]:
+    """Every validation configuration through the real engine, offline and at a Poisson rate."""
     from pagedllm.simulator.report import summarize
 
-    sim_model = model_from_checkpoint(model, "float32")
-    rows = []
+    runs = []
     for mode in ("offline", "poisson"):
         trace = validation_trace(mode, quick)
         for name, kw in VALIDATION_CONFIGS:
             kwargs = {**VALIDATION_BASE, **kw}
-            real = run_real(model, kwargs, trace)
-            real_sum = summarize(real.requests, real.elapsed_s, 2.0, 0.1)
-            sim = simulate_like(kwargs, profile, sim_model, trace, real.num_kv_blocks)
-            keys = ("elapsed_s", "output_tok_s", "mean_ttft_s", "p99_ttft_s", "mean_tpot_s")
-            row = {
-                "name": name, "mode": mode, "engine_args": kwargs,
-                "real": {k: real_sum[k] for k in keys} | {"preemptions_by_mode": real.preemptions_by_mode},
-                "sim": {k: sim[k] for k in keys} | {"preemptions_by_mode": sim["preemptions_by_mode"]},
-            }
-            row["tput_err"] = row["sim"]["output_tok_s"] / row["real"]["output_tok_s"] - 1
-            row["ttft_err"] = row["sim"]["mean_ttft_s"] / row["real"]["mean_ttft_s"] - 1
-            logger.info("%s %s: throughput %+.1f%%, mean TTFT %+.1f%%", name, mode, 100 * row["tput_err"],
-                        100 * row["ttft_err"])
-            rows.append(row)
+            run = run_real(model, kwargs, trace)
+            runs.append({"name": name, "mode": mode, "engine_args": kwargs, "trace": trace, "run": run,
+                         "summary": summarize(run.requests, run.elapsed_s, 2.0, 0.1)})
+            logger.info("real %s %s: %.1f s", name, mode, run.elapsed_s)
+    return runs
+
+
+def validate(model: str | None, runs: list[dict[str, Any]], calibration: list[tuple[list[float], float]],
+             swap_bw: float) -> list[dict[str, Any]]:
+    """Simulator vs real engine per run. Each run is simulated with a profile fitted on the steps
+    of the calibration workloads and of every *other* run (leave one out), never its own."""
+    sim_model = model_from_checkpoint(model, "float32")
+    keys = ("elapsed_s", "output_tok_s", "mean_ttft_s", "p99_ttft_s", "mean_tpot_s")
+    rows = []
+    for i, r in enumerate(runs):
+        steps = list(calibration) + [st for j, o in enumerate(runs) if j != i for st in o["run"].steps]
+        profile, _ = profile_from_steps(model, steps, swap_bw)
+        sim = simulate_like(r["engine_args"], profile, sim_model, r["trace"], r["run"].num_kv_blocks)
+        real = r["summary"]
+        row = {
+            "name": r["name"], "mode": r["mode"], "engine_args": r["engine_args"],
+            "real": {k: real[k] for k in keys} | {"preemptions_by_mode": r["run"].preemptions_by_mode,
+                                                   "num_steps": len(r["run"].steps)},
+            "sim": {k: sim[k] for k in keys} | {"preemptions_by_mode": sim["preemptions_by_mode"],
+                                                 "num_steps": sim["num_steps"]},
+        }
+        row["tput_err"] = row["sim"]["output_tok_s"] / row["real"]["output_tok_s"] - 1
+        row["ttft_err"] = row["sim"]["mean_ttft_s"] / row["real"]["mean_ttft_s"] - 1
+        logger.info("%s %s: throughput %+.1f%%, mean TTFT %+.1f%%", r["name"], r["mode"], 100 * row["tput_err"],
+                    100 * row["ttft_err"])
+        rows.append(row)
     return rows

@@ -12,8 +12,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pagedllm.config import CacheConfig, SchedulerConfig
-
 logger = logging.getLogger(__name__)
 
 DEFAULT_PROFILE = "h100"
@@ -120,30 +118,6 @@ def build_trace(args: argparse.Namespace):
     return trace
 
 
-def configs_from_engine_args(ea: Any, max_model_len: int) -> tuple[SchedulerConfig, CacheConfig]:
-    """The scheduler and cache configs the engine would build from the same flags."""
-    sc = SchedulerConfig(
-        max_num_batched_tokens=ea.max_num_batched_tokens or 2048,
-        max_num_seqs=ea.max_num_seqs,
-        max_model_len=max_model_len,
-        policy=ea.scheduling_policy,
-        preemption_mode=ea.preemption_mode,
-        long_prefill_token_threshold=ea.long_prefill_token_threshold,
-        max_num_partial_prefills=ea.max_num_partial_prefills,
-        time_slice=ea.time_slice,
-        user_weights=dict(ea.user_weights),
-        max_waiting_steps=ea.max_waiting_steps,
-    )
-    cc = CacheConfig(
-        block_size=ea.block_size,
-        kv_cache_memory=ea.kv_cache_memory,
-        num_kv_blocks=ea.num_kv_blocks,
-        enable_prefix_caching=ea.enable_prefix_caching,
-        swap_space=ea.swap_space,
-    )
-    return sc, cc
-
-
 def run_one(ea: Any, model: Any, profile: Any, trace: list, tp: int, pp: int, check: bool,
             slo_ttft: float, slo_tpot: float) -> dict[str, Any]:
     """One simulation: the report dict (summary at the top level, then details)."""
@@ -152,7 +126,7 @@ def run_one(ea: Any, model: Any, profile: Any, trace: list, tp: int, pp: int, ch
     from pagedllm.simulator.runner import Simulation, kv_blocks_for
 
     need = max(r.prompt_len + r.output_len for r in trace)
-    sc, cc = configs_from_engine_args(ea, ea.max_model_len or need)
+    sc, cc = ea.create_scheduler_config(ea.max_model_len or need), ea.create_cache_config()
     cost = CostModel(model, profile, cc.block_size, tp, pp)
     num_blocks = kv_blocks_for(cost, cc, tp, pp, sc.max_num_batched_tokens)
     num_swap = 0
@@ -265,17 +239,32 @@ def _write_json(report: dict[str, Any], path: str | None) -> None:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from pagedllm.simulator.calibrate import calibrate, validate
+    """Calibration runs, then (with --validate) the validation runs in the same process, so that
+    both see the same machine load; the profile is fitted on every step measured."""
+    from pagedllm.simulator.calibrate import (
+        calibration_steps,
+        measure_swap_bw,
+        profile_from_steps,
+        real_validation_runs,
+        validate,
+    )
 
-    profile, fit = calibrate(args.model, quick=args.quick)
+    swap_bw = measure_swap_bw(args.model)
+    steps = calibration_steps(args.model, quick=args.quick)
+    runs = real_validation_runs(args.model, quick=args.quick) if args.validate else []
+    all_steps = steps + [st for r in runs for st in r["run"].steps]
+    profile, fit = profile_from_steps(args.model, all_steps, swap_bw)
     profile.save(args.output)
     print(f"profile written to {args.output}: {json.dumps(fit['coefficients'])}; fit error "
-          f"{100 * fit['mean_abs_rel_err']:.1f}% per step over {fit['num_steps']} steps")
+          f"{100 * fit['mean_abs_rel_err']:.1f}% per step, {100 * (fit['total_predicted_s'] / fit['total_measured_s'] - 1):+.1f}% "
+          f"in total over {fit['num_steps']} steps")
     if args.validate:
-        rows = validate(args.model, profile, quick=args.quick)
-        _write_json({"profile": profile.to_dict(), "fit": fit, "rows": rows}, args.validate)
+        rows = validate(args.model, runs, steps, swap_bw)
+        steps_json = [{"name": r["name"], "mode": r["mode"], "steps": r["run"].steps} for r in runs]
+        _write_json({"profile": profile.to_dict(), "fit": fit, "rows": rows, "calibration_steps": steps,
+                     "validation_steps": steps_json}, args.validate)
         for r in rows:
-            print(f"{r['name']:40s} {r['mode']:8s} tput real {r['real']['output_tok_s']:7.2f} sim "
+            print(f"{r['name']:42s} {r['mode']:8s} tput real {r['real']['output_tok_s']:7.2f} sim "
                   f"{r['sim']['output_tok_s']:7.2f} ({100 * r['tput_err']:+.1f}%)  TTFT real "
                   f"{r['real']['mean_ttft_s']:6.2f} sim {r['sim']['mean_ttft_s']:6.2f} ({100 * r['ttft_err']:+.1f}%)")
     return 0

@@ -156,13 +156,7 @@ def load_profile(spec: str) -> HardwareProfile:
     """A built-in GPU profile name (a100, h100, h200) or a profile JSON (from calibrate)."""
     if spec.lower() in GPU_SPECS:
         return gpu_profile(spec.lower())
-    path = Path(spec)
-    if not path.is_file():
-        raise ProfileError(f"--profile {spec!r} is neither a file nor one of {sorted(GPU_SPECS)}")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ProfileError(f"--profile {spec!r} is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ProfileError(f"--profile {spec!r} must hold a JSON object")
-    return HardwareProfile.from_dict(data, str(path))
+    from pagedllm.simulator.model import read_json_object
+
+    data = read_json_object(spec, "--profile", sorted(GPU_SPECS), ProfileError)
+    return HardwareProfile.from_dict(data, spec)

@@ -91,16 +91,22 @@ def load_model_config(spec: str) -> SimModel:
     """A built-in shape name (llama3-8b, llama3-70b, smollm2-135m) or a JSON file."""
     if spec in BUILTIN_SHAPES:
         return SimModel.from_dict(BUILTIN_SHAPES[spec], spec)
+    data = read_json_object(spec, "--model-config", sorted(BUILTIN_SHAPES), ModelConfigError)
+    return SimModel.from_dict(data, Path(spec).stem)
+
+
+def read_json_object(spec: str, flag: str, builtins: list[str], error: type[ValueError]) -> dict[str, Any]:
+    """The JSON object in file `spec`; `error` names the flag and the problem."""
     path = Path(spec)
     if not path.is_file():
-        raise ModelConfigError(f"--model-config {spec!r} is neither a file nor one of {sorted(BUILTIN_SHAPES)}")
+        raise error(f"{flag} {spec!r} is neither a file nor one of {builtins}")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
-        raise ModelConfigError(f"--model-config {spec!r} is not valid JSON: {e}") from None
+        raise error(f"{flag} {spec!r} is not valid JSON: {e}") from None
     if not isinstance(data, dict):
-        raise ModelConfigError(f"--model-config {spec!r} must hold a JSON object")
-    return SimModel.from_dict(data, path.stem)
+        raise error(f"{flag} {spec!r} must hold a JSON object")
+    return data
 
 
 def model_from_checkpoint(model: str | None, dtype: str = "auto") -> SimModel:

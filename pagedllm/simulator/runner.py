@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
@@ -171,8 +170,3 @@ class Simulation:
             timeline=tl, time_by_term=terms,
         )
 
-
-def result_summary(res: SimResult, slo_ttft_s: float, slo_tpot_s: float) -> dict[str, Any]:
-    from pagedllm.simulator.report import summarize
-
-    return summarize(res.requests, res.sim_elapsed_s, slo_ttft_s, slo_tpot_s)

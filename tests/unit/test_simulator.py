@@ -4,7 +4,6 @@ units, trace validation and the command line."""
 from __future__ import annotations
 
 import json
-import math
 import random
 
 import numpy as np
