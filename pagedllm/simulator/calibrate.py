@@ -4,6 +4,9 @@ and (optionally) validate the simulator against the real engine on several confi
 Calibration runs a few short workloads through the real LLMEngine, times every `step()` (the
 whole step: schedule, forward, sample, update, detokenize) and computes the same StepFeatures the
 simulated worker computes, from the same SchedulerOutputs (a SimWorker shadows the real one).
+Time is the engine process's CPU time on one thread (torch and OpenMP), not wall time: the
+machine this runs on is shared, and wall-clock step times of the same work varied 6x between
+runs minutes apart, while CPU time of a single thread stays with the work done.
 A non-negative least-squares fit of step time on [1, tokens, prefill pairs, decode context,
 sequences, sampled rows] gives the profile's rates.
 """
@@ -39,10 +42,14 @@ class RealRun:
 
 
 def run_real(model: str | None, engine_kwargs: dict[str, Any], trace: list[TraceRequest], seed: int = 0) -> RealRun:
-    """Replays a trace through the real engine in real time; returns per-request times and steps."""
+    """Replays a trace through the real engine on one thread; returns per-request times and steps,
+    in the engine's CPU seconds (see the module docstring)."""
+    import torch
+
     from pagedllm.llm import LLM
     from pagedllm.sampling_params import SamplingParams
 
+    torch.set_num_threads(1)
     llm = LLM(model, **engine_kwargs)
     eng = llm.llm_engine
     vocab = eng.model_config.vocab_size
@@ -68,32 +75,35 @@ def run_real(model: str | None, engine_kwargs: dict[str, Any], trace: list[Trace
     prompts = [prompt_token_ids(r, i, vocab, seed) for i, r in enumerate(trace)]
     steps: list[tuple[list[float], float]] = []
     i, n = 0, len(trace)
-    t0 = time.perf_counter()
+    # The engine's clock: its own CPU seconds (one thread). Arrivals are replayed on this clock,
+    # so a run does not depend on what else the shared machine runs meanwhile.
+    clock = 0.0
+    wall0 = time.perf_counter()
     while i < n or eng.has_unfinished_requests():
-        now = time.perf_counter() - t0
-        while i < n and trace[i].arrival_s <= now:
+        while i < n and trace[i].arrival_s <= clock:
             r = trace[i]
             eng.add_request(str(i), {"prompt_token_ids": prompts[i]},
-                            SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0),
-                            arrival_time=time.time())
+                            SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0))
             i += 1
         if not eng.has_unfinished_requests():
-            time.sleep(max(0.0, trace[i].arrival_s - (time.perf_counter() - t0)))
+            clock = trace[i].arrival_s  # idle until the next arrival
             continue
-        s = time.perf_counter()
+        c0 = time.process_time()
         outputs = eng.step()
-        end = time.perf_counter()
+        dt = time.process_time() - c0
+        clock += dt
         so = captured.pop()
         _, feats = shadow.execute_model(so)
         if not so.is_empty:
-            steps.append((feats.as_row(), end - s))
+            steps.append((feats.as_row(), dt))
         for out in outputs:
             rt = times[int(out.request_id)]
             if rt.first_token_s < 0 and out.outputs and out.outputs[0].token_ids:
-                rt.first_token_s = end - t0
+                rt.first_token_s = clock
             if out.finished:
-                rt.finish_s = end - t0
-    elapsed = time.perf_counter() - t0
+                rt.finish_s = clock
+    elapsed = clock
+    logger.info("real run: %.1f engine CPU seconds in %.1f s wall", clock, time.perf_counter() - wall0)
     eng.scheduler.schedule = original_schedule  # type: ignore[method-assign]
     preempt = {k: v - base_preempt.get(k, 0) for k, v in eng.scheduler.num_preemptions_by_mode.items()}
     return RealRun(times, elapsed, steps, preempt, eng.num_blocks)

@@ -8,6 +8,7 @@ import itertools
 import json
 import logging
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -249,6 +250,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         validate,
     )
 
+    # One thread everywhere, set before torch loads: step times are then the engine's CPU time.
+    os.environ["OMP_NUM_THREADS"] = "1"
     swap_bw = measure_swap_bw(args.model)
     steps = calibration_steps(args.model, quick=args.quick)
     runs = real_validation_runs(args.model, quick=args.quick) if args.validate else []
