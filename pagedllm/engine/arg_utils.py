@@ -262,6 +262,31 @@ class EngineArgs:
             kwargs["model"] = args.model_tag
         return cls(**kwargs)
 
+    def create_cache_config(self) -> CacheConfig:
+        """The cache config these flags give (as create_engine_config builds it)."""
+        return CacheConfig(
+            block_size=self.block_size,
+            kv_cache_memory=self.kv_cache_memory,
+            num_kv_blocks=self.num_kv_blocks,
+            enable_prefix_caching=self.enable_prefix_caching,
+            swap_space=self.swap_space,
+        )
+
+    def create_scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        """The scheduler config these flags give; `max_model_len` is resolved by the caller."""
+        return SchedulerConfig(
+            max_num_batched_tokens=self.max_num_batched_tokens or 2048,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=max_model_len,
+            policy=self.scheduling_policy,
+            preemption_mode=self.preemption_mode,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            max_num_partial_prefills=self.max_num_partial_prefills,
+            time_slice=self.time_slice,
+            user_weights=dict(self.user_weights),
+            max_waiting_steps=self.max_waiting_steps,
+        )
+
     def create_engine_config(self) -> EngineConfig:
         from pagedllm.hardware import resolve_dtype
         from pagedllm.models.loader import load_generation_eos_ids, load_hf_config, resolve_model

@@ -110,6 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
         add_bench_parser(sub)
     except ImportError:
         pass
+    try:
+        from pagedllm.simulator.cli import add_simulate_parser
+
+        add_simulate_parser(sub)
+    except ImportError:
+        pass
     return parser
 
 

@@ -1,0 +1,284 @@
+"""`pagedllm simulate calibrate`: measure this machine with the real engine, fit the cost model,
+and (optionally) validate the simulator against the real engine on several configurations.
+
+Calibration runs a few short workloads through the real LLMEngine, times every `step()` (the
+whole step: schedule, forward, sample, update, detokenize) and computes the same StepFeatures the
+simulated worker computes, from the same SchedulerOutputs (a SimWorker shadows the real one).
+Time is the engine process's CPU time on one thread (torch and OpenMP), not wall time: the
+machine this runs on is shared, and wall-clock step times of the same work varied 6x between
+runs minutes apart, while CPU time of a single thread stays with the work done.
+A non-negative least-squares fit of step time on [1, tokens, prefill pairs, decode context,
+sequences, sampled rows] gives the profile's rates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from typing import Any
+
+import numpy as np
+
+from pagedllm.simulator.hardware import HardwareProfile
+from pagedllm.simulator.model import SimModel, model_from_checkpoint
+from pagedllm.simulator.runner import RequestTimes
+from pagedllm.simulator.trace import TraceRequest, prompt_token_ids, synthetic_trace
+from pagedllm.simulator.worker import SimWorker
+
+logger = logging.getLogger(__name__)
+
+FIT_TERMS = ("step_s", "per_token_s", "per_prefill_pair_s", "per_decode_context_s", "per_seq_s", "per_sample_s")
+
+
+@dataclasses.dataclass
+class RealRun:
+    requests: list[RequestTimes]
+    elapsed_s: float
+    steps: list[tuple[list[float], float]]  # (feature row, measured seconds)
+    preemptions_by_mode: dict[str, int]
+    num_kv_blocks: int
+
+
+def run_real(model: str | None, engine_kwargs: dict[str, Any], trace: list[TraceRequest], seed: int = 0) -> RealRun:
+    """Replays a trace through the real engine on one thread; returns per-request times and steps,
+    in the engine's CPU seconds (see the module docstring)."""
+    import torch
+
+    from pagedllm.llm import LLM
+    from pagedllm.sampling_params import SamplingParams
+
+    torch.set_num_threads(1)
+    llm = LLM(model, **engine_kwargs)
+    eng = llm.llm_engine
+    vocab = eng.model_config.vocab_size
+    # Warm-up (first-call costs), then forget its prefix blocks.
+    for j in range(2):
+        eng.add_request(f"warm{j}", [100 + j] * 48, SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0))
+    while eng.has_unfinished_requests():
+        eng.step()
+    eng.reset_prefix_cache()
+    base_preempt = dict(eng.scheduler.num_preemptions_by_mode)
+
+    shadow = SimWorker(eng.config.cache_config.block_size, check=True)
+    captured: list[Any] = []
+    original_schedule = eng.scheduler.schedule
+
+    def schedule_and_capture():
+        so = original_schedule()
+        captured.append(so)
+        return so
+
+    eng.scheduler.schedule = schedule_and_capture  # type: ignore[method-assign]
+    times = [RequestTimes(r.arrival_s, r.prompt_len, r.output_len) for r in trace]
+    prompts = [prompt_token_ids(r, i, vocab, seed) for i, r in enumerate(trace)]
+    steps: list[tuple[list[float], float]] = []
+    i, n = 0, len(trace)
+    # The engine's clock: its own CPU seconds (one thread). Arrivals are replayed on this clock,
+    # so a run does not depend on what else the shared machine runs meanwhile.
+    clock = 0.0
+    wall0 = time.perf_counter()
+    while i < n or eng.has_unfinished_requests():
+        while i < n and trace[i].arrival_s <= clock:
+            r = trace[i]
+            eng.add_request(str(i), {"prompt_token_ids": prompts[i]},
+                            SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0))
+            i += 1
+        if not eng.has_unfinished_requests():
+            clock = trace[i].arrival_s  # idle until the next arrival
+            continue
+        c0 = time.process_time()
+        outputs = eng.step()
+        dt = time.process_time() - c0
+        clock += dt
+        so = captured.pop()
+        _, feats = shadow.execute_model(so)
+        if not so.is_empty:
+            steps.append((feats.as_row(), dt))
+        for out in outputs:
+            rt = times[int(out.request_id)]
+            if rt.first_token_s < 0 and out.outputs and out.outputs[0].token_ids:
+                rt.first_token_s = clock
+            if out.finished:
+                rt.finish_s = clock
+    elapsed = clock
+    logger.info("real run: %.1f engine CPU seconds in %.1f s wall", clock, time.perf_counter() - wall0)
+    eng.scheduler.schedule = original_schedule  # type: ignore[method-assign]
+    preempt = {k: v - base_preempt.get(k, 0) for k, v in eng.scheduler.num_preemptions_by_mode.items()}
+    return RealRun(times, elapsed, steps, preempt, eng.num_blocks)
+
+
+def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with non-negative coefficients (drops the most negative term until none is)."""
+    active = list(range(x.shape[1]))
+    while True:
+        coef, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        if (coef >= 0).all() or not active:
+            out = np.zeros(x.shape[1])
+            out[active] = coef
+            return out
+        del active[int(np.argmin(coef))]
+
+
+def fit_profile(model: SimModel, rows: list[list[float]], seconds: list[float], swap_bw: float,
+                memory_bytes: int, name: str) -> tuple[HardwareProfile, dict[str, Any]]:
+    """Profile rates from the fitted coefficients (seconds per regressor)."""
+    x, y = np.asarray(rows, dtype=float), np.asarray(seconds, dtype=float)
+    c = nnls(x, y)
+    pred = x @ c
+    step, per_tok, per_pair, per_ctx, per_seq, per_sample = (float(v) for v in c)
+    if per_tok <= 0:
+        raise RuntimeError("calibration found no per-token cost: the calibration runs were too small")
+    gemm_flops = model.flops_per_token / per_tok
+    profile = HardwareProfile(
+        name=name,
+        gemm_flops=gemm_flops,
+        attn_flops=model.attention_flops_per_pair / per_pair if per_pair > 0 else None,
+        kv_read_bw=model.kv_bytes_per_token / per_ctx if per_ctx > 0 else None,
+        weight_read_bw=None,
+        step_overhead_s=step,
+        per_seq_s=per_seq,
+        per_sample_s=max(0.0, per_sample - model.lm_head_flops / gemm_flops),
+        swap_bw=swap_bw,
+        copy_bw=swap_bw,
+        memory_bytes=memory_bytes,
+        memory_utilization=0.3,
+        source={"calibrated_on": model.name, "coefficients": dict(zip(FIT_TERMS, map(float, c))),
+                "num_steps": len(y), "note": "weight streaming is folded into step_overhead_s"},
+    )
+    fit = {
+        "coefficients": dict(zip(FIT_TERMS, map(float, c))),
+        "num_steps": len(y),
+        "total_measured_s": float(y.sum()),
+        "total_predicted_s": float(pred.sum()),
+        "mean_abs_rel_err": float(np.mean(np.abs(pred - y) / y)),
+    }
+    return profile, fit
+
+
+CALIBRATION_WORKLOADS = [
+    # (engine kwargs, trace): chunked prefill mixed with decodes, then long contexts.
+    ({"max_num_batched_tokens": 256}, dict(num_requests=8, prompt_lens="16:200", output_lens="4:24")),
+    ({"max_num_batched_tokens": 128}, dict(num_requests=3, prompt_lens="400:600", output_lens="4:8")),
+]
+
+
+def _calibration_workloads(quick: bool) -> list[tuple[dict[str, Any], list[TraceRequest]]]:
+    out = []
+    for j, (kw, tr) in enumerate(CALIBRATION_WORKLOADS):
+        tr = dict(tr)
+        if quick:
+            tr["num_requests"] = max(2, tr["num_requests"] // 2)
+        out.append(({"block_size": 16, "num_kv_blocks": 512, "dtype": "float32", "preemption_mode": "swap",
+                     "swap_space": 0.25, **kw},
+                    synthetic_trace(rate=math.inf, seed=100 + j, **tr)))
+    return out
+
+
+def calibration_steps(model: str | None, quick: bool = False) -> list[tuple[list[float], float]]:
+    """(regressors, measured seconds) of every step of the calibration workloads."""
+    steps: list[tuple[list[float], float]] = []
+    for kw, trace in _calibration_workloads(quick):
+        steps += run_real(model, kw, trace).steps
+    return steps
+
+
+def measure_swap_bw(model: str | None) -> float:
+    """Bytes/s of the engine's own block moves out to the host pool and back."""
+    from pagedllm.llm import LLM
+
+    llm = LLM(model, num_kv_blocks=64, preemption_mode="swap", swap_space=0.05, dtype="float32")
+    return llm.llm_engine.executor.measure_preemption_rates()[1]
+
+
+def profile_from_steps(model: str | None, steps: list[tuple[list[float], float]],
+                       swap_bw: float) -> tuple[HardwareProfile, dict[str, Any]]:
+    import os
+    import platform
+
+    import psutil
+
+    sim_model = model_from_checkpoint(model, "float32")
+    name = f"cpu-{platform.node() or 'host'}-{psutil.cpu_count()}cores"
+    profile, fit = fit_profile(sim_model, [r for r, _ in steps], [s for _, s in steps], swap_bw,
+                               psutil.virtual_memory().total, name)
+    source = {**profile.source, "swap_copy_bytes_per_s": swap_bw, "load_average": list(os.getloadavg())}
+    return dataclasses.replace(profile, source=source), fit
+
+
+def calibrate(model: str | None, quick: bool = False) -> tuple[HardwareProfile, dict[str, Any]]:
+    return profile_from_steps(model, calibration_steps(model, quick), measure_swap_bw(model))
+
+
+# ---- validation -------------------------------------------------------------------------------
+VALIDATION_BASE = {"block_size": 16, "max_num_batched_tokens": 2048, "scheduling_policy": "fcfs",
+                   "preemption_mode": "recompute", "enable_prefix_caching": True, "num_kv_blocks": 512,
+                   "dtype": "float32", "swap_space": 0.25}
+VALIDATION_CONFIGS = [
+    ("base (budget 2048, fcfs, bs16, prefix on)", {}),
+    ("budget 64", {"max_num_batched_tokens": 64}),
+    ("srtf", {"scheduling_policy": "srtf"}),
+    ("block size 32", {"block_size": 32, "num_kv_blocks": 256}),
+    ("small KV, recompute", {"num_kv_blocks": 20}),
+    ("small KV, swap", {"num_kv_blocks": 20, "preemption_mode": "swap"}),
+    ("prefix caching off", {"enable_prefix_caching": False}),
+]
+
+
+def validation_trace(mode: str, quick: bool) -> list[TraceRequest]:
+    n = 6 if quick else 8
+    rate = math.inf if mode == "offline" else 0.5
+    return synthetic_trace(n, rate, "16:96", "4:16", seed=7, num_prefixes=2, prefix_len=32)
+
+
+def simulate_like(engine_kwargs: dict[str, Any], profile: HardwareProfile, sim_model: SimModel,
+                  trace: list[TraceRequest], num_kv_blocks: int) -> dict[str, Any]:
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.simulator.cli import run_one
+
+    ea = EngineArgs(**{**engine_kwargs, "num_kv_blocks": num_kv_blocks})
+    return run_one(ea, sim_model, profile, trace, 1, 1, True, 2.0, 0.1)
+
+
+def real_validation_runs(model: str | None, quick: bool = False) -> list[dict[str, Any]]:
+    """Every validation configuration through the real engine, offline and at a Poisson rate."""
+    from pagedllm.simulator.report import summarize
+
+    runs = []
+    for mode in ("offline", "poisson"):
+        trace = validation_trace(mode, quick)
+        for name, kw in VALIDATION_CONFIGS:
+            kwargs = {**VALIDATION_BASE, **kw}
+            run = run_real(model, kwargs, trace)
+            runs.append({"name": name, "mode": mode, "engine_args": kwargs, "trace": trace, "run": run,
+                         "summary": summarize(run.requests, run.elapsed_s, 2.0, 0.1)})
+            logger.info("real %s %s: %.1f s", name, mode, run.elapsed_s)
+    return runs
+
+
+def validate(model: str | None, runs: list[dict[str, Any]], calibration: list[tuple[list[float], float]],
+             swap_bw: float) -> list[dict[str, Any]]:
+    """Simulator vs real engine per run. Each run is simulated with a profile fitted on the steps
+    of the calibration workloads and of every *other* run (leave one out), never its own."""
+    sim_model = model_from_checkpoint(model, "float32")
+    keys = ("elapsed_s", "output_tok_s", "mean_ttft_s", "p99_ttft_s", "mean_tpot_s")
+    rows = []
+    for i, r in enumerate(runs):
+        steps = list(calibration) + [st for j, o in enumerate(runs) if j != i for st in o["run"].steps]
+        profile, _ = profile_from_steps(model, steps, swap_bw)
+        sim = simulate_like(r["engine_args"], profile, sim_model, r["trace"], r["run"].num_kv_blocks)
+        real = r["summary"]
+        row = {
+            "name": r["name"], "mode": r["mode"], "engine_args": r["engine_args"],
+            "real": {k: real[k] for k in keys} | {"preemptions_by_mode": r["run"].preemptions_by_mode,
+                                                   "num_steps": len(r["run"].steps)},
+            "sim": {k: sim[k] for k in keys} | {"preemptions_by_mode": sim["preemptions_by_mode"],
+                                                 "num_steps": sim["num_steps"]},
+        }
+        row["tput_err"] = row["sim"]["output_tok_s"] / row["real"]["output_tok_s"] - 1
+        row["ttft_err"] = row["sim"]["mean_ttft_s"] / row["real"]["mean_ttft_s"] - 1
+        logger.info("%s %s: throughput %+.1f%%, mean TTFT %+.1f%%", r["name"], r["mode"], 100 * row["tput_err"],
+                    100 * row["ttft_err"])
+        rows.append(row)
+    return rows
