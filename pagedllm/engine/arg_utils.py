@@ -270,6 +270,7 @@ class EngineArgs:
             num_kv_blocks=self.num_kv_blocks,
             enable_prefix_caching=self.enable_prefix_caching,
             swap_space=self.swap_space,
+            calculate_kv_scales=self.calculate_kv_scales,
         )
 
     def create_scheduler_config(self, max_model_len: int) -> SchedulerConfig:
@@ -316,27 +317,8 @@ class EngineArgs:
             seed=self.seed,
             tokenizer=self.tokenizer,
         )
-        cache_config = CacheConfig(
-            block_size=self.block_size,
-            kv_cache_memory=self.kv_cache_memory,
-            num_kv_blocks=self.num_kv_blocks,
-            enable_prefix_caching=self.enable_prefix_caching,
-            swap_space=self.swap_space,
-            calculate_kv_scales=self.calculate_kv_scales,
-        )
-        budget = self.max_num_batched_tokens or 2048
-        scheduler_config = SchedulerConfig(
-            max_num_batched_tokens=budget,
-            max_num_seqs=self.max_num_seqs,
-            max_model_len=max_model_len,
-            policy=self.scheduling_policy,
-            preemption_mode=self.preemption_mode,
-            long_prefill_token_threshold=self.long_prefill_token_threshold,
-            max_num_partial_prefills=self.max_num_partial_prefills,
-            time_slice=self.time_slice,
-            user_weights=dict(self.user_weights),
-            max_waiting_steps=self.max_waiting_steps,
-        )
+        cache_config = self.create_cache_config()
+        scheduler_config = self.create_scheduler_config(max_model_len)
         graph_sizes = self.cuda_graph_sizes if self.cuda_graph_sizes is not None else default_cuda_graph_sizes(
             self.max_num_seqs)
         device_config = DeviceConfig(
