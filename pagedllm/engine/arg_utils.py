@@ -16,10 +16,13 @@ from typing import Any
 from pagedllm.config import (
     DTYPES,
     PREEMPTION_MODES,
+    QUANTIZATION_GROUP_SIZES,
+    QUANTIZATION_METHODS,
     SCHEDULING_POLICIES,
     CacheConfig,
     EngineConfig,
     ModelConfig,
+    QuantizationConfig,
     SchedulerConfig,
 )
 
@@ -97,6 +100,15 @@ class EngineArgs:
     served_model_name: str | None = arg(None, "model name reported to clients", shown_default="model's name")
     dtype: str = arg("auto", "compute dtype (auto: float32 on CPU)",
                      choices=("auto", *DTYPES))
+    quantization: str | None = arg(
+        None, "linear weights: int8, w8a8, int4, fp8 (quantized at load), awq, gptq, gguf (kept as stored)",
+        flags=("-q",), choices=QUANTIZATION_METHODS, shown_default="checkpoint's (awq/gptq), else none")
+    quantization_group_size: int = arg(
+        128, "int4: inputs per scale (" + ", ".join(map(str, QUANTIZATION_GROUP_SIZES)) + ")", parse=int)
+    quantization_skip: str | None = arg(
+        None, "comma-separated module globs kept unquantized, or attention (quantize only the MLP)",
+        shown_default="none")
+    quantization_clip_search: bool = arg(False, "int4: search each group's clipping range")
     max_model_len: int | None = arg(None, "longest prompt + output", parse=int, shown_default="model's")
     seed: int = arg(0, "seed for unseeded sampling", parse=int)
     block_size: int = arg(16, "tokens per KV cache block", parse=int)
@@ -198,6 +210,21 @@ class EngineArgs:
             kwargs["model"] = args.model_tag
         return cls(**kwargs)
 
+    def _quantization_config(self, source: Any, hf_config: Any) -> QuantizationConfig | None:
+        from pagedllm.quantization import checkpoint_quantization
+
+        stored = checkpoint_quantization(source, hf_config)
+        method = self.quantization or (stored if stored in ("awq", "gptq") else None)
+        if method is None:
+            return None
+        if stored in ("awq", "gptq") and method != stored:
+            raise ValueError(f"quantization={method!r}: the checkpoint is quantized with {stored!r}")
+        if method in ("awq", "gptq", "gguf") and stored != method:
+            raise ValueError(f"quantization={method!r} needs a {method} checkpoint, {source.path} is not one")
+        skip = tuple(p.strip() for p in (self.quantization_skip or "").split(",") if p.strip())
+        return QuantizationConfig(method=method, group_size=int(self.quantization_group_size), skip=skip,
+                                  clip_search=self.quantization_clip_search)
+
     def create_engine_config(self) -> EngineConfig:
         from pagedllm.models.loader import load_generation_eos_ids, load_hf_config, resolve_model
 
@@ -223,6 +250,7 @@ class EngineArgs:
             eos_token_ids=frozenset(load_generation_eos_ids(source)),
             seed=self.seed,
             tokenizer=self.tokenizer,
+            quantization=self._quantization_config(source, hf_config),
         )
         cache_config = CacheConfig(
             block_size=self.block_size,

@@ -44,7 +44,8 @@ class Linear(nn.Module):
         self.quant_method.create_weights(self, in_features, out_features, dtype)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
         for p in self.parameters(recurse=False):
-            p.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+            if not hasattr(p, "weight_loader"):
+                p.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
     def shard_offsets(self, shard_id: object) -> tuple[int, int]:
         """(first output row, number of rows) of a checkpoint shard inside the fused weight."""
@@ -66,10 +67,11 @@ class Linear(nn.Module):
 class QKVLinear(Linear):
     """Fused q/k/v projection: rows [q | k | v]."""
 
-    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, dtype: torch.dtype):
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, dtype: torch.dtype,
+                 quant_method: UnquantizedLinearMethod | None = None):
         self.q_size = num_heads * head_dim
         self.kv_size = num_kv_heads * head_dim
-        super().__init__(hidden, self.q_size + 2 * self.kv_size, bias=bias, dtype=dtype)
+        super().__init__(hidden, self.q_size + 2 * self.kv_size, bias=bias, dtype=dtype, quant_method=quant_method)
 
     def shard_offsets(self, shard_id: object) -> tuple[int, int]:
         return {
@@ -82,9 +84,10 @@ class QKVLinear(Linear):
 class MergedLinear(Linear):
     """Several projections of the same input stacked by rows (e.g. [gate | up])."""
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, dtype: torch.dtype):
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, dtype: torch.dtype,
+                 quant_method: UnquantizedLinearMethod | None = None):
         self.out_sizes = out_sizes
-        super().__init__(in_features, sum(out_sizes), bias=bias, dtype=dtype)
+        super().__init__(in_features, sum(out_sizes), bias=bias, dtype=dtype, quant_method=quant_method)
 
     def shard_offsets(self, shard_id: object) -> tuple[int, int]:
         i = int(shard_id)  # type: ignore[call-overload]

@@ -19,6 +19,7 @@ from pagedllm.core.scheduler_output import Logprobs, ModelRunnerOutput, Schedule
 from pagedllm.layers.attention import Attention
 from pagedllm.models.loader import ModelSource, iterate_weights
 from pagedllm.models.registry import get_model_class
+from pagedllm.quantization import QuantizationSetup, process_model
 from pagedllm.worker.input_batch import BatchArrays, RequestState, build_batch
 from pagedllm.worker.sampler import Sampler, SamplingMetadata, SamplingRow, compute_topk_logprobs
 
@@ -69,10 +70,12 @@ class ModelRunner:
         mc = self.model_config
         t0 = time.perf_counter()
         cls = get_model_class(mc.hf_config)
+        quant = QuantizationSetup(mc) if mc.quantization is not None else None
         with torch.device(self.device):
-            model = cls(mc.hf_config, dtype=self.dtype)
+            model = cls(mc.hf_config, dtype=self.dtype, quant_config=quant)
         source = ModelSource(kind=mc.kind, path=mc.path, name=mc.served_model_name)  # type: ignore[arg-type]
-        model.load_weights(iterate_weights(source))
+        model.load_weights(iterate_weights(source, quant))
+        process_model(model, self.dtype, f"{mc.quantization.method} quantization" if quant else "")
         model.eval()
         self.model = model
         n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

@@ -41,8 +41,14 @@ def gguf_to_hf_name(name: str) -> str | None:
     return None
 
 
-def iterate_gguf(header: GGUFHeader) -> Iterator[tuple[str, torch.Tensor]]:
-    """Dequantize each GGUF tensor, rename it, and undo llama.cpp's Q/K permutation."""
+def iterate_gguf(header: GGUFHeader, kept: frozenset[str] | set[str] = frozenset()
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each GGUF tensor under its HF name, with llama.cpp's Q/K permutation undone.
+
+    Tensors of modules in ``kept`` (e.g. ``model.layers.0.mlp.down_proj``) stay in their blocks:
+    they are yielded as ``<module>.codes`` / ``.scales`` / ``.zeros`` (see
+    :mod:`pagedllm.quantization.formats`); all others are dequantized to float32.
+    """
     heads = _permute_heads(header)
     data = np.memmap(header.path, dtype=np.uint8, mode="r")
     start = time.perf_counter()
@@ -52,20 +58,35 @@ def iterate_gguf(header: GGUFHeader) -> Iterator[tuple[str, torch.Tensor]]:
             if info.name not in _GGUF_IGNORED:
                 logger.warning("GGUF file %s: skipping unknown tensor %r", header.path, info.name)
             continue
+        n_head = next((h for key, h in heads.items() if key in info.name), None)
         try:
             raw = data[info.offset : info.offset + info.n_bytes]
-            tensor = dequantize_gguf(raw, info.qtype, info.torch_shape)
-            n_head = next((h for key, h in heads.items() if key in info.name), None)
+            module = hf_name.removesuffix(".weight")
+            if module in kept:
+                parts = _group_codes(raw, info.qtype, info.torch_shape)
+            else:
+                parts = {"weight": dequantize_gguf(raw, info.qtype, info.torch_shape)}
             if n_head is not None:
-                tensor = unpermute_qk(tensor, n_head)
+                parts = {k: unpermute_qk(v, n_head) for k, v in parts.items()}
         except ModelLoadError:
             raise
         except Exception as exc:  # numpy/torch shape or dtype errors
             raise ModelLoadError(
-                f"GGUF file {header.path}: cannot dequantize tensor {info.name!r}: {exc}"
+                f"GGUF file {header.path}: cannot decode tensor {info.name!r}: {exc}"
             ) from exc
-        yield hf_name, tensor
-    logger.info("dequantized %s in %.2f s", header.path, time.perf_counter() - start)
+        if module in kept:
+            for key, value in parts.items():
+                yield f"{module}.{key}", value
+        else:
+            yield hf_name, parts["weight"]
+    logger.info("read the weights of %s in %.2f s", header.path, time.perf_counter() - start)
+
+
+def _group_codes(raw: np.ndarray, qtype: int, shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    from pagedllm.quantization.formats import gguf_group_codes
+
+    gc = gguf_group_codes(raw, qtype, shape)
+    return {"codes": gc.codes, "scales": gc.scales, "zeros": gc.zeros}
 
 
 def _permute_heads(header: GGUFHeader) -> dict[str, int]:

@@ -58,7 +58,8 @@ def check_safetensors(path: Path) -> None:
         )
 
 
-def iterate_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_safetensors(files: list[Path], raw: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the files, as float32 (``raw``: in its stored dtype)."""
     from safetensors import safe_open
 
     for path in files:
@@ -67,7 +68,8 @@ def iterate_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]
                 for key in f.keys():
                     if key.endswith(_SKIPPED_SUFFIXES):
                         continue
-                    yield key, f.get_tensor(key).to(torch.float32)
+                    tensor = f.get_tensor(key)
+                    yield key, tensor if raw else tensor.to(torch.float32)
         except ModelLoadError:
             raise
         except Exception as exc:  # SafetensorError, OSError, RuntimeError
