@@ -165,7 +165,7 @@ def _tensor_nbytes(path: str, name: str, shape: tuple[int, ...], qtype: int) -> 
 
 
 def _parse_gguf(buf: mmap.mmap, path: str) -> GGUFHeader:
-    """Parse magic, version, metadata and tensor table; check data extents."""
+    """Parse magic, version, metadata and tensor table; validate the table against the file."""
     cur = _Cursor(buf, path)
     magic = buf[:4]
     if magic != _GGUF_MAGIC:
@@ -190,24 +190,55 @@ def _parse_gguf(buf: mmap.mmap, path: str) -> GGUFHeader:
     if alignment <= 0 or alignment & (alignment - 1):
         raise ModelLoadError(f"GGUF file {path} is corrupt: alignment {alignment}")
     data_start = -(-cur.pos // alignment) * alignment
-    tensors = {}
+    tensors: dict[str, GGUFTensorInfo] = {}
     for name, shape, qtype, rel in infos:
+        if name in tensors:
+            raise ModelLoadError(f"GGUF file {path} is corrupt: tensor {name!r} appears twice")
+        if any(d < 1 for d in shape):
+            raise ModelLoadError(f"GGUF file {path} is corrupt: tensor {name!r} has shape {shape}")
+        if rel % alignment:
+            raise ModelLoadError(
+                f"GGUF file {path} is corrupt: tensor {name!r} has offset {rel}, not a multiple of "
+                f"the alignment {alignment}"
+            )
         n_bytes = _tensor_nbytes(path, name, shape, qtype)
         tensors[name] = GGUFTensorInfo(name, shape, qtype, data_start + rel, n_bytes)
-    _check_extents(path, cur.size, tensors)
+    check_tensor_table(path, cur.size, data_start, alignment, list(tensors.values()))
     return GGUFHeader(path=path, metadata=metadata, tensors=tensors)
 
 
-def _check_extents(path: str, size: int, tensors: dict[str, GGUFTensorInfo]) -> None:
-    """Raise when any tensor's data would lie past the end of the file."""
-    if not tensors:
-        return
-    last = max(tensors.values(), key=lambda t: t.offset + t.n_bytes)
-    end = last.offset + last.n_bytes
-    if end > size:
+def check_tensor_table(path: str, size: int, data_start: int, alignment: int,
+                       tensors: list[GGUFTensorInfo]) -> None:
+    """Every tensor inside the file, none overlapping another, and no unexplained gap.
+
+    GGUF writers place each tensor at the next multiple of the alignment after the previous one,
+    so a gap of ``alignment`` bytes or more between two tensors means a type or shape that does
+    not match the offsets (e.g. a Q4_1 tensor relabelled Q4_0 is 10% shorter than its slot).
+    """
+    expected = data_start
+    for t in sorted(tensors, key=lambda t: t.offset):
+        end = t.offset + t.n_bytes
+        if end > size:
+            raise ModelLoadError(
+                f"GGUF file {path} is truncated: tensor {t.name!r} needs bytes up to {end} "
+                f"but the file has {size}"
+            )
+        if t.offset < expected:
+            raise ModelLoadError(
+                f"GGUF file {path} is corrupt: tensor {t.name!r} at byte {t.offset} overlaps the "
+                f"previous tensor, which ends at byte {expected}"
+            )
+        if t.offset - expected >= alignment:
+            raise ModelLoadError(
+                f"GGUF file {path} is corrupt: {t.offset - expected} bytes before tensor {t.name!r} "
+                "belong to no tensor (a type or shape inconsistent with the offsets)"
+            )
+        expected = end
+    if tensors and size - expected >= alignment:
+        last = max(tensors, key=lambda t: t.offset)
         raise ModelLoadError(
-            f"GGUF file {path} is truncated: tensor {last.name!r} needs bytes up to {end} "
-            f"but the file has {size}"
+            f"GGUF file {path} is corrupt: {size - expected} bytes after the last tensor {last.name!r} "
+            "belong to no tensor (a type or shape inconsistent with the file size)"
         )
 
 
