@@ -25,11 +25,13 @@ def peer_python() -> str:
     return str(Path(venv) / "bin" / "python")
 
 
-def llamacpp_perplexity(gguf_path: str, windows: list[list[int]], threads: int) -> dict:
-    """{"nlls": [[...] per window], "seconds": s} from llama.cpp, run in the peers' Python."""
+def llamacpp_perplexity(gguf_path: str, windows: list[list[int]], threads: int, decode_tokens: int = 0) -> dict:
+    """{"nlls": [[...] per window], "seconds": s, "decode_tok_s": x} from llama.cpp, run in the
+    peers' Python; ``decode_tokens`` > 0 also times single-stream greedy decoding after 8 tokens."""
     with tempfile.TemporaryDirectory() as tmp:
         job = Path(tmp) / "job.json"
-        job.write_text(json.dumps({"model": gguf_path, "windows": windows, "threads": threads}))
+        job.write_text(json.dumps({"model": gguf_path, "windows": windows, "threads": threads,
+                                   "decode_tokens": decode_tokens}))
         out = subprocess.run([peer_python(), __file__, str(job)], capture_output=True, text=True, check=False)
         if out.returncode != 0:
             raise RuntimeError(f"llama.cpp peer failed: {out.stderr.strip()[-2000:]}")
@@ -60,7 +62,16 @@ def _peer_main(job_path: str) -> None:
         scores = llm.scores
         first = ctx // 2
         nlls.append([-_log_softmax_at(scores[j], w[j + 1]) for j in range(first, ctx - 1)])
-    print(json.dumps({"nlls": nlls, "seconds": seconds}))
+    decode = None
+    if job.get("decode_tokens"):
+        n = int(job["decode_tokens"])
+        llm.reset()
+        start = time.perf_counter()
+        llm.eval(windows[0][:8])
+        for _ in range(n):
+            llm.eval([int(llm.scores[llm.n_tokens - 1].argmax())])
+        decode = n / (time.perf_counter() - start)
+    print(json.dumps({"nlls": nlls, "seconds": seconds, "decode_tok_s": decode}))
 
 
 if __name__ == "__main__":
