@@ -53,18 +53,26 @@ class _FromFloat:
         raise NotImplementedError
 
 
-class Int8LinearMethod(_FromFloat):
-    """Weight-only int8, one scale per output channel (``_weight_int8pack_mm``)."""
+class _PerChannel(_FromFloat):
+    """Weight-only, one scale per output channel: ``quantizer(w) -> (codes, scales)`` at load,
+    ``kernel(x, codes, scales)`` per call."""
 
-    name = "int8"
+    quantizer = staticmethod(K.quantize_int8_per_channel)
+    kernel = staticmethod(K.int8_weight_linear)
 
     def quantize(self, layer: nn.Module, w: torch.Tensor) -> None:
-        codes, scales = K.quantize_int8_per_channel(w)
+        codes, scales = self.quantizer(w)
         _set(layer, "qweight", codes)
         _set(layer, "wscale", scales.to(self.dtype))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return _bias(K.int8_weight_linear(x, layer.qweight, layer.wscale), bias)
+        return _bias(self.kernel(x, layer.qweight, layer.wscale), bias)
+
+
+class Int8LinearMethod(_PerChannel):
+    """Weight-only int8, one scale per output channel (``_weight_int8pack_mm``)."""
+
+    name = "int8"
 
 
 class W8A8LinearMethod(_FromFloat):
@@ -81,18 +89,12 @@ class W8A8LinearMethod(_FromFloat):
         return _bias(K.int8_dynamic_linear(x, layer.qweight_t, layer.wscale), bias)
 
 
-class Fp8LinearMethod(_FromFloat):
-    """e4m3 weights with one float32 scale per output channel."""
+class Fp8LinearMethod(_PerChannel):
+    """e4m3 weights with one scale per output channel, widened to the activation dtype per call."""
 
     name = "fp8"
-
-    def quantize(self, layer: nn.Module, w: torch.Tensor) -> None:
-        w8, scales = K.quantize_fp8_per_channel(w)
-        _set(layer, "qweight", w8)
-        _set(layer, "wscale", scales.to(self.dtype))
-
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return _bias(K.fp8_weight_linear(x, layer.qweight, layer.wscale), bias)
+    quantizer = staticmethod(K.quantize_fp8_per_channel)
+    kernel = staticmethod(K.fp8_weight_linear)
 
 
 class Int4LinearMethod(_FromFloat):
