@@ -101,12 +101,13 @@ def dequantize_groupwise(codes: torch.Tensor, scales: torch.Tensor, zeros: torch
     return w.reshape(n, k)
 
 
-def pack_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+              dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
     """Layout of ``_weight_int4pack_mm_for_cpu``: packed codes and [K/g, N, 2] scale/zero pairs.
 
     The kernel computes ``(code - 8) * scale + zero'``; with ``w = code * scale + zero`` that is
-    ``zero' = zero + 8 * scale``.
+    ``zero' = zero + 8 * scale``. Scales are kept in bfloat16: the kernel's float32 path is about
+    100x slower than its bfloat16 one on this CPU (docs/quantization.md).
     """
     packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
     sz = torch.stack([scales, zeros + 8.0 * scales], dim=-1).transpose(0, 1).contiguous().to(dtype)
@@ -114,7 +115,8 @@ def pack_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dt
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, group_size: int) -> torch.Tensor:
-    """x [..., K] @ W^T for W packed by :func:`pack_int4`."""
+    """x [..., K] @ W^T for W packed by :func:`pack_int4`; activations enter the kernel in the
+    scales' dtype (bfloat16) and the result returns in x's dtype."""
     x2 = x.reshape(-1, x.shape[-1]).to(sz.dtype).contiguous()
     y = torch._weight_int4pack_mm_for_cpu(x2, packed, group_size, sz)
     return y.to(x.dtype).reshape(*x.shape[:-1], -1)

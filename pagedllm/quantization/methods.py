@@ -196,8 +196,8 @@ def finish_group_codes(layer: nn.Module, codes: torch.Tensor, scales: torch.Tens
         _set(layer, "perm", perm.clone())
     else:
         layer.perm = None
-    if bits <= 4 and group in K.INT4_GROUP_SIZES and dtype in (torch.float32, torch.bfloat16):
-        packed, sz = K.pack_int4(codes, scales, zeros, dtype)
+    if bits <= 4 and group in K.INT4_GROUP_SIZES:
+        packed, sz = K.pack_int4(codes, scales, zeros)
         _set(layer, "packed", packed)
         _set(layer, "scales_zeros", sz)
         layer.kernel = "int4"

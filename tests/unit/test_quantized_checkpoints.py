@@ -90,7 +90,7 @@ def test_prequantized_folder_decodes_like_its_float_weights(tmp_path: Path, meth
     for a, b in zip(ours, ref):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb, t in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, a.outputs[0].token_ids):
-            assert abs(la[t].logprob - lb[t].logprob) < 1e-3
+            assert abs(la[t].logprob - lb[t].logprob) < 1e-2  # the int4 kernel takes bfloat16 activations
 
 
 def test_missing_scales_names_the_tensor(tmp_path: Path) -> None:
