@@ -98,13 +98,14 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--output-tokens", type=int, default=16)
+    ap.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True, help="run llama.cpp too")
     ap.add_argument("--peer4096", action="store_true", help="also llama.cpp's perplexity at ctx 4096")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="benchmarks/results/quantization.json")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
-    rows = [peer(args)]
+    rows = [peer(args)] if args.peer else []
     for label in args.schemes.split(","):
         rows.append(measure(label, SCHEMES[label], args))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

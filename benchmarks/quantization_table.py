@@ -13,8 +13,9 @@ def fmt(v, spec: str) -> str:
     return "not measured" if v is None else format(v, spec)
 
 
-def main(path: str = "benchmarks/results/quantization.json") -> None:
-    rows = {r["scheme"]: r for r in json.load(open(path))["rows"]}
+def main(*paths: str) -> None:
+    rows = {r["scheme"]: r for p in paths or ("benchmarks/results/quantization.json",)
+            for r in json.load(open(p))["rows"]}
     base = rows.get("bf16") or {}
     fp32 = rows["fp32"]["weight_mib"]
     print("| scheme | weight MiB (× fp32) | PPL ctx 512 | Δ vs bf16 | PPL ctx 4096 | Δ vs bf16 "

@@ -59,11 +59,13 @@ class _PerChannel(_FromFloat):
 
     quantizer = staticmethod(K.quantize_int8_per_channel)
     kernel = staticmethod(K.int8_weight_linear)
+    scale_dtype: torch.dtype | None = torch.bfloat16
+    """dtype of the scales the kernel takes (None: the model dtype)."""
 
     def quantize(self, layer: nn.Module, w: torch.Tensor) -> None:
         codes, scales = self.quantizer(w)
         _set(layer, "qweight", codes)
-        _set(layer, "wscale", scales.to(self.dtype))
+        _set(layer, "wscale", scales.to(self.scale_dtype or self.dtype))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return _bias(self.kernel(x, layer.qweight, layer.wscale), bias)
@@ -93,6 +95,7 @@ class Fp8LinearMethod(_PerChannel):
     """e4m3 weights with one scale per output channel, widened to the activation dtype per call."""
 
     name = "fp8"
+    scale_dtype = None
     quantizer = staticmethod(K.quantize_fp8_per_channel)
     kernel = staticmethod(K.fp8_weight_linear)
 
