@@ -55,6 +55,9 @@ def measure(label: str, kwargs: dict, args) -> dict:
     if args.chunks4096:
         r4k = perplexity(ctx=4096, chunks=args.chunks4096, progress=False, llm=llm)
         row.update(ppl4096=r4k.ppl, ppl4096_err=r4k.stderr)
+    if args.ppl_only:
+        print(json.dumps(row), flush=True)
+        return row
     prompt = "Once upon a time, in a small village at the foot of the mountains, there lived"
     sp = SamplingParams(max_tokens=args.decode_tokens, temperature=0.0, ignore_eos=True)
     llm.generate([prompt], sp, use_tqdm=False)  # warm-up
@@ -100,6 +103,7 @@ def main() -> None:
     ap.add_argument("--output-tokens", type=int, default=16)
     ap.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True, help="run llama.cpp too")
     ap.add_argument("--peer4096", action="store_true", help="also llama.cpp's perplexity at ctx 4096")
+    ap.add_argument("--ppl-only", action="store_true", help="quality only: no decode/throughput timing")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="benchmarks/results/quantization.json")
     args = ap.parse_args()
