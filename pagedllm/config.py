@@ -15,6 +15,10 @@ EXECUTOR_BACKENDS = ("mp", "ray", "external_launcher")
 # KV cache element types (vLLM's names; "fp8" means fp8_e4m3); "auto" is the model dtype.
 KV_CACHE_DTYPES = ("auto", *DTYPES, "fp8", "fp8_e4m3", "fp8_e5m2")
 KV_CACHE_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
+QUANTIZATION_METHODS = ("int8", "w8a8", "int4", "fp8", "awq", "gptq", "gguf")
+QUANTIZATION_GROUP_SIZES = (32, 64, 128)
+# --quantization-skip preset: keep attention (q/k/v/o projections) in the model dtype.
+SKIP_PRESETS = {"attention": ("*.self_attn.*",)}
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,35 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class QuantizationConfig:
+    """How linear weights are kept: scheme, group size and the layers left in the model dtype."""
+
+    method: str
+    """int8, w8a8, int4, fp8 (quantized from a float checkpoint at load), awq, gptq or gguf (as stored)."""
+    group_size: int = 128
+    """Inputs per scale for int4."""
+    skip: tuple[str, ...] = ()
+    """Module-name globs (e.g. ``*.self_attn.*``) kept in the model dtype; the preset name
+    ``attention`` stands for the attention projections."""
+    clip_search: bool = False
+    """int4: per group, search the clipping range that minimises the squared error."""
+
+    def __post_init__(self) -> None:
+        if self.method not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, got {self.method!r}")
+        if self.group_size not in QUANTIZATION_GROUP_SIZES:
+            raise ValueError(f"quantization group size must be one of {QUANTIZATION_GROUP_SIZES}, got {self.group_size}")
+        for pattern in self.skip:
+            if not pattern.strip():
+                raise ValueError(f"quantization skip patterns must be non-empty globs, got {self.skip!r}")
+
+    @property
+    def skip_globs(self) -> tuple[str, ...]:
+        """``skip`` with preset names expanded."""
+        return tuple(g for p in self.skip for g in SKIP_PRESETS.get(p, (p,)))
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The model to run, resolved from a folder, a .gguf file or the embedded default."""
 
@@ -131,6 +164,8 @@ class ModelConfig:
     load_format: str = "auto"
     """'auto' reads the weights from `path`; 'dummy' fills them with small random values (benchmarks
     of a model shape from its config.json alone)."""
+    quantization: QuantizationConfig | None = None
+    """Quantized linear layers, or None for weights in the model dtype."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

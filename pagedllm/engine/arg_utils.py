@@ -19,12 +19,15 @@ from pagedllm.config import (
     EXECUTOR_BACKENDS,
     KV_CACHE_DTYPES,
     PREEMPTION_MODES,
+    QUANTIZATION_GROUP_SIZES,
+    QUANTIZATION_METHODS,
     SCHEDULING_POLICIES,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
     ModelConfig,
     ParallelConfig,
+    QuantizationConfig,
     SchedulerConfig,
 )
 
@@ -145,6 +148,15 @@ class EngineArgs:
     kv_cache_dtype: str = arg("auto", "KV cache element type (auto: the compute dtype; fp8 = fp8_e4m3, "
                               "with per-tensor scales)", choices=KV_CACHE_DTYPES)
     calculate_kv_scales: bool = arg(False, "fp8 KV cache: scales from the first batch's K/V maxima (else 1.0)")
+    quantization: str | None = arg(
+        None, "linear weights: int8, w8a8, int4, fp8 (quantized at load), awq, gptq, gguf (kept as stored)",
+        flags=("-q",), choices=QUANTIZATION_METHODS, shown_default="checkpoint's (awq/gptq), else none")
+    quantization_group_size: int = arg(
+        128, "int4: inputs per scale (" + ", ".join(map(str, QUANTIZATION_GROUP_SIZES)) + ")", parse=int)
+    quantization_skip: str | None = arg(
+        None, "comma-separated module globs kept unquantized, or attention (quantize only the MLP)",
+        shown_default="none")
+    quantization_clip_search: bool = arg(False, "int4: search each group's clipping range")
     max_model_len: int | None = arg(None, "longest prompt + output", parse=int, shown_default="model's")
     seed: int = arg(0, "seed for unseeded sampling", parse=int)
     block_size: int = arg(16, "tokens per KV cache block", parse=int)
@@ -287,6 +299,20 @@ class EngineArgs:
             user_weights=dict(self.user_weights),
             max_waiting_steps=self.max_waiting_steps,
         )
+    def _quantization_config(self, source: Any, hf_config: Any) -> QuantizationConfig | None:
+        from pagedllm.quantization import checkpoint_quantization
+
+        stored = checkpoint_quantization(source, hf_config)
+        method = self.quantization or (stored if stored in ("awq", "gptq") else None)
+        if method is None:
+            return None
+        if stored in ("awq", "gptq") and method != stored:
+            raise ValueError(f"quantization={method!r}: the checkpoint is quantized with {stored!r}")
+        if method in ("awq", "gptq", "gguf") and stored != method:
+            raise ValueError(f"quantization={method!r} needs a {method} checkpoint, {source.path} is not one")
+        skip = tuple(p.strip() for p in (self.quantization_skip or "").split(",") if p.strip())
+        return QuantizationConfig(method=method, group_size=int(self.quantization_group_size), skip=skip,
+                                  clip_search=self.quantization_clip_search)
 
     def create_engine_config(self) -> EngineConfig:
         from pagedllm.hardware import resolve_dtype
@@ -316,6 +342,7 @@ class EngineArgs:
             eos_token_ids=frozenset(load_generation_eos_ids(source)),
             seed=self.seed,
             tokenizer=self.tokenizer,
+            quantization=self._quantization_config(source, hf_config),
         )
         cache_config = self.create_cache_config()
         scheduler_config = self.create_scheduler_config(max_model_len)
@@ -333,6 +360,13 @@ class EngineArgs:
             distributed_executor_backend=self.distributed_executor_backend,
             pipeline_layer_partition=self.pipeline_layer_partition,
         )
+        quant = model_config.quantization
+        if parallel_config.tensor_parallel_size > 1 and quant is not None and quant.method in ("awq", "gptq", "gguf"):
+            raise ValueError(
+                f"quantization={quant.method!r} keeps packed checkpoint weights, which are not split over "
+                f"tensor_parallel_size={parallel_config.tensor_parallel_size} ranks; use tensor_parallel_size=1 "
+                "or a quantization applied at load (int8, w8a8, int4, fp8)"
+            )
         parallel_config.check_model(
             model_config.num_layers, model_config.num_heads, model_config.num_kv_heads,
             int(getattr(hf_config, "intermediate_size", 0) or 0),

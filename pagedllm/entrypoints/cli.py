@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="pagedllm", description="LLM inference and serving with a paged KV cache.")
     parser.add_argument("--version", action="version", version=f"pagedllm {__version__}")
     parser.add_argument("--log-level", default=os.environ.get("PAGEDLLM_LOG_LEVEL", "INFO"))
-    sub = parser.add_subparsers(dest="command", metavar="{serve,generate,chat,bench}", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="{serve,generate,chat,bench,eval}", parser_class=_Parser)
 
     gen = sub.add_parser("generate", help="generate for prompts and print the results")
     gen.add_argument("prompts", nargs="*", help="prompts (read from stdin, one per line, when none are given)")
@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
         add_simulate_parser(sub)
     except ImportError:
         pass
+    from pagedllm.eval.cli import add_eval_parser
+
+    add_eval_parser(sub)
     return parser
 
 

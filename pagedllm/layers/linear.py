@@ -55,7 +55,8 @@ class Linear(nn.Module):
         self.quant_method.create_weights(self, in_features, out_features, dtype)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
         for p in self.parameters(recurse=False):
-            p.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+            if not hasattr(p, "weight_loader"):
+                p.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
     def shard_offsets(self, shard_id: object) -> tuple[int, int]:
         """(first output row, number of rows) of a checkpoint shard inside the fused weight."""
@@ -89,6 +90,8 @@ class ColumnParallelLinear(Linear):
         super().__init__(in_features, out_features // self.tp.size, bias=bias, dtype=dtype, quant_method=quant_method)
 
     def shard_checkpoint(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object) -> torch.Tensor:
+        if self.tp.size == 1:
+            return loaded
         _, size = self.shard_offsets(shard_id)
         return loaded.narrow(0, self.checkpoint_row(shard_id), size)
 
@@ -107,7 +110,7 @@ class RowParallelLinear(Linear):
         super().__init__(in_features // self.tp.size, out_features, bias=bias, dtype=dtype, quant_method=quant_method)
 
     def shard_checkpoint(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object) -> torch.Tensor:
-        if param is self.bias or loaded.dim() < 2:
+        if self.tp.size == 1 or param is self.bias or loaded.dim() < 2:
             return loaded
         return loaded.narrow(1, self.tp.rank * self.in_features, self.in_features)
 

@@ -22,21 +22,42 @@ from pagedllm.layers.rmsnorm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
 
 
+def linear_method(quant_config, prefix: str, shards: tuple[str, ...] = ()):
+    """The quantization method of the linear layer ``prefix`` (checkpoint modules ``shards`` of
+    its parent fused into it), or None for weights in the model dtype."""
+    if quant_config is None:
+        return None
+    parent = prefix.rsplit(".", 1)[0]
+    return quant_config.linear_method(prefix, [f"{parent}.{s}" for s in shards] or [prefix])
+
+
+def linear_method(quant_config, prefix: str, shards: tuple[str, ...] = ()):
+    """The quantization method of the linear layer ``prefix`` (checkpoint modules ``shards`` of
+    its parent fused into it), or None for weights in the model dtype."""
+    if quant_config is None:
+        return None
+    parent = prefix.rsplit(".", 1)[0]
+    return quant_config.linear_method(prefix, [f"{parent}.{s}" for s in shards] or [prefix])
+
+
 def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, config, layer_idx: int, dtype: torch.dtype, qkv_bias: bool, o_bias: bool,
-                 rotary_emb: RotaryEmbedding, tp: TensorParallelGroup) -> None:
+                 rotary_emb: RotaryEmbedding, tp: TensorParallelGroup, quant_config=None, prefix: str = "") -> None:
         super().__init__()
         hidden = config.hidden_size
         num_heads = config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         self.head_dim = head_dim_of(config)
-        self.qkv_proj = QKVLinear(hidden, self.head_dim, num_heads, num_kv_heads, qkv_bias, dtype, tp=tp)
+        self.qkv_proj = QKVLinear(
+            hidden, self.head_dim, num_heads, num_kv_heads, qkv_bias, dtype, tp=tp,
+            quant_method=linear_method(quant_config, f"{prefix}.qkv_proj", ("q_proj", "k_proj", "v_proj")))
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
-        self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, bias=o_bias, dtype=dtype, tp=tp)
+        self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, bias=o_bias, dtype=dtype, tp=tp,
+                                        quant_method=linear_method(quant_config, f"{prefix}.o_proj"))
         self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5, layer_idx)
         self.splits = [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size]
@@ -48,11 +69,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config, dtype: torch.dtype, bias: bool, tp: TensorParallelGroup) -> None:
+    def __init__(self, config, dtype: torch.dtype, bias: bool, tp: TensorParallelGroup, quant_config=None,
+                 prefix: str = "") -> None:
         super().__init__()
         inter = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias=bias, dtype=dtype, tp=tp)
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias, dtype=dtype, tp=tp)
+        self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias=bias, dtype=dtype, tp=tp,
+                                         quant_method=linear_method(quant_config, f"{prefix}.gate_up_proj",
+                                                                    ("gate_proj", "up_proj")))
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias, dtype=dtype, tp=tp,
+                                           quant_method=linear_method(quant_config, f"{prefix}.down_proj"))
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -61,10 +86,12 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int, dtype: torch.dtype, qkv_bias: bool, o_bias: bool, mlp_bias: bool,
-                 rotary_emb: RotaryEmbedding, tp: TensorParallelGroup):
+                 rotary_emb: RotaryEmbedding, tp: TensorParallelGroup, quant_config=None):
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, dtype, qkv_bias, o_bias, rotary_emb, tp)
-        self.mlp = LlamaMLP(config, dtype, mlp_bias, tp)
+        prefix = f"model.layers.{layer_idx}"
+        self.self_attn = LlamaAttention(config, layer_idx, dtype, qkv_bias, o_bias, rotary_emb, tp, quant_config,
+                                        f"{prefix}.self_attn")
+        self.mlp = LlamaMLP(config, dtype, mlp_bias, tp, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -88,7 +115,8 @@ class LlamaForCausalLM(nn.Module):
     }
     qkv_bias_default = False
 
-    def __init__(self, config, dtype: torch.dtype = torch.float32, parallel: ParallelContext | None = None) -> None:
+    def __init__(self, config, dtype: torch.dtype = torch.float32, parallel: ParallelContext | None = None,
+                 quant_config=None) -> None:
         super().__init__()
         self.config = config
         self.parallel = parallel = parallel or ParallelContext()
@@ -102,7 +130,7 @@ class LlamaForCausalLM(nn.Module):
         # One RoPE table for the whole model, shared by its layers.
         rotary = RotaryEmbedding(config, head_dim_of(config), config.max_position_embeddings, dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, dtype, qkv_bias, attn_bias, mlp_bias, rotary, tp)
+            LlamaDecoderLayer(config, i, dtype, qkv_bias, attn_bias, mlp_bias, rotary, tp, quant_config)
             if self.start_layer <= i < self.end_layer else PPMissingLayer()
             for i in range(config.num_hidden_layers)
         )
@@ -167,7 +195,10 @@ class LlamaForCausalLM(nn.Module):
             loader = getattr(param, "weight_loader", None)
             tensor = tensor.to(param.dtype)
             if loader is not None:
-                loader(param, tensor, shard)
+                try:
+                    loader(param, tensor, shard)
+                except ValueError as e:
+                    raise ValueError(f"checkpoint tensor {ckpt_name!r}: {e}") from None
             else:
                 if tensor.shape != param.shape:
                     raise ValueError(

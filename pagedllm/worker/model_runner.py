@@ -22,6 +22,7 @@ from pagedllm.core.scheduler_output import Logprobs, ModelRunnerOutput, Schedule
 from pagedllm.layers.attention import Attention
 from pagedllm.models.loader import ModelSource, iterate_weights
 from pagedllm.models.registry import get_model_class
+from pagedllm.quantization import QuantizationSetup, process_model
 from pagedllm.worker import device as dev
 from pagedllm.worker.cuda_graph import CudaGraphRunner
 from pagedllm.worker.input_batch import BatchArrays, RequestState, build_batch
@@ -116,13 +117,15 @@ class ModelRunner:
         mc = self.model_config
         t0 = time.perf_counter()
         cls = get_model_class(mc.hf_config)
+        quant = QuantizationSetup(mc) if mc.quantization is not None else None
         with torch.device(self.device):
-            model = cls(mc.hf_config, dtype=self.dtype, parallel=self.parallel)
+            model = cls(mc.hf_config, dtype=self.dtype, parallel=self.parallel, quant_config=quant)
         if mc.load_format == "dummy":
             dev.initialize_dummy_weights(model, mc.seed)
         else:
             source = ModelSource(kind=mc.kind, path=mc.path, name=mc.served_model_name)  # type: ignore[arg-type]
-            model.load_weights(iterate_weights(source))
+            model.load_weights(iterate_weights(source, quant))
+        process_model(model, self.dtype, f"{mc.quantization.method} quantization" if quant else "")
         model.eval()
         for layer in self._attention_layers(model):
             layer.context, layer.backend = self.forward_context, self.attn_backend

@@ -1,0 +1,222 @@
+"""One LinearMethod per scheme: ``create_weights`` / ``process_weights_after_loading`` / ``apply``.
+
+On-the-fly schemes (``int8``, ``w8a8``, ``int4``, ``fp8``) load the float weight like the
+unquantized method and quantize it once after loading, dropping the float copy. Pre-quantized
+checkpoints (GGUF, AWQ, GPTQ) load group-wise codes, scales and zeros (``w = code * scale +
+zero``) decoded from their own layouts by :mod:`pagedllm.quantization.formats`, which the same
+``process_weights_after_loading`` turns into the kernel's layout.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from pagedllm.quantization import kernels as K
+
+logger = logging.getLogger(__name__)
+
+
+def _bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return y if bias is None else y + bias
+
+
+def _set(layer: nn.Module, name: str, value: torch.Tensor) -> None:
+    """A runtime tensor of the layer (a buffer: not a parameter, not saved)."""
+    layer.register_buffer(name, value, persistent=False)
+
+
+def runtime_bytes(layer: nn.Module) -> int:
+    """Bytes of the layer's weight as it is kept in memory (parameters and buffers, no bias)."""
+    tensors = [t for n, t in layer.named_parameters(recurse=False) if n != "bias"]
+    tensors += list(layer.buffers(recurse=False))
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class _FromFloat:
+    """Loads the float weight as the unquantized method does; quantizes it after loading."""
+
+    name = "float"
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype) -> None:
+        layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.dtype = dtype
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        w = layer.weight.data
+        del layer.weight
+        self.quantize(layer, w)
+
+    def quantize(self, layer: nn.Module, w: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
+class _PerChannel(_FromFloat):
+    """Weight-only, one scale per output channel: ``quantizer(w) -> (codes, scales)`` at load,
+    ``kernel(x, codes, scales)`` per call."""
+
+    quantizer = staticmethod(K.quantize_int8_per_channel)
+    kernel = staticmethod(K.int8_weight_linear)
+    scale_dtype: torch.dtype | None = torch.bfloat16
+    """dtype of the scales the kernel takes (None: the model dtype)."""
+
+    def quantize(self, layer: nn.Module, w: torch.Tensor) -> None:
+        codes, scales = self.quantizer(w)
+        _set(layer, "qweight", codes)
+        _set(layer, "wscale", scales.to(self.scale_dtype or self.dtype))
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return _bias(self.kernel(x, layer.qweight, layer.wscale), bias)
+
+
+class Int8LinearMethod(_PerChannel):
+    """Weight-only int8, one scale per output channel (``_weight_int8pack_mm``)."""
+
+    name = "int8"
+
+
+class W8A8LinearMethod(_FromFloat):
+    """int8 weights (per channel) and int8 activations (per token, dynamic), int32 accumulation."""
+
+    name = "w8a8"
+
+    def quantize(self, layer: nn.Module, w: torch.Tensor) -> None:
+        codes, scales = K.quantize_int8_per_channel(w)
+        _set(layer, "qweight_t", codes.t().contiguous())
+        _set(layer, "wscale", scales)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return _bias(K.int8_dynamic_linear(x, layer.qweight_t, layer.wscale), bias)
+
+
+class Fp8LinearMethod(_PerChannel):
+    """e4m3 weights with one scale per output channel, widened to the activation dtype per call."""
+
+    name = "fp8"
+    scale_dtype = None
+    quantizer = staticmethod(K.quantize_fp8_per_channel)
+    kernel = staticmethod(K.fp8_weight_linear)
+
+
+class Int4LinearMethod(_FromFloat):
+    """Weight-only 4-bit, asymmetric, one scale and zero per group of ``group_size`` inputs."""
+
+    name = "int4"
+
+    def __init__(self, group_size: int, clip_search: bool = False) -> None:
+        self.group_size = group_size
+        self.clip_search = clip_search
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype) -> None:
+        # A group size that does not divide the input size falls back to the largest one below it that does
+        # (SmolLM2's 576 inputs take groups of 64 under --quantization-group-size 128).
+        fitting = [g for g in K.INT4_GROUP_SIZES if g <= self.group_size and in_features % g == 0]
+        if not fitting:
+            raise ValueError(f"int4: no group size in {K.INT4_GROUP_SIZES} divides the input size {in_features}")
+        if fitting[-1] != self.group_size:
+            logger.debug("int4: %d inputs use groups of %d instead of %d", in_features, fitting[-1], self.group_size)
+        self.group_size = fitting[-1]
+        super().create_weights(layer, in_features, out_features, dtype)
+
+    def quantize(self, layer: nn.Module, w: torch.Tensor) -> None:
+        codes, scales, zeros = K.quantize_groupwise(w, self.group_size, 4, self.clip_search)
+        finish_group_codes(layer, codes, scales, zeros, bits=4, dtype=self.dtype)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return apply_group_codes(layer, x, bias)
+
+
+class GroupCodesLinearMethod:
+    """Pre-quantized group-wise weights (GGUF blocks, AWQ, GPTQ), kept at ``bits`` per weight.
+
+    Loads ``codes`` [N, K] (uint8), ``scales`` and ``zeros`` [N, K/g] (float32) and, for GPTQ
+    with act-order, ``perm`` [K]: the input order that makes each group contiguous.
+    """
+
+    def __init__(self, name: str, bits: int, group_size: int, act_order: bool = False) -> None:
+        self.name, self.bits, self.group_size, self.act_order = name, bits, group_size, act_order
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype) -> None:
+        if in_features % self.group_size:
+            raise ValueError(
+                f"{self.name}: group size {self.group_size} does not divide the input size {in_features}"
+            )
+        groups = in_features // self.group_size
+        self.dtype = dtype
+        layer.codes = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.uint8), requires_grad=False)
+        layer.scales = nn.Parameter(torch.empty(out_features, groups), requires_grad=False)
+        layer.zeros = nn.Parameter(torch.empty(out_features, groups), requires_grad=False)
+        for p in (layer.scales, layer.zeros):
+            p.weight_loader = _group_loader(layer)  # type: ignore[attr-defined]
+        if self.act_order:
+            layer.perm = nn.Parameter(torch.full((in_features,), -1, dtype=torch.int64), requires_grad=False)
+            layer.perm.weight_loader = _load_shared_perm  # type: ignore[attr-defined]
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        codes, scales, zeros = layer.codes.data, layer.scales.data, layer.zeros.data
+        perm = layer.perm.data if self.act_order else None
+        for name in ("codes", "scales", "zeros", "perm"):
+            if name in layer._parameters:
+                del layer._parameters[name]
+        finish_group_codes(layer, codes, scales, zeros, bits=self.bits, dtype=self.dtype, perm=perm)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return apply_group_codes(layer, x, bias)
+
+
+def _group_loader(layer: nn.Module):
+    """Scales/zeros of a shard with coarser groups than the fused layer (a GGUF Q4_K q_proj fused
+    with a Q6_K v_proj) repeat each group's value over the finer groups."""
+
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        groups = param.shape[1]
+        if loaded.dim() == 2 and loaded.shape[1] != groups and loaded.shape[1] and groups % loaded.shape[1] == 0:
+            loaded = loaded.repeat_interleave(groups // loaded.shape[1], dim=1)
+        layer.weight_loader(param, loaded, shard_id)
+
+    return load
+
+
+def _load_shared_perm(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    """act-order input permutation: every shard of a fused layer must carry the same one."""
+    if param.data[0] >= 0 and not torch.equal(param.data, loaded):
+        raise ValueError(
+            f"shard {shard_id!r} of a fused layer has a g_idx (act-order) different from the other "
+            "shards'; such a checkpoint cannot share one input order"
+        )
+    param.data.copy_(loaded)
+
+
+def finish_group_codes(layer: nn.Module, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                       bits: int, dtype: torch.dtype, perm: torch.Tensor | None = None) -> None:
+    """Kernel layout: 4-bit codes packed for ``_weight_int4pack_mm_for_cpu`` where the group size
+    allows it, otherwise int8 codes with per-group scales in the model dtype."""
+    group = codes.shape[1] // scales.shape[1]
+    layer.group_size = group
+    if perm is not None:
+        _set(layer, "perm", perm.clone())
+    else:
+        layer.perm = None
+    if bits <= 4 and group in K.INT4_GROUP_SIZES:
+        packed, sz = K.pack_int4(codes, scales, zeros)
+        _set(layer, "packed", packed)
+        _set(layer, "scales_zeros", sz)
+        layer.kernel = "int4"
+        return
+    shift = 128 if bits > 7 else 0
+    _set(layer, "qcodes", (codes.to(torch.int16) - shift).to(torch.int8))
+    _set(layer, "qscales", scales.to(dtype))
+    _set(layer, "qzeros", (zeros + shift * scales).to(dtype))
+    layer.kernel = "int8_group"
+
+
+def apply_group_codes(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if layer.perm is not None:
+        x = x.index_select(-1, layer.perm)
+    if layer.kernel == "int4":
+        y = K.int4_linear(x, layer.packed, layer.scales_zeros, layer.group_size)
+    else:
+        y = K.int8_group_linear(x, layer.qcodes, layer.qscales, layer.qzeros)
+    return _bias(y, bias)

@@ -1,0 +1,267 @@
+"""Quantized linear methods against float references, with tolerances derived from each scheme;
+checkpoint decoders against independent producers (the gguf package, auto-round's packers)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagedllm.layers.linear import Linear
+from pagedllm.quantization import kernels as K
+from pagedllm.quantization.formats import (
+    GGUF_TYPES,
+    QuantFormatError,
+    awq_group_codes,
+    gguf_group_codes,
+    gptq_group_codes,
+)
+from pagedllm.quantization.methods import (
+    Fp8LinearMethod,
+    GroupCodesLinearMethod,
+    Int4LinearMethod,
+    Int8LinearMethod,
+    W8A8LinearMethod,
+)
+
+N, KDIM, M = 96, 256, 7
+EPS = 1e-4  # float32 accumulation over KDIM terms of magnitude ~1
+
+
+def _layer(method, w: torch.Tensor, bias: bool = True) -> Linear:
+    layer = Linear(w.shape[1], w.shape[0], bias=bias, dtype=torch.float32, quant_method=method)
+    if hasattr(layer, "weight"):
+        layer.weight.data.copy_(w)
+    if bias:
+        layer.bias.data.copy_(torch.linspace(-1, 1, w.shape[0]))
+    return layer
+
+
+@pytest.fixture
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(N, KDIM, generator=g) * 0.05, torch.randn(M, KDIM, generator=g)
+
+
+def _ref(layer: Linear, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x @ w.T + layer.bias
+
+
+def test_int8_within_half_a_step_per_weight(data) -> None:
+    w, x = data
+    layer = _layer(Int8LinearMethod(), w)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert not hasattr(layer, "weight") or "weight" not in layer._parameters
+    step = w.abs().amax(dim=1) / 127
+    # half a step per weight; the kernel takes bfloat16 activations and scales (relative 2^-9 each)
+    bound = x.abs() @ (step[:, None] / 2).expand(N, KDIM).T + 2.0**-8 * (x.abs() @ w.abs().T) + EPS
+    assert (layer(x) - _ref(layer, x, w)).abs().le(bound).all()
+    assert layer.qweight.dtype == torch.int8
+
+
+def test_w8a8_within_weight_and_activation_steps(data) -> None:
+    w, x = data
+    layer = _layer(W8A8LinearMethod(), w)
+    layer.quant_method.process_weights_after_loading(layer)
+    w_step = (w.abs().amax(dim=1) / 127)[:, None].expand(N, KDIM)
+    x_step = (x.abs().amax(dim=1) / 127)[:, None].expand(M, KDIM)
+    bound = x.abs() @ (w_step / 2).T + (x_step / 2) @ (w.abs() + w_step / 2).T + EPS
+    assert (layer(x) - _ref(layer, x, w)).abs().le(bound).all()
+
+
+def test_fp8_within_e4m3_rounding(data) -> None:
+    w, x = data
+    layer = _layer(Fp8LinearMethod(), w)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer.qweight.dtype == torch.float8_e4m3fn
+    # e4m3 keeps 3 mantissa bits: relative rounding error <= 2^-4 (values are scaled to the normal range
+    # per channel; the smallest may be subnormal, with absolute error <= scale * 2^-10)
+    scale = (w.abs().amax(dim=1) / K.FP8_MAX)[:, None]
+    per_weight = w.abs() * 2.0**-4 + scale * 2.0**-10
+    bound = x.abs() @ per_weight.T + EPS
+    assert (layer(x) - _ref(layer, x, w)).abs().le(bound).all()
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_kernel_equals_its_dequantized_weight(data, group: int) -> None:
+    w, x = data
+    codes, scales, zeros = K.quantize_groupwise(w, group, 4)
+    deq = K.dequantize_groupwise(codes, scales, zeros)
+    step = scales.repeat_interleave(group, dim=1)
+    assert (deq - w).abs().le(step / 2 + 1e-6).all()  # round to nearest of 16 levels over [min, max]
+    layer = _layer(Int4LinearMethod(group), w)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer.group_size == group and layer.kernel == "int4"
+    err = (layer(x) - _ref(layer, x, deq)).abs()
+    assert err.le(_bf16_bound(x, codes, scales, zeros)).all()
+
+
+def _bf16_bound(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """The int4 kernel takes bfloat16 activations, scales and zeros (8-bit mantissas, relative
+    rounding <= 2^-9 each): per weight |dw| <= 2^-9 (|code-8| s + |zero + 8 s|), per input
+    |dx| <= 2^-9 |x|; the sum of both over K, doubled for the cross terms and accumulation."""
+    g = codes.shape[1] // scales.shape[1]
+    s = scales.repeat_interleave(g, 1)
+    zp = (zeros + 8 * scales).repeat_interleave(g, 1)
+    mag = (codes.float() - 8).abs() * s + zp.abs()
+    return 2.0**-8 * (x.abs() @ mag.T) + EPS
+
+
+def test_int4_clip_search_never_worse(data) -> None:
+    w, _ = data
+    w = w.clone()
+    w[:, ::50] *= 8  # outliers
+    err = {}
+    for clip in (False, True):
+        codes, scales, zeros = K.quantize_groupwise(w, 32, 4, clip)
+        err[clip] = ((K.dequantize_groupwise(codes, scales, zeros) - w) ** 2).reshape(N, -1, 32).sum(-1)
+    assert (err[True] <= err[False] + 1e-9).all() and err[True].sum() < err[False].sum()
+
+
+def test_int4_group_falls_back_to_a_divisor() -> None:
+    layer = Linear(576, 64, dtype=torch.float32, quant_method=Int4LinearMethod(128))
+    assert layer.quant_method.group_size == 64
+
+
+# ---- GGUF blocks ------------------------------------------------------------------------------ #
+
+gguf = pytest.importorskip("gguf")
+
+
+@pytest.mark.parametrize("qtype", [2, 3, 6, 7, 8])
+def test_gguf_codes_match_the_gguf_package(qtype: int) -> None:
+    """Blocks made by gguf's own quantizer decode to exactly gguf's own dequantization."""
+    x = np.random.default_rng(qtype).standard_normal((8, 256)).astype(np.float32)
+    t = gguf.GGMLQuantizationType(qtype)
+    raw = gguf.quants.quantize(x, t)
+    ref = gguf.quants.dequantize(raw, t)
+    gc = gguf_group_codes(raw.reshape(-1), qtype, (8, 256))
+    assert int(gc.codes.max()) < 2 ** GGUF_TYPES[qtype][1]
+    np.testing.assert_array_equal(gc.dequantize().numpy(), ref)
+
+
+@pytest.mark.parametrize("qtype,block,d_at", [(12, 144, (0, 2)), (13, 176, (0, 2)), (14, 210, (208,))])
+def test_gguf_k_quant_codes_match_the_gguf_package(qtype: int, block: int, d_at: tuple[int, ...]) -> None:
+    """K-quant blocks (random bytes, sane fp16 scales) decode to gguf's dequantization."""
+    rng = np.random.default_rng(qtype)
+    raw = rng.integers(0, 256, (8, block), dtype=np.uint8)
+    for p in d_at:
+        raw[:, p : p + 2] = np.float16(rng.uniform(1e-3, 0.1, (8, 1))).view(np.uint8).reshape(8, 2)
+    ref = gguf.quants.dequantize(raw.reshape(4, -1), gguf.GGMLQuantizationType(qtype))
+    gc = gguf_group_codes(raw.reshape(-1), qtype, (4, 512))
+    np.testing.assert_array_equal(gc.dequantize().numpy(), ref)
+
+
+@pytest.mark.parametrize("qtype,kernel", [(3, "int4"), (8, "int8_group"), (14, "int8_group")])
+def test_gguf_layer_computes_with_the_stored_blocks(qtype: int, kernel: str) -> None:
+    x_w = np.random.default_rng(1).standard_normal((64, 256)).astype(np.float32)
+    t = gguf.GGMLQuantizationType(qtype)
+    if qtype == 14:
+        raw = np.random.default_rng(2).integers(0, 256, (64, 210), dtype=np.uint8)
+        raw[:, 208:210] = np.float16(0.01)[None].view(np.uint8)[None].repeat(64, 0).reshape(64, 2)
+        raw = raw.reshape(64, -1)[:, :]  # 64 blocks of 256 -> [64, 256] weight
+        shape = (64, 256)
+    else:
+        raw, shape = gguf.quants.quantize(x_w, t), (64, 256)
+    gc = gguf_group_codes(np.asarray(raw).reshape(-1), qtype, shape)
+    _, bits, group = GGUF_TYPES[qtype]
+    layer = Linear(256, 64, dtype=torch.float32, quant_method=GroupCodesLinearMethod("gguf", bits, group))
+    layer.codes.data.copy_(gc.codes)
+    layer.scales.data.copy_(gc.scales)
+    layer.zeros.data.copy_(gc.zeros)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer.kernel == kernel and "codes" not in layer._parameters
+    x = torch.randn(5, 256)
+    err = (layer(x) - x @ gc.dequantize().T).abs()
+    if kernel == "int4":
+        assert err.le(_bf16_bound(x, gc.codes, gc.scales, gc.zeros)).all()
+    else:
+        assert err.max() < 1e-3
+
+
+# ---- AWQ and GPTQ, packed by auto-round ------------------------------------------------------- #
+
+
+def _rtn(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit round-to-nearest: scales, integer zero points [N, G], and the weight they give."""
+    g = w.reshape(w.shape[0], -1, group)
+    lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+    scale = (hi - lo).clamp(min=1e-6) / 15
+    zp = torch.round(-lo / scale).clamp(0, 15)
+    q = torch.round(g / scale[..., None] + zp[..., None]).clamp(0, 15)
+    scale16 = scale.half().float()
+    deq = ((q - zp[..., None]) * scale16[..., None]).reshape(w.shape)
+    return scale, zp, deq
+
+
+def test_awq_unpacks_what_autoround_packs(data) -> None:
+    awq = pytest.importorskip("auto_round.export.export_to_awq.utils")
+    w, x = data
+    linear = torch.nn.Linear(KDIM, N, bias=False)
+    scale, zp, _ = _rtn(w, 32)
+    linear.weight.data.copy_(w)
+    packed = awq.WQLinear_GEMM.from_linear(linear, 4, 32, scales=scale.half().t().contiguous(),
+                                           zeros=zp.t().contiguous(), device="cpu")
+    gc = awq_group_codes("m", packed.qweight, packed.qzeros, packed.scales, 32)
+    # reference: the definition w = (round(w/s + z) - z) * s, with auto-round's fp16 scales
+    s16 = packed.scales.float().t().repeat_interleave(32, 1)
+    zr = zp.repeat_interleave(32, 1)
+    ref = (torch.round(w / s16 + zr).clamp(0, 15) - zr) * s16
+    torch.testing.assert_close(gc.dequantize(), ref, atol=0, rtol=0)
+
+
+def _gptq_pack(w: torch.Tensor, group: int):
+    from auto_round_extension.torch.qlinear_torch_zp import QuantLinear
+
+    linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+    linear.weight.data.copy_(w)
+    scale, zp, _ = _rtn(w, group)
+    zp = zp.clamp(min=1)  # the v1 format stores zero - 1 and cannot hold 0
+    q = QuantLinear(4, group, w.shape[1], w.shape[0], False, g_idx=True)
+    q.pack(linear, scale.half().float(), zp, None, "cpu")
+    s16 = q.scales.float().t().repeat_interleave(group, 1)
+    zr = zp.repeat_interleave(group, 1)
+    ref = (torch.round(w / s16 + zr).clamp(0, 15) - zr) * s16
+    return q, ref
+
+
+def test_gptq_unpacks_what_autoround_packs(data) -> None:
+    pytest.importorskip("auto_round_extension.torch.qlinear_torch_zp")
+    w, _ = data
+    q, ref = _gptq_pack(w, 64)
+    gc = gptq_group_codes("m", q.qweight, q.qzeros, q.scales, q.g_idx, 64, zero_offset=1)
+    assert gc.perm is None
+    torch.testing.assert_close(gc.dequantize(), ref, atol=0, rtol=0)
+
+
+def test_gptq_act_order_follows_g_idx(data) -> None:
+    """act-order: input k uses group g_idx[k]; the layer reorders its inputs to keep groups contiguous."""
+    pytest.importorskip("auto_round_extension.torch.qlinear_torch_zp")
+    w, x = data
+    q, ref_contiguous = _gptq_pack(w, 64)
+    perm = torch.randperm(KDIM, generator=torch.Generator().manual_seed(3))
+    # the same codes, read as an act-order checkpoint: input k now belongs to group g_idx[k]
+    g_idx = torch.empty(KDIM, dtype=torch.int32)
+    g_idx[perm] = torch.arange(KDIM, dtype=torch.int32) // 64
+    gc = gptq_group_codes("m", q.qweight, q.qzeros, q.scales, g_idx, 64, zero_offset=1)
+    codes = (torch.stack([(q.qweight >> (4 * i)) & 15 for i in range(8)], 1).reshape(KDIM, N)).float()
+    zeros = (torch.stack([(q.qzeros >> (4 * i)) & 15 for i in range(8)], -1).reshape(-1, N) + 1).float()
+    scales = q.scales.float()
+    hand = (codes - zeros[g_idx.long()]) * scales[g_idx.long()]  # [K, N], the format's definition
+    torch.testing.assert_close(gc.dequantize(), hand.T, atol=0, rtol=0)
+    layer = Linear(KDIM, N, dtype=torch.float32, quant_method=GroupCodesLinearMethod("gptq", 4, 64, act_order=True))
+    for name in ("codes", "scales", "zeros", "perm"):
+        getattr(layer, name).weight_loader(getattr(layer, name), getattr(gc, name))
+    layer.quant_method.process_weights_after_loading(layer)
+    err = (layer(x) - x @ hand).abs()
+    assert err.le(_bf16_bound(x[:, gc.perm], gc.codes, gc.scales, gc.zeros)).all()
+
+
+def test_malformed_gptq_names_the_tensor() -> None:
+    qweight = torch.zeros(32, 96, dtype=torch.int32)
+    with pytest.raises(QuantFormatError, match=r"'layers.0.mlp.up_proj.scales'.*shape \(3, 96\), expected \(4, 96\)"):
+        gptq_group_codes("layers.0.mlp.up_proj", qweight, torch.zeros(4, 12, dtype=torch.int32),
+                         torch.zeros(3, 96), None, 64)
+    with pytest.raises(QuantFormatError, match=r"'layers.0.mlp.up_proj.qweight'.*group size 100"):
+        gptq_group_codes("layers.0.mlp.up_proj", qweight, torch.zeros(4, 12, dtype=torch.int32),
+                         torch.zeros(3, 96), None, 100)
