@@ -112,6 +112,12 @@ def throughput_section(r: dict[str, Any], img: Path) -> str:
                  f"for the {hf['output_tokens']} requested (each static batch runs to its longest output); only "
                  "the requested ones count.\n")
     peak = r.get("peak_matmul_flops_per_s")
+    peaks = r.get("peak_matmul_flops_per_s_by_dtype") or {}
+    if peaks:
+        peak_text = ("the measured matmul peak of the row's dtype (best of repeated 1024x1024 matmuls in the same "
+                     "run: " + ", ".join(f"{d} {v / 1e9:.1f} GFLOP/s" for d, v in peaks.items()) + ")")
+    elif peak:
+        peak_text = f"{peak / 1e9:.1f} GFLOP/s (best of repeated 1024x1024 fp32 matmuls measured in the same run)"
     return (
         "## Offline throughput\n\n" + run_block(r.get("meta")) +
         f"\nWorkload: {wl['kind']}, {wl['num_requests']} requests, prompts {wl.get('input_len_range', '')} "
@@ -121,8 +127,7 @@ def throughput_section(r: dict[str, Any], img: Path) -> str:
                  "MFU", "note"], rows)
         + "\nRatios in parentheses are to pagedllm. Start-up = process spawn to model ready (imports, weights, "
           "KV cache, warm-up). Peak RSS: the backend's process tree, polled every 0.1 s. "
-        + (f"MFU = model FLOPs / generation time / {peak / 1e9:.1f} GFLOP/s (best of repeated 1024x1024 fp32 matmuls measured "
-           f"in the same run); {r['flops_formula']}.\n" if peak else "\n")
+        + (f"MFU = model FLOPs / generation time / {peak_text}; {r['flops_formula']}.\n" if peak or peaks else "\n")
         + probe + f"\n![throughput](img/{img.name})\n"
     )
 
