@@ -8,12 +8,13 @@ import mmap
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import psutil
 import torch
 
-from pagedllm.attention.backend import select_attention_backend
+from pagedllm.attention.backend import TritonAttentionBackend, select_attention_backend
 from pagedllm.attention.cpu_kernel import DENSE_MIN_PAIRS, DENSE_MIN_TOKENS
 from pagedllm.attention.metadata import AttentionGroup, AttentionMetadata, DenseAttention, ForwardContext
 from pagedllm.config import CacheConfig, DeviceConfig, ModelConfig
@@ -105,12 +106,18 @@ class ModelRunner:
         self.attn_backend = select_attention_backend(
             triton=triton, block_size=self.block_size,
             num_queries_per_kv=model_config.num_heads // model_config.num_kv_heads)
-        self.triton_attention = triton
-        self.native_kernel = self.attn_backend.native
-        self.query_tile = self.attn_backend.query_tile
         self.forward_context = ForwardContext()
         # Long prompt chunks with at least this many query-key pairs attend densely (fused SDPA).
         self.dense_min_pairs = DENSE_MIN_PAIRS
+
+    @property
+    def native_kernel(self) -> Any:
+        """The compiled CPU attention kernel the backend calls, or None."""
+        return self.attn_backend.native
+
+    @property
+    def triton_attention(self) -> bool:
+        return isinstance(self.attn_backend, TritonAttentionBackend)
 
     # ---- set-up ---------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -422,7 +429,7 @@ class ModelRunner:
         """How build_batch lays out attention work for this runner's backend."""
         return {
             "build_groups": self.attn_backend.needs_groups,
-            "query_tile": self.query_tile,
+            "query_tile": self.attn_backend.query_tile,
             "dense_min_tokens": DENSE_MIN_TOKENS if self.native_kernel is not None else 0,
             "dense_min_pairs": self.dense_min_pairs,
         }
