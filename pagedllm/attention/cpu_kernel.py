@@ -26,6 +26,7 @@ from pagedllm.utils import cache_dir
 logger = logging.getLogger(__name__)
 
 _SRC = Path(__file__).parent / "csrc" / "paged_attention.c"
+ATTENTION_SRC = _SRC  # included by the fused decode step (pagedllm/worker/csrc/llama_decode.c)
 _SHARED_HEADER = Path(__file__).parent / "csrc" / "bf16.h"  # included by every native kernel
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 # Query tokens of one request handled together by one work item (they share every K/V load).
@@ -60,10 +61,10 @@ def _build(src: Path, out: Path) -> None:
         os.replace(target, out)
 
 
-def compile_native(src: Path) -> ctypes.CDLL | None:
-    """`src` compiled for this CPU (cached by source, shared header, flags and CPU), or None with
-    one warning."""
-    text = src.read_bytes() + _SHARED_HEADER.read_bytes()
+def compile_native(src: Path, includes: tuple[Path, ...] = ()) -> ctypes.CDLL | None:
+    """`src` compiled for this CPU (cached by source, the files it includes, flags and CPU), or None
+    with one warning. `includes`: sources it includes besides the shared header."""
+    text = src.read_bytes() + _SHARED_HEADER.read_bytes() + b"".join(p.read_bytes() for p in includes)
     key = hashlib.sha256(text + " ".join(_FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
     lib_path = cache_dir() / "kernels" / f"{src.stem}_{key}.so"
     try:

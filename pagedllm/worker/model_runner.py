@@ -27,6 +27,7 @@ from pagedllm.quantization import QuantizationSetup, process_model
 from pagedllm.worker import device as dev
 from pagedllm.worker.cuda_graph import CudaGraphRunner
 from pagedllm.worker.input_batch import BatchArrays, RequestState, build_batch
+from pagedllm.worker.native_decode import NativeDecode
 from pagedllm.worker.sampler import Sampler, SamplingMetadata, SamplingRow, compute_topk_logprobs
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,8 @@ class ModelRunner:
         self.device = torch.device(self.device_config.device)
         self.is_cuda = self.device.type == "cuda"
         self.cuda_graphs: CudaGraphRunner | None = None
+        # Small decode-only steps as one native call (CPU; set once the KV cache exists).
+        self.native_decode: NativeDecode | None = None
         self.requests: dict[str, RequestState] = {}
         self.generators: dict[str, torch.Generator] = {}
         # req_id -> prompt positions whose prompt logprobs were already returned; kept across a
@@ -187,6 +190,10 @@ class ModelRunner:
         self.num_blocks = num_blocks
         if self.device_config.use_cuda_graphs:
             self.capture_cuda_graphs()
+        if not self.is_cuda and self.native_kernel is not None:
+            self.native_decode = NativeDecode.create(
+                self.model, self.kv_caches, self.dtype, self.kv_dtype,  # type: ignore[arg-type]
+                self.block_size, self.model_config.sliding_window)
 
     def capture_cuda_graphs(self) -> None:
         """Decode-only steps at the configured padded batch sizes, captured once (GPU only)."""
@@ -449,6 +456,11 @@ class ModelRunner:
         p = self.parallel
         if p.pp_size == 1:
             hidden = self.cuda_graphs.run(batch) if self.cuda_graphs is not None else None
+            nd = self.native_decode
+            if hidden is None and nd is not None and nd.applies(len(batch.input_ids), len(batch.seq_lens),
+                                                                bool(batch.dense)):
+                hidden = nd.run(batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables,
+                                batch.seq_lens)
             if hidden is not None:
                 return hidden
             with self.forward_context.set(self._attention_metadata(batch)):

@@ -1,0 +1,275 @@
+/*
+ * One decode step of a Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) in a single native
+ * call: embedding -> per layer [RMSNorm, QKV, RoPE, KV write, paged attention, O, residual,
+ * RMSNorm, gate|up, SiLU*mul, down, residual] -> final RMSNorm, for up to MAX_ROWS decode tokens.
+ *
+ * A decode step is a pass over the weights with a few rows of activations. Run as torch ops it is
+ * about 80 small ops per layer, each paying Python dispatch; here the whole stack is one call and
+ * the step's time is the weight reads. The paged attention is the same C function the model
+ * runner calls for every other step (paged_attention.c, included below).
+ *
+ * Element types: weights, activations and the KV cache all float32 (dt 0) or all bfloat16 (dt 1).
+ * bf16 follows the rounding points of pagedllm's torch path (each op computes in float32 and
+ * rounds its result to bf16; RMSNorm normalizes in float32, rounds, then scales by the weight), so
+ * the two paths agree to the last bit except for the order of sums inside GEMMs and reductions.
+ *
+ * GEMMs: y[M, N] = x[M, K] W[N, K]^T (+ b). Four W rows at a time are loaded once per 16 (f32) or
+ * 32 (bf16) columns and serve up to four x rows from registers (bf16 through AVX-512 BF16 dot
+ * products, vdpbf16ps); more rows reuse the same W block from L1. W row blocks are split between
+ * the OpenMP threads.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../../attention/csrc/paged_attention.c"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define HAVE_AVX512 1
+#else
+#define HAVE_AVX512 0
+#endif
+#if HAVE_AVX512 && defined(__AVX512BF16__)
+#define HAVE_AVX512_BF16 1
+#else
+#define HAVE_AVX512_BF16 0
+#endif
+
+#define MAX_ROWS 16
+#define NR 4
+#define MR 4
+/* GEMMs with fewer weight elements than this run on one thread. */
+#define GEMM_PARALLEL_MIN (1 << 15)
+
+enum { LD_F32 = 0, LD_BF16 = 1 };
+
+typedef struct {
+    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
+    int64_t dtype;  /* LD_F32 or LD_BF16: weights, activations and KV cache */
+    int64_t block_size, sliding_window, max_position;
+    float eps, attn_scale;
+    const void *embed;      /* [vocab, hidden] */
+    const void *final_norm; /* [hidden] */
+    const void *cos, *sin;  /* [max_position, head_dim] */
+    /* Per layer, [num_layers] arrays of pointers; biases may be NULL. */
+    const void *const *input_norm, *const *post_norm;
+    const void *const *qkv_w, *const *qkv_b, *const *o_w, *const *o_b;
+    const void *const *gate_up_w, *const *gate_up_b, *const *down_w, *const *down_b;
+    void *const *k_cache, *const *v_cache; /* [num_blocks, block_size, num_kv_heads, head_dim] */
+} LlamaDecodeModel;
+
+int llama_decode_available(void) { return (HAVE_AVX512 ? 1 : 0) | (HAVE_AVX512_BF16 ? 2 : 0); }
+
+static inline float ld(const void *p, int64_t i, int dt) {
+    return dt == LD_F32 ? ((const float *)p)[i] : bf16_to_f32(((const uint16_t *)p)[i]);
+}
+
+/* The value as stored in dtype dt, read back as float32 (rounds to bf16 for dt 1). */
+static inline float rnd(float v, int dt) { return dt == LD_F32 ? v : bf16_to_f32(f32_to_bf16(v)); }
+
+static inline void st(void *p, int64_t i, float v, int dt) {
+    if (dt == LD_F32)
+        ((float *)p)[i] = v;
+    else
+        ((uint16_t *)p)[i] = f32_to_bf16(v);
+}
+
+#if HAVE_AVX512
+/* Rows n0 .. n0 + nr - 1 of y for x rows m0 .. m0 + mr - 1 (mr <= MR, nr <= NR); K % 16 == 0 for
+ * float32, K % 32 == 0 for bf16 (the step checks). */
+static inline __attribute__((always_inline)) void gemm_tile_f32(const float *x, int64_t m0, int64_t mr, const float *w, int64_t n0, int64_t nr,
+                                 int64_t N, int64_t K, const float *bias, float *y) {
+    __m512 acc[MR][NR];
+    for (int m = 0; m < MR; m++)
+        for (int r = 0; r < NR; r++) acc[m][r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        __m512 wv[NR];
+        for (int r = 0; r < NR; r++) wv[r] = _mm512_loadu_ps(w + (n0 + (r < nr ? r : 0)) * K + k);
+        for (int64_t m = 0; m < mr; m++) {
+            const __m512 xv = _mm512_loadu_ps(x + (m0 + m) * K + k);
+            for (int r = 0; r < NR; r++) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
+        }
+    }
+    for (int64_t m = 0; m < mr; m++)
+        for (int64_t r = 0; r < nr; r++)
+            y[(m0 + m) * N + n0 + r] = _mm512_reduce_add_ps(acc[m][r]) + (bias ? bias[n0 + r] : 0.0f);
+}
+#endif
+
+#if HAVE_AVX512_BF16
+static inline __attribute__((always_inline)) void gemm_tile_bf16(const uint16_t *x, int64_t m0, int64_t mr, const uint16_t *w, int64_t n0,
+                                  int64_t nr, int64_t N, int64_t K, const uint16_t *bias, uint16_t *y) {
+    __m512 acc[MR][NR];
+    for (int m = 0; m < MR; m++)
+        for (int r = 0; r < NR; r++) acc[m][r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        __m512bh wv[NR];
+        for (int r = 0; r < NR; r++) wv[r] = (__m512bh)_mm512_loadu_si512((const void *)(w + (n0 + (r < nr ? r : 0)) * K + k));
+        for (int64_t m = 0; m < mr; m++) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + (m0 + m) * K + k));
+            for (int r = 0; r < NR; r++) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
+        }
+    }
+    for (int64_t m = 0; m < mr; m++)
+        for (int64_t r = 0; r < nr; r++) {
+            float s = _mm512_reduce_add_ps(acc[m][r]);
+            if (bias) s += bf16_to_f32(bias[n0 + r]);
+            y[(m0 + m) * N + n0 + r] = f32_to_bf16(s);
+        }
+}
+#endif
+
+/* y[M, N] = x[M, K] W[N, K]^T (+ bias), in dtype dt. */
+static void gemm(const void *x, int64_t M, const void *w, const void *bias, int64_t N, int64_t K, void *y, int dt) {
+    const int64_t nblocks = (N + NR - 1) / NR;
+#pragma omp parallel for schedule(static) if (N * K >= GEMM_PARALLEL_MIN)
+    for (int64_t b = 0; b < nblocks; b++) {
+        const int64_t n0 = b * NR, nr = N - n0 < NR ? N - n0 : NR;
+        for (int64_t m0 = 0; m0 < M; m0 += MR) {
+            const int64_t mr = M - m0 < MR ? M - m0 : MR;
+/* A constant row count per call site, so that the accumulators stay in registers. */
+#define TILE(fn, T, MR_)                                                                                   \
+    fn((const T *)x, m0, MR_, (const T *)w, n0, nr, N, K, (const T *)bias, (T *)y)
+#define TILES(fn, T)                                                                                       \
+    switch (mr) {                                                                                          \
+    case 1: TILE(fn, T, 1); break;                                                                         \
+    case 2: TILE(fn, T, 2); break;                                                                         \
+    case 3: TILE(fn, T, 3); break;                                                                         \
+    default: TILE(fn, T, 4); break;                                                                        \
+    }
+#if HAVE_AVX512_BF16
+            if (dt == LD_BF16) {
+                TILES(gemm_tile_bf16, uint16_t)
+                continue;
+            }
+#endif
+#if HAVE_AVX512
+            if (dt == LD_F32) {
+                TILES(gemm_tile_f32, float)
+                continue;
+            }
+#endif
+            for (int64_t m = m0; m < m0 + mr; m++)
+                for (int64_t n = n0; n < n0 + nr; n++) {
+                    float s = 0.0f;
+                    for (int64_t k = 0; k < K; k++) s += ld(x, m * K + k, dt) * ld(w, n * K + k, dt);
+                    if (bias) s += ld(bias, n, dt);
+                    st(y, m * N + n, s, dt);
+                }
+        }
+    }
+}
+
+/* out[m] = RMSNorm(x[m]) * weight: float32 statistics; bf16 rounds the normalized row before the
+ * weight multiplies it (as the torch path does). */
+static void rms_norm(const void *x, int64_t M, int64_t H, const void *weight, float eps, void *out, int dt) {
+    for (int64_t m = 0; m < M; m++) {
+        float ss = 0.0f;
+        for (int64_t i = 0; i < H; i++) {
+            const float v = ld(x, m * H + i, dt);
+            ss += v * v;
+        }
+        const float inv = 1.0f / sqrtf(ss / (float)H + eps);
+        for (int64_t i = 0; i < H; i++)
+            st(out, m * H + i, rnd(ld(x, m * H + i, dt) * inv, dt) * ld(weight, i, dt), dt);
+    }
+}
+
+/* x[m] += y[m] (the residual stream), rounded to dtype. */
+static void add_inplace(void *x, const void *y, int64_t n, int dt) {
+    for (int64_t i = 0; i < n; i++) st(x, i, ld(x, i, dt) + ld(y, i, dt), dt);
+}
+
+/* out[m, i] = silu(gu[m, i]) * gu[m, I + i], each op rounded to dtype. */
+static void silu_mul(const void *gu, int64_t M, int64_t I, void *out, int dt) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t i = 0; i < I; i++) {
+            const float g = ld(gu, m * 2 * I + i, dt), u = ld(gu, m * 2 * I + I + i, dt);
+            st(out, m * I + i, rnd(g / (1.0f + expf(-g)), dt) * u, dt);
+        }
+}
+
+/* Rotate-half RoPE of `heads` heads of one row, read from src and written to dst (may alias):
+ * out = x * cos + rotate_half(x) * sin, each product rounded to dtype before the sum. */
+static void rope_row(const void *src, int64_t src_off, void *dst, int64_t dst_off, int64_t heads, int64_t D,
+                     const void *cos, const void *sin, int64_t pos, int dt) {
+    const int64_t half = D / 2;
+    float buf[1024];
+    for (int64_t h = 0; h < heads; h++) {
+        for (int64_t i = 0; i < D; i++) buf[i] = ld(src, src_off + h * D + i, dt);
+        for (int64_t i = 0; i < D; i++) {
+            const float rot = i < half ? -buf[i + half] : buf[i - half];
+            const float c = ld(cos, pos * D + i, dt), s = ld(sin, pos * D + i, dt);
+            st(dst, dst_off + h * D + i, rnd(buf[i] * c, dt) + rnd(rot * s, dt), dt);
+        }
+    }
+}
+
+static void *alloc(int64_t bytes) { return aligned_alloc(64, (size_t)((bytes + 63) / 64 * 64)); }
+
+/*
+ * input_ids, positions, slot_mapping, seq_lens [M]; block_tables [M, bt_stride] (int64).
+ * out: [M, hidden] final normed hidden states in dtype. Returns 0, or 1 for a request the kernel
+ * does not take (then nothing was written to the KV cache).
+ */
+int llama_decode_step(const LlamaDecodeModel *md, int64_t M, const int64_t *input_ids, const int64_t *positions,
+                      const int64_t *slot_mapping, const int64_t *block_tables, int64_t bt_stride,
+                      const int64_t *seq_lens, void *out) {
+    const int dt = (int)md->dtype;
+    const int64_t Hd = md->hidden, D = md->head_dim, H = md->num_heads, KVH = md->num_kv_heads;
+    const int64_t I = md->intermediate, qn = H * D, kvn = KVH * D, qkvn = qn + 2 * kvn;
+    const int64_t es = dt == LD_F32 ? 4 : 2;
+    if (M < 1 || M > MAX_ROWS || D > 1024 || (dt != LD_F32 && dt != LD_BF16)) return 1;
+    const int64_t kq = dt == LD_F32 ? 16 : 32; /* the GEMM tiles' column step */
+    if (Hd % kq || qn % kq || I % kq) return 1;
+    for (int64_t m = 0; m < M; m++)
+        if (positions[m] < 0 || positions[m] >= md->max_position) return 1;
+
+    void *x = alloc(M * Hd * es), *xn = alloc(M * Hd * es), *qkv = alloc(M * qkvn * es);
+    void *q = alloc(M * qn * es), *attn = alloc(M * qn * es), *o = alloc(M * Hd * es);
+    void *gu = alloc(M * 2 * I * es), *act = alloc(M * I * es);
+    int64_t *qsl = malloc((size_t)(M + 1) * sizeof(int64_t)), *work = malloc((size_t)M * 3 * sizeof(int64_t));
+    for (int64_t m = 0; m <= M; m++) qsl[m] = m;
+    for (int64_t m = 0; m < M; m++) {
+        work[3 * m] = m;
+        work[3 * m + 1] = 0;
+        work[3 * m + 2] = 1;
+    }
+    for (int64_t m = 0; m < M; m++)
+        memcpy((char *)x + m * Hd * es, (const char *)md->embed + input_ids[m] * Hd * es, (size_t)(Hd * es));
+
+    for (int64_t l = 0; l < md->num_layers; l++) {
+        rms_norm(x, M, Hd, md->input_norm[l], md->eps, xn, dt);
+        gemm(xn, M, md->qkv_w[l], md->qkv_b[l], qkvn, Hd, qkv, dt);
+        for (int64_t m = 0; m < M; m++) {
+            const int64_t slot = slot_mapping[m];
+            /* q rotated into its own rows; k rotated and v copied straight into their cache slots. */
+            rope_row(qkv, m * qkvn, q, m * qn, H, D, md->cos, md->sin, positions[m], dt);
+            rope_row(qkv, m * qkvn + qn, md->k_cache[l], slot * kvn, KVH, D, md->cos, md->sin, positions[m], dt);
+            memcpy((char *)md->v_cache[l] + slot * kvn * es, (const char *)qkv + (m * qkvn + qn + kvn) * es,
+                   (size_t)(kvn * es));
+        }
+        paged_attention(q, dt == LD_F32 ? DT_F32 : DT_BF16, md->k_cache[l], md->v_cache[l],
+                        dt == LD_F32 ? DT_F32 : DT_BF16, NULL, block_tables, bt_stride, qsl, seq_lens, work, M, attn,
+                        H, KVH, D, md->block_size, md->attn_scale, 1.0f, md->sliding_window);
+        gemm(attn, M, md->o_w[l], md->o_b[l], Hd, qn, o, dt);
+        add_inplace(x, o, M * Hd, dt);
+        rms_norm(x, M, Hd, md->post_norm[l], md->eps, xn, dt);
+        gemm(xn, M, md->gate_up_w[l], md->gate_up_b[l], 2 * I, Hd, gu, dt);
+        silu_mul(gu, M, I, act, dt);
+        gemm(act, M, md->down_w[l], md->down_b[l], Hd, I, o, dt);
+        add_inplace(x, o, M * Hd, dt);
+    }
+    rms_norm(x, M, Hd, md->final_norm, md->eps, out, dt);
+
+    free(x), free(xn), free(qkv), free(q), free(attn), free(o), free(gu), free(act), free(qsl), free(work);
+    return 0;
+}
+
+/* One GEMM of the step, exported for tests: y[M, N] = x[M, K] W[N, K]^T (+ bias) in dtype dt. */
+void llama_decode_gemm(const void *x, int64_t M, const void *w, const void *bias, int64_t N, int64_t K, void *y,
+                       int64_t dt) {
+    gemm(x, M, w, bias, N, K, y, (int)dt);
+}

@@ -1,0 +1,171 @@
+"""Decode steps of a few rows as one native call (csrc/llama_decode.c): the CPU's decode graph.
+
+A decode step of a small batch reads every weight once for a handful of rows; run as torch ops,
+its time is mostly per-op dispatch (about 80 ops per layer), not the weight reads. This runs the
+whole decoder stack for such a step in one C call over the model's own parameters and KV cache,
+in float32 or bfloat16, with the same paged attention kernel as every other step.
+
+It applies to unquantized Llama-family models (Llama, Mistral, Qwen2) on one CPU rank, with a KV
+cache in the model dtype; every other step, and every other configuration, runs the torch path.
+`PAGEDLLM_NATIVE_DECODE=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagedllm.attention.cpu_kernel import ATTENTION_SRC, compile_native
+from pagedllm.layers.linear import UnquantizedLinearMethod
+
+logger = logging.getLogger(__name__)
+
+_SRC = Path(__file__).parent / "csrc" / "llama_decode.c"
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+# Most rows one call takes: beyond it the torch path's oneDNN GEMMs read the weights as few times
+# and the per-op cost is shared by more rows (the C side accepts up to 16).
+MAX_ROWS = 8
+
+_p = ctypes.c_void_p
+_pp = ctypes.POINTER(ctypes.c_void_p)
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [
+        *((name, ctypes.c_int64) for name in (
+            "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate", "dtype",
+            "block_size", "sliding_window", "max_position")),
+        ("eps", ctypes.c_float),
+        ("attn_scale", ctypes.c_float),
+        ("embed", _p), ("final_norm", _p), ("cos", _p), ("sin", _p),
+        *((name, _pp) for name in (
+            "input_norm", "post_norm", "qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "gate_up_b", "down_w", "down_b",
+            "k_cache", "v_cache")),
+    ]
+
+
+@lru_cache(maxsize=1)
+def load_decode_kernel() -> ctypes.CDLL | None:
+    if os.environ.get("PAGEDLLM_NATIVE_DECODE", "1") == "0":
+        return None
+    lib = compile_native(_SRC, includes=(ATTENTION_SRC,))
+    if lib is None:
+        return None
+    lib.llama_decode_available.restype = ctypes.c_int
+    f = lib.llama_decode_step
+    i64 = ctypes.c_int64
+    f.argtypes = [ctypes.POINTER(_Model), i64, _p, _p, _p, _p, i64, _p, _p]
+    f.restype = ctypes.c_int
+    return lib
+
+
+def _unsupported_reason(model: nn.Module, dtype: torch.dtype, kv_dtype: torch.dtype) -> str | None:
+    """Why the fused step cannot run this model, or None when it can."""
+    from pagedllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+
+    if not isinstance(model, LlamaForCausalLM) or type(model).forward is not LlamaForCausalLM.forward:
+        return f"{type(model).__name__} is not a Llama-family decoder"
+    if dtype not in _DTYPE_CODES:
+        return f"dtype {dtype} (float32 and bfloat16 only)"
+    if kv_dtype != dtype:
+        return f"KV cache dtype {kv_dtype} differs from the model dtype"
+    p = model.parallel
+    if p.tp.size != 1 or p.pp_size != 1:
+        return "tensor or pipeline parallelism"
+    for layer in model.layers:
+        if not isinstance(layer, LlamaDecoderLayer):
+            return f"layer type {type(layer).__name__}"
+        a, mlp = layer.self_attn, layer.mlp
+        for lin in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            if type(lin.quant_method) is not UnquantizedLinearMethod or lin.weight.dtype != dtype:
+                return "quantized linear layers"
+        if a.head_dim > 1024 or a.attn.k_scale != 1.0 or a.attn.v_scale != 1.0:
+            return "head size or KV scales"
+    return None
+
+
+class NativeDecode:
+    """The fused decode step bound to one model and its KV caches."""
+
+    def __init__(self, lib: ctypes.CDLL, model: nn.Module, kv_caches: list[torch.Tensor], dtype: torch.dtype,
+                 block_size: int, sliding_window: int | None) -> None:
+        self.lib = lib
+        self.dtype = dtype
+        cfg = model.config
+        layers = list(model.layers)
+        attn0 = layers[0].self_attn
+        rotary = attn0.rotary_emb
+        self._keep: list[object] = []  # the pointer arrays live as long as this object
+
+        def ptrs(tensors: list[torch.Tensor | None]) -> ctypes.Array:
+            arr = (ctypes.c_void_p * len(tensors))(*(0 if t is None else t.data_ptr() for t in tensors))
+            self._keep.append(arr)
+            return ctypes.cast(arr, _pp)
+
+        def lin(name: str) -> tuple[ctypes.Array, ctypes.Array]:
+            mods = [getattr(layer.self_attn if name in ("qkv_proj", "o_proj") else layer.mlp, name) for layer in layers]
+            return ptrs([m.weight for m in mods]), ptrs([m.bias for m in mods])
+
+        qkv_w, qkv_b = lin("qkv_proj")
+        o_w, o_b = lin("o_proj")
+        gu_w, gu_b = lin("gate_up_proj")
+        down_w, down_b = lin("down_proj")
+        self.hidden = int(cfg.hidden_size)
+        self.model = _Model(
+            num_layers=len(layers), hidden=self.hidden, num_heads=attn0.num_heads, num_kv_heads=attn0.num_kv_heads,
+            head_dim=attn0.head_dim, intermediate=layers[0].mlp.gate_up_proj.out_features // 2,
+            dtype=_DTYPE_CODES[dtype], block_size=block_size, sliding_window=int(sliding_window or 0),
+            max_position=rotary.cos.shape[0], eps=float(layers[0].input_layernorm.eps),
+            attn_scale=float(attn0.attn.scale),
+            embed=model.embed_tokens.weight.data_ptr(), final_norm=model.norm.weight.data_ptr(),
+            cos=rotary.cos.data_ptr(), sin=rotary.sin.data_ptr(),
+            input_norm=ptrs([layer.input_layernorm.weight for layer in layers]),
+            post_norm=ptrs([layer.post_attention_layernorm.weight for layer in layers]),
+            qkv_w=qkv_w, qkv_b=qkv_b, o_w=o_w, o_b=o_b, gate_up_w=gu_w, gate_up_b=gu_b, down_w=down_w, down_b=down_b,
+            k_cache=ptrs([kv[0] for kv in kv_caches]), v_cache=ptrs([kv[1] for kv in kv_caches]),
+        )
+        # Everything the struct points at must stay alive and in place.
+        self._keep.extend([model, kv_caches, rotary.cos, rotary.sin])
+
+    @classmethod
+    def create(cls, model: nn.Module, kv_caches: list[torch.Tensor], dtype: torch.dtype, kv_dtype: torch.dtype,
+               block_size: int, sliding_window: int | None) -> NativeDecode | None:
+        """The fused step for this model, or None (logged) where it does not apply."""
+        lib = load_decode_kernel()
+        if lib is None:
+            return None
+        avail = lib.llama_decode_available()
+        reason = _unsupported_reason(model, dtype, kv_dtype)
+        if reason is None and not avail & 1:
+            reason = "the CPU has no AVX-512"
+        if reason is None and dtype == torch.bfloat16 and not avail & 2:
+            reason = "the CPU has no AVX-512 BF16"
+        if reason is not None:
+            logger.info("decode steps run as torch ops: %s", reason)
+            return None
+        logger.info("decode steps of up to %d rows run as one native call per step", MAX_ROWS)
+        return cls(lib, model, kv_caches, dtype, block_size, sliding_window)
+
+    def applies(self, num_tokens: int, num_reqs: int, has_dense: bool) -> bool:
+        """A decode-only step (one token per request) of at most MAX_ROWS rows."""
+        return num_tokens == num_reqs and 0 < num_reqs <= MAX_ROWS and not has_dense
+
+    def run(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
+            block_tables: np.ndarray, seq_lens: np.ndarray) -> torch.Tensor | None:
+        """Final normed hidden states [M, hidden], or None when the kernel declines the step (then
+        the KV cache is untouched and the torch path runs it)."""
+        M = len(input_ids)
+        arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (input_ids, positions, slot_mapping, seq_lens)]
+        table = np.ascontiguousarray(block_tables, dtype=np.int64)
+        out = torch.empty(M, self.hidden, dtype=self.dtype)
+        rc = self.lib.llama_decode_step(
+            ctypes.byref(self.model), M, arrays[0].ctypes.data, arrays[1].ctypes.data, arrays[2].ctypes.data,
+            table.ctypes.data, table.shape[1], arrays[3].ctypes.data, out.data_ptr())
+        return out if rc == 0 else None

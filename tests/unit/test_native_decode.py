@@ -1,0 +1,133 @@
+"""The fused native decode step against the torch path of the same model runner.
+
+Both read the same weights and KV cache; bf16 follows the torch path's rounding points and uses
+the same small-M GEMM blocking, so up to four rows it agrees to the bit. float32 differs only in
+the order of GEMM sums (MKL's against the kernel's), a few float32 ulps per layer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.models.testing import make_tiny_checkpoint
+from pagedllm.worker.input_batch import RequestState, build_batch
+from pagedllm.worker.native_decode import MAX_ROWS, load_decode_kernel
+
+pytestmark = pytest.mark.skipif(
+    load_decode_kernel() is None or not load_decode_kernel().llama_decode_available() & 1,
+    reason="no C compiler or no AVX-512")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny") / "llama"), arch="llama", seed=3, tie=True)
+
+
+def _needs_bf16(dtype: str) -> None:
+    if dtype == "bfloat16" and not load_decode_kernel().llama_decode_available() & 2:
+        pytest.skip("CPU without AVX-512 BF16")
+
+
+def _runner(model_dir: str, dtype: str):
+    llm = LLM(model=model_dir, dtype=dtype, num_kv_blocks=64, block_size=16)
+    return llm, llm.llm_engine.core.executor.runner
+
+
+def _decode_batch(runner, seq_lens: list[int], seed: int):
+    """A decode step of len(seq_lens) requests over random context already in the KV cache."""
+    rng = np.random.default_rng(seed)
+    states, next_block = [], 0
+    for i, n in enumerate(seq_lens):
+        nblocks = -(-n // runner.block_size)
+        blocks = list(range(next_block, next_block + nblocks))
+        next_block += nblocks
+        tokens = rng.integers(5, 300, n).tolist()
+        states.append(RequestState(f"r{i}", tokens, n - 1, blocks, n - 1, SamplingParams()))
+    for kv in runner.kv_caches:
+        kv.copy_(torch.randn(kv.shape, generator=torch.Generator().manual_seed(seed)).to(kv.dtype))
+    return build_batch(states, [1] * len(states), runner.block_size, None, **runner._batch_options())
+
+
+def _both_paths(runner, batch):
+    """(torch hidden, torch KV), (native hidden, native KV), each from the same starting cache."""
+    start = [kv.clone() for kv in runner.kv_caches]
+    nd, runner.native_decode = runner.native_decode, None
+    with torch.inference_mode():
+        ref = runner._forward([], [1] * len(batch.seq_lens), batch)
+    ref_kv = [kv.clone() for kv in runner.kv_caches]
+    for kv, s in zip(runner.kv_caches, start):
+        kv.copy_(s)
+    runner.native_decode = nd
+    out = nd.run(batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables, batch.seq_lens)
+    return (ref, ref_kv), (out, [kv.clone() for kv in runner.kv_caches])
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_step_matches_torch_path(arch, dtype, tiny_model_dir, tiny_llama_dir, one_torch_thread):
+    _needs_bf16(dtype)
+    llm, runner = _runner(tiny_model_dir if arch == "qwen2" else tiny_llama_dir, dtype)
+    assert runner.native_decode is not None
+    for rows in (1, 3, 4, MAX_ROWS):
+        batch = _decode_batch(runner, [5 + 29 * i % 90 for i in range(rows)], seed=rows)
+        (ref, ref_kv), (out, out_kv) = _both_paths(runner, batch)
+        assert out is not None and out.dtype == ref.dtype and out.shape == ref.shape
+        for a, b in zip(out_kv, ref_kv):  # the step's K (after RoPE) and V went to the same slots
+            torch.testing.assert_close(a.float(), b.float(), rtol=1e-5, atol=1e-5)
+        if dtype == "bfloat16" and rows <= 4:
+            # Same kernel blocking and rounding points: bit for bit.
+            assert torch.equal(out, ref)
+        elif dtype == "bfloat16":
+            # oneDNN's GEMM sums in another order above four rows: bf16 outputs then differ by an
+            # ulp here and there (2^-8 relative), and a few such differences add up over the layers.
+            torch.testing.assert_close(out.float(), ref.float(), rtol=2**-5, atol=2**-5)
+        else:
+            torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_generation_is_the_same_with_and_without_the_fused_step(tiny_model_dir, one_torch_thread):
+    llm, runner = _runner(tiny_model_dir, "float32")
+    prompts = [{"prompt_token_ids": list(range(7, 7 + n))} for n in (3, 17, 40, 9, 33)]
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, logprobs=2) for m in (30, 12, 25, 40, 8)]
+    fused = llm.generate(prompts, params, use_tqdm=False)
+    nd, runner.native_decode = runner.native_decode, None
+    plain = llm.generate(prompts, params, use_tqdm=False)
+    runner.native_decode = nd
+    for a, b in zip(fused, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert la.keys() == lb.keys()
+            for t in la:
+                assert la[t].logprob == pytest.approx(lb[t].logprob, abs=1e-4)
+
+
+def test_declined_step_leaves_the_cache_untouched(tiny_model_dir, one_torch_thread):
+    llm, runner = _runner(tiny_model_dir, "float32")
+    batch = _decode_batch(runner, [10, 20], seed=1)
+    batch.positions[1] = runner.model_config.max_model_len + 10_000  # past the RoPE table
+    before = [kv.clone() for kv in runner.kv_caches]
+    assert runner.native_decode.run(batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables,
+                                    batch.seq_lens) is None
+    assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches))
+
+
+@pytest.mark.parametrize("kwargs", [{"dtype": "float16"}, {"dtype": "float32", "quantization": "int8"},
+                                    {"dtype": "float32", "kv_cache_dtype": "bfloat16"}])
+def test_configurations_it_does_not_cover_run_the_torch_path(kwargs, tiny_model_dir, one_torch_thread):
+    llm = LLM(model=tiny_model_dir, num_kv_blocks=16, **kwargs)
+    assert llm.llm_engine.core.executor.runner.native_decode is None
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_switch_off(tiny_model_dir, monkeypatch, one_torch_thread):
+    monkeypatch.setenv("PAGEDLLM_NATIVE_DECODE", "0")
+    load_decode_kernel.cache_clear()
+    try:
+        llm = LLM(model=tiny_model_dir, dtype="float32", num_kv_blocks=16)
+        assert llm.llm_engine.core.executor.runner.native_decode is None
+    finally:
+        load_decode_kernel.cache_clear()
