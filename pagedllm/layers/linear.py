@@ -23,7 +23,7 @@ from pagedllm.layers.native_linear import small_m_linear
 _SINGLE = TensorParallelGroup()
 # float32 on the CPU: from this many rows up, oneDNN's GEMM on a weight kept in its own layout runs
 # about 2x faster than MKL's sgemm behind F.linear on this model's shapes (16 rows: 1.3-2.0x,
-# 64-1024 rows: 1.6-2.2x; 1 row: 0.6-1.2x, so decode rows keep F.linear).
+# 64-1024 rows: 1.6-2.2x; 1 row: 0.6-1.2x). Decode rows (up to SMALL_M) take the small-M kernel.
 MKLDNN_MIN_ROWS = 16
 
 
@@ -43,7 +43,7 @@ class UnquantizedLinearMethod:
         if packed is not None and x.dim() == 2 and x.shape[0] >= MKLDNN_MIN_ROWS:
             y = torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), packed, None).to_dense()
             return y if bias is None else y.add_(bias)
-        y = small_m_linear(x, layer.weight, bias)  # bf16 decode rows: one pass over the weights
+        y = small_m_linear(x, layer.weight, bias)  # decode rows: one pass over the weights
         return y if y is not None else F.linear(x, layer.weight, bias)
 
 

@@ -1,8 +1,9 @@
-"""bf16 GEMMs of a few rows (decode steps) on AVX-512 BF16 dot products (csrc/linear_bf16.c).
+"""GEMMs of a few rows (decode steps) in float32 and bfloat16 on AVX-512 (csrc/small_m_gemm.c).
 
-torch's bf16 `F.linear` with one row runs slower than fp32 here (oneDNN's small-M path), while a
-decode GEMM should be a single pass over the weights at half fp32's bytes; this kernel is that
-pass. Larger M keeps `F.linear` (oneDNN's bf16 GEMM is fast there).
+A decode GEMM should be a single pass over the weights. torch's bf16 `F.linear` with one row runs
+slower than fp32 here (oneDNN's small-M path), and its float32 one (MKL) reads the weights at
+about half the rate this kernel does; this kernel is that one pass, with fp32 accumulation (bf16
+through AVX-512 BF16 dot products). Larger M keeps torch's GEMMs, which are fast there.
 """
 
 from __future__ import annotations
@@ -16,40 +17,52 @@ import torch
 
 from pagedllm.attention.cpu_kernel import compile_native
 
-_SRC = Path(__file__).parent / "csrc" / "linear_bf16.c"
-# Most rows of x the kernel takes (its register blocking).
+SMALL_M_SRC = Path(__file__).parent / "csrc" / "small_m_gemm.c"
+# Most rows of x sent to the kernel: up to here it reads the weights once with every row's
+# accumulators in registers.
 SMALL_M = 4
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_K_STEP = {torch.float32: 16, torch.bfloat16: 32}
 
 
 @lru_cache(maxsize=1)
 def load_linear_kernel() -> ctypes.CDLL | None:
-    """The compiled kernel where the CPU has AVX-512 BF16 (else None: torch serves every GEMM)."""
+    """The compiled kernel where the CPU has AVX-512 (else None: torch serves every GEMM)."""
     if os.environ.get("PAGEDLLM_NATIVE_LINEAR", "1") == "0":
         return None
-    lib = compile_native(_SRC)
-    if lib is None or not hasattr(lib, "linear_bf16_small_m"):
+    lib = compile_native(SMALL_M_SRC)
+    if lib is None or not hasattr(lib, "small_m_linear"):
         return None
-    f = lib.linear_bf16_small_m
+    lib.small_m_available.restype = ctypes.c_int
+    f = lib.small_m_linear
     i64, p = ctypes.c_int64, ctypes.c_void_p
-    f.argtypes = [p, i64, p, i64, i64, p, p]
+    f.argtypes = [p, i64, p, p, i64, i64, p, i64]
     f.restype = ctypes.c_int
-    return lib
+    return lib if lib.small_m_available() else None
+
+
+@lru_cache(maxsize=None)
+def kernel_dtypes() -> frozenset[torch.dtype]:
+    """The dtypes this CPU's kernel serves: float32 with AVX-512, bfloat16 with AVX-512 BF16."""
+    lib = load_linear_kernel()
+    bits = lib.small_m_available() if lib is not None else 0
+    return frozenset(d for d, bit in ((torch.float32, 1), (torch.bfloat16, 2)) if bits & bit)
 
 
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """x W^T + b through the kernel when it applies (bf16, <= SMALL_M contiguous rows, K % 32 == 0),
-    else None."""
-    if (x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[0] > SMALL_M
-            or x.shape[1] % 32 or not weight.is_contiguous()):
+    """x W^T + b through the kernel when it applies (float32 or bf16 on the CPU, <= SMALL_M rows,
+    K a multiple of 16 / 32, contiguous weight), else None."""
+    dt = x.dtype
+    if (dt not in _DTYPE_CODES or weight.dtype != dt or x.dim() != 2 or x.shape[0] > SMALL_M
+            or x.shape[1] % _K_STEP[dt] or x.device.type != "cpu" or not weight.is_contiguous()
+            or dt not in kernel_dtypes()):
         return None
     lib = load_linear_kernel()
-    if lib is None:
-        return None
     x = x.contiguous()
     M, K = x.shape
     N = weight.shape[0]
-    y = torch.empty(M, N, dtype=torch.bfloat16)
-    b = 0 if bias is None else bias.contiguous().data_ptr()
-    if lib.linear_bf16_small_m(x.data_ptr(), M, weight.data_ptr(), N, K, b, y.data_ptr()) != 0:
+    y = torch.empty(M, N, dtype=dt)
+    b = None if bias is None else bias.contiguous().data_ptr()
+    if lib.small_m_linear(x.data_ptr(), M, weight.data_ptr(), b, N, K, y.data_ptr(), _DTYPE_CODES[dt]) != 0:
         return None
     return y

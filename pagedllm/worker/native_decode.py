@@ -24,6 +24,7 @@ from torch import nn
 
 from pagedllm.attention.cpu_kernel import ATTENTION_SRC, compile_native
 from pagedllm.layers.linear import UnquantizedLinearMethod
+from pagedllm.layers.native_linear import SMALL_M_SRC
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +56,10 @@ class _Model(ctypes.Structure):
 def load_decode_kernel() -> ctypes.CDLL | None:
     if os.environ.get("PAGEDLLM_NATIVE_DECODE", "1") == "0":
         return None
-    lib = compile_native(_SRC, includes=(ATTENTION_SRC,))
+    lib = compile_native(_SRC, includes=(ATTENTION_SRC, SMALL_M_SRC))
     if lib is None:
         return None
-    lib.llama_decode_available.restype = ctypes.c_int
+    lib.small_m_available.restype = ctypes.c_int
     f = lib.llama_decode_step
     i64 = ctypes.c_int64
     f.argtypes = [ctypes.POINTER(_Model), i64, _p, _p, _p, _p, i64, _p, _p]
@@ -141,7 +142,7 @@ class NativeDecode:
         lib = load_decode_kernel()
         if lib is None:
             return None
-        avail = lib.llama_decode_available()
+        avail = lib.small_m_available()
         reason = _unsupported_reason(model, dtype, kv_dtype)
         if reason is None and not avail & 1:
             reason = "the CPU has no AVX-512"

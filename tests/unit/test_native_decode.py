@@ -17,7 +17,7 @@ from pagedllm.worker.input_batch import RequestState, build_batch
 from pagedllm.worker.native_decode import MAX_ROWS, load_decode_kernel
 
 pytestmark = pytest.mark.skipif(
-    load_decode_kernel() is None or not load_decode_kernel().llama_decode_available() & 1,
+    load_decode_kernel() is None or not load_decode_kernel().small_m_available() & 1,
     reason="no C compiler or no AVX-512")
 
 
@@ -27,7 +27,7 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _needs_bf16(dtype: str) -> None:
-    if dtype == "bfloat16" and not load_decode_kernel().llama_decode_available() & 2:
+    if dtype == "bfloat16" and not load_decode_kernel().small_m_available() & 2:
         pytest.skip("CPU without AVX-512 BF16")
 
 

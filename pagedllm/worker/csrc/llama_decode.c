@@ -13,10 +13,8 @@
  * rounds its result to bf16; RMSNorm normalizes in float32, rounds, then scales by the weight), so
  * the two paths agree to the last bit except for the order of sums inside GEMMs and reductions.
  *
- * GEMMs: y[M, N] = x[M, K] W[N, K]^T (+ b). Four W rows at a time are loaded once per 16 (f32) or
- * 32 (bf16) columns and serve up to four x rows from registers (bf16 through AVX-512 BF16 dot
- * products, vdpbf16ps); more rows reuse the same W block from L1. W row blocks are split between
- * the OpenMP threads.
+ * GEMMs are the small-M kernel of pagedllm/layers/csrc/small_m_gemm.c (included below), which
+ * the torch path also uses for decode rows.
  */
 #include <math.h>
 #include <stdint.h>
@@ -24,26 +22,9 @@
 #include <string.h>
 
 #include "../../attention/csrc/paged_attention.c"
-
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define HAVE_AVX512 1
-#else
-#define HAVE_AVX512 0
-#endif
-#if HAVE_AVX512 && defined(__AVX512BF16__)
-#define HAVE_AVX512_BF16 1
-#else
-#define HAVE_AVX512_BF16 0
-#endif
+#include "../../layers/csrc/small_m_gemm.c"
 
 #define MAX_ROWS 16
-#define NR 4
-#define MR 4
-/* GEMMs with fewer weight elements than this run on one thread. */
-#define GEMM_PARALLEL_MIN (1 << 15)
-
-enum { LD_F32 = 0, LD_BF16 = 1 };
 
 typedef struct {
     int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
@@ -60,107 +41,8 @@ typedef struct {
     void *const *k_cache, *const *v_cache; /* [num_blocks, block_size, num_kv_heads, head_dim] */
 } LlamaDecodeModel;
 
-int llama_decode_available(void) { return (HAVE_AVX512 ? 1 : 0) | (HAVE_AVX512_BF16 ? 2 : 0); }
-
-static inline float ld(const void *p, int64_t i, int dt) {
-    return dt == LD_F32 ? ((const float *)p)[i] : bf16_to_f32(((const uint16_t *)p)[i]);
-}
-
 /* The value as stored in dtype dt, read back as float32 (rounds to bf16 for dt 1). */
 static inline float rnd(float v, int dt) { return dt == LD_F32 ? v : bf16_to_f32(f32_to_bf16(v)); }
-
-static inline void st(void *p, int64_t i, float v, int dt) {
-    if (dt == LD_F32)
-        ((float *)p)[i] = v;
-    else
-        ((uint16_t *)p)[i] = f32_to_bf16(v);
-}
-
-#if HAVE_AVX512
-/* Rows n0 .. n0 + nr - 1 of y for x rows m0 .. m0 + mr - 1 (mr <= MR, nr <= NR); K % 16 == 0 for
- * float32, K % 32 == 0 for bf16 (the step checks). */
-static inline __attribute__((always_inline)) void gemm_tile_f32(const float *x, int64_t m0, int64_t mr, const float *w, int64_t n0, int64_t nr,
-                                 int64_t N, int64_t K, const float *bias, float *y) {
-    __m512 acc[MR][NR];
-    for (int m = 0; m < MR; m++)
-        for (int r = 0; r < NR; r++) acc[m][r] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) {
-        __m512 wv[NR];
-        for (int r = 0; r < NR; r++) wv[r] = _mm512_loadu_ps(w + (n0 + (r < nr ? r : 0)) * K + k);
-        for (int64_t m = 0; m < mr; m++) {
-            const __m512 xv = _mm512_loadu_ps(x + (m0 + m) * K + k);
-            for (int r = 0; r < NR; r++) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
-        }
-    }
-    for (int64_t m = 0; m < mr; m++)
-        for (int64_t r = 0; r < nr; r++)
-            y[(m0 + m) * N + n0 + r] = _mm512_reduce_add_ps(acc[m][r]) + (bias ? bias[n0 + r] : 0.0f);
-}
-#endif
-
-#if HAVE_AVX512_BF16
-static inline __attribute__((always_inline)) void gemm_tile_bf16(const uint16_t *x, int64_t m0, int64_t mr, const uint16_t *w, int64_t n0,
-                                  int64_t nr, int64_t N, int64_t K, const uint16_t *bias, uint16_t *y) {
-    __m512 acc[MR][NR];
-    for (int m = 0; m < MR; m++)
-        for (int r = 0; r < NR; r++) acc[m][r] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 32) {
-        __m512bh wv[NR];
-        for (int r = 0; r < NR; r++) wv[r] = (__m512bh)_mm512_loadu_si512((const void *)(w + (n0 + (r < nr ? r : 0)) * K + k));
-        for (int64_t m = 0; m < mr; m++) {
-            const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + (m0 + m) * K + k));
-            for (int r = 0; r < NR; r++) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
-        }
-    }
-    for (int64_t m = 0; m < mr; m++)
-        for (int64_t r = 0; r < nr; r++) {
-            float s = _mm512_reduce_add_ps(acc[m][r]);
-            if (bias) s += bf16_to_f32(bias[n0 + r]);
-            y[(m0 + m) * N + n0 + r] = f32_to_bf16(s);
-        }
-}
-#endif
-
-/* y[M, N] = x[M, K] W[N, K]^T (+ bias), in dtype dt. */
-static void gemm(const void *x, int64_t M, const void *w, const void *bias, int64_t N, int64_t K, void *y, int dt) {
-    const int64_t nblocks = (N + NR - 1) / NR;
-#pragma omp parallel for schedule(static) if (N * K >= GEMM_PARALLEL_MIN)
-    for (int64_t b = 0; b < nblocks; b++) {
-        const int64_t n0 = b * NR, nr = N - n0 < NR ? N - n0 : NR;
-        for (int64_t m0 = 0; m0 < M; m0 += MR) {
-            const int64_t mr = M - m0 < MR ? M - m0 : MR;
-/* A constant row count per call site, so that the accumulators stay in registers. */
-#define TILE(fn, T, MR_)                                                                                   \
-    fn((const T *)x, m0, MR_, (const T *)w, n0, nr, N, K, (const T *)bias, (T *)y)
-#define TILES(fn, T)                                                                                       \
-    switch (mr) {                                                                                          \
-    case 1: TILE(fn, T, 1); break;                                                                         \
-    case 2: TILE(fn, T, 2); break;                                                                         \
-    case 3: TILE(fn, T, 3); break;                                                                         \
-    default: TILE(fn, T, 4); break;                                                                        \
-    }
-#if HAVE_AVX512_BF16
-            if (dt == LD_BF16) {
-                TILES(gemm_tile_bf16, uint16_t)
-                continue;
-            }
-#endif
-#if HAVE_AVX512
-            if (dt == LD_F32) {
-                TILES(gemm_tile_f32, float)
-                continue;
-            }
-#endif
-            for (int64_t m = m0; m < m0 + mr; m++)
-                for (int64_t n = n0; n < n0 + nr; n++) {
-                    float s = 0.0f;
-                    for (int64_t k = 0; k < K; k++) s += ld(x, m * K + k, dt) * ld(w, n * K + k, dt);
-                    if (bias) s += ld(bias, n, dt);
-                    st(y, m * N + n, s, dt);
-                }
-        }
-    }
-}
 
 /* out[m] = RMSNorm(x[m]) * weight: float32 statistics; bf16 rounds the normalized row before the
  * weight multiplies it (as the torch path does). */
@@ -222,6 +104,7 @@ int llama_decode_step(const LlamaDecodeModel *md, int64_t M, const int64_t *inpu
     const int64_t I = md->intermediate, qn = H * D, kvn = KVH * D, qkvn = qn + 2 * kvn;
     const int64_t es = dt == LD_F32 ? 4 : 2;
     if (M < 1 || M > MAX_ROWS || D > 1024 || (dt != LD_F32 && dt != LD_BF16)) return 1;
+    if (!(small_m_available() & (dt == LD_F32 ? 1 : 2))) return 1;
     const int64_t kq = dt == LD_F32 ? 16 : 32; /* the GEMM tiles' column step */
     if (Hd % kq || qn % kq || I % kq) return 1;
     for (int64_t m = 0; m < M; m++)
@@ -268,8 +151,3 @@ int llama_decode_step(const LlamaDecodeModel *md, int64_t M, const int64_t *inpu
     return 0;
 }
 
-/* One GEMM of the step, exported for tests: y[M, N] = x[M, K] W[N, K]^T (+ bias) in dtype dt. */
-void llama_decode_gemm(const void *x, int64_t M, const void *w, const void *bias, int64_t N, int64_t K, void *y,
-                       int64_t dt) {
-    gemm(x, M, w, bias, N, K, y, (int)dt);
-}
