@@ -1,5 +1,6 @@
 """`pagedllm bench latency`: one request alone: prefill time, per-token decode time, and what they
-achieve against this machine's peaks (fp32 matmul FLOP/s and copy bandwidth, measured first).
+achieve against this machine's peaks (matmul FLOP/s in the engine's dtype and copy bandwidth, measured
+in the same run).
 
 Each iteration adds one request (random token ids, greedy, ignore_eos, exact output length) to an
 LLMEngine with prefix caching off and times every `step()`: the first step computes the whole
@@ -33,7 +34,6 @@ def run_latency(model: str | None, engine_kwargs: dict[str, Any], input_len: int
         raise ValueError(f"need input_len >= 1, output_len >= 2, num_iters >= 1, num_warmup >= 0; got "
                          f"{input_len}, {output_len}, {num_iters}, {num_warmup}")
     meta = run_metadata()
-    peak_flops = measure_matmul_peak()
     peak_bw = measure_copy_bandwidth()
     kwargs = dict(engine_kwargs)
     kwargs["enable_prefix_caching"] = False
@@ -42,6 +42,7 @@ def run_latency(model: str | None, engine_kwargs: dict[str, Any], input_len: int
     engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
     load_s = time.perf_counter() - t0
     mc = engine.model_config
+    peak_flops = measure_matmul_peak(dtype=mc.dtype)  # the GEMM peak of the dtype the engine runs
     shape = ModelShape.from_hf_config(mc.hf_config)
     itemsize = _ITEMSIZE[mc.dtype]
     prompt = random_workload(1, (input_len, input_len), (output_len, output_len), vocab_info(model), seed)[0]
@@ -100,7 +101,7 @@ def format_latency(r: dict[str, Any]) -> str:
         f"model {r['model']['name']} ({r['model']['dtype']}), prompt {r['input_len']} tokens, output {r['output_len']} "
         f"tokens, median of {r['num_iters']} iterations after {r['num_warmup']} warm-up",
         f"prefill            {r['prefill_ms']:9.1f} ms    {r['prefill_flops_per_s'] / g:7.1f} GFLOP/s "
-        f"({100 * r['prefill_fraction_of_peak_flops']:.0f}% of the {r['peak_matmul_flops_per_s'] / g:.1f} GFLOP/s matmul peak)",
+        f"({100 * r['prefill_fraction_of_peak_flops']:.0f}% of the {r['peak_matmul_flops_per_s'] / g:.1f} GFLOP/s {r['model']['dtype']} matmul peak)",
         f"decode per token   {r['decode_ms_per_token']:9.2f} ms    {r['decode_flops_per_s'] / g:7.1f} GFLOP/s "
         f"({100 * r['decode_fraction_of_peak_flops']:.0f}% of peak), {r['decode_tokens_per_s']:.1f} tokens/s",
         f"decode bandwidth   {r['decode_weight_bandwidth'] / g:9.2f} GB/s of weights "
