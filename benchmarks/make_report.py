@@ -267,6 +267,29 @@ def latency_section(r: dict[str, Any]) -> str:
     )
 
 
+def native_decode_section(r: dict[str, Any]) -> str:
+    rows = [[x["dtype"], str(x["rows"]), f"{x['fused_ms']:.2f}", f"{x['torch_ms']:.2f}", f"{x['speedup']:.2f}x",
+             f"{x['fused_weight_gb_s']:.1f}"] for x in r["results"]]
+    return (
+        "## Decode steps as one native call
+
+" + run_block(r.get("meta")) +
+        "
+```
+.venv/bin/python benchmarks/bench_native_decode.py --out benchmarks/results/native_decode.json
+```
+
+"
+        "A decode-only step of a few rows runs the whole decoder stack in one C call "
+        "(pagedllm/worker/csrc/llama_decode.c) instead of about 80 torch ops per layer. Step time of each path on "
+        f"the same runner, weights and KV cache ({r['context']} tokens of context per row), fastest of 15; the copy "
+        f"bandwidth of this machine measured in the same run is {r['copy_bytes_per_s'] / 1e9:.1f} GB/s. The fused "
+        "step takes batches up to the row count where it stops winning (`MAX_ROWS` in "
+        "pagedllm/worker/native_decode.py).\n\n"
+        + table(["dtype", "rows", "fused ms", "torch ops ms", "speedup", "weights GB/s (fused)"], rows)
+    )
+
+
 def scheduler_section(r: dict[str, Any]) -> str:
     rows = [[str(x["num_running"]), f"{x['schedule_us']:.0f}", f"{x['update_us']:.0f}", f"{x['step_us_mean']:.0f}",
              f"{x['step_us_median']:.0f}", f"{x['step_us_p99']:.0f}", f"{x['us_per_request']:.1f}",
@@ -423,7 +446,7 @@ def later_throughput_section(runs: list[dict[str, Any]], main: dict[str, Any] | 
 
 
 STEP_OF = {"throughput.json": "throughput", "serve*.json": "serve", "latency.json": "latency",
-           "scheduler.json": "scheduler", "memory.json": "memory"}
+           "native_decode.json": "nativedecode", "scheduler.json": "scheduler", "memory.json": "memory"}
 
 
 def main() -> None:
@@ -452,7 +475,8 @@ def main() -> None:
         parts.append(serve_section(serve, img_dir / "bench-serve-latency.png", ratios))
     else:
         missing.append("serve*.json")
-    for name, fn in (("latency.json", latency_section), ("scheduler.json", scheduler_section)):
+    for name, fn in (("latency.json", latency_section), ("native_decode.json", native_decode_section),
+                     ("scheduler.json", scheduler_section)):
         if (d := load(res / name)) is not None:
             parts.append(fn(d))
         else:

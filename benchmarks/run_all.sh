@@ -2,17 +2,17 @@
 # The measurements behind docs/benchmarks.md, one after another, then the report.
 # Run on a quiet machine (`uptime` load average below 0.5) with nothing else running; with
 # OMP_NUM_THREADS unset every engine uses all cores. `make peers` first for the vLLM rows.
-# usage: benchmarks/run_all.sh [throughput] [serve] [latency] [prefill] [kvquality] [scheduler] [memory]
+# usage: benchmarks/run_all.sh [throughput] [serve] [latency] [nativedecode] [prefill] [kvquality] [scheduler] [memory]
 #        (default: all)
 # Approximate times on 2 cores: throughput 40-60 min (hf ~25, vllm ~15 incl. start-up), serve ~30 min,
-# latency 3 min, prefill 5 min, kvquality 3 min, scheduler 2 min, memory 10 s.
+# latency 3 min, nativedecode 2 min, prefill 5 min, kvquality 3 min, scheduler 2 min, memory 10 s.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PB=.venv/bin/pagedllm
 R=benchmarks/results
 mkdir -p "$R"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(throughput serve latency prefill kvquality scheduler memory)
+[ ${#steps[@]} -eq 0 ] && steps=(throughput serve latency nativedecode prefill kvquality scheduler memory)
 uptime
 for step in "${steps[@]}"; do
   case "$step" in
@@ -26,6 +26,8 @@ for step in "${steps[@]}"; do
     latency)
       $PB bench latency --input-len 32 --output-len 128 --num-iters 3 --dtype float32,bfloat16 \
         --compare llama.cpp,hf --output-json "$R/latency.json" ;;
+    nativedecode)
+      .venv/bin/python benchmarks/bench_native_decode.py --out "$R/native_decode.json" ;;
     prefill)
       $PB bench latency --input-len 7000 --output-len 2 --num-iters 1 --num-iters-warmup 0 --max-model-len 8192 \
         --dtype float32,bfloat16 --compare hf --output-json "$R/prefill.json" ;;
