@@ -20,7 +20,9 @@ from server_helpers import Server, gone, metrics
 
 COMP = "/v1/completions"
 SEED = int(os.environ.get("PAGEDLLM_CHAOS_SEED", "20261201"))
-NUM_REQUESTS = 300
+# PAGEDLLM_CHAOS_SEED and PAGEDLLM_CHAOS_REQUESTS choose the storm (benchmarks/chaos_runs.py runs
+# it with many seeds, and with 1,000 requests).
+NUM_REQUESTS = int(os.environ.get("PAGEDLLM_CHAOS_REQUESTS", "300"))
 MOMENTS = ("before_admission", "prefill", "mid_stream", "last_token", "normal")
 
 
