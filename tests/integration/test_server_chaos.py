@@ -16,7 +16,7 @@ import httpx
 import psutil
 import pytest
 
-from server_helpers import Server, gone, metrics
+from server_helpers import Server, gone, wait_idle
 
 COMP = "/v1/completions"
 SEED = int(os.environ.get("PAGEDLLM_CHAOS_SEED", "20261201"))
@@ -38,18 +38,6 @@ def greedy(http: httpx.Client) -> str:
                               "ignore_eos": True})
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
-
-
-def wait_idle(http: httpx.Client, timeout: float = 20.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout
-    while True:
-        m = metrics(http)
-        busy = (m["pagedllm:num_requests_running"], m["pagedllm:num_requests_waiting"],
-                m["pagedllm:kv_cache_usage_perc"])
-        if busy == (0, 0, 0):
-            return m
-        assert time.monotonic() < deadline, f"the engine still holds requests or blocks: {busy}"
-        time.sleep(0.05)
 
 
 async def one_client(c: httpx.AsyncClient, rng: random.Random, i: int) -> str:

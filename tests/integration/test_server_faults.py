@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ import httpx
 
 from pagedllm.engine.detokenizer import DETOKENIZER_FAULT_ENV
 from pagedllm.worker.sampler import SAMPLER_FAULT_ENV
-from server_helpers import Server, assert_error_shape, metrics
+from server_helpers import Server, assert_error_shape, wait_idle
 
 COMP = "/v1/completions"
 FAULT_SEED, FAULT_AFTER = 4242, 3
@@ -75,18 +74,6 @@ async def stream(c: httpx.AsyncClient, body: dict[str, Any]) -> dict[str, Any]:
 async def plain(c: httpx.AsyncClient, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     r = await c.post(COMP, json={"max_tokens": 24, "ignore_eos": True, **body})
     return r.status_code, r.json()
-
-
-def wait_idle(http: httpx.Client, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        m = metrics(http)
-        busy = (m["pagedllm:num_requests_running"], m["pagedllm:num_requests_waiting"],
-                m["pagedllm:kv_cache_usage_perc"])
-        if busy == (0, 0, 0):
-            return
-        assert time.monotonic() < deadline, f"the engine still holds requests or blocks: {busy}"
-        time.sleep(0.05)
 
 
 def test_faulty_requests_fail_alone(tmp_path: Path, tiny_model_dir: str) -> None:
