@@ -43,7 +43,7 @@ def greedy(http: httpx.Client) -> str:
 async def one_client(c: httpx.AsyncClient, rng: random.Random, i: int) -> str:
     """One request that leaves at a moment drawn from MOMENTS; returns what happened."""
     moment = rng.choice(MOMENTS)
-    max_tokens = rng.randint(1, 40)
+    max_tokens = rng.randint(2 if moment == "mid_stream" else 1, 40)
     prompt = " ".join(rng.choice(["fox", "dog", "blocks", "cache", "Paris", "1", "2"]) for _ in range(rng.randint(1, 60)))
     body = {"prompt": f"{i} {prompt}", "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.8,
             "seed": i, "stream": moment in ("mid_stream", "last_token", "normal") and rng.random() < 0.8}
@@ -59,10 +59,13 @@ async def one_client(c: httpx.AsyncClient, rng: random.Random, i: int) -> str:
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == max_tokens
         return "normal"
-    stop_after = rng.randint(1, max_tokens) if moment == "mid_stream" else None
+    # Leaves once it has this many tokens, in the first half of its stream: a chunk may carry
+    # several tokens (a busy server sends what piled up since the last one), so the moment is
+    # counted by tokens (continuous usage stats), not chunks, and it is what happened.
+    stop_after = rng.randint(1, max(1, (max_tokens - 1) // 2)) if moment == "mid_stream" else None
+    body["stream_options"] = {"continuous_usage_stats": True}
     async with c.stream("POST", COMP, json=body) as r:
         assert r.status_code == 200
-        seen = 0
         events = []
         async for line in r.aiter_lines():
             if not line.startswith("data: "):
@@ -72,10 +75,10 @@ async def one_client(c: httpx.AsyncClient, rng: random.Random, i: int) -> str:
                 break
             chunk = json.loads(line[6:])
             assert "error" not in chunk, chunk
-            seen += 1
-            if stop_after is not None and seen >= stop_after:
-                return moment  # leaves mid-stream
-            if moment == "last_token" and chunk["choices"][0]["finish_reason"] is not None:
+            last = any(ch["finish_reason"] is not None for ch in chunk["choices"])
+            if stop_after is not None and chunk["usage"]["completion_tokens"] >= stop_after:
+                return "last_token" if last else "mid_stream"  # leaves
+            if moment == "last_token" and last:
                 return moment  # leaves with the last token, before [DONE]
     assert events[-1] == "data: [DONE]"
     return "normal"
