@@ -258,7 +258,9 @@ def main() -> None:
     if args.no_write:
         return
     meta["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]
-    meta["command"] = "flock /tmp/pagedllm-bench.lock python benchmarks/serve_soak.py " + " ".join(sys.argv[1:])
+    locked = psutil.Process().parent().name() == "flock"
+    meta["command"] = (("flock /tmp/pagedllm-bench.lock " if locked else "nice -n 10 ") + "python benchmarks/serve_soak.py "
+                       + " ".join(sys.argv[1:])).strip()
     result = {"meta": meta, "bound_gib": bound, "rounds": rows, "streams": streams_result, "under_bound": under,
               "alive": alive, "args": {k: v for k, v in vars(args).items() if k != "serve_args"},
               "serve_args": args.serve_args}
