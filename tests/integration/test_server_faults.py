@@ -76,6 +76,26 @@ async def plain(c: httpx.AsyncClient, body: dict[str, Any]) -> tuple[int, dict[s
     return r.status_code, r.json()
 
 
+def test_stream_events_survive_clients_that_split_lines_like_splitlines(tmp_path: Path, tiny_model_dir: str) -> None:
+    """Text holding U+2028, U+2029 or U+0085 (a random model emits such tokens) goes out escaped:
+    httpx's aiter_lines, which splits where str.splitlines does, once cut such events in two."""
+    server = Server(tmp_path / "lines.log", tiny_model_dir, "--num-kv-blocks", "64")
+    try:
+        server.wait_ready()
+        prompt = "a\u2028b\u2029c\x85d"
+        body = {"prompt": prompt, "max_tokens": 2, "echo": True, "stream": True, "temperature": 0}
+        texts = []
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            with http.stream("POST", COMP, json=body) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        texts += [ch["text"] for ch in json.loads(line[6:])["choices"]]
+        assert "".join(texts).startswith(prompt)
+    finally:
+        server.stop()
+
+
 def test_faulty_requests_fail_alone(tmp_path: Path, tiny_model_dir: str) -> None:
     env = {"PAGEDLLM_CHECK_INTEGRITY": "1", SAMPLER_FAULT_ENV: f"{FAULT_SEED}:{FAULT_AFTER}",
            DETOKENIZER_FAULT_ENV: str(FAULT_TOKEN)}
