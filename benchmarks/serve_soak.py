@@ -159,8 +159,13 @@ def main() -> None:
     ap.add_argument("--stream-prompt-len", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-write", action="store_true", help="print only; leave benchmarks/results alone")
+    ap.add_argument("--render", action="store_true", help="only rewrite serve_soak.md from soak.json")
     ap.add_argument("serve_args", nargs="*", help="extra `pagedllm serve` flags (after --)")
     args = ap.parse_args()
+    if args.render:
+        out = ROOT / "benchmarks" / "results"
+        (out / "serve_soak.md").write_text(soak_section(json.loads((out / "soak.json").read_text())))
+        return
     sys.path.insert(0, str(ROOT))
     from pagedllm.benchmarks.env import run_metadata
 
@@ -197,6 +202,9 @@ def main() -> None:
         bound = {k: float(v) for k, v in zip(("total", "resident", "weights", "kv_cache", "swap", "workspace"),
                                              m.groups())}
         engine_pid = int(re.search(r"Engine core process (\d+) ready", text).group(1))  # type: ignore[union-attr]
+        blocks = re.search(r"KV cache: (\d+) blocks of (\d+) tokens", text)
+        if blocks is not None:
+            bound["num_blocks"], bound["block_size"] = float(blocks.group(1)), float(blocks.group(2))
         print(m.group(0), flush=True)
         engine, api = psutil.Process(engine_pid), psutil.Process(server.pid)
         peak = PeakRSS(engine_pid)
@@ -285,19 +293,29 @@ def soak_section(r: dict[str, Any]) -> str:
         f"The start-up log states the engine core's bound: **{b['total']:.2f} GiB** = {b['resident']:.2f} GiB once "
         f"loaded (weights {b['weights']:.2f} GiB + runtime) + {b['kv_cache']:.2f} GiB KV cache + {b['swap']:.2f} GiB "
         f"host swap + {b['workspace']:.2f} GiB step workspace. The KV pool is committed page by page as blocks are "
-        "first used, so the engine's RSS climbs until every block has held a request (freed blocks stay in the "
-        "prefix cache, and never-used blocks are handed out first), then stays flat.",
+        "first used, so the engine's RSS climbs until every block has held a request (freed blocks keep their "
+        "prefix-cache content, and never-used blocks are handed out first), then stays flat: the climb is the cache "
+        "filling, not a leak, and the column 'engine RSS less their KV' (RSS minus the KV pages of the blocks used "
+        "so far) shows what else the engine holds.",
         "",
         f"Rounds of {a['requests']} streamed completions ({a['prompt_len']} distinct random prompt tokens, "
         f"{a['max_tokens']} output tokens, ignore_eos, {a['concurrency']} at a time):",
         "",
-        "| round | seconds | exact completions | API server RSS (GiB) | engine RSS (GiB) | engine peak (GiB) | bound (GiB) |",
-        "|---|---|---|---|---|---|---|",
+        "| round | seconds | exact completions | API server RSS (GiB) | engine RSS (GiB) | engine peak (GiB) "
+        "| KV blocks used so far | engine RSS less their KV (GiB) | bound (GiB) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
+    # Distinct random prompts share no prefix: every request takes fresh blocks while never-used
+    # ones remain, so the blocks used so far are rounds x requests x blocks per request.
+    num_blocks, bs = b.get("num_blocks"), b.get("block_size")
+    per_req = -(-(a["prompt_len"] + a["max_tokens"]) // int(bs)) if bs else 0
     for row in r["rounds"]:
+        used = min(row["round"] * row["requests"] * per_req, int(num_blocks)) if num_blocks else None
+        less = (row["engine_rss_gib"] - used / num_blocks * b["kv_cache"]) if used is not None else None
         lines.append(f"| {row['round']} | {row['seconds']:.0f} | {row['exact']}/{row['requests']} | "
                      f"{row['server_rss_gib']:.2f} | {row['engine_rss_gib']:.2f} | {row['engine_peak_gib']:.2f} | "
-                     f"{b['total']:.2f} |")
+                     f"{used if used is not None else '-'} of {int(num_blocks or 0)} | "
+                     f"{'-' if less is None else format(less, '.2f')} | {b['total']:.2f} |")
     if s is not None:
         lines += ["", f"Then **{s['streams']} streams at once** ({s['max_tokens']} tokens each, ignore_eos): "
                   f"{s['exact']}/{s['streams']} completed with exactly {s['max_tokens']} tokens and finish_reason "
