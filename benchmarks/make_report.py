@@ -489,8 +489,9 @@ def main() -> None:
         parts.append("## Long-context prefill\n\n" + latency_matrix_table(pf))
     if (kq := load(res / "kv_cache_dtype_quality.json")) is not None:
         parts.append(kv_quality_section(kq))
-    if (note := res / "dtype_fast_path.md").exists():
-        parts.append(note.read_text())
+    for name in ("dtype_fast_path.md", "serve_soak.md", "chaos_runs.md"):
+        if (note := res / name).exists():
+            parts.append(note.read_text())
     sched = load(res / "bench_scheduling.json") or load(res / "bench_scheduling_quick.json")
     if sched is not None:
         parts.append(scheduling_section(sched))

@@ -109,14 +109,22 @@ class LLM:
         bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
         t0 = time.perf_counter()
         in_tokens = out_tokens = 0
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    finished[out.request_id] = out
-                    in_tokens += len(out.prompt_token_ids)
-                    out_tokens += sum(len(c.token_ids) for c in out.outputs)
-                    elapsed = time.perf_counter() - t0
-                    bar.set_postfix_str(f"input: {in_tokens / elapsed:.1f} toks/s, output: {out_tokens / elapsed:.1f} toks/s")
-                    bar.update(1)
-        bar.close()
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        in_tokens += len(out.prompt_token_ids)
+                        out_tokens += sum(len(c.token_ids) for c in out.outputs)
+                        elapsed = time.perf_counter() - t0
+                        bar.set_postfix_str(
+                            f"input: {in_tokens / elapsed:.1f} toks/s, output: {out_tokens / elapsed:.1f} toks/s")
+                        bar.update(1)
+        except BaseException:
+            # A request failed (or the caller interrupted): the rest of this call's requests end
+            # too, so that the engine is left empty for the next call.
+            engine.abort_request([r for r in request_ids if r not in finished])
+            raise
+        finally:
+            bar.close()
         return [finished[r] for r in request_ids if r in finished]

@@ -433,9 +433,19 @@ class Scheduler:
         return forked
 
     def update_from_output(self, so: SchedulerOutput, out: ModelRunnerOutput) -> list[EngineCoreOutput]:
-        """Appends sampled tokens, applies stop rules, frees finished requests."""
+        """Appends sampled tokens, applies stop rules, frees finished requests; ends the requests
+        whose sampling failed with finish_reason "error"."""
         results: list[EngineCoreOutput] = []
         any_finished = False
+        for rid, error in out.failed.items():
+            req = self.requests.get(rid)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue
+            req.status = RequestStatus.FINISHED_ERROR
+            self._release(req)
+            any_finished = True
+            results.append(EngineCoreOutput(rid, [], finish_reason=req.get_finished_reason(), error=error,
+                                            first_scheduled_time=req.first_scheduled_time))
         max_len = self.config.max_model_len
         for i, rid in enumerate(out.req_ids):
             req = self.requests.get(rid)

@@ -92,6 +92,9 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     logprobs: dict[str, Logprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, Logprobs] = field(default_factory=dict)
+    # req_id -> error, for requests whose sampling raised this step (they sampled nothing; the
+    # scheduler ends them with finish_reason "error"). The rest of the batch is unaffected.
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -106,6 +109,8 @@ class EngineCoreOutput:
     prompt_logprobs: Logprobs | None = None
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None
+    # Why the engine ended this request, when finish_reason is "error".
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

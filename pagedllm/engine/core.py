@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
+
+import psutil
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
@@ -24,6 +27,48 @@ logger = logging.getLogger(__name__)
 
 class KVCacheAllocationError(ValueError):
     """The KV cache asked for does not fit in memory (the message names the size and the flag)."""
+
+
+@dataclass(frozen=True)
+class MemoryBound:
+    """What the engine-core process may hold: what it holds once loaded (weights and the runtime),
+    plus the KV cache and host swap pools (committed page by page as they fill, up to their
+    size), plus one step's working memory."""
+
+    resident: int
+    """RSS once the model is loaded and the pools are mapped (weights, runtime, nothing cached yet)."""
+    weights: int
+    """Bytes of model weights in this process (part of `resident`)."""
+    kv_cache: int
+    swap: int
+    workspace: int
+    """Estimate of one step's activations and sampling buffers at the token and sequence budgets."""
+
+    @property
+    def total(self) -> int:
+        return self.resident + self.kv_cache + self.swap + self.workspace
+
+    def describe(self) -> str:
+        g = 1 << 30
+        return (
+            f"Memory bound of the engine core: {self.total / g:.2f} GiB RSS at most = {self.resident / g:.2f} GiB "
+            f"now (weights {self.weights / g:.2f} GiB + runtime) + {self.kv_cache / g:.2f} GiB KV cache + "
+            f"{self.swap / g:.2f} GiB host swap space (both committed as they fill) + {self.workspace / g:.2f} GiB "
+            "step workspace"
+        )
+
+
+def step_workspace_bytes(config: EngineConfig) -> int:
+    """A generous estimate of one step's float32 working memory: per scheduled token the hidden
+    states, attention and MLP activations (and their temporaries); per sampled row a few copies
+    of the logits (processed logits, probabilities, noise)."""
+    hf = config.model_config.hf_config
+    hidden = int(getattr(hf, "hidden_size", 0) or 0)
+    inter = int(getattr(hf, "intermediate_size", 0) or 4 * hidden)
+    sc = config.scheduler_config
+    per_token = 2 * (8 * hidden + 3 * inter) * 4
+    per_row = 4 * config.model_config.vocab_size * 4
+    return sc.max_num_batched_tokens * per_token + sc.max_num_seqs * per_row
 
 
 class EngineCore:
@@ -51,13 +96,14 @@ class EngineCore:
         self.scheduler = Scheduler(sc, kv, self.preemption_costs)
         self.num_blocks = num_blocks
         capacity = num_blocks * cc.block_size
-        weights = self._weight_bytes()
-        logger.info(
-            "Memory bound: %.2f GiB of weights + %.2f GiB of KV cache (touched as it fills) + %.2f GiB of host "
-            "swap space at most, plus the runtime's overhead",
-            weights / (1 << 30), kv_bytes / (1 << 30),
-            num_swap_blocks * cc.block_size * mc.kv_bytes_per_token() / (1 << 30),
+        self.memory_bound = MemoryBound(
+            resident=psutil.Process().memory_info().rss,
+            weights=self._weight_bytes(),
+            kv_cache=kv_bytes,
+            swap=num_swap_blocks * cc.block_size * mc.kv_bytes_per_token(),
+            workspace=step_workspace_bytes(config),
         )
+        logger.info("%s", self.memory_bound.describe())
         logger.info(
             "Model %s loaded (%s). KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s); maximum "
             "concurrency at max_model_len=%d: %.2fx; token budget %d per step, at most %d sequences; %s policy, "

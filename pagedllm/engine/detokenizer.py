@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
@@ -9,6 +11,16 @@ from pagedllm.sampling_params import SamplingParams
 
 # Prompt tokens given to the decoder as context, so the first output piece is spaced correctly.
 _CONTEXT_TOKENS = 6
+
+# Test hook, off unless set: a token id whose decoding raises DetokenizerFaultInjected. It stands
+# for a detokenizer that fails on one request's output; the fault-isolation tests set it in the
+# API server's environment and ask for the token with a logit_bias. Read once, at import.
+DETOKENIZER_FAULT_ENV = "PAGEDLLM_TEST_DETOKENIZER_FAULT"
+_FAULT_TOKEN = int(os.environ[DETOKENIZER_FAULT_ENV]) if os.environ.get(DETOKENIZER_FAULT_ENV) else None
+
+
+class DetokenizerFaultInjected(RuntimeError):
+    """Raised by the PAGEDLLM_TEST_DETOKENIZER_FAULT test hook."""
 
 
 class IncrementalDetokenizer:
@@ -31,6 +43,8 @@ class IncrementalDetokenizer:
         `skip_last` leaves out the final token (an EOS or stop token that ended the sequence).
         """
         ids = new_token_ids[:-1] if skip_last else new_token_ids
+        if _FAULT_TOKEN is not None and _FAULT_TOKEN in ids:
+            raise DetokenizerFaultInjected(f"injected detokenizer fault (token {_FAULT_TOKEN})")
         for tid in ids:
             piece = self.stream.step(self.tokenizer, tid)
             if not piece:

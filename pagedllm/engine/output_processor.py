@@ -1,8 +1,9 @@
 """Turns per-step EngineCoreOutputs into RequestOutputs: text, logprobs, stop strings, n > 1.
 
 It runs in the front end (the API server process when serving). A failure while processing one
-request's output (a detokenizer error, say) fails that request alone: it is reported in
-`ProcessedOutputs.failed` and its sequences are handed back for the engine core to abort.
+request's output (a detokenizer error, say), or a sequence the engine core ended with
+finish_reason "error", fails that request alone: it is reported in `ProcessedOutputs.failed` and
+its unfinished sequences are handed back for the engine core to abort.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.stats import FinishedRequestStats, IterationStats
 from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+
+class EngineRequestError(RuntimeError):
+    """The engine core ended one sequence of the request with an error (its sampling raised)."""
 
 
 class TokenTexts:
@@ -198,6 +203,9 @@ class OutputProcessor:
             # A sequence the front end ended (a stop string) may still get the output of a step the
             # engine core ran before it heard of the stop: it is not part of the sequence.
             return
+        if co.finish_reason == "error":
+            seq.finish_reason = "error"  # ended by the engine core: nothing of it is left to abort
+            raise EngineRequestError(co.error or "the engine core ended this request with an error")
         # With n > 1 every sample computes the prompt: keep the first sample's logprobs only.
         if co.prompt_logprobs is not None and state.prompt_logprobs is not None and seq.index == 0:
             state.prompt_logprobs.extend(self._to_logprob_dicts(co.prompt_logprobs))

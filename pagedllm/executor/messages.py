@@ -72,4 +72,5 @@ def runner_output_from(d: dict[str, Any]) -> ModelRunnerOutput:
         sampled_token_ids=d["sampled_token_ids"],
         logprobs={k: Logprobs(**v) for k, v in d["logprobs"].items()},
         prompt_logprobs={k: Logprobs(**v) for k, v in d["prompt_logprobs"].items()},
+        failed=d.get("failed", {}),
     )

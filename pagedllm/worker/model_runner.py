@@ -28,7 +28,7 @@ from pagedllm.worker import device as dev
 from pagedllm.worker.cuda_graph import CudaGraphRunner
 from pagedllm.worker.input_batch import BatchArrays, RequestState, build_batch
 from pagedllm.worker.native_decode import NativeDecode
-from pagedllm.worker.sampler import Sampler, SamplingMetadata, SamplingRow, compute_topk_logprobs
+from pagedllm.worker.sampler import Sampler, SamplingRow, compute_topk_logprobs, sample_isolating_faults
 
 logger = logging.getLogger(__name__)
 
@@ -514,6 +514,8 @@ class ModelRunner:
         sample_rows = [int(r) for r in batch.sample_rows] + [row_of[i] for i, _ in forks]
         new_tokens: dict[str, list[int]] = {}
         logprobs: dict[str, Logprobs] = {}
+        failed: dict[str, str] = {}
+        result = None
         # Every tensor-parallel rank of the last stage computes logits (the vocabulary is split);
         # only the driver samples, and the others learn its tokens with the next step.
         if sample_states:
@@ -530,8 +532,12 @@ class ModelRunner:
                 )
                 for state in sample_states
             ]
-            md_s = SamplingMetadata.from_rows(rows, logits.shape[-1], self.device)
-            result = self.sampler(logits, md_s)
+            # A row whose sampling raises fails its request alone; the others are sampled as usual.
+            sampled = sample_isolating_faults(self.sampler, logits, rows, self.device)
+            failed = {sample_states[j].req_id: err for j, err in sampled.failed.items()}
+            sample_states = [sample_states[j] for j in sampled.kept]
+            result = sampled.output
+        if sample_states and self.parallel.is_driver and result is not None:
             tokens = result.sampled_token_ids.tolist()  # the step's one device -> host sync
             if result.logprobs is not None and self.is_cuda:
                 result.logprob_token_ids, result.logprobs, result.sampled_token_ranks = (
@@ -562,4 +568,5 @@ class ModelRunner:
             sampled_token_ids=[new_tokens.get(r, []) for r in out_ids],
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            failed=failed,
         )

@@ -15,10 +15,18 @@ The model runner gathers the S rows that sample a token this step, builds a
 
 Every optional part is None in the metadata when no row uses it, and the
 sampler skips it; a batch of plain greedy rows is a single argmax.
+
+`sample_isolating_faults` is what the runner calls: when sampling the batch
+raises, it finds the rows that raise on their own, reports them as failed
+(their requests end with an error) and samples the other rows as if the failed
+ones had never been in the batch. An error no single row explains is re-raised
+(an engine fault).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +37,32 @@ from pagedllm.sampling_params import SamplingParams, SamplingType
 # value and would pick a token outside the allowed set.
 _TINY = torch.finfo(torch.float32).tiny
 _NEG_INF = float("-inf")
+
+logger = logging.getLogger(__name__)
+
+# Test hook, off unless set: "SEED" or "SEED:AFTER" makes building the sampling metadata raise
+# SamplingFaultInjected for a row whose request has seed SEED once it has AFTER output tokens
+# (default 0). It stands for a request whose sampling state breaks the sampler; the fault-isolation
+# tests set it in the engine process's environment. Read once, at import.
+SAMPLER_FAULT_ENV = "PAGEDLLM_TEST_SAMPLER_FAULT"
+
+
+class SamplingFaultInjected(RuntimeError):
+    """Raised by the PAGEDLLM_TEST_SAMPLER_FAULT test hook."""
+
+
+def parse_sampler_fault(value: str | None) -> tuple[int, int] | None:
+    """"7" -> (7, 0), "7:3" -> (7, 3), unset or "" -> None."""
+    if not value:
+        return None
+    seed, _, after = value.partition(":")
+    try:
+        return int(seed), int(after or 0)
+    except ValueError:
+        raise ValueError(f"{SAMPLER_FAULT_ENV}={value!r}: expected SEED or SEED:AFTER (integers)") from None
+
+
+_FAULT = parse_sampler_fault(os.environ.get(SAMPLER_FAULT_ENV))
 
 
 def _tensor(values: object, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -114,6 +148,8 @@ class SamplingMetadata:
     @classmethod
     def from_rows(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device) -> SamplingMetadata:
         """Builds the step's sampling tensors from the rows, in row order."""
+        if _FAULT is not None:
+            _inject_fault(rows, _FAULT)
         greedy = [r.params.sampling_type == SamplingType.GREEDY for r in rows]
         all_greedy, all_random = all(greedy), not any(greedy)
         num_logprobs = [r.params.logprobs for r in rows if r.params.logprobs is not None]
@@ -135,6 +171,13 @@ class SamplingMetadata:
             min_tokens_index=_min_tokens_index(rows, device),
             penalties=_penalties(rows, vocab_size, device),
         )
+
+
+def _inject_fault(rows: list[SamplingRow], fault: tuple[int, int]) -> None:
+    seed, after = fault
+    for r in rows:
+        if r.params.seed == seed and len(r.output_token_ids) >= after:
+            raise SamplingFaultInjected(f"injected sampler fault (seed {seed}, {len(r.output_token_ids)} tokens)")
 
 
 def _temperatures(rows: list[SamplingRow], greedy: list[bool], device: torch.device) -> torch.Tensor:
@@ -380,3 +423,56 @@ def compute_topk_logprobs(
     top_logprobs, top_ids = logprobs.topk(min(k, logprobs.shape[1]), dim=-1)
     ids = torch.cat([token_ids, top_ids], dim=1)
     return ids, torch.cat([token_logprobs, top_logprobs], dim=1), ranks
+
+
+@dataclass
+class IsolatedSample:
+    """One step's sampling with failing rows left out."""
+
+    output: SamplerOutput | None
+    """The sampled rows' tokens (and logprobs), in `kept` order; None when every row failed."""
+    kept: list[int]
+    """Indices (into the step's rows) of the rows sampled."""
+    failed: dict[int, str]
+    """Row index -> the error that row raised on its own."""
+
+
+def sample_isolating_faults(
+    sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow], device: torch.device
+) -> IsolatedSample:
+    """Samples every row at once; if that raises, isolates the rows that raise on their own.
+
+    Those rows are reported as failed and the others are sampled again, together, from the same
+    logits, with their random generators first put back where they were: greedy and seeded rows
+    get exactly the tokens they would have got had the failed rows never been in the batch. If no
+    single row raises, the batch's error is re-raised: it is not any one request's fault.
+    """
+    vocab_size = logits.shape[-1]
+    generators = [(r.generator, r.generator.get_state()) for r in rows if r.generator is not None]
+    try:
+        out = sampler(logits, SamplingMetadata.from_rows(rows, vocab_size, device))
+        return IsolatedSample(out, list(range(len(rows))), {})
+    except Exception as batch_error:
+        error = batch_error
+
+    def rewind() -> None:
+        for g, state in generators:
+            g.set_state(state)
+
+    failed: dict[int, str] = {}
+    for i, row in enumerate(rows):
+        rewind()
+        try:
+            sampler(logits[i : i + 1], SamplingMetadata.from_rows([row], vocab_size, device))
+        except Exception as e:
+            failed[i] = f"{type(e).__name__}: {e}"
+    if not failed:
+        raise error
+    logger.error("sampling failed for %d of %d rows: %s", len(failed), len(rows), "; ".join(failed.values()))
+    rewind()
+    kept = [i for i in range(len(rows)) if i not in failed]
+    if not kept:
+        return IsolatedSample(None, [], failed)
+    index = torch.tensor(kept, dtype=torch.long, device=logits.device)
+    out = sampler(logits.index_select(0, index), SamplingMetadata.from_rows([rows[i] for i in kept], vocab_size, device))
+    return IsolatedSample(out, kept, failed)

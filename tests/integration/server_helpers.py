@@ -93,3 +93,16 @@ def assert_error_shape(body: dict) -> None:
     assert set(err) == {"message", "type", "param", "code"}, err
     assert isinstance(err["message"], str) and err["message"], err
     assert isinstance(err["type"], str) and err["type"], err
+
+
+def wait_idle(http: httpx.Client, timeout: float = 20.0) -> dict[str, float]:
+    """Waits until nothing runs or waits and no KV block is in use; returns the metrics."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(http)
+        busy = (m["pagedllm:num_requests_running"], m["pagedllm:num_requests_waiting"],
+                m["pagedllm:kv_cache_usage_perc"])
+        if busy == (0, 0, 0):
+            return m
+        assert time.monotonic() < deadline, f"the engine still holds requests or blocks: {busy}"
+        time.sleep(0.05)

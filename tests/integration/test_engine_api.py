@@ -446,3 +446,18 @@ def test_abort_frees_everything(llm: LLM, chunked_llm: LLM, which: str) -> None:
     assert engine.step() == []
     assert engine.executor.runner.requests == {}
     assert_still_works(target)
+
+
+def test_memory_bound_is_stated_and_kv_cache_memory_keeps_its_meaning(llm: LLM) -> None:
+    """kv_cache_memory=256 MiB gives a KV pool of at most 256 MiB (less than one block short), and
+    the bound adds it to what the process holds once loaded, the swap pool and a step's workspace."""
+    core = llm.llm_engine.core
+    cc, mc = llm.llm_engine.config.cache_config, llm.llm_engine.model_config
+    block = cc.block_size * mc.kv_bytes_per_token()
+    b = core.memory_bound
+    assert b.kv_cache == core.num_blocks * block and 256 << 20 >= b.kv_cache > (256 << 20) - block
+    assert b.total == b.resident + b.kv_cache + b.swap + b.workspace
+    assert 0 < b.weights < b.resident and b.workspace > 0
+    text = b.describe()
+    assert text.startswith(f"Memory bound of the engine core: {b.total / (1 << 30):.2f} GiB RSS at most")
+    assert f"{b.kv_cache / (1 << 30):.2f} GiB KV cache" in text

@@ -16,11 +16,13 @@ import httpx
 import psutil
 import pytest
 
-from server_helpers import Server, gone, metrics
+from server_helpers import Server, gone, wait_idle
 
 COMP = "/v1/completions"
 SEED = int(os.environ.get("PAGEDLLM_CHAOS_SEED", "20261201"))
-NUM_REQUESTS = 300
+# PAGEDLLM_CHAOS_SEED and PAGEDLLM_CHAOS_REQUESTS choose the storm (benchmarks/chaos_runs.py runs
+# it with many seeds, and with 1,000 requests).
+NUM_REQUESTS = int(os.environ.get("PAGEDLLM_CHAOS_REQUESTS", "300"))
 MOMENTS = ("before_admission", "prefill", "mid_stream", "last_token", "normal")
 
 
@@ -38,22 +40,10 @@ def greedy(http: httpx.Client) -> str:
     return r.json()["choices"][0]["text"]
 
 
-def wait_idle(http: httpx.Client, timeout: float = 20.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout
-    while True:
-        m = metrics(http)
-        busy = (m["pagedllm:num_requests_running"], m["pagedllm:num_requests_waiting"],
-                m["pagedllm:kv_cache_usage_perc"])
-        if busy == (0, 0, 0):
-            return m
-        assert time.monotonic() < deadline, f"the engine still holds requests or blocks: {busy}"
-        time.sleep(0.05)
-
-
 async def one_client(c: httpx.AsyncClient, rng: random.Random, i: int) -> str:
     """One request that leaves at a moment drawn from MOMENTS; returns what happened."""
     moment = rng.choice(MOMENTS)
-    max_tokens = rng.randint(1, 40)
+    max_tokens = rng.randint(2 if moment == "mid_stream" else 1, 40)
     prompt = " ".join(rng.choice(["fox", "dog", "blocks", "cache", "Paris", "1", "2"]) for _ in range(rng.randint(1, 60)))
     body = {"prompt": f"{i} {prompt}", "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.8,
             "seed": i, "stream": moment in ("mid_stream", "last_token", "normal") and rng.random() < 0.8}
@@ -69,10 +59,13 @@ async def one_client(c: httpx.AsyncClient, rng: random.Random, i: int) -> str:
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == max_tokens
         return "normal"
-    stop_after = rng.randint(1, max_tokens) if moment == "mid_stream" else None
+    # Leaves once it has this many tokens, in the first half of its stream: a chunk may carry
+    # several tokens (a busy server sends what piled up since the last one), so the moment is
+    # counted by tokens (continuous usage stats), not chunks, and it is what happened.
+    stop_after = rng.randint(1, max(1, (max_tokens - 1) // 2)) if moment == "mid_stream" else None
+    body["stream_options"] = {"continuous_usage_stats": True}
     async with c.stream("POST", COMP, json=body) as r:
         assert r.status_code == 200
-        seen = 0
         events = []
         async for line in r.aiter_lines():
             if not line.startswith("data: "):
@@ -82,10 +75,10 @@ async def one_client(c: httpx.AsyncClient, rng: random.Random, i: int) -> str:
                 break
             chunk = json.loads(line[6:])
             assert "error" not in chunk, chunk
-            seen += 1
-            if stop_after is not None and seen >= stop_after:
-                return moment  # leaves mid-stream
-            if moment == "last_token" and chunk["choices"][0]["finish_reason"] is not None:
+            last = any(ch["finish_reason"] is not None for ch in chunk["choices"])
+            if stop_after is not None and chunk["usage"]["completion_tokens"] >= stop_after:
+                return "last_token" if last else "mid_stream"  # leaves
+            if moment == "last_token" and last:
                 return moment  # leaves with the last token, before [DONE]
     assert events[-1] == "data: [DONE]"
     return "normal"

@@ -22,7 +22,7 @@ def test_messages_round_trip() -> None:
     assert back.params() == params
     outs = EngineCoreOutputs(
         [EngineCoreOutput("0_r", [5], "length", None, Logprobs([[5, 6]], [[-0.1, -2.0]], [1]), None, 16, 1.5),
-         EngineCoreOutput("1_r", [])],
+         EngineCoreOutput("1_r", []), EngineCoreOutput("2_r", [], "error", error="IndexError: out of bounds")],
         StepStats(SchedulerStats(1, 2, 0, 0.25, 30, 16, 1, {"recompute": 1}), 40, 0, 0.01),
     )
     kind, back = codec.decode(codec.encode(MsgKind.OUTPUTS, outs))
@@ -38,3 +38,12 @@ def test_malformed_frames_are_refused() -> None:
         codec.decode(codec.encode(MsgKind.ADD, {"not": "a request"}))
     with pytest.raises((msgspec.DecodeError, ValueError)):
         codec.decode(b"\x80\x04\x95 not msgpack")  # e.g. a pickle
+
+
+def test_runner_output_with_failed_requests_round_trips() -> None:
+    """The worker -> engine message of the parallel executors carries the failed requests too."""
+    from pagedllm.core.scheduler_output import ModelRunnerOutput
+    from pagedllm.executor.messages import decode, encode, runner_output_from
+
+    out = ModelRunnerOutput(["a", "b"], [[3], []], failed={"b": "SamplingFaultInjected: injected"})
+    assert runner_output_from(decode(encode(out))) == out

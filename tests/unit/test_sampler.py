@@ -8,12 +8,16 @@ import pytest
 import torch
 
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker import sampler as sampler_module
 from pagedllm.worker.sampler import (
     Sampler,
     SamplerOutput,
+    SamplingFaultInjected,
     SamplingMetadata,
     SamplingRow,
     compute_topk_logprobs,
+    parse_sampler_fault,
+    sample_isolating_faults,
 )
 
 V = 50
@@ -334,3 +338,65 @@ def test_compute_topk_logprobs_worked_example() -> None:
     assert torch.allclose(logprobs, logits.log_softmax(-1).gather(1, ids))
     ids, logprobs, ranks = compute_topk_logprobs(logits, torch.tensor([2, 2]), 0)
     assert ids.shape == (2, 1) and ranks.tolist() == [1, 3]
+
+
+def test_a_row_whose_sampling_raises_fails_alone() -> None:
+    """A row with an unvalidated logit_bias id outside the vocabulary makes the batch's index_put_
+    raise; it alone is reported, and the greedy, seeded (with logprobs) and unseeded rows get
+    the tokens they get in a batch without it, seeded generators included."""
+    logits = torch.randn(4, V)
+    good = [SamplingParams(temperature=0), SamplingParams(temperature=0.9, seed=7, logprobs=2),
+            SamplingParams(temperature=0.9)]
+    bad = SamplingParams(temperature=0, logit_bias={V + 3: 1.0})  # the front end would refuse it
+    kept_logits = torch.cat([logits[:2], logits[3:]])
+    rows = [make_row(good[0]), make_row(good[1]), make_row(bad), make_row(good[2])]
+    with pytest.raises(IndexError):
+        sample(rows, logits)  # the batch as a whole raises
+    rows = [make_row(good[0]), make_row(good[1]), make_row(bad), make_row(good[2])]
+    got = sample_isolating_faults(Sampler(), logits, rows, CPU)
+    assert got.kept == [0, 1, 3] and list(got.failed) == [2] and "IndexError" in got.failed[2]
+    want = sample([make_row(p) for p in good], kept_logits)
+    assert got.output is not None
+    assert got.output.sampled_token_ids[:2].tolist() == want.sampled_token_ids[:2].tolist()
+    assert torch.equal(got.output.logprobs[1], want.logprobs[1])  # type: ignore[index]
+    assert 0 <= int(got.output.sampled_token_ids[2]) < V
+    # The seeded row's generator went on from where the clean batch left it: the next draws agree.
+    nxt = sample_isolating_faults(Sampler(), logits[1:2], [rows[1]], CPU).output
+    assert nxt is not None
+    ref_row = make_row(good[1])
+    sample([ref_row], logits[1:2])
+    assert nxt.sampled_token_ids.tolist() == sample([ref_row], logits[1:2]).sampled_token_ids.tolist()
+
+
+def test_a_batch_error_no_row_explains_is_raised() -> None:
+    """An error only the whole batch hits (as running out of memory would) is not any request's
+    fault: it is raised, for the engine to fail."""
+
+    class BatchOnlyFailure(Sampler):
+        def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+            if logits.shape[0] > 1:
+                raise RuntimeError("out of memory")
+            return super().forward(logits, md)
+
+    rows = [make_row(SamplingParams(temperature=0)), make_row(SamplingParams(temperature=0.5, seed=1))]
+    with pytest.raises(RuntimeError, match="out of memory"):
+        sample_isolating_faults(BatchOnlyFailure(), torch.randn(2, V), rows, CPU)
+
+
+def test_every_row_failing_samples_nothing() -> None:
+    rows = [make_row(SamplingParams(temperature=0, logit_bias={V: 1.0})) for _ in range(2)]
+    got = sample_isolating_faults(Sampler(), torch.randn(2, V), rows, CPU)
+    assert got.output is None and got.kept == [] and sorted(got.failed) == [0, 1]
+
+
+def test_sampler_fault_hook_parses_and_fires(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert parse_sampler_fault(None) is None and parse_sampler_fault("7") == (7, 0)
+    assert parse_sampler_fault("7:3") == (7, 3)
+    with pytest.raises(ValueError, match="SEED:AFTER"):
+        parse_sampler_fault("x")
+    monkeypatch.setattr(sampler_module, "_FAULT", (7, 2))
+    row = make_row(SamplingParams(temperature=0.5, seed=7), output=[1])
+    sample([row], torch.randn(1, V))  # one output token: not yet
+    row.output_token_ids.append(2)
+    with pytest.raises(SamplingFaultInjected):
+        sample([row], torch.randn(1, V))

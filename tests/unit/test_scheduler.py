@@ -364,6 +364,33 @@ def test_abort_between_schedule_and_update_drops_output() -> None:
     sched.check_integrity()
 
 
+def test_a_request_whose_sampling_failed_ends_with_error_alone() -> None:
+    """The worker reports "b" as failed (its sampling raised): it ends with finish_reason "error"
+    and the worker's message, its blocks are freed, the worker is told to forget it, and "a",
+    sampled in the same step, goes on to its full length."""
+    sched = make_sched(num_blocks=16, caching=True)
+    sched.add_request(make_req("a", 6, max_tokens=4))
+    sched.add_request(make_req("b", 6, max_tokens=4))
+    d = Driver(sched)
+    d.step()  # both prompts, first tokens
+    so = sched.schedule()
+    out = d.worker.execute(so)
+    i = out.req_ids.index("b")
+    out.sampled_token_ids[i] = []
+    out.failed = {"b": "IndexError: index 99 is out of bounds"}
+    results = {r.req_id: r for r in sched.update_from_output(so, out)}
+    assert results["b"].finish_reason == "error" and results["b"].error == out.failed["b"]
+    assert results["b"].new_token_ids == [] and results["a"].new_token_ids == [FILLER]
+    d.outputs["a"] += results["a"].new_token_ids
+    assert [r.request_id for r in sched.running] == ["a"] and "b" not in sched.requests
+    sched.check_integrity()
+    so, _ = d.step()
+    assert "b" in so.finished_req_ids
+    d.run()
+    assert d.outputs["a"] == [FILLER] * 4 and d.finish_reasons["a"] == "length"
+    assert sched.kv.usage == 0
+
+
 def test_add_request_rejects_too_long_for_model() -> None:
     sched = make_sched(max_model_len=32)
     with pytest.raises(ValueError, match=r"maximum context length is 32.*35 tokens.*30 in the prompt.*5 to generate"):

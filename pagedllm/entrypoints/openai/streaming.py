@@ -10,8 +10,15 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 
+# JSON may hold these raw inside strings, and SSE allows them, but clients that split lines the way
+# str.splitlines does (httpx's aiter_lines, say) would cut the event in two: they go out escaped,
+# which is the same JSON. (JSON already escapes every other character splitlines breaks on.)
+_SPLITLINES_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(data: str) -> str:
-    return f"data: {data}\n\n"
+    """One server-sent event holding `data` (JSON, or [DONE]) on a single line for every client."""
+    return f"data: {data.translate(_SPLITLINES_BREAKS)}\n\n"
 
 
 class EngineStreamingResponse(StreamingResponse):
