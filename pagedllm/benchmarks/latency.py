@@ -1,5 +1,5 @@
 """`pagedllm bench latency`: one request alone: prefill time, per-token decode time, and what they
-achieve against this machine's peaks (fp32 matmul FLOP/s and copy bandwidth, measured first).
+achieve against this machine's peaks (matmul FLOP/s in the model's dtype and copy bandwidth).
 
 Each iteration adds one request (random token ids, greedy, ignore_eos, exact output length) to an
 LLMEngine with prefix caching off and times every `step()`: the first step computes the whole
@@ -33,7 +33,6 @@ def run_latency(model: str | None, engine_kwargs: dict[str, Any], input_len: int
         raise ValueError(f"need input_len >= 1, output_len >= 2, num_iters >= 1, num_warmup >= 0; got "
                          f"{input_len}, {output_len}, {num_iters}, {num_warmup}")
     meta = run_metadata()
-    peak_flops = measure_matmul_peak()
     peak_bw = measure_copy_bandwidth()
     kwargs = dict(engine_kwargs)
     kwargs["enable_prefix_caching"] = False
@@ -42,6 +41,7 @@ def run_latency(model: str | None, engine_kwargs: dict[str, Any], input_len: int
     engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
     load_s = time.perf_counter() - t0
     mc = engine.model_config
+    peak_flops = measure_matmul_peak(dtype=mc.dtype)  # the roofline of the dtype the model runs in
     shape = ModelShape.from_hf_config(mc.hf_config)
     itemsize = _ITEMSIZE[mc.dtype]
     prompt = random_workload(1, (input_len, input_len), (output_len, output_len), vocab_info(model), seed)[0]

@@ -25,7 +25,8 @@
  * 16-lane vectors, and the 16 keys of a run are reduced together by a 4-level pairwise-add tree
  * (45 shuffles and adds for 16 scores, instead of 16 horizontal sums). The exponentials run on
  * the 16-lane score vector, and V rows are loaded (bf16: widened in registers) once per key and
- * serve every row with fp32 FMAs.
+ * serve every row with fp32 FMAs. A batch of decodes reads its KV blocks from memory, scattered
+ * over the cache: the next run's K and V rows are prefetched while the current run's PV sums run.
  *
  * Layouts: q, out [T, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D];
  * block_tables [R, bt_stride]; query_start_loc [R + 1]; seq_lens [R]; work [W, 3].
@@ -257,7 +258,22 @@ static inline __attribute__((always_inline)) void decode_rows(
             lv[r] = _mm512_add_ps(lv[r], pv);
             _mm512_storeu_ps(p[r], pv);
         }
+        /* The next run's K and V rows (another block, at a random place of the cache) are fetched
+         * while this run's PV sums run. */
+        const int64_t k1 = k0 + kn;
+        const char *nk = NULL, *nv = NULL;
+        int64_t esz = kv_dt == DT_F32 ? 4 : kv_dt == DT_FP8 ? 1 : 2, nn = 0;
+        if (k1 <= last) {
+            const int64_t noff = k1 % BS, nbase = (bt[k1 / BS] * BS + noff) * stride + head_off;
+            nn = BS - noff < KB ? BS - noff : KB;
+            nk = (const char *)k_cache + nbase * esz, nv = (const char *)v_cache + nbase * esz;
+        }
         for (int64_t j = 0; j < kn; j++) {
+            if (j < nn)
+                for (int64_t b = 0; b < D * esz; b += 64) {
+                    _mm_prefetch(nk + j * stride * esz + b, _MM_HINT_T0);
+                    _mm_prefetch(nv + j * stride * esz + b, _MM_HINT_T0);
+                }
             __m512 vv[8];
             for (int c = 0; c < C; c++)
                 vv[c] = mode == KM_BF16DP ? load_bf16x16(vb + j * vst + 16 * c) : _mm512_loadu_ps(vf + j * vst + 16 * c);
