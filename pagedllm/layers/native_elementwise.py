@@ -1,4 +1,4 @@
-"""Fused bf16 RMSNorm (with the residual add before it) and SiLU·mul on the CPU
+"""Fused bf16 RMSNorm (with the residual add before it), SiLU·mul and rotary embedding on the CPU
 (csrc/elementwise_bf16.c): one pass over the rows instead of the 5-7 torch ops (each a full pass
 and an allocation) of the reference formulas, with the same rounding points (see the C file).
 
@@ -33,6 +33,8 @@ def load_elementwise_kernel() -> ctypes.CDLL | None:
     lib.rms_norm_bf16.restype = ctypes.c_int
     lib.silu_mul_bf16.argtypes = [p, i64, i64, i64, p]
     lib.silu_mul_bf16.restype = ctypes.c_int
+    lib.rope_bf16.argtypes = [p, i64, i64, i64, i64, p, p, p, i64, p]
+    lib.rope_bf16.restype = ctypes.c_int
     return lib
 
 
@@ -70,3 +72,24 @@ def silu_mul_bf16(x: torch.Tensor) -> torch.Tensor | None:
         return None
     y = torch.empty(T, inter, dtype=torch.bfloat16)
     return None if lib.silu_mul_bf16(x.data_ptr(), x.stride(0), T, inter, y.data_ptr()) else y
+
+
+def rope_bf16(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              head_dim: int) -> torch.Tensor | None:
+    """Rotate-half RoPE of x [T, heads * head_dim] (rows may be strided) at `positions` [T] (int64),
+    with bf16 tables cos, sin [max_position, head_dim], in bf16; or None (also for a position
+    outside the tables: the torch path then raises)."""
+    if x.dim() != 2 or not _rows_ok(x, head_dim // 2) or head_dim % 2:
+        return None
+    if (cos.dtype != torch.bfloat16 or sin.dtype != torch.bfloat16 or not cos.is_contiguous()
+            or not sin.is_contiguous() or positions.dtype != torch.int64 or not positions.is_contiguous()
+            or positions.shape != (x.shape[0],) or cos.shape != sin.shape or cos.shape[1] != head_dim):
+        return None
+    lib = load_elementwise_kernel()
+    if lib is None:
+        return None
+    T, W = x.shape
+    y = torch.empty(T, W, dtype=torch.bfloat16)
+    rc = lib.rope_bf16(x.data_ptr(), x.stride(0), T, W, head_dim, positions.data_ptr(), cos.data_ptr(),
+                       sin.data_ptr(), cos.shape[0], y.data_ptr())
+    return None if rc else y

@@ -64,3 +64,25 @@ def test_fallbacks_when_the_kernel_does_not_apply():
     assert silu_mul_bf16(torch.randn(4, 64)) is None  # float32
     norm = RMSNorm(40, 1e-6, torch.bfloat16)
     torch.testing.assert_close(norm(x), reference_norm(x, norm.weight, 1e-6), atol=0, rtol=0)
+
+
+def test_rope_matches_reference_rounding_on_fused_and_separate_qk():
+    from types import SimpleNamespace
+
+    from pagedllm.layers.native_elementwise import rope_bf16
+    from pagedllm.layers.rotary import RotaryEmbedding
+
+    cfg = SimpleNamespace(rope_theta=10000.0)
+    rope = RotaryEmbedding(cfg, 64, 512, torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(37, 9 * 64 + 2 * 3 * 64, generator=g).bfloat16()
+    q, k, _ = qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1)
+    pos = torch.randint(0, 512, (37,), generator=g)
+    cos, sin = rope.cos[pos].unsqueeze(1), rope.sin[pos].unsqueeze(1)
+    ref_q, ref_k = (rope._rotate(t.contiguous(), cos, sin) for t in (q, k))  # the torch formula
+    fq, fk = rope(pos, q, k)  # fused q|k rows
+    sq, sk = rope(pos, q.contiguous(), k.contiguous())  # separate tensors
+    for out, ref in ((fq, ref_q), (fk, ref_k), (sq, ref_q), (sk, ref_k)):
+        assert_close_ulp(out, ref)
+    # A position beyond the table is left to the torch path, which rejects it.
+    assert rope_bf16(q, torch.tensor([600] * 37), rope.cos, rope.sin, 64) is None

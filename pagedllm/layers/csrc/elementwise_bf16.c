@@ -5,6 +5,8 @@
  *   rms_norm_bf16:  h = bf16(x + add) when `add` is given (written to h_out), else h = x;
  *                   y = bf16(w * bf16(h * rsqrt(mean(h^2) + eps))), the mean in float32.
  *   silu_mul_bf16:  y = bf16(bf16(silu(gate)) * up), silu in float32, for x = [gate | up] rows.
+ *   rope_bf16:      rotate-half RoPE of every head of a row, y = bf16(bf16(x * cos) + bf16(r * sin))
+ *                   with r = [-x2, x1], cos/sin rows of the token's position (bf16 tables).
  *
  * Rows are split over the OpenMP team only when there are enough of them to pay for waking it.
  * Layouts: x [T, N] with row stride ldx (elements); add, h_out and y [T, N] contiguous; all bf16
@@ -98,6 +100,34 @@ int silu_mul_bf16(const uint16_t *x, int64_t ldx, int64_t T, int64_t I, uint16_t
             const __m512 s = round_bf16(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f),
                                                                         exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv)))));
             _mm256_storeu_si256((__m256i *)(yr + i), rnd(_mm512_mul_ps(s, ld(u + i))));
+        }
+    }
+    return 0;
+}
+
+/* x [T, W] (row stride ldx), W = heads * hd; cos, sin [max_pos, hd]; y [T, W]; (hd / 2) % 16 == 0.
+ * Returns 2, writing nothing, when a position is outside the tables. */
+int rope_bf16(const uint16_t *x, int64_t ldx, int64_t T, int64_t W, int64_t hd, const int64_t *pos,
+              const uint16_t *cos, const uint16_t *sin, int64_t max_pos, uint16_t *y) {
+    const int64_t half = hd / 2;
+    if (hd % 2 || half % 16 || W % hd) return 1;
+    for (int64_t t = 0; t < T; t++)
+        if (pos[t] < 0 || pos[t] >= max_pos) return 2;
+#pragma omp parallel for schedule(static) if (T * W >= PARALLEL_MIN_ELEMS)
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *c = cos + pos[t] * hd, *s = sin + pos[t] * hd;
+        for (int64_t h0 = 0; h0 < W; h0 += hd) {
+            const uint16_t *xr = x + t * ldx + h0;
+            uint16_t *yr = y + t * W + h0;
+            for (int64_t i = 0; i < half; i += 16) {
+                const __m512 x1 = ld(xr + i), x2 = ld(xr + half + i);
+                const __m512 lo = _mm512_add_ps(round_bf16(_mm512_mul_ps(x1, ld(c + i))),
+                                                round_bf16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), ld(s + i))));
+                const __m512 hi = _mm512_add_ps(round_bf16(_mm512_mul_ps(x2, ld(c + half + i))),
+                                                round_bf16(_mm512_mul_ps(x1, ld(s + half + i))));
+                _mm256_storeu_si256((__m256i *)(yr + i), rnd(lo));
+                _mm256_storeu_si256((__m256i *)(yr + half + i), rnd(hi));
+            }
         }
     }
     return 0;
