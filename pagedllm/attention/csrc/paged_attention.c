@@ -144,25 +144,6 @@ static inline void scores_rb(float *restrict s, const float *restrict q, int64_t
  * dotted with bf16 queries by vdpbf16ps. */
 enum { KM_F32 = 0, KM_BF16DP = 1, KM_CONV = 2 };
 
-/* e^x on 16 lanes: 2^n e^r with |r| <= ln2/2 and a degree-6 Taylor polynomial (relative error
- * below 2e-7, about one float32 ulp); inputs below -87 give about 1e-38. */
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-    x = _mm512_min_ps(x, _mm512_set1_ps(88.f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.f / 720.f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, n);
-}
-
 /* Lanes 0-7: sums of adjacent lane pairs of a; lanes 8-15: the same of b. */
 static inline __m512 pairsum(__m512 a, __m512 b) {
     const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
@@ -176,10 +157,6 @@ static inline __m512 reduce16(__m512 *v) {
     for (int w = KB; w > 1; w >>= 1)
         for (int i = 0; i < w / 2; i++) v[i] = pairsum(v[2 * i], v[2 * i + 1]);
     return v[0];
-}
-
-static inline __m512 load_bf16x16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
 /* Online-softmax attention of R <= DEC_ROWS query rows sharing one KV head over keys
@@ -276,7 +253,7 @@ static inline __attribute__((always_inline)) void decode_rows(
                 }
             __m512 vv[8];
             for (int c = 0; c < C; c++)
-                vv[c] = mode == KM_BF16DP ? load_bf16x16(vb + j * vst + 16 * c) : _mm512_loadu_ps(vf + j * vst + 16 * c);
+                vv[c] = mode == KM_BF16DP ? bf16x16_load(vb + j * vst + 16 * c) : _mm512_loadu_ps(vf + j * vst + 16 * c);
             for (int r = 0; r < R; r++) {
                 const __m512 pj = _mm512_set1_ps(p[r][j]);
                 for (int c = 0; c < C; c++) acc[r][c] = _mm512_fmadd_ps(pj, vv[c], acc[r][c]);

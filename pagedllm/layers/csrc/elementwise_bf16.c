@@ -20,20 +20,6 @@
 #define PARALLEL_MIN_ELEMS (1 << 18)
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
-
-static inline __m512 ld(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
-/* float32 -> bf16 with round to nearest even (NaN-free inputs), 16 lanes. */
-static inline __m256i rnd(__m512 v) {
-    __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    u = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
-}
-
 /* bf16 value of v, back in float32. */
 static inline __m512 round_bf16(__m512 v) {
     __m512i u = _mm512_castps_si512(v);
@@ -42,21 +28,9 @@ static inline __m512 round_bf16(__m512 v) {
     return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xffff0000u)));
 }
 
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-    x = _mm512_min_ps(x, _mm512_set1_ps(88.f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.f / 720.f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, n);
+/* float32 -> bf16 with round to nearest even (NaN-free inputs), 16 lanes. */
+static inline __m256i rnd(__m512 v) {
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round_bf16(v)), 16));
 }
 
 /* N % 16 == 0. */
@@ -70,9 +44,9 @@ int rms_norm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *add, uint16_t 
         uint16_t *yr = y + t * N;
         __m512 ss = _mm512_setzero_ps();
         for (int64_t i = 0; i < N; i += 16) {
-            __m512 h = ld(xr + i);
+            __m512 h = bf16x16_load(xr + i);
             if (add) {
-                const __m256i hb = rnd(_mm512_add_ps(h, ld(add + t * N + i)));
+                const __m256i hb = rnd(_mm512_add_ps(h, bf16x16_load(add + t * N + i)));
                 _mm256_storeu_si256((__m256i *)(hr + i), hb);
                 h = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hb), 16));
             }
@@ -81,8 +55,8 @@ int rms_norm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *add, uint16_t 
         const __m512 inv = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(ss) / (float)N + eps));
         const uint16_t *src = add ? hr : xr;
         for (int64_t i = 0; i < N; i += 16) {
-            const __m512 n = round_bf16(_mm512_mul_ps(ld(src + i), inv));
-            _mm256_storeu_si256((__m256i *)(yr + i), rnd(_mm512_mul_ps(ld(w + i), n)));
+            const __m512 n = round_bf16(_mm512_mul_ps(bf16x16_load(src + i), inv));
+            _mm256_storeu_si256((__m256i *)(yr + i), rnd(_mm512_mul_ps(bf16x16_load(w + i), n)));
         }
     }
     return 0;
@@ -96,10 +70,10 @@ int silu_mul_bf16(const uint16_t *x, int64_t ldx, int64_t T, int64_t I, uint16_t
         const uint16_t *g = x + t * ldx, *u = g + I;
         uint16_t *yr = y + t * I;
         for (int64_t i = 0; i < I; i += 16) {
-            const __m512 gv = ld(g + i);
+            const __m512 gv = bf16x16_load(g + i);
             const __m512 s = round_bf16(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f),
                                                                         exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv)))));
-            _mm256_storeu_si256((__m256i *)(yr + i), rnd(_mm512_mul_ps(s, ld(u + i))));
+            _mm256_storeu_si256((__m256i *)(yr + i), rnd(_mm512_mul_ps(s, bf16x16_load(u + i))));
         }
     }
     return 0;
@@ -120,11 +94,11 @@ int rope_bf16(const uint16_t *x, int64_t ldx, int64_t T, int64_t W, int64_t hd, 
             const uint16_t *xr = x + t * ldx + h0;
             uint16_t *yr = y + t * W + h0;
             for (int64_t i = 0; i < half; i += 16) {
-                const __m512 x1 = ld(xr + i), x2 = ld(xr + half + i);
-                const __m512 lo = _mm512_add_ps(round_bf16(_mm512_mul_ps(x1, ld(c + i))),
-                                                round_bf16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), ld(s + i))));
-                const __m512 hi = _mm512_add_ps(round_bf16(_mm512_mul_ps(x2, ld(c + half + i))),
-                                                round_bf16(_mm512_mul_ps(x1, ld(s + half + i))));
+                const __m512 x1 = bf16x16_load(xr + i), x2 = bf16x16_load(xr + half + i);
+                const __m512 lo = _mm512_add_ps(round_bf16(_mm512_mul_ps(x1, bf16x16_load(c + i))),
+                                                round_bf16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), bf16x16_load(s + i))));
+                const __m512 hi = _mm512_add_ps(round_bf16(_mm512_mul_ps(x2, bf16x16_load(c + half + i))),
+                                                round_bf16(_mm512_mul_ps(x1, bf16x16_load(s + half + i))));
                 _mm256_storeu_si256((__m256i *)(yr + i), rnd(lo));
                 _mm256_storeu_si256((__m256i *)(yr + half + i), rnd(hi));
             }
