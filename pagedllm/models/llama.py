@@ -31,15 +31,6 @@ def linear_method(quant_config, prefix: str, shards: tuple[str, ...] = ()):
     return quant_config.linear_method(prefix, [f"{parent}.{s}" for s in shards] or [prefix])
 
 
-def linear_method(quant_config, prefix: str, shards: tuple[str, ...] = ()):
-    """The quantization method of the linear layer ``prefix`` (checkpoint modules ``shards`` of
-    its parent fused into it), or None for weights in the model dtype."""
-    if quant_config is None:
-        return None
-    parent = prefix.rsplit(".", 1)[0]
-    return quant_config.linear_method(prefix, [f"{parent}.{s}" for s in shards] or [prefix])
-
-
 def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
