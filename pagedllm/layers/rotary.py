@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm.layers.native_elementwise import rope_bf16
+
 
 def _inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
     params = dict(getattr(config, "rope_parameters", None) or {})
@@ -77,8 +79,20 @@ class RotaryEmbedding(nn.Module):
             from pagedllm.attention.triton_fused import rotary
 
             return rotary(positions, q, k, self.cos, self.sin, self.head_dim)
-        cos, sin = self._lookup(positions)
         qw = q.shape[1]
+        if q.dtype == torch.bfloat16 and q.dim() == 2 and k.dim() == 2 and q.stride() == k.stride():
+            # bf16: one fused native pass over q and k side by side (the fused QKV output), or each.
+            if k.data_ptr() == q.data_ptr() + qw * q.element_size():
+                out = rope_bf16(q.as_strided((q.shape[0], qw + k.shape[1]), q.stride()), positions, self.cos,
+                                self.sin, self.head_dim)
+                if out is not None:
+                    return out[:, :qw], out[:, qw:]
+            else:
+                qo = rope_bf16(q, positions, self.cos, self.sin, self.head_dim)
+                ko = rope_bf16(k, positions, self.cos, self.sin, self.head_dim) if qo is not None else None
+                if ko is not None:
+                    return qo, ko
+        cos, sin = self._lookup(positions)
         if (q.dim() == 2 and k.dim() == 2 and q.stride() == k.stride() and q.stride(1) == 1
                 and k.data_ptr() == q.data_ptr() + qw * q.element_size()):
             # q and k side by side in one row (the fused QKV output): rotate both in one pass.

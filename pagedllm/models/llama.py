@@ -87,8 +87,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        h = x + self.self_attn(positions, self.input_layernorm(x))
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h, y = self.post_attention_layernorm.add_and_norm(x, self.self_attn(positions, self.input_layernorm(x)))
+        return h + self.mlp(y)
 
 
 class PPMissingLayer(nn.Module):

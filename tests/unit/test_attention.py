@@ -182,3 +182,51 @@ def test_rotary_on_fused_qkv_equals_separate_rotations():
     fq, fk = rope(pos, q, k)  # adjacent views: one pass
     sq, sk = rope(pos, q.clone(), k.clone())  # separate tensors: two passes
     assert torch.equal(fq, sq) and torch.equal(fk, sk)
+
+
+# Output rounding of each query dtype (half an ulp: bf16 2^-9, fp16 2^-12, relative): the decode
+# path computes q.k exactly in float32 (bf16 x bf16 products are exact, vdpbf16ps accumulates in
+# fp32) and accumulates softmax and PV in float32, so against float32 attention on the same
+# (rounded) q and cache values only the final rounding to the query dtype remains.
+DECODE_TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=1e-5, rtol=4e-3),
+              torch.float16: dict(atol=1e-5, rtol=1e-3)}
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (8, 1, 32)])
+@pytest.mark.parametrize("q_dtype,kv_dtype", [
+    (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
+    (torch.float16, torch.float16), (torch.bfloat16, torch.float8_e4m3fn)])
+def test_decode_path_at_model_shapes_matches_dense_fp32(heads, kv_heads, head_dim, q_dtype, kv_dtype):
+    """Decodes (and 2-token steps) over long contexts on 16-slot blocks: the register-blocked decode
+    path, with 1-8 query rows per KV head, partial runs at block edges and a sliding window."""
+    from pagedllm.attention.cpu_kernel import fp8_table, paged_attention_native
+
+    native = load_kernel()
+    if native is None:
+        pytest.skip("no C compiler for the native kernel")
+    bs, g = 16, torch.Generator().manual_seed(head_dim)
+    lens, qlens = [1, 17, 200, 333], [1, 1, 2, 1]
+    nblk = [-(-n // bs) for n in lens]
+    num_blocks = sum(nblk) + 3
+    kv = (torch.randn(2, num_blocks, bs, kv_heads, head_dim, generator=g) * 2).to(kv_dtype)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    bt = torch.zeros(len(lens), max(nblk), dtype=torch.int64)
+    for r, n in enumerate(nblk):
+        bt[r, :n] = torch.tensor([perm.pop() for _ in range(n)])
+    qsl = torch.tensor([0] + qlens).cumsum(0)
+    seq = torch.tensor(lens)
+    work = torch.tensor([[r, 0, n] for r, n in enumerate(qlens)])
+    q = torch.randn(int(qsl[-1]), heads, head_dim, generator=g).to(q_dtype)
+    dec = kv.float() if kv_dtype not in (torch.float8_e4m3fn,) else fp8_table(kv_dtype)[kv.view(torch.uint8).long()]
+    for window in (0, 50):
+        out = paged_attention_native(native, q, kv, bt, qsl, seq, work, head_dim**-0.5, window)
+        refs = []
+        for r, (n, ql) in enumerate(zip(lens, qlens)):
+            slots = torch.tensor([int(bt[r, p // bs]) * bs + p % bs for p in range(n)])
+            keys, vals = (dec[i].view(-1, kv_heads, head_dim)[slots].repeat_interleave(heads // kv_heads, 1)
+                          .transpose(0, 1) for i in (0, 1))
+            qpos, kpos = torch.arange(n - ql, n)[:, None], torch.arange(n)[None, :]
+            mask = (kpos <= qpos) & ((kpos > qpos - window) if window else True)
+            qi = q[int(qsl[r]) : int(qsl[r + 1])].float().transpose(0, 1)
+            refs.append(F.scaled_dot_product_attention(qi, keys, vals, attn_mask=mask).transpose(0, 1).reshape(ql, -1))
+        torch.testing.assert_close(out.float(), torch.cat(refs), **DECODE_TOL[q_dtype])

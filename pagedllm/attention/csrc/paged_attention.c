@@ -12,11 +12,21 @@
  * with an online softmax.
  *
  * Register blocking: with at least TRANSPOSE_MIN_ROWS query rows per KV head (prompt chunks),
- * each run of K is converted once into a transposed float32 tile kt[D][KB], so that the scores of one query row against the 16 keys are one 16-lane vector built by D
- * fused multiply-adds (s[0:16] += q[d] * kt[d][0:16]) with no horizontal reduction; rows are
- * taken RB at a time so that each tile load feeds RB FMAs. A decode has only G rows, too few to
- * pay for the transpose: its K run is converted row by row and each score is one dot product. V is converted once per run into
- * vt[KB][D] and added as p[j] * vt[j] over D.
+ * each run of K is converted once into a transposed float32 tile kt[D][KB], so that the scores of
+ * one query row against the 16 keys are one 16-lane vector built by D fused multiply-adds
+ * (s[0:16] += q[d] * kt[d][0:16]) with no horizontal reduction; rows are taken RB at a time so
+ * that each tile load feeds RB FMAs. V is converted once per run into vt[KB][D] and added as
+ * p[j] * vt[j] over D.
+ *
+ * Decodes (fewer rows; head size 32, 64 or 128; AVX-512) take decode_rows() instead: up to 4 rows
+ * of one KV head keep their output accumulators, running maxima and softmax sums in registers for
+ * the whole key range. Each key's partial dot products (D / 16 FMAs in float32, or D / 32
+ * vdpbf16ps when q and the cache are both bfloat16: products of two bf16 are exact in fp32) stay
+ * 16-lane vectors, and the 16 keys of a run are reduced together by a 4-level pairwise-add tree
+ * (45 shuffles and adds for 16 scores, instead of 16 horizontal sums). The exponentials run on
+ * the 16-lane score vector, and V rows are loaded (bf16: widened in registers) once per key and
+ * serve every row with fp32 FMAs. A batch of decodes reads its KV blocks from memory, scattered
+ * over the cache: the next run's K and V rows are prefetched while the current run's PV sums run.
  *
  * Layouts: q, out [T, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D];
  * block_tables [R, bt_stride]; query_start_loc [R + 1]; seq_lens [R]; work [W, 3].
@@ -124,6 +134,167 @@ static inline void scores_rb(float *restrict s, const float *restrict q, int64_t
     for (int64_t r = 0; r < nr; r++) memcpy(s + r * KB, a[r], sizeof(float) * KB);
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define FAST_DECODE 1
+#define DEC_ROWS 4
+#define NEG_BIG (-1e30f)
+
+/* How decode_rows() reads K: float32 rows (the cache itself or a converted copy), or bf16 rows
+ * dotted with bf16 queries by vdpbf16ps. */
+enum { KM_F32 = 0, KM_BF16DP = 1, KM_CONV = 2 };
+
+/* Lanes 0-7: sums of adjacent lane pairs of a; lanes 8-15: the same of b. */
+static inline __m512 pairsum(__m512 a, __m512 b) {
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    return _mm512_add_ps(_mm512_permutex2var_ps(a, even, b), _mm512_permutex2var_ps(a, odd, b));
+}
+
+/* Lane j of the result = sum of the 16 lanes of v[j] (v is overwritten). Each level halves the
+ * vectors and the lanes per key, keeping the keys in order. */
+static inline __m512 reduce16(__m512 *v) {
+    for (int w = KB; w > 1; w >>= 1)
+        for (int i = 0; i < w / 2; i++) v[i] = pairsum(v[2 * i], v[2 * i + 1]);
+    return v[0];
+}
+
+/* Online-softmax attention of R <= DEC_ROWS query rows sharing one KV head over keys
+ * [first, last]: acc_out[R][D] (unnormalized) and l_out[R] (softmax sums). Row r sees key k when
+ * k <= pos[r] and, with a window, k > pos[r] - window. qf: rows scaled, float32 (KM_F32,
+ * KM_CONV); qb: raw bf16 rows and qscale the score scale (KM_BF16DP). kbuf, vbuf: [KB][D] scratch
+ * for KM_CONV. R, D and mode are constants at every call site, so the loops unroll and the
+ * accumulators stay in registers. */
+static inline __attribute__((always_inline)) void decode_rows(
+    const int R, const int D, const int mode, const float *restrict qf, const uint16_t *restrict qb, const float qscale,
+    const void *k_cache, const void *v_cache, const int kv_dt, const float *table, const int64_t *bt, const int64_t BS,
+    const int64_t head_off, const int64_t stride, const int64_t *pos, const int64_t first, const int64_t last,
+    const int64_t window, float *restrict acc_out, float *restrict l_out, float *restrict kbuf, float *restrict vbuf) {
+    const int C = D / 16;
+    __m512 acc[DEC_ROWS][8], lv[DEC_ROWS];
+    float m[DEC_ROWS];
+    for (int r = 0; r < R; r++) {
+        for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
+        lv[r] = _mm512_setzero_ps();
+        m[r] = NEG_BIG;
+    }
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t k0 = first, kn; k0 <= last; k0 += kn) {
+        const int64_t off = k0 % BS;
+        kn = BS - off;
+        if (kn > KB) kn = KB;
+        if (kn > last + 1 - k0) kn = last + 1 - k0;
+        const int64_t base = (bt[k0 / BS] * BS + off) * stride + head_off;
+        const float *kf = (const float *)k_cache + base, *vf = (const float *)v_cache + base;
+        int64_t kst = stride, vst = stride;
+        if (mode == KM_CONV) {
+            for (int64_t j = 0; j < kn; j++) {
+                load_f32(kbuf + j * D, k_cache, base + j * stride, 1, D, kv_dt, table);
+                load_f32(vbuf + j * D, v_cache, base + j * stride, 1, D, kv_dt, table);
+            }
+            kf = kbuf, vf = vbuf, kst = vst = D;
+        }
+        const uint16_t *kb = (const uint16_t *)k_cache + base, *vb = (const uint16_t *)v_cache + base;
+        const __m512i keys = _mm512_add_epi32(iota, _mm512_set1_epi32((int)k0));
+        const __mmask16 in_run = (__mmask16)((1u << kn) - 1u);
+        float p[DEC_ROWS][KB];
+        for (int r = 0; r < R; r++) {
+            __m512 a[KB];
+            for (int j = 0; j < KB; j++) {
+                a[j] = _mm512_setzero_ps();
+                if (j >= kn) continue;
+#if defined(__AVX512BF16__)
+                if (mode == KM_BF16DP) {
+                    for (int c = 0; c < D / 32; c++)
+                        a[j] = _mm512_dpbf16_ps(a[j], (__m512bh)_mm512_loadu_si512((const void *)(qb + r * D + 32 * c)),
+                                                (__m512bh)_mm512_loadu_si512((const void *)(kb + j * kst + 32 * c)));
+                    continue;
+                }
+#endif
+                for (int c = 0; c < C; c++)
+                    a[j] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + r * D + 16 * c), _mm512_loadu_ps(kf + j * kst + 16 * c), a[j]);
+            }
+            __m512 s = reduce16(a);
+            if (mode == KM_BF16DP) s = _mm512_mul_ps(s, _mm512_set1_ps(qscale));
+            const __m512i pr = _mm512_set1_epi32((int)pos[r]);
+            __mmask16 vis = in_run & _mm512_cmple_epi32_mask(keys, pr);
+            if (window > 0) vis &= _mm512_cmpgt_epi32_mask(keys, _mm512_sub_epi32(pr, _mm512_set1_epi32((int)window)));
+            if (!vis) {
+                _mm512_storeu_ps(p[r], _mm512_setzero_ps());
+                continue;
+            }
+            s = _mm512_mask_mov_ps(_mm512_set1_ps(NEG_BIG), vis, s);
+            const float mx = _mm512_reduce_max_ps(s);
+            if (mx > m[r]) {
+                const __m512 alpha = _mm512_set1_ps(expf(m[r] - mx)); /* 0 on the first visible run */
+                for (int c = 0; c < C; c++) acc[r][c] = _mm512_mul_ps(acc[r][c], alpha);
+                lv[r] = _mm512_mul_ps(lv[r], alpha);
+                m[r] = mx;
+            }
+            const __m512 pv = _mm512_maskz_mov_ps(vis, exp512(_mm512_sub_ps(s, _mm512_set1_ps(m[r]))));
+            lv[r] = _mm512_add_ps(lv[r], pv);
+            _mm512_storeu_ps(p[r], pv);
+        }
+        /* The next run's K and V rows (another block, at a random place of the cache) are fetched
+         * while this run's PV sums run. */
+        const int64_t k1 = k0 + kn;
+        const char *nk = NULL, *nv = NULL;
+        int64_t esz = kv_dt == DT_F32 ? 4 : kv_dt == DT_FP8 ? 1 : 2, nn = 0;
+        if (k1 <= last) {
+            const int64_t noff = k1 % BS, nbase = (bt[k1 / BS] * BS + noff) * stride + head_off;
+            nn = BS - noff < KB ? BS - noff : KB;
+            nk = (const char *)k_cache + nbase * esz, nv = (const char *)v_cache + nbase * esz;
+        }
+        for (int64_t j = 0; j < kn; j++) {
+            if (j < nn)
+                for (int64_t b = 0; b < D * esz; b += 64) {
+                    _mm_prefetch(nk + j * stride * esz + b, _MM_HINT_T0);
+                    _mm_prefetch(nv + j * stride * esz + b, _MM_HINT_T0);
+                }
+            __m512 vv[8];
+            for (int c = 0; c < C; c++)
+                vv[c] = mode == KM_BF16DP ? bf16x16_load(vb + j * vst + 16 * c) : _mm512_loadu_ps(vf + j * vst + 16 * c);
+            for (int r = 0; r < R; r++) {
+                const __m512 pj = _mm512_set1_ps(p[r][j]);
+                for (int c = 0; c < C; c++) acc[r][c] = _mm512_fmadd_ps(pj, vv[c], acc[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        l_out[r] = _mm512_reduce_add_ps(lv[r]);
+        for (int c = 0; c < C; c++) _mm512_storeu_ps(acc_out + r * D + 16 * c, acc[r][c]);
+    }
+}
+
+#define DEC_ARGS qf, qb, qscale, k_cache, v_cache, kv_dt, table, bt, BS, head_off, stride, pos, first, last, window, \
+                 acc_out, l_out, kbuf, vbuf
+#define DEC_R(MODE, DD)                                                                                             \
+    switch (R) {                                                                                                    \
+    case 1: decode_rows(1, DD, MODE, DEC_ARGS); break;                                                              \
+    case 2: decode_rows(2, DD, MODE, DEC_ARGS); break;                                                              \
+    case 3: decode_rows(3, DD, MODE, DEC_ARGS); break;                                                              \
+    default: decode_rows(4, DD, MODE, DEC_ARGS); break;                                                             \
+    }
+#define DEC_D(MODE)                                                                                                 \
+    switch (D) {                                                                                                    \
+    case 32: DEC_R(MODE, 32); break;                                                                                \
+    case 64: DEC_R(MODE, 64); break;                                                                                \
+    default: DEC_R(MODE, 128); break;                                                                               \
+    }
+
+/* decode_rows() with constant R (1..DEC_ROWS), D (32, 64, 128) and mode. */
+static void decode_dispatch(int R, int64_t D, int mode, const float *qf, const uint16_t *qb, float qscale,
+                            const void *k_cache, const void *v_cache, int kv_dt, const float *table, const int64_t *bt,
+                            int64_t BS, int64_t head_off, int64_t stride, const int64_t *pos, int64_t first, int64_t last,
+                            int64_t window, float *acc_out, float *l_out, float *kbuf, float *vbuf) {
+    switch (mode) {
+    case KM_F32: DEC_D(KM_F32); break;
+    case KM_BF16DP: DEC_D(KM_BF16DP); break;
+    default: DEC_D(KM_CONV); break;
+    }
+}
+#endif
+
 void paged_attention(const void *q, int q_dt, const void *k_cache, const void *v_cache, int kv_dt,
                      const float *fp8_table, const int64_t *block_tables, int64_t bt_stride,
                      const int64_t *query_start_loc, const int64_t *seq_lens, const int64_t *work, int64_t num_work,
@@ -164,7 +335,28 @@ void paged_attention(const void *q, int q_dt, const void *k_cache, const void *v
             int64_t first = 0;
             if (window > 0 && ctx0 + t0 - window + 1 > 0) first = ctx0 + t0 - window + 1;
             const int64_t stride = KVH * D; /* elements between consecutive slots of a block */
-            for (int64_t k0 = first, kn; k0 <= last; k0 += kn) {
+            int done = 0;
+#ifdef FAST_DECODE
+            if (rows < TRANSPOSE_MIN_ROWS && (D == 32 || D == 64 || D == 128)) {
+                int mode = kv_dt == DT_F32 ? KM_F32 : KM_CONV;
+                uint16_t qb[rows * D];
+#if defined(__AVX512BF16__)
+                if (kv_dt == DT_BF16 && q_dt == DT_BF16) {
+                    mode = KM_BF16DP;
+                    for (int64_t row = 0; row < rows; row++)
+                        memcpy(qb + row * D, (const uint16_t *)q + ((qs + t0 + row / G) * H + kh * G + row % G) * D,
+                               sizeof(uint16_t) * D);
+                }
+#endif
+                for (int64_t r0 = 0; r0 < rows; r0 += DEC_ROWS) {
+                    const int nr = rows - r0 < DEC_ROWS ? (int)(rows - r0) : DEC_ROWS;
+                    decode_dispatch(nr, D, mode, qf + r0 * D, qb + r0 * D, scale, k_cache, v_cache, kv_dt, fp8_table, bt,
+                                    BS, kh * D, stride, pos + r0, first, last, window, acc + r0 * D, l + r0, kt, vt);
+                }
+                done = 1;
+            }
+#endif
+            for (int64_t k0 = first, kn; !done && k0 <= last; k0 += kn) {
                 /* A run of keys inside one cache block: consecutive slots. */
                 const int64_t off = k0 % BS;
                 kn = BS - off;

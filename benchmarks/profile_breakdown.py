@@ -1,0 +1,88 @@
+"""Where the wall time of the throughput workload goes, by category: the native attention kernel
+(its ctypes call timed), GEMMs, elementwise ops, dense (flash) attention, and the rest (Python,
+scheduling, sampling, detokenizing).
+
+Usage: PYTHONPATH=. .venv/bin/python benchmarks/profile_breakdown.py [DTYPE] [NUM_PROMPTS]
+(default bfloat16, 128: the `bench throughput` workload, prompts 32-512, outputs 16-256, seed 0).
+
+torch.profiler's self times of aten ops are summed per category; the native calls are wrapped in
+`record_function` so they show up as their own rows. The profiler adds per-op overhead, so the
+run without it is timed too and both walls are printed.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+import pagedllm.attention.torch_backend as tb
+import pagedllm.layers.embedding as emb
+import pagedllm.layers.linear as lin
+from pagedllm import LLM, SamplingParams
+from pagedllm.benchmarks.workloads import random_workload, vocab_info
+
+GEMM = ("aten::mm", "aten::addmm", "aten::linear", "aten::mkldnn_linear", "aten::bmm", "aten::matmul",
+        "pagedllm::linear_bf16_small_m")
+ATTN = ("pagedllm::paged_attention",)
+DENSE = ("aten::_scaled_dot_product_flash_attention_for_cpu",)
+ELEMENTWISE = ("aten::mul", "aten::add", "aten::add_", "aten::mul_", "aten::rsqrt", "aten::pow", "aten::mean",
+               "aten::silu", "aten::cat", "aten::neg", "aten::index_copy_", "aten::copy_", "aten::to",
+               "aten::_to_copy", "aten::index_select", "aten::rms_norm", "aten::_fused_rms_norm",
+               "aten::embedding", "aten::to_dense", "aten::to_mkldnn", "aten::contiguous", "aten::clone",
+               "aten::sub", "aten::div", "aten::exp", "aten::maximum", "aten::fill_", "aten::zero_",
+               "pagedllm::elementwise")
+
+
+def _wrap(fn, name):
+    def wrapped(*a, **k):
+        with record_function(name):
+            return fn(*a, **k)
+    return wrapped
+
+
+def main() -> None:
+    dtype = sys.argv[1] if len(sys.argv) > 1 else "bfloat16"
+    n = int(sys.argv[2]) if len(sys.argv) > 2 else 128
+    llm = LLM(dtype=dtype)
+    reqs = random_workload(n, (32, 512), (16, 256), vocab_info(None), seed=0)
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
+    params = [SamplingParams(max_tokens=r.output_len, temperature=0, ignore_eos=True) for r in reqs]
+    out_tokens = sum(r.output_len for r in reqs)
+    llm.generate(prompts[:4], params[:4], use_tqdm=False)
+    t0 = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    plain = time.perf_counter() - t0
+    tb.paged_attention_native = _wrap(tb.paged_attention_native, "pagedllm::paged_attention")
+    lin.small_m_linear = _wrap(lin.small_m_linear, "pagedllm::linear_bf16_small_m")
+    emb.small_m_linear = _wrap(emb.small_m_linear, "pagedllm::linear_bf16_small_m")
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    cats: dict[str, float] = defaultdict(float)
+    per_op: dict[str, float] = defaultdict(float)
+    for ev in prof.key_averages():
+        s = ev.self_cpu_time_total / 1e6
+        name = ev.key
+        cat = ("attention kernel" if name in ATTN else "GEMM" if name in GEMM else "dense attention"
+               if name in DENSE else "elementwise" if name in ELEMENTWISE else "other torch ops")
+        cats[cat] += s
+        per_op[name] += s
+    print(f"dtype {dtype}, {n} requests, {out_tokens} output tokens")
+    print(f"wall without profiler {plain:.1f} s ({out_tokens / plain:.0f} tok/s); with profiler {wall:.1f} s")
+    accounted = sum(cats.values())
+    cats["rest (Python, scheduler, sampler; outside torch ops)"] = wall - accounted
+    print("| category | s | % of wall |\n|---|---|---|")
+    for k, v in sorted(cats.items(), key=lambda kv: -kv[1]):
+        print(f"| {k} | {v:.2f} | {100 * v / wall:.1f} |")
+    print("\ntop ops by self time:")
+    for k, v in sorted(per_op.items(), key=lambda kv: -kv[1])[:20]:
+        print(f"  {k:55s} {v:7.2f} s {100 * v / wall:5.1f}%")
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    main()

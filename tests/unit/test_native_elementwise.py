@@ -1,0 +1,88 @@
+"""The fused bf16 RMSNorm (+ residual add) and SiLU·mul kernels round where the reference formulas
+round: their outputs equal the torch formulas' except at rare rounding ties (the kernels sum the
+squares and evaluate exp in a different order, so an intermediate sitting on a bf16 rounding
+boundary may land one ulp away, which the product with the weight can stretch to two; about 1 in
+30,000 values here)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.native_elementwise import load_elementwise_kernel, rms_norm_bf16, silu_mul_bf16
+from pagedllm.layers.rmsnorm import RMSNorm
+
+pytestmark = pytest.mark.skipif(load_elementwise_kernel() is None, reason="no AVX-512 or no C compiler")
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in bf16 steps (same-sign values)."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+def assert_close_ulp(out: torch.Tensor, ref: torch.Tensor) -> None:
+    d = ulps(out, ref)
+    assert int(d.max()) <= 2
+    assert float((d == 0).float().mean()) > 0.999
+
+
+def reference_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_rms_norm_and_residual_add_match_reference_rounding(rows):
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 576, generator=g) * 3).bfloat16()
+    a = torch.randn(rows, 576, generator=g).bfloat16()
+    norm = RMSNorm(576, 1e-5, torch.bfloat16)
+    norm.weight.data.copy_(torch.rand(576, generator=g) + 0.5)
+    h, y = norm.add_and_norm(x, a)
+    assert torch.equal(h, x + a)  # the residual add is exact bf16 addition
+    assert_close_ulp(y, reference_norm(x + a, norm.weight, 1e-5))
+    assert_close_ulp(norm(x), reference_norm(x, norm.weight, 1e-5))
+    # A strided view (rows of a wider tensor) is read in place.
+    wide = torch.randn(rows, 2 * 576, generator=g).bfloat16()
+    _, y2 = rms_norm_bf16(wide[:, :576], norm.weight, 1e-5)
+    assert_close_ulp(y2, reference_norm(wide[:, :576], norm.weight, 1e-5))
+
+
+def test_silu_mul_matches_reference_rounding():
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(33, 2 * 1536, generator=g) * 4).bfloat16()
+    gate, up = x.chunk(2, dim=-1)
+    assert_close_ulp(SiluAndMul()(x), F.silu(gate) * up)
+
+
+def test_fallbacks_when_the_kernel_does_not_apply():
+    x = torch.randn(4, 40).bfloat16()  # 40 is not a multiple of 16
+    w = torch.ones(40, dtype=torch.bfloat16)
+    assert rms_norm_bf16(x, w, 1e-6) is None
+    assert silu_mul_bf16(torch.randn(4, 64)) is None  # float32
+    norm = RMSNorm(40, 1e-6, torch.bfloat16)
+    torch.testing.assert_close(norm(x), reference_norm(x, norm.weight, 1e-6), atol=0, rtol=0)
+
+
+def test_rope_matches_reference_rounding_on_fused_and_separate_qk():
+    from types import SimpleNamespace
+
+    from pagedllm.layers.native_elementwise import rope_bf16
+    from pagedllm.layers.rotary import RotaryEmbedding
+
+    cfg = SimpleNamespace(rope_theta=10000.0)
+    rope = RotaryEmbedding(cfg, 64, 512, torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(37, 9 * 64 + 2 * 3 * 64, generator=g).bfloat16()
+    q, k, _ = qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1)
+    pos = torch.randint(0, 512, (37,), generator=g)
+    cos, sin = rope.cos[pos].unsqueeze(1), rope.sin[pos].unsqueeze(1)
+    ref_q, ref_k = (rope._rotate(t.contiguous(), cos, sin) for t in (q, k))  # the torch formula
+    fq, fk = rope(pos, q, k)  # fused q|k rows
+    sq, sk = rope(pos, q.contiguous(), k.contiguous())  # separate tensors
+    for out, ref in ((fq, ref_q), (fk, ref_k), (sq, ref_q), (sk, ref_k)):
+        assert_close_ulp(out, ref)
+    # A position beyond the table is left to the torch path, which rejects it.
+    assert rope_bf16(q, torch.tensor([600] * 37), rope.cos, rope.sin, 64) is None
