@@ -132,7 +132,7 @@ def llamacpp_speed(qtype: str, args) -> dict:
     return row
 
 
-def speed_run(args) -> dict:
+def speed_run(args, save) -> dict:
     reqs = random_workload(args.num_prompts, tuple(map(int, args.input_len_range.split(":"))),
                            tuple(map(int, args.output_len_range.split(":"))), vocab_info(None), 0)
     rows = [llamacpp_speed(q, args) for q in LLAMACPP_FILES] if args.peer else []
@@ -141,6 +141,7 @@ def speed_run(args) -> dict:
         dump_workload(reqs, path)
         for label in args.schemes.split(","):
             rows.append(speed(label, SCHEMES.get(label, {}), args, path))
+            save({"rows": rows})  # what is measured so far survives an interrupted run
     by = {r["scheme"]: r for r in rows}
     ratios = {}
     for ours, peer in (("int4-g32", "llama.cpp q4_0"), ("gguf-q4_0", "llama.cpp q4_0"),
@@ -201,9 +202,13 @@ def main() -> None:
     if args.speed:
         if args.schemes == ",".join(SCHEMES):
             args.schemes += "," + UNFUSED_INT8
-        report = speed_run(args)
         out = Path(args.out or "benchmarks/results/quantization_speed.json")
-        out.write_text(json.dumps({"args": vars(args), "load_avg_at_end": list(os.getloadavg()), **report}, indent=1))
+
+        def save(report: dict) -> None:
+            out.write_text(json.dumps({"args": vars(args), "load_avg_at_end": list(os.getloadavg()), **report},
+                                      indent=1))
+
+        save(speed_run(args, save))
         return
     args.out = args.out or "benchmarks/results/quantization_ppl.json"
     rows = [peer(args)] if args.peer else []
