@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from pagedllm.quantization import kernels as K
+from pagedllm.quantization import native
 
 logger = logging.getLogger(__name__)
 
@@ -191,8 +192,9 @@ def _load_shared_perm(param: nn.Parameter, loaded: torch.Tensor, shard_id: objec
 
 def finish_group_codes(layer: nn.Module, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                        bits: int, dtype: torch.dtype, perm: torch.Tensor | None = None) -> None:
-    """Kernel layout: 4-bit codes packed for ``_weight_int4pack_mm_for_cpu`` where the group size
-    allows it, otherwise int8 codes with per-group scales in the model dtype."""
+    """Kernel layout: 4-bit codes in the native kernel's layout (AVX-512 BF16 CPUs) or packed for
+    ``_weight_int4pack_mm_for_cpu``, where the group size allows it; otherwise int8 codes with
+    per-group scales in the model dtype."""
     group = codes.shape[1] // scales.shape[1]
     layer.group_size = group
     if perm is not None:
@@ -200,10 +202,18 @@ def finish_group_codes(layer: nn.Module, codes: torch.Tensor, scales: torch.Tens
     else:
         layer.perm = None
     if bits <= 4 and group in K.INT4_GROUP_SIZES:
+        layer.kernel = "int4"
+        if native.load_int4_kernel() is not None:
+            packed, s, z = native.pack_int4_native(codes, scales, zeros)
+            _set(layer, "packed", packed)
+            _set(layer, "qscales", s)
+            _set(layer, "qzeros", z)
+            layer.int4_native = True
+            return
         packed, sz = K.pack_int4(codes, scales, zeros)
         _set(layer, "packed", packed)
         _set(layer, "scales_zeros", sz)
-        layer.kernel = "int4"
+        layer.int4_native = False
         return
     shift = 128 if bits > 7 else 0
     _set(layer, "qcodes", (codes.to(torch.int16) - shift).to(torch.int8))
@@ -215,7 +225,9 @@ def finish_group_codes(layer: nn.Module, codes: torch.Tensor, scales: torch.Tens
 def apply_group_codes(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     if layer.perm is not None:
         x = x.index_select(-1, layer.perm)
-    if layer.kernel == "int4":
+    if layer.kernel == "int4" and layer.int4_native:
+        y = native.int4_native_linear(x, layer.packed, layer.qscales, layer.qzeros)
+    elif layer.kernel == "int4":
         y = K.int4_linear(x, layer.packed, layer.scales_zeros, layer.group_size)
     else:
         y = K.int8_group_linear(x, layer.qcodes, layer.qscales, layer.qzeros)

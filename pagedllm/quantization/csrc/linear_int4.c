@@ -1,0 +1,123 @@
+/*
+ * y = x W^T for 4-bit group-wise weights (w = code * scale + zero per group of G inputs) and bf16
+ * activations, with AVX-512 BF16 dot products (vdpbf16ps) and fp32 accumulation; for the few rows
+ * of a decode step, where torch's packed int4 kernel reads the weight at a fraction of the memory
+ * bandwidth. Larger batches expand the weight to bf16 once per call (int4_dequant_bf16) for oneDNN.
+ *
+ * Per 32 inputs of one output row: 16 bytes of codes (byte j: code j in the low nibble, code j+16
+ * in the high one, as ggml's Q4_0 blocks), widened to 32 bf16 values through a 16-entry table
+ * (vpermw), one vdpbf16ps per x row into a per-group accumulator, scaled once per group. The zero
+ * term, zero * sum(x over the group), is a dot product of the zeros with the group sums of x.
+ *
+ * Layouts: x [M, K] bf16; codes [N, K/2] uint8; scales, zeros [N, K/G] bf16; y [M, N] bf16 or
+ * fp32 (y_f32); K % G == 0, G % 32 == 0.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+#include "../../attention/csrc/bf16.h"
+
+#define MAXM 4
+#define NR 4
+#define PARALLEL_MIN_ELEMS (1 << 19)
+
+/* bf16 bit patterns of 0.0 .. 15.0, repeated for the two 256-bit lanes of vpermw's table. */
+static inline __m512i code_table(void) {
+    uint16_t t[32];
+    for (int c = 0; c < 32; c++) t[c] = f32_to_bf16((float)(c & 15));
+    return _mm512_loadu_si512((const void *)t);
+}
+
+/* 32 codes of one block as 32 bf16 values. */
+static inline __m512bh widen32(const uint8_t *q, __m512i table) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)q);
+    const __m128i m = _mm_set1_epi8(0x0f);
+    const __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
+    return (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(codes), table);
+}
+
+int int4_linear_bf16(const uint16_t *x, int64_t M, const uint8_t *codes, const uint16_t *scales,
+                     const uint16_t *zeros, int64_t N, int64_t K, int64_t G, void *y, int y_f32) {
+    if (M < 1 || G % 32 != 0 || K % G != 0) return 1;
+    const int64_t groups = K / G;
+    /* Group sums of x (bf16 values in fp32), for the zero term. */
+    float *xsum = (float *)malloc(sizeof(float) * M * groups);
+    if (!xsum) return 2;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < groups; g++) {
+            float s = 0.f;
+            for (int64_t k = g * G; k < (g + 1) * G; k++) s += bf16_to_f32(x[m * K + k]);
+            xsum[m * groups + g] = s;
+        }
+    const int64_t nblocks = (N + NR - 1) / NR;
+    const __m512i table = code_table();
+#pragma omp parallel for schedule(static) collapse(2) if (N * K * ((M + MAXM - 1) / MAXM) >= PARALLEL_MIN_ELEMS)
+    for (int64_t m0 = 0; m0 < (M + MAXM - 1) / MAXM * MAXM; m0 += MAXM) {
+        for (int64_t b = 0; b < nblocks; b++) {
+            const int64_t mr = M - m0 < MAXM ? M - m0 : MAXM;
+            const int64_t n0 = b * NR;
+            const int64_t nr = N - n0 < NR ? N - n0 : NR;
+            __m512 acc[MAXM][NR];
+            for (int m = 0; m < MAXM; m++)
+                for (int r = 0; r < NR; r++) acc[m][r] = _mm512_setzero_ps();
+            for (int64_t g = 0; g < groups; g++) {
+                __m512 part[MAXM][NR];
+                for (int m = 0; m < MAXM; m++)
+                    for (int r = 0; r < NR; r++) part[m][r] = _mm512_setzero_ps();
+                for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
+                    __m512bh wv[NR];
+                    for (int r = 0; r < NR; r++)
+                        wv[r] = widen32(codes + (n0 + (r < nr ? r : 0)) * (K / 2) + k / 2, table);
+                    for (int64_t m = 0; m < mr; m++) {
+                        const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + (m0 + m) * K + k));
+                        for (int r = 0; r < NR; r++) part[m][r] = _mm512_dpbf16_ps(part[m][r], xv, wv[r]);
+                    }
+                }
+                for (int r = 0; r < NR; r++) {
+                    const __m512 s = _mm512_set1_ps(bf16_to_f32(scales[(n0 + (r < nr ? r : 0)) * groups + g]));
+                    for (int64_t m = 0; m < mr; m++) acc[m][r] = _mm512_fmadd_ps(part[m][r], s, acc[m][r]);
+                }
+            }
+            for (int64_t m = 0; m < mr; m++)
+                for (int64_t r = 0; r < nr; r++) {
+                    float s = _mm512_reduce_add_ps(acc[m][r]);
+                    const uint16_t *z = zeros + (n0 + r) * groups;
+                    const float *xs = xsum + (m0 + m) * groups;
+                    for (int64_t g = 0; g < groups; g++) s += bf16_to_f32(z[g]) * xs[g];
+                    const int64_t i = (m0 + m) * N + n0 + r;
+                    if (y_f32)
+                        ((float *)y)[i] = s;
+                    else
+                        ((uint16_t *)y)[i] = f32_to_bf16(s);
+                }
+        }
+    }
+    free(xsum);
+    return 0;
+}
+
+/* W [N, K] in bf16 from the same layout (for batches, where a bf16 GEMM beats a pass per 4 rows). */
+int int4_dequant_bf16(const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros, int64_t N, int64_t K,
+                      int64_t G, uint16_t *w) {
+    if (G % 32 != 0 || K % G != 0) return 1;
+    const int64_t groups = K / G;
+#pragma omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_ELEMS)
+    for (int64_t n = 0; n < N; n++) {
+        for (int64_t k = 0; k < K; k += 32) {
+            const __m128i b = _mm_loadu_si128((const __m128i *)(codes + n * (K / 2) + k / 2));
+            const __m128i msk = _mm_set1_epi8(0x0f);
+            const __m512 s = _mm512_set1_ps(bf16_to_f32(scales[n * groups + k / G]));
+            const __m512 z = _mm512_set1_ps(bf16_to_f32(zeros[n * groups + k / G]));
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, msk)));
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), msk)));
+            const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(hi, s, z), _mm512_fmadd_ps(lo, s, z));
+            _mm512_storeu_si512((void *)(w + n * K + k), (__m512i)v);
+        }
+    }
+    return 0;
+}
+#endif
