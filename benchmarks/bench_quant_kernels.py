@@ -37,6 +37,7 @@ def main() -> None:
     p4, sz32 = K.pack_int4(codes, sc, zp, torch.float32)
     _, sz16 = K.pack_int4(codes, sc, zp, torch.bfloat16)
     n4, ns, nz = native.pack_int4_native(codes, sc, zp)
+    s8b, z8 = s8.bfloat16(), torch.zeros(n, 1, dtype=torch.bfloat16)
     reps = {1: 20, 4: 20, 256: 3}
     f8, s_f8 = K.quantize_fp8_per_channel(w)
     qg = (codes.to(torch.int16) - 0).to(torch.int8)
@@ -55,7 +56,9 @@ def main() -> None:
             "w8a8 quantize x + torch._int_mm": best_m(lambda: K.int8_dynamic_linear(x, q8t, s8)),
             "int4 _weight_int4pack_mm_for_cpu (fp32 x)": best_m(lambda: K.int4_linear(x, p4, sz32, 64)),
             "int4 _weight_int4pack_mm_for_cpu (bf16 x)": best_m(lambda: K.int4_linear(xb, p4, sz16, 64)),
-            "int4 native (csrc/linear_int4.c), bf16 x": best_m(lambda: native.int4_native_linear(xb, n4, ns, nz)),
+            "int4 native (csrc/linear_quant.c), bf16 x": best_m(lambda: native.group_linear(xb, n4, ns, nz, 4)),
+            "int8 native (csrc/linear_quant.c), bf16 x": best_m(
+                lambda: native.group_linear(xb, q8, s8b[:, None], z8, 8)),
             "fp8 widen + F.linear": best_m(lambda: K.fp8_weight_linear(x, f8, s_f8)),
             "int8 codes, group scales, widen + F.linear": best(
                 lambda: K.int8_group_linear(x, qg, sc, zp)),

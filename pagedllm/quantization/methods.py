@@ -73,9 +73,23 @@ class _PerChannel(_FromFloat):
 
 
 class Int8LinearMethod(_PerChannel):
-    """Weight-only int8, one scale per output channel (``_weight_int8pack_mm``)."""
+    """Weight-only int8, one scale per output channel: the native kernel for decode rows where the
+    CPU has it, ``_weight_int8pack_mm`` otherwise (both read the same codes and bf16 scales)."""
 
     name = "int8"
+
+    def quantize(self, layer: nn.Module, w: torch.Tensor) -> None:
+        super().quantize(layer, w)
+        layer.native = native.fits(w.shape[1], w.shape[1])
+        if layer.native:
+            _set(layer, "wzero", torch.zeros(w.shape[0], 1, dtype=torch.bfloat16))
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if layer.native:
+            y = native.small_m_linear(x, layer.qweight, layer.wscale.unsqueeze(1), layer.wzero, bits=8)
+            if y is not None:
+                return _bias(y, bias)
+        return super().apply(layer, x, bias)
 
 
 class W8A8LinearMethod(_FromFloat):
@@ -201,32 +215,33 @@ def finish_group_codes(layer: nn.Module, codes: torch.Tensor, scales: torch.Tens
         _set(layer, "perm", perm.clone())
     else:
         layer.perm = None
-    if bits <= 4 and group in K.INT4_GROUP_SIZES:
+    layer.native = native.fits(codes.shape[1], group)
+    if bits <= 4 and (group in K.INT4_GROUP_SIZES or layer.native):
         layer.kernel = "int4"
-        if native.load_int4_kernel() is not None:
+        if layer.native:
             packed, s, z = native.pack_int4_native(codes, scales, zeros)
             _set(layer, "packed", packed)
             _set(layer, "qscales", s)
             _set(layer, "qzeros", z)
-            layer.int4_native = True
             return
         packed, sz = K.pack_int4(codes, scales, zeros)
         _set(layer, "packed", packed)
         _set(layer, "scales_zeros", sz)
-        layer.int4_native = False
         return
     shift = 128 if bits > 7 else 0
+    sdtype = torch.bfloat16 if layer.native else dtype
     _set(layer, "qcodes", (codes.to(torch.int16) - shift).to(torch.int8))
-    _set(layer, "qscales", scales.to(dtype))
-    _set(layer, "qzeros", (zeros + shift * scales).to(dtype))
+    _set(layer, "qscales", scales.to(sdtype))
+    _set(layer, "qzeros", (zeros + shift * scales).to(sdtype))
     layer.kernel = "int8_group"
 
 
 def apply_group_codes(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     if layer.perm is not None:
         x = x.index_select(-1, layer.perm)
-    if layer.kernel == "int4" and layer.int4_native:
-        y = native.int4_native_linear(x, layer.packed, layer.qscales, layer.qzeros)
+    if layer.native:
+        y = native.group_linear(x, layer.packed if layer.kernel == "int4" else layer.qcodes, layer.qscales,
+                                layer.qzeros, bits=4 if layer.kernel == "int4" else 8)
     elif layer.kernel == "int4":
         y = K.int4_linear(x, layer.packed, layer.scales_zeros, layer.group_size)
     else:

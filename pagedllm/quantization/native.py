@@ -1,10 +1,12 @@
-"""Native 4-bit group-wise linear layer (csrc/linear_int4.c), where the CPU has AVX-512 BF16.
+"""Native linear layers on 4-bit and 8-bit group-wise codes (csrc/linear_quant.c), where the CPU
+has AVX-512 BF16.
 
-The weight is kept once, in the kernel's layout: 16 bytes of codes per 32 inputs of a row
-(ggml's Q4_0 nibble order) and bfloat16 scales and zeros per group (``w = code * scale + zero``).
-A few rows of x (decode steps) go through the kernel, one pass over the codes; larger batches
-expand the weight to bfloat16 in the kernel once per call and use ``F.linear`` (oneDNN).
-Measured against torch's ``_weight_int4pack_mm_for_cpu`` in benchmarks/bench_quant_kernels.py.
+The weight is kept once, in the kernel's layout: 4-bit codes as 16 bytes per 32 inputs of a row
+(ggml's Q4_0 nibble order), 8-bit codes as signed bytes, and bfloat16 scales and zeros per group
+(``w = code * scale + zero``). A few rows of x (decode steps) go through the kernel, one pass over
+the codes; larger batches expand the weight to bfloat16 in the kernel once per call for
+``F.linear`` (oneDNN), or use torch's int8 kernel on the same codes (per-channel int8).
+Measured against torch's kernels in benchmarks/bench_quant_kernels.py (docs/quantization.md).
 """
 
 from __future__ import annotations
@@ -19,25 +21,32 @@ import torch.nn.functional as F
 
 from pagedllm.attention.cpu_kernel import compile_native
 
-_SRC = Path(__file__).parent / "csrc" / "linear_int4.c"
-# Most rows of x that go through the kernel; larger batches expand the weight for oneDNN.
+_SRC = Path(__file__).parent / "csrc" / "linear_quant.c"
+# Most rows of x that go through the kernel (a decode batch); larger ones take the batch path.
 SMALL_M = 16
 
 
 @lru_cache(maxsize=1)
-def load_int4_kernel() -> ctypes.CDLL | None:
-    """The compiled kernel where the CPU has AVX-512 BF16 (else None: torch's int4 kernel serves)."""
-    if os.environ.get("PAGEDLLM_NATIVE_INT4", "1") == "0":
+def load_quant_kernel() -> ctypes.CDLL | None:
+    """The compiled kernel where the CPU has AVX-512 BF16 (else None: torch's kernels serve);
+    ``PAGEDLLM_NATIVE_QUANT=0`` turns it off."""
+    if os.environ.get("PAGEDLLM_NATIVE_QUANT", "1") == "0":
         return None
     lib = compile_native(_SRC)
     if lib is None or not hasattr(lib, "int4_linear_bf16"):
         return None
     i64, p = ctypes.c_int64, ctypes.c_void_p
-    lib.int4_linear_bf16.argtypes = [p, i64, p, p, p, i64, i64, i64, p, ctypes.c_int]
-    lib.int4_linear_bf16.restype = ctypes.c_int
-    lib.int4_dequant_bf16.argtypes = [p, p, p, i64, i64, i64, p]
-    lib.int4_dequant_bf16.restype = ctypes.c_int
+    for f in (lib.int4_linear_bf16, lib.int8_linear_bf16):
+        f.argtypes = [p, i64, p, p, p, i64, i64, i64, p, ctypes.c_int]
+        f.restype = ctypes.c_int
+    lib.quant_dequant_bf16.argtypes = [ctypes.c_int, p, p, p, i64, i64, i64, p]
+    lib.quant_dequant_bf16.restype = ctypes.c_int
     return lib
+
+
+def fits(in_features: int, group_size: int) -> bool:
+    """Whether the kernel takes a layer of this input size and group size (and runs here)."""
+    return group_size % 32 == 0 and in_features % group_size == 0 and load_quant_kernel() is not None
 
 
 def pack_int4_native(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
@@ -50,26 +59,48 @@ def pack_int4_native(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
     return packed, scales.to(torch.bfloat16).contiguous(), zeros.to(torch.bfloat16).contiguous()
 
 
-def int4_native_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
-                       ) -> torch.Tensor:
-    """x [..., K] @ W^T for W packed by :func:`pack_int4_native`; x enters in bfloat16, the result
-    returns in x's dtype (float32 or bfloat16)."""
-    lib = load_int4_kernel()
-    if lib is None:
-        raise RuntimeError("the native int4 kernel is not available on this CPU")
-    n, k = packed.shape[0], packed.shape[1] * 2
-    group = k // scales.shape[1]
-    x2 = x.reshape(-1, k).to(torch.bfloat16).contiguous()
+def _in_features(codes: torch.Tensor, bits: int) -> int:
+    return codes.shape[1] * (2 if bits == 4 else 1)
+
+
+def small_m_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int
+                   ) -> torch.Tensor | None:
+    """x [..., K] @ W^T through the kernel when x has at most SMALL_M rows (else None). ``codes``:
+    :func:`pack_int4_native`'s layout (bits 4) or int8 [N, K] (bits 8); ``scales``/``zeros`` bf16
+    [N, K/g]. x enters in bfloat16; the result returns in x's dtype (float32 or bfloat16)."""
+    k = _in_features(codes, bits)
+    x2 = x.reshape(-1, k)
     m = x2.shape[0]
     if m > SMALL_M:
-        w = torch.empty(n, k, dtype=torch.bfloat16)
-        if lib.int4_dequant_bf16(packed.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n, k, group,
-                                 w.data_ptr()) != 0:
-            raise ValueError(f"int4 kernel: group size {group} does not fit {k} inputs")
-        return F.linear(x2, w).to(x.dtype).reshape(*x.shape[:-1], n)
+        return None
+    lib = load_quant_kernel()
+    x2 = x2.to(torch.bfloat16).contiguous()
+    n = codes.shape[0]
     out_f32 = x.dtype == torch.float32
     y = torch.empty(m, n, dtype=torch.float32 if out_f32 else torch.bfloat16)
-    if lib.int4_linear_bf16(x2.data_ptr(), m, packed.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n, k, group,
-                            y.data_ptr(), int(out_f32)) != 0:
-        raise ValueError(f"int4 kernel: group size {group} does not fit {k} inputs")
+    f = lib.int4_linear_bf16 if bits == 4 else lib.int8_linear_bf16
+    if f(x2.data_ptr(), m, codes.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n, k, k // scales.shape[1],
+         y.data_ptr(), int(out_f32)) != 0:
+        raise ValueError(f"quantized kernel: group size {k // scales.shape[1]} does not fit {k} inputs")
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+def dequantize_bf16(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int) -> torch.Tensor:
+    """The weight [N, K] in bfloat16, expanded from the kernel's layout."""
+    k = _in_features(codes, bits)
+    n = codes.shape[0]
+    w = torch.empty(n, k, dtype=torch.bfloat16)
+    if load_quant_kernel().quant_dequant_bf16(bits, codes.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n, k,
+                                              k // scales.shape[1], w.data_ptr()) != 0:
+        raise ValueError(f"quantized kernel: group size {k // scales.shape[1]} does not fit {k} inputs")
+    return w
+
+
+def group_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int
+                 ) -> torch.Tensor:
+    """x @ W^T for any number of rows: the kernel for a few, the bf16 expansion + ``F.linear`` for more."""
+    y = small_m_linear(x, codes, scales, zeros, bits)
+    if y is not None:
+        return y
+    w = dequantize_bf16(codes, scales, zeros, bits)
+    return F.linear(x.to(torch.bfloat16), w).to(x.dtype)

@@ -1,16 +1,18 @@
 /*
- * y = x W^T for 4-bit group-wise weights (w = code * scale + zero per group of G inputs) and bf16
- * activations, with AVX-512 BF16 dot products (vdpbf16ps) and fp32 accumulation; for the few rows
- * of a decode step, where torch's packed int4 kernel reads the weight at a fraction of the memory
- * bandwidth. Larger batches expand the weight to bf16 once per call (int4_dequant_bf16) for oneDNN.
+ * y = x W^T for group-wise quantized weights (w = code * scale + zero per group of G inputs) and
+ * bf16 activations, with AVX-512 BF16 dot products (vdpbf16ps) and fp32 accumulation; for the few
+ * rows of a decode step, where torch's packed int4/int8 kernels and a per-call widening read the
+ * weight at a fraction of the memory bandwidth. Larger batches expand the weight to bf16 once per
+ * call (quant_dequant_bf16) for oneDNN.
  *
- * Per 32 inputs of one output row: 16 bytes of codes (byte j: code j in the low nibble, code j+16
- * in the high one, as ggml's Q4_0 blocks), widened to 32 bf16 values through a 16-entry table
- * (vpermw), one vdpbf16ps per x row into a per-group accumulator, scaled once per group. The zero
- * term, zero * sum(x over the group), is a dot product of the zeros with the group sums of x.
+ * Codes, BITS = 4: 16 bytes per 32 inputs of a row (byte j: code j in the low nibble, code j+16 in
+ * the high one, as ggml's Q4_0 blocks), unsigned 0..15, widened to bf16 through a 16-entry table
+ * (vpermw). BITS = 8: one signed byte per input, widened through fp32. Per 32 inputs: one
+ * vdpbf16ps per x row into a per-group accumulator, scaled once per group. The zero term,
+ * zero * sum(x over the group), is a dot product of the zeros with the group sums of x.
  *
- * Layouts: x [M, K] bf16; codes [N, K/2] uint8; scales, zeros [N, K/G] bf16; y [M, N] bf16 or
- * fp32 (y_f32); K % G == 0, G % 32 == 0.
+ * Layouts: x [M, K] bf16; codes [N, K/2] uint8 (4 bits) or [N, K] int8; scales, zeros [N, K/G]
+ * bf16; y [M, N] bf16 or fp32 (y_f32); K % G == 0, G % 32 == 0.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -32,7 +34,7 @@ static inline __m512i code_table(void) {
     return _mm512_loadu_si512((const void *)t);
 }
 
-/* 32 codes of one block as 32 bf16 values. */
+/* 32 4-bit codes of one block as 32 bf16 values. */
 static inline __m512bh widen32(const uint8_t *q, __m512i table) {
     const __m128i b = _mm_loadu_si128((const __m128i *)q);
     const __m128i m = _mm_set1_epi8(0x0f);
@@ -40,8 +42,16 @@ static inline __m512bh widen32(const uint8_t *q, __m512i table) {
     return (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(codes), table);
 }
 
-int int4_linear_bf16(const uint16_t *x, int64_t M, const uint8_t *codes, const uint16_t *scales,
-                     const uint16_t *zeros, int64_t N, int64_t K, int64_t G, void *y, int y_f32) {
+/* 32 int8 codes as 32 bf16 values (exact: |code| <= 128 fits bf16's 8-bit mantissa). */
+static inline __m512bh widen32_i8(const int8_t *q) {
+    const __m512i w = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q));
+    const __m512i w2 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)));
+    return _mm512_cvtne2ps_pbh(_mm512_cvtepi32_ps(w2), _mm512_cvtepi32_ps(w));
+}
+
+static inline int quant_linear(const int bits, const uint16_t *x, int64_t M, const uint8_t *codes,
+                               const uint16_t *scales, const uint16_t *zeros, int64_t N, int64_t K, int64_t G,
+                               void *y, int y_f32) {
     if (M < 1 || G % 32 != 0 || K % G != 0) return 1;
     const int64_t groups = K / G;
     /* Group sums of x (bf16 values in fp32), for the zero term. */
@@ -70,8 +80,11 @@ int int4_linear_bf16(const uint16_t *x, int64_t M, const uint8_t *codes, const u
                     for (int r = 0; r < NR; r++) part[m][r] = _mm512_setzero_ps();
                 for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
                     __m512bh wv[NR];
-                    for (int r = 0; r < NR; r++)
-                        wv[r] = widen32(codes + (n0 + (r < nr ? r : 0)) * (K / 2) + k / 2, table);
+                    for (int r = 0; r < NR; r++) {
+                        const int64_t row = n0 + (r < nr ? r : 0);
+                        wv[r] = bits == 4 ? widen32(codes + row * (K / 2) + k / 2, table)
+                                          : widen32_i8((const int8_t *)codes + row * K + k);
+                    }
                     for (int64_t m = 0; m < mr; m++) {
                         const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + (m0 + m) * K + k));
                         for (int r = 0; r < NR; r++) part[m][r] = _mm512_dpbf16_ps(part[m][r], xv, wv[r]);
@@ -100,20 +113,37 @@ int int4_linear_bf16(const uint16_t *x, int64_t M, const uint8_t *codes, const u
     return 0;
 }
 
+int int4_linear_bf16(const uint16_t *x, int64_t M, const uint8_t *codes, const uint16_t *scales,
+                     const uint16_t *zeros, int64_t N, int64_t K, int64_t G, void *y, int y_f32) {
+    return quant_linear(4, x, M, codes, scales, zeros, N, K, G, y, y_f32);
+}
+
+int int8_linear_bf16(const uint16_t *x, int64_t M, const int8_t *codes, const uint16_t *scales,
+                     const uint16_t *zeros, int64_t N, int64_t K, int64_t G, void *y, int y_f32) {
+    return quant_linear(8, x, M, (const uint8_t *)codes, scales, zeros, N, K, G, y, y_f32);
+}
+
 /* W [N, K] in bf16 from the same layout (for batches, where a bf16 GEMM beats a pass per 4 rows). */
-int int4_dequant_bf16(const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros, int64_t N, int64_t K,
-                      int64_t G, uint16_t *w) {
-    if (G % 32 != 0 || K % G != 0) return 1;
+int quant_dequant_bf16(int bits, const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros, int64_t N,
+                       int64_t K, int64_t G, uint16_t *w) {
+    if (G % 32 != 0 || K % G != 0 || (bits != 4 && bits != 8)) return 1;
     const int64_t groups = K / G;
 #pragma omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_ELEMS)
     for (int64_t n = 0; n < N; n++) {
         for (int64_t k = 0; k < K; k += 32) {
-            const __m128i b = _mm_loadu_si128((const __m128i *)(codes + n * (K / 2) + k / 2));
-            const __m128i msk = _mm_set1_epi8(0x0f);
             const __m512 s = _mm512_set1_ps(bf16_to_f32(scales[n * groups + k / G]));
             const __m512 z = _mm512_set1_ps(bf16_to_f32(zeros[n * groups + k / G]));
-            const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, msk)));
-            const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), msk)));
+            __m512 lo, hi;
+            if (bits == 4) {
+                const __m128i b = _mm_loadu_si128((const __m128i *)(codes + n * (K / 2) + k / 2));
+                const __m128i msk = _mm_set1_epi8(0x0f);
+                lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, msk)));
+                hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), msk)));
+            } else {
+                const int8_t *q = (const int8_t *)codes + n * K + k;
+                lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
+                hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16))));
+            }
             const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(hi, s, z), _mm512_fmadd_ps(lo, s, z));
             _mm512_storeu_si512((void *)(w + n * K + k), (__m512i)v);
         }
