@@ -163,16 +163,19 @@ def speed_run(args, save) -> dict:
             "ratios": ratios, "rows": rows}
 
 
-def peer(args) -> dict:
+def peer(args, qtype: str) -> dict:
+    """llama.cpp's perplexity on a GGUF of the default model (the shipped Q4_1, or llama.cpp's own
+    Q8_0/Q4_0 of it) on the windows pagedllm scores."""
     tok = LLM(max_model_len=4097).get_tokenizer().hf
     tokens = tok.encode(default_corpus().read_text(encoding="utf-8"), add_special_tokens=False)
     bos = wants_bos(tok)
-    path = resolve_model(None).path
+    src = resolve_model(None).path
+    path = src if qtype == "Q4_1" else llamacpp_quantized_gguf(src, qtype)
     w512 = windows_of(tokens, 512, bos, args.chunks512)
-    p = llamacpp_perplexity(path, w512, threads=args.threads, decode_tokens=args.decode_tokens)
+    p = llamacpp_perplexity(path, w512, threads=args.threads)
     s = summarize(p["nlls"], 512, p["seconds"])
-    row = {"scheme": "llama.cpp q4_1", "ppl512": s.ppl, "ppl512_err": s.stderr, "ppl512_tok_s": s.tokens_per_s,
-           "decode_tok_s": p["decode_tok_s"]}
+    row = {"scheme": f"llama.cpp {qtype.lower()}", "ppl512": s.ppl, "ppl512_err": s.stderr,
+           "ppl512_tok_s": s.tokens_per_s}
     if args.peer4096:
         w4k = windows_of(tokens, 4096, bos, args.chunks4096)
         s4 = summarize(llamacpp_perplexity(path, w4k, threads=args.threads)["nlls"], 4096, 1.0)
@@ -196,6 +199,9 @@ def main() -> None:
     ap.add_argument("--output-len-range", default="16:256")
     ap.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True, help="run llama.cpp too")
     ap.add_argument("--peer4096", action="store_true", help="also llama.cpp's perplexity at ctx 4096")
+    ap.add_argument("--peer-files", default="Q4_1",
+                    help="quality: llama.cpp's perplexity on these GGUFs of the model (Q4_1 shipped; Q8_0, Q4_0 "
+                         "written by llama.cpp's quantizer)")
     ap.add_argument("--ppl-only", action="store_true", help="(the default without --speed; kept for old commands)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None,
@@ -215,7 +221,7 @@ def main() -> None:
         save(speed_run(args, save))
         return
     args.out = args.out or "benchmarks/results/quantization_ppl.json"
-    rows = [peer(args)] if args.peer else []
+    rows = [peer(args, q) for q in args.peer_files.split(",")] if args.peer else []
     for label in args.schemes.split(","):
         rows.append(measure(label, SCHEMES[label], args))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
