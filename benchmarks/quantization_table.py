@@ -72,11 +72,10 @@ def table(paths: list[str]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("paths", nargs="*", default=["benchmarks/results/quantization_run1.json",
-                                                 "benchmarks/results/quantization_run2.json",
-                                                 "benchmarks/results/quantization_ppl.json",
-                                                 "benchmarks/results/quantization_ppl_llamacpp_files.json",
-                                                 "benchmarks/results/quantization_speed.json"])
+    results = Path("benchmarks/results")
+    default = [results / "quantization_run1.json", results / "quantization_run2.json",
+               *sorted(results.glob("quantization_ppl*.json")), results / "quantization_speed.json"]
+    ap.add_argument("paths", nargs="*", default=[str(p) for p in default])
     ap.add_argument("--write", default=None, help="markdown file whose marked table is replaced")
     args = ap.parse_args()
     text = table([p for p in args.paths if Path(p).exists()])

@@ -107,12 +107,26 @@ class W8A8LinearMethod(_FromFloat):
 
 
 class Fp8LinearMethod(_PerChannel):
-    """e4m3 weights with one scale per output channel, widened to the activation dtype per call."""
+    """e4m3 weights with one scale per output channel, widened to bfloat16 inside the native kernel
+    where the CPU has it (any batch), else widened to the activation dtype per call in torch."""
 
     name = "fp8"
     scale_dtype = None
     quantizer = staticmethod(K.quantize_fp8_per_channel)
     kernel = staticmethod(K.fp8_weight_linear)
+
+    def quantize(self, layer: nn.Module, w: torch.Tensor) -> None:
+        super().quantize(layer, w)
+        layer.native = native.fits(w.shape[1], w.shape[1])
+        if layer.native:
+            _set(layer, "wscale", layer.wscale.to(torch.bfloat16).unsqueeze(1).contiguous())
+            _set(layer, "wzero", torch.zeros(w.shape[0], 1, dtype=torch.bfloat16))
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if layer.native:
+            return _bias(native.group_linear(x, layer.qweight.view(torch.uint8), layer.wscale, layer.wzero, bits=3),
+                         bias)
+        return super().apply(layer, x, bias)
 
 
 class Int4LinearMethod(_FromFloat):

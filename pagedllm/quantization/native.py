@@ -1,9 +1,9 @@
-"""Native linear layers on 4-bit and 8-bit group-wise codes (csrc/linear_quant.c), where the CPU
-has AVX-512 BF16.
+"""Native linear layers on 4-bit, 8-bit and fp8 (e4m3) group-wise codes (csrc/linear_quant.c),
+where the CPU has AVX-512 BF16.
 
 The weight is kept once, in the kernel's layout: 4-bit codes as 16 bytes per 32 inputs of a row
-(ggml's Q4_0 nibble order), 8-bit codes as signed bytes, and bfloat16 scales and zeros per group
-(``w = code * scale + zero``). A few rows of x (decode steps) go through the kernel, one pass over
+(ggml's Q4_0 nibble order), 8-bit codes as signed bytes, e4m3 as its bytes, and bfloat16 scales
+and zeros per group (``w = code * scale + zero``). A few rows of x (decode steps) go through the kernel, one pass over
 the codes; larger batches expand the weight to bfloat16 in the kernel once per call for
 ``F.linear`` (oneDNN), or use torch's int8 kernel on the same codes (per-channel int8).
 Measured against torch's kernels in benchmarks/bench_quant_kernels.py (docs/quantization.md).
@@ -36,7 +36,7 @@ def load_quant_kernel() -> ctypes.CDLL | None:
     if lib is None or not hasattr(lib, "int4_linear_bf16"):
         return None
     i64, p = ctypes.c_int64, ctypes.c_void_p
-    for f in (lib.int4_linear_bf16, lib.int8_linear_bf16):
+    for f in (lib.int4_linear_bf16, lib.int8_linear_bf16, lib.e4m3_linear_bf16):
         f.argtypes = [p, i64, p, p, p, i64, i64, i64, p, ctypes.c_int]
         f.restype = ctypes.c_int
     lib.quant_dequant_bf16.argtypes = [ctypes.c_int, p, p, p, i64, i64, i64, p]
@@ -66,8 +66,8 @@ def _in_features(codes: torch.Tensor, bits: int) -> int:
 def small_m_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int
                    ) -> torch.Tensor | None:
     """x [..., K] @ W^T through the kernel when x has at most SMALL_M rows (else None). ``codes``:
-    :func:`pack_int4_native`'s layout (bits 4) or int8 [N, K] (bits 8); ``scales``/``zeros`` bf16
-    [N, K/g]. x enters in bfloat16; the result returns in x's dtype (float32 or bfloat16)."""
+    :func:`pack_int4_native`'s layout (bits 4), int8 [N, K] (bits 8) or e4m3 bytes [N, K] viewed as
+    uint8 (bits 3); ``scales``/``zeros`` bf16 [N, K/g]. x enters in bfloat16; the result returns in x's dtype (float32 or bfloat16)."""
     k = _in_features(codes, bits)
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
@@ -78,7 +78,7 @@ def small_m_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, z
     n = codes.shape[0]
     out_f32 = x.dtype == torch.float32
     y = torch.empty(m, n, dtype=torch.float32 if out_f32 else torch.bfloat16)
-    f = lib.int4_linear_bf16 if bits == 4 else lib.int8_linear_bf16
+    f = {4: lib.int4_linear_bf16, 8: lib.int8_linear_bf16, 3: lib.e4m3_linear_bf16}[bits]
     if f(x2.data_ptr(), m, codes.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n, k, k // scales.shape[1],
          y.data_ptr(), int(out_f32)) != 0:
         raise ValueError(f"quantized kernel: group size {k // scales.shape[1]} does not fit {k} inputs")

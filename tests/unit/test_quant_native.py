@@ -54,3 +54,29 @@ def test_int8_kernel_matches_the_float_reference(m: int) -> None:
 
 def test_kernel_refuses_a_group_that_does_not_divide_the_inputs() -> None:
     assert not native.fits(576, 128) and native.fits(576, 64) and not native.fits(512, 16)
+
+
+def test_e4m3_codes_widen_exactly() -> None:
+    """Every e4m3 code (normals, subnormals, both signs; not NaN) is read as its exact value."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    codes[codes & 0x7F == 0x7F] = 0
+    values = codes.view(torch.float8_e4m3fn).float()
+    one = torch.ones(1, 1, dtype=torch.bfloat16)
+    zero = torch.zeros(1, 1, dtype=torch.bfloat16)
+    for rows in torch.eye(256).split(native.SMALL_M):  # one-hot x rows read the codes one by one
+        y = native.group_linear(rows, codes[None], one, zero, bits=3)
+        assert torch.equal(y[:, 0], rows @ values)
+    y = native.group_linear(torch.eye(256), codes[None], one, zero, bits=3)  # the batch path
+    assert torch.equal(y[:, 0], values)
+
+
+@pytest.mark.parametrize("m", [1, native.SMALL_M + 1])
+def test_fp8_kernel_matches_the_float_reference(m: int) -> None:
+    g = torch.Generator().manual_seed(m)
+    w = torch.randn(40, 576, generator=g) * 0.05
+    x = torch.randn(m, 576, generator=g)
+    w8, scales = K.quantize_fp8_per_channel(w)
+    ref_w = w8.float() * scales[:, None]
+    y = native.group_linear(x, w8.view(torch.uint8), scales.bfloat16()[:, None],
+                            torch.zeros(40, 1, dtype=torch.bfloat16), bits=3)
+    assert ((y - x @ ref_w.T).abs() <= _bound(x, ref_w.abs())).all()

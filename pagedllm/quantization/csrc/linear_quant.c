@@ -7,11 +7,13 @@
  *
  * Codes, BITS = 4: 16 bytes per 32 inputs of a row (byte j: code j in the low nibble, code j+16 in
  * the high one, as ggml's Q4_0 blocks), unsigned 0..15, widened to bf16 through a 16-entry table
- * (vpermw). BITS = 8: one signed byte per input, widened through fp32. Per 32 inputs: one
+ * (vpermw). BITS = 8: one signed byte per input, widened through fp32. BITS = 3 (fp8 e4m3): one
+ * byte per input, whose exponent and mantissa move into bf16's fields (subnormals from a table).
+ * Per 32 inputs: one
  * vdpbf16ps per x row into a per-group accumulator, scaled once per group. The zero term,
  * zero * sum(x over the group), is a dot product of the zeros with the group sums of x.
  *
- * Layouts: x [M, K] bf16; codes [N, K/2] uint8 (4 bits) or [N, K] int8; scales, zeros [N, K/G]
+ * Layouts: x [M, K] bf16; codes [N, K/2] uint8 (4 bits) or [N, K] int8 / e4m3; scales, zeros [N, K/G]
  * bf16; y [M, N] bf16 or fp32 (y_f32); K % G == 0, G % 32 == 0.
  */
 #include <stdint.h>
@@ -49,6 +51,25 @@ static inline __m512bh widen32_i8(const int8_t *q) {
     return _mm512_cvtne2ps_pbh(_mm512_cvtepi32_ps(w2), _mm512_cvtepi32_ps(w));
 }
 
+/* bf16 bit patterns of the e4m3 subnormals m * 2^-9, m = 0..7 (lanes 8..31 unused). */
+static inline __m512i e4m3_subnormal_table(void) {
+    uint16_t t[32] = {0};
+    for (int m = 1; m < 8; m++) t[m] = f32_to_bf16((float)m / 512.0f);
+    return _mm512_loadu_si512((const void *)t);
+}
+
+/* 32 e4m3 bytes as 32 bf16 values (exact: e4m3's 3-bit mantissa and exponent range fit bf16;
+ * the NaN code is not produced by the quantizer). */
+static inline __m512bh widen32_e4m3(const uint8_t *q, __m512i sub_table) {
+    const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)q));
+    const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi16(0x7f));
+    const __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(120 << 7));
+    const __mmask32 sub = _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8));
+    const __m512i v = _mm512_mask_permutexvar_epi16(normal, sub, mag, sub_table);
+    const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(b, _mm512_set1_epi16(0x80)), 8);
+    return (__m512bh)_mm512_or_si512(v, sign);
+}
+
 static inline int quant_linear(const int bits, const uint16_t *x, int64_t M, const uint8_t *codes,
                                const uint16_t *scales, const uint16_t *zeros, int64_t N, int64_t K, int64_t G,
                                void *y, int y_f32) {
@@ -64,7 +85,7 @@ static inline int quant_linear(const int bits, const uint16_t *x, int64_t M, con
             xsum[m * groups + g] = s;
         }
     const int64_t nblocks = (N + NR - 1) / NR;
-    const __m512i table = code_table();
+    const __m512i table = bits == 3 ? e4m3_subnormal_table() : code_table();
 #pragma omp parallel for schedule(static) collapse(2) if (N * K * ((M + MAXM - 1) / MAXM) >= PARALLEL_MIN_ELEMS)
     for (int64_t m0 = 0; m0 < (M + MAXM - 1) / MAXM * MAXM; m0 += MAXM) {
         for (int64_t b = 0; b < nblocks; b++) {
@@ -82,8 +103,9 @@ static inline int quant_linear(const int bits, const uint16_t *x, int64_t M, con
                     __m512bh wv[NR];
                     for (int r = 0; r < NR; r++) {
                         const int64_t row = n0 + (r < nr ? r : 0);
-                        wv[r] = bits == 4 ? widen32(codes + row * (K / 2) + k / 2, table)
-                                          : widen32_i8((const int8_t *)codes + row * K + k);
+                        wv[r] = bits == 4   ? widen32(codes + row * (K / 2) + k / 2, table)
+                                : bits == 3 ? widen32_e4m3(codes + row * K + k, table)
+                                            : widen32_i8((const int8_t *)codes + row * K + k);
                     }
                     for (int64_t m = 0; m < mr; m++) {
                         const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + (m0 + m) * K + k));
@@ -123,11 +145,17 @@ int int8_linear_bf16(const uint16_t *x, int64_t M, const int8_t *codes, const ui
     return quant_linear(8, x, M, (const uint8_t *)codes, scales, zeros, N, K, G, y, y_f32);
 }
 
+int e4m3_linear_bf16(const uint16_t *x, int64_t M, const uint8_t *codes, const uint16_t *scales,
+                     const uint16_t *zeros, int64_t N, int64_t K, int64_t G, void *y, int y_f32) {
+    return quant_linear(3, x, M, codes, scales, zeros, N, K, G, y, y_f32);
+}
+
 /* W [N, K] in bf16 from the same layout (for batches, where a bf16 GEMM beats a pass per 4 rows). */
 int quant_dequant_bf16(int bits, const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros, int64_t N,
                        int64_t K, int64_t G, uint16_t *w) {
-    if (G % 32 != 0 || K % G != 0 || (bits != 4 && bits != 8)) return 1;
+    if (G % 32 != 0 || K % G != 0 || (bits != 4 && bits != 8 && bits != 3)) return 1;
     const int64_t groups = K / G;
+    const __m512i sub_table = e4m3_subnormal_table();
 #pragma omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_ELEMS)
     for (int64_t n = 0; n < N; n++) {
         for (int64_t k = 0; k < K; k += 32) {
@@ -139,6 +167,10 @@ int quant_dequant_bf16(int bits, const uint8_t *codes, const uint16_t *scales, c
                 const __m128i msk = _mm_set1_epi8(0x0f);
                 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, msk)));
                 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), msk)));
+            } else if (bits == 3) {
+                const __m512i v = (__m512i)widen32_e4m3(codes + n * K + k, sub_table);
+                lo = _mm512_cvtpbh_ps((__m256bh)_mm512_castsi512_si256(v));
+                hi = _mm512_cvtpbh_ps((__m256bh)_mm512_extracti64x4_epi64(v, 1));
             } else {
                 const int8_t *q = (const int8_t *)codes + n * K + k;
                 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
