@@ -40,6 +40,7 @@ def main() -> None:
     s8b, z8 = s8.bfloat16(), torch.zeros(n, 1, dtype=torch.bfloat16)
     reps = {1: 20, 4: 20, 256: 3}
     f8, s_f8 = K.quantize_fp8_per_channel(w)
+    f8s = s_f8.bfloat16()[:, None]
     qg = (codes.to(torch.int16) - 0).to(torch.int8)
     wb = w.bfloat16()
     for m in (1, 4, 256):
@@ -59,6 +60,8 @@ def main() -> None:
             "int4 native (csrc/linear_quant.c), bf16 x": best_m(lambda: native.group_linear(xb, n4, ns, nz, 4)),
             "int8 native (csrc/linear_quant.c), bf16 x": best_m(
                 lambda: native.group_linear(xb, q8, s8b[:, None], z8, 8)),
+            "fp8 native (csrc/linear_quant.c), bf16 x": best_m(
+                lambda: native.group_linear(xb, f8.view(torch.uint8), f8s, z8, 3)),
             "fp8 widen + F.linear": best_m(lambda: K.fp8_weight_linear(x, f8, s_f8)),
             "int8 codes, group scales, widen + F.linear": best(
                 lambda: K.int8_group_linear(x, qg, sc, zp)),
