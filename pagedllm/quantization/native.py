@@ -4,8 +4,8 @@ where the CPU has AVX-512 BF16.
 The weight is kept once, in the kernel's layout: 4-bit codes as 16 bytes per 32 inputs of a row
 (ggml's Q4_0 nibble order), 8-bit codes as signed bytes, e4m3 as its bytes, and bfloat16 scales
 and zeros per group (``w = code * scale + zero``). A few rows of x (decode steps) go through the kernel, one pass over
-the codes; larger batches expand the weight to bfloat16 in the kernel once per call for
-``F.linear`` (oneDNN), or use torch's int8 kernel on the same codes (per-channel int8).
+the codes; larger batches expand the weight in the kernel once per call for
+``F.linear`` (oneDNN; float32 activations get a float32 weight), or use torch's int8 kernel on the same codes (per-channel int8).
 Measured against torch's kernels in benchmarks/bench_quant_kernels.py (docs/quantization.md).
 """
 
@@ -39,8 +39,8 @@ def load_quant_kernel() -> ctypes.CDLL | None:
     for f in (lib.int4_linear_bf16, lib.int8_linear_bf16, lib.e4m3_linear_bf16):
         f.argtypes = [p, i64, p, p, p, i64, i64, i64, p, ctypes.c_int]
         f.restype = ctypes.c_int
-    lib.quant_dequant_bf16.argtypes = [ctypes.c_int, p, p, p, i64, i64, i64, p]
-    lib.quant_dequant_bf16.restype = ctypes.c_int
+    lib.quant_dequant.argtypes = [ctypes.c_int, p, p, p, i64, i64, i64, p, ctypes.c_int]
+    lib.quant_dequant.restype = ctypes.c_int
     return lib
 
 
@@ -85,22 +85,24 @@ def small_m_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, z
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
-def dequantize_bf16(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int) -> torch.Tensor:
-    """The weight [N, K] in bfloat16, expanded from the kernel's layout."""
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+               dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The weight [N, K] in `dtype` (bfloat16 or float32), expanded from the kernel's layout."""
     k = _in_features(codes, bits)
     n = codes.shape[0]
-    w = torch.empty(n, k, dtype=torch.bfloat16)
-    if load_quant_kernel().quant_dequant_bf16(bits, codes.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n, k,
-                                              k // scales.shape[1], w.data_ptr()) != 0:
+    w = torch.empty(n, k, dtype=dtype)
+    if load_quant_kernel().quant_dequant(bits, codes.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n, k,
+                                         k // scales.shape[1], w.data_ptr(), int(dtype == torch.float32)) != 0:
         raise ValueError(f"quantized kernel: group size {k // scales.shape[1]} does not fit {k} inputs")
     return w
 
 
 def group_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int
                  ) -> torch.Tensor:
-    """x @ W^T for any number of rows: the kernel for a few, the bf16 expansion + ``F.linear`` for more."""
+    """x @ W^T for any number of rows: the kernel for a few; for more, the weight expanded to x's
+    dtype (float32 stays float32) and ``F.linear``."""
     y = small_m_linear(x, codes, scales, zeros, bits)
     if y is not None:
         return y
-    w = dequantize_bf16(codes, scales, zeros, bits)
-    return F.linear(x.to(torch.bfloat16), w).to(x.dtype)
+    dtype = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
+    return F.linear(x.to(dtype), dequantize(codes, scales, zeros, bits, dtype)).to(x.dtype)

@@ -3,7 +3,7 @@
  * bf16 activations, with AVX-512 BF16 dot products (vdpbf16ps) and fp32 accumulation; for the few
  * rows of a decode step, where torch's packed int4/int8 kernels and a per-call widening read the
  * weight at a fraction of the memory bandwidth. Larger batches expand the weight to bf16 once per
- * call (quant_dequant_bf16) for oneDNN.
+ * call (quant_dequant) for oneDNN, in the activations' dtype.
  *
  * Codes, BITS = 4: 16 bytes per 32 inputs of a row (byte j: code j in the low nibble, code j+16 in
  * the high one, as ggml's Q4_0 blocks), unsigned 0..15, widened to bf16 through a 16-entry table
@@ -150,9 +150,10 @@ int e4m3_linear_bf16(const uint16_t *x, int64_t M, const uint8_t *codes, const u
     return quant_linear(3, x, M, codes, scales, zeros, N, K, G, y, y_f32);
 }
 
-/* W [N, K] in bf16 from the same layout (for batches, where a bf16 GEMM beats a pass per 4 rows). */
-int quant_dequant_bf16(int bits, const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros, int64_t N,
-                       int64_t K, int64_t G, uint16_t *w) {
+/* W [N, K] in bf16, or fp32 (w_f32), from the same layout (for batches, where oneDNN's GEMM beats a
+ * pass per 4 rows). */
+int quant_dequant(int bits, const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros, int64_t N,
+                  int64_t K, int64_t G, void *w, int w_f32) {
     if (G % 32 != 0 || K % G != 0 || (bits != 4 && bits != 8 && bits != 3)) return 1;
     const int64_t groups = K / G;
     const __m512i sub_table = e4m3_subnormal_table();
@@ -176,8 +177,13 @@ int quant_dequant_bf16(int bits, const uint8_t *codes, const uint16_t *scales, c
                 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
                 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16))));
             }
-            const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_fmadd_ps(hi, s, z), _mm512_fmadd_ps(lo, s, z));
-            _mm512_storeu_si512((void *)(w + n * K + k), (__m512i)v);
+            const __m512 wl = _mm512_fmadd_ps(lo, s, z), wh = _mm512_fmadd_ps(hi, s, z);
+            if (w_f32) {
+                _mm512_storeu_ps((float *)w + n * K + k, wl);
+                _mm512_storeu_ps((float *)w + n * K + k + 16, wh);
+            } else {
+                _mm512_storeu_si512((void *)((uint16_t *)w + n * K + k), (__m512i)_mm512_cvtne2ps_pbh(wh, wl));
+            }
         }
     }
     return 0;
