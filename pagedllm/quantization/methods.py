@@ -242,7 +242,7 @@ def finish_group_codes(layer: nn.Module, codes: torch.Tensor, scales: torch.Tens
         _set(layer, "packed", packed)
         _set(layer, "scales_zeros", sz)
         return
-    shift = 128 if bits > 7 else 0
+    shift = 1 << (bits - 1)  # centred codes: the zero kept, zero + shift * scale, stays small
     sdtype = torch.bfloat16 if layer.native else dtype
     _set(layer, "qcodes", (codes.to(torch.int16) - shift).to(torch.int8))
     _set(layer, "qscales", scales.to(sdtype))

@@ -52,11 +52,13 @@ def fits(in_features: int, group_size: int) -> bool:
 def pack_int4_native(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Codes [N, K] (0..15) -> [N, K/2] uint8 with, per 32 inputs, byte j = code j | code j+16 << 4;
-    scales and zeros [N, K/g] in bfloat16."""
+    scales [N, K/g] in bfloat16, and the zeros of the centred codes (the kernel reads code - 8),
+    zero + 8 scale, in bfloat16: near the group's middle, so their rounding is small."""
     n, k = codes.shape
     c = codes.to(torch.uint8).reshape(n, k // 32, 2, 16)
     packed = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
-    return packed, scales.to(torch.bfloat16).contiguous(), zeros.to(torch.bfloat16).contiguous()
+    centred = zeros.float() + 8.0 * scales.float()
+    return packed, scales.to(torch.bfloat16).contiguous(), centred.to(torch.bfloat16).contiguous()
 
 
 def _in_features(codes: torch.Tensor, bits: int) -> int:

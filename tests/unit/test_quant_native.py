@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(native.load_quant_kernel() is None, reason="no A
 
 def _bound(x: torch.Tensor, w_mag: torch.Tensor) -> torch.Tensor:
     """bfloat16 rounding (relative <= 2^-9) of each activation and of each weight's scale and zero
-    term (w_mag: |code| s + |zero| per weight): 2^-9 (|x| @ w_mag^T) for each, doubled for the
+    term (w_mag: a bound of |code| s + |zero| per weight, in the kernel's centring): 2^-9 (|x| @ w_mag^T) for each, doubled for the
     cross terms and the float32 accumulation; the batch path also rounds each weight to bfloat16."""
     return 2.0**-7 * (x.abs() @ w_mag.T) + 1e-4
 
@@ -31,7 +31,9 @@ def test_int4_kernel_matches_the_float_reference(group: int, m: int) -> None:
     ref_w = K.dequantize_groupwise(codes, scales, zeros)
     packed, s, z = native.pack_int4_native(codes, scales, zeros)
     assert packed.shape == (70, 256) and packed.dtype == torch.uint8
-    mag = (codes.float() * scales.repeat_interleave(group, 1)).abs() + zeros.repeat_interleave(group, 1).abs()
+    # the kernel reads code - 8 with the zero + 8 scale: bound both parts' rounding
+    mag = (((codes.float() - 8).abs() + 8) * scales.repeat_interleave(group, 1)).abs() \
+        + zeros.repeat_interleave(group, 1).abs()
     for dtype in (torch.float32, torch.bfloat16):
         y = native.group_linear(x.to(dtype), packed, s, z, bits=4)
         assert y.dtype == dtype and y.shape == (m, 70)

@@ -6,8 +6,8 @@
  * call (quant_dequant) for oneDNN, in the activations' dtype.
  *
  * Codes, BITS = 4: 16 bytes per 32 inputs of a row (byte j: code j in the low nibble, code j+16 in
- * the high one, as ggml's Q4_0 blocks), unsigned 0..15, widened to bf16 through a 16-entry table
- * (vpermw). BITS = 8: one signed byte per input, widened through fp32. BITS = 3 (fp8 e4m3): one
+ * the high one, as ggml's Q4_0 blocks), unsigned 0..15, read as code - 8 through a 16-entry bf16
+ * table (vpermw); the zeros given are zero + 8 scale. BITS = 8: one signed byte per input, widened through fp32. BITS = 3 (fp8 e4m3): one
  * byte per input, whose exponent and mantissa move into bf16's fields (subnormals from a table).
  * Per 32 inputs: one
  * vdpbf16ps per x row into a per-group accumulator, scaled once per group. The zero term,
@@ -29,10 +29,11 @@
 #define NR 4
 #define PARALLEL_MIN_ELEMS (1 << 19)
 
-/* bf16 bit patterns of 0.0 .. 15.0, repeated for the two 256-bit lanes of vpermw's table. */
+/* bf16 bit patterns of code - 8 for the codes 0 .. 15 (centred, so that the zero the kernel adds,
+ * zero + 8 scale, is small and its bf16 rounding too), repeated for both 256-bit lanes of vpermw. */
 static inline __m512i code_table(void) {
     uint16_t t[32];
-    for (int c = 0; c < 32; c++) t[c] = f32_to_bf16((float)(c & 15));
+    for (int c = 0; c < 32; c++) t[c] = f32_to_bf16((float)((c & 15) - 8));
     return _mm512_loadu_si512((const void *)t);
 }
 
@@ -166,8 +167,10 @@ int quant_dequant(int bits, const uint8_t *codes, const uint16_t *scales, const 
             if (bits == 4) {
                 const __m128i b = _mm_loadu_si128((const __m128i *)(codes + n * (K / 2) + k / 2));
                 const __m128i msk = _mm_set1_epi8(0x0f);
-                lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, msk)));
-                hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), msk)));
+                const __m512 eight = _mm512_set1_ps(8.0f);
+                lo = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, msk))), eight);
+                hi = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), msk))),
+                                   eight);
             } else if (bits == 3) {
                 const __m512i v = (__m512i)widen32_e4m3(codes + n * K + k, sub_table);
                 lo = _mm512_cvtpbh_ps((__m256bh)_mm512_castsi512_si256(v));
