@@ -139,12 +139,15 @@ def llamacpp_speed(qtype: str, args) -> dict:
 def speed_run(args, save) -> dict:
     reqs = random_workload(args.num_prompts, tuple(map(int, args.input_len_range.split(":"))),
                            tuple(map(int, args.output_len_range.split(":"))), vocab_info(None), 0)
-    rows = [llamacpp_speed(q, args) for q in LLAMACPP_FILES] if args.peer else []
+    rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="pagedllm-quant-") as tmp:
         path = str(Path(tmp) / "workload.json")
         dump_workload(reqs, path)
         for label in args.schemes.split(","):
-            rows.append(speed(label, SCHEMES.get(label, {}), args, path))
+            if label.startswith("llama.cpp-"):  # a peer row, in the order given
+                rows.append(llamacpp_speed(label.removeprefix("llama.cpp-").upper(), args))
+            else:
+                rows.append(speed(label, SCHEMES.get(label, {}), args, path))
             save({"rows": rows})  # what is measured so far survives an interrupted run
     by = {r["scheme"]: r for r in rows}
     ratios = {}
@@ -186,7 +189,9 @@ def peer(args, qtype: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--schemes", default=",".join(SCHEMES))
+    ap.add_argument("--schemes", default=",".join(SCHEMES),
+                    help="comma-separated rows, in order; with --speed also llama.cpp-q4_1, llama.cpp-q8_0, "
+                         "llama.cpp-q4_0 (llama.cpp's decode on that GGUF); default: every row")
     ap.add_argument("--chunks512", type=int, default=4)
     ap.add_argument("--chunks4096", type=int, default=1)
     ap.add_argument("--speed", action="store_true",
@@ -211,7 +216,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.speed:
         if args.schemes == ",".join(SCHEMES):
-            args.schemes += "," + UNFUSED_INT8
+            peers = [f"llama.cpp-{q.lower()}" for q in LLAMACPP_FILES] if args.peer else []
+            args.schemes = ",".join([*peers, *SCHEMES, UNFUSED_INT8])
         out = Path(args.out or "benchmarks/results/quantization_speed.json")
 
         def save(report: dict) -> None:
