@@ -51,7 +51,7 @@ def main() -> None:
         rows = {
             "fp32 F.linear": base,
             "bf16 F.linear": best_m(lambda: F.linear(xb, wb)),
-            "int8 _weight_int8pack_mm (fp32 x)": best_m(lambda: K.int8_weight_linear(x, q8, s8)),
+            "int8 _weight_int8pack_mm (fp32 x)": best_m(lambda: torch._weight_int8pack_mm(x, q8, s8)),
             "int8 _weight_int8pack_mm (bf16 x)": best_m(lambda: K.int8_weight_linear(xb, q8, s8.bfloat16())),
             "int8 dequantize + F.linear (unfused)": best_m(lambda: F.linear(x, q8.float() * s8[:, None])),
             "w8a8 quantize x + torch._int_mm": best_m(lambda: K.int8_dynamic_linear(x, q8t, s8)),

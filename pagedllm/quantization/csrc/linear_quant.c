@@ -27,7 +27,10 @@
 
 #define MAXM 4
 #define NR 4
-#define PARALLEL_MIN_ELEMS (1 << 19)
+/* Weights (times 4-row blocks of x) below which one thread does the product: a decode layer of a
+ * small model is read in ~0.1 ms, and a parallel region on a machine shared with other work can
+ * wait a whole scheduler slice for its second thread (measured: docs/quantization.md). */
+#define PARALLEL_MIN_ELEMS (1 << 22)
 
 /* bf16 bit patterns of code - 8 for the codes 0 .. 15 (centred, so that the zero the kernel adds,
  * zero + 8 scale, is small and its bf16 rounding too), repeated for both 256-bit lanes of vpermw. */
@@ -71,9 +74,55 @@ static inline __m512bh widen32_e4m3(const uint8_t *q, __m512i sub_table) {
     return (__m512bh)_mm512_or_si512(v, sign);
 }
 
-static inline int quant_linear(const int bits, const uint16_t *x, int64_t M, const uint8_t *codes,
-                               const uint16_t *scales, const uint16_t *zeros, int64_t N, int64_t K, int64_t G,
-                               void *y, int y_f32) {
+/* y rows m0 .. m0+MR-1, output rows n0 .. n0+nr-1 (MR and BITS constant after inlining: the
+ * accumulators of a 1-row decode take 8 registers, not 32). */
+static inline __attribute__((always_inline)) void quant_block(
+    const int bits, const int MR, const uint16_t *x, int64_t m0, const uint8_t *codes, const uint16_t *scales,
+    const uint16_t *zeros, const float *xsum, int64_t N, int64_t K, int64_t G, int64_t n0, int64_t nr,
+    __m512i table, void *y, int y_f32) {
+    const int64_t groups = K / G;
+    __m512 acc[MAXM][NR];
+    for (int m = 0; m < MR; m++)
+        for (int r = 0; r < NR; r++) acc[m][r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512 part[MAXM][NR];
+        for (int m = 0; m < MR; m++)
+            for (int r = 0; r < NR; r++) part[m][r] = _mm512_setzero_ps();
+        for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
+            __m512bh wv[NR];
+            for (int r = 0; r < NR; r++) {
+                const int64_t row = n0 + (r < nr ? r : 0);
+                wv[r] = bits == 4   ? widen32(codes + row * (K / 2) + k / 2, table)
+                        : bits == 3 ? widen32_e4m3(codes + row * K + k, table)
+                                    : widen32_i8((const int8_t *)codes + row * K + k);
+            }
+            for (int m = 0; m < MR; m++) {
+                const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + (m0 + m) * K + k));
+                for (int r = 0; r < NR; r++) part[m][r] = _mm512_dpbf16_ps(part[m][r], xv, wv[r]);
+            }
+        }
+        for (int r = 0; r < NR; r++) {
+            const __m512 s = _mm512_set1_ps(bf16_to_f32(scales[(n0 + (r < nr ? r : 0)) * groups + g]));
+            for (int m = 0; m < MR; m++) acc[m][r] = _mm512_fmadd_ps(part[m][r], s, acc[m][r]);
+        }
+    }
+    for (int m = 0; m < MR; m++)
+        for (int64_t r = 0; r < nr; r++) {
+            float s = _mm512_reduce_add_ps(acc[m][r]);
+            const uint16_t *z = zeros + (n0 + r) * groups;
+            const float *xs = xsum + (m0 + m) * groups;
+            for (int64_t g = 0; g < groups; g++) s += bf16_to_f32(z[g]) * xs[g];
+            const int64_t i = (m0 + m) * N + n0 + r;
+            if (y_f32)
+                ((float *)y)[i] = s;
+            else
+                ((uint16_t *)y)[i] = f32_to_bf16(s);
+        }
+}
+
+static inline __attribute__((always_inline)) int quant_linear(
+    const int bits, const uint16_t *x, int64_t M, const uint8_t *codes, const uint16_t *scales,
+    const uint16_t *zeros, int64_t N, int64_t K, int64_t G, void *y, int y_f32) {
     if (M < 1 || G % 32 != 0 || K % G != 0) return 1;
     const int64_t groups = K / G;
     /* Group sums of x (bf16 values in fp32), for the zero term. */
@@ -86,50 +135,17 @@ static inline int quant_linear(const int bits, const uint16_t *x, int64_t M, con
             xsum[m * groups + g] = s;
         }
     const int64_t nblocks = (N + NR - 1) / NR;
+    const int64_t mblocks = (M + MAXM - 1) / MAXM;
     const __m512i table = bits == 3 ? e4m3_subnormal_table() : code_table();
-#pragma omp parallel for schedule(static) collapse(2) if (N * K * ((M + MAXM - 1) / MAXM) >= PARALLEL_MIN_ELEMS)
-    for (int64_t m0 = 0; m0 < (M + MAXM - 1) / MAXM * MAXM; m0 += MAXM) {
-        for (int64_t b = 0; b < nblocks; b++) {
-            const int64_t mr = M - m0 < MAXM ? M - m0 : MAXM;
-            const int64_t n0 = b * NR;
-            const int64_t nr = N - n0 < NR ? N - n0 : NR;
-            __m512 acc[MAXM][NR];
-            for (int m = 0; m < MAXM; m++)
-                for (int r = 0; r < NR; r++) acc[m][r] = _mm512_setzero_ps();
-            for (int64_t g = 0; g < groups; g++) {
-                __m512 part[MAXM][NR];
-                for (int m = 0; m < MAXM; m++)
-                    for (int r = 0; r < NR; r++) part[m][r] = _mm512_setzero_ps();
-                for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
-                    __m512bh wv[NR];
-                    for (int r = 0; r < NR; r++) {
-                        const int64_t row = n0 + (r < nr ? r : 0);
-                        wv[r] = bits == 4   ? widen32(codes + row * (K / 2) + k / 2, table)
-                                : bits == 3 ? widen32_e4m3(codes + row * K + k, table)
-                                            : widen32_i8((const int8_t *)codes + row * K + k);
-                    }
-                    for (int64_t m = 0; m < mr; m++) {
-                        const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + (m0 + m) * K + k));
-                        for (int r = 0; r < NR; r++) part[m][r] = _mm512_dpbf16_ps(part[m][r], xv, wv[r]);
-                    }
-                }
-                for (int r = 0; r < NR; r++) {
-                    const __m512 s = _mm512_set1_ps(bf16_to_f32(scales[(n0 + (r < nr ? r : 0)) * groups + g]));
-                    for (int64_t m = 0; m < mr; m++) acc[m][r] = _mm512_fmadd_ps(part[m][r], s, acc[m][r]);
-                }
-            }
-            for (int64_t m = 0; m < mr; m++)
-                for (int64_t r = 0; r < nr; r++) {
-                    float s = _mm512_reduce_add_ps(acc[m][r]);
-                    const uint16_t *z = zeros + (n0 + r) * groups;
-                    const float *xs = xsum + (m0 + m) * groups;
-                    for (int64_t g = 0; g < groups; g++) s += bf16_to_f32(z[g]) * xs[g];
-                    const int64_t i = (m0 + m) * N + n0 + r;
-                    if (y_f32)
-                        ((float *)y)[i] = s;
-                    else
-                        ((uint16_t *)y)[i] = f32_to_bf16(s);
-                }
+#pragma omp parallel for schedule(static) if (N * K * mblocks >= PARALLEL_MIN_ELEMS)
+    for (int64_t t = 0; t < mblocks * nblocks; t++) {
+        const int64_t m0 = t / nblocks * MAXM, n0 = t % nblocks * NR;
+        const int64_t nr = N - n0 < NR ? N - n0 : NR;
+        switch (M - m0 < MAXM ? M - m0 : MAXM) {
+        case 1: quant_block(bits, 1, x, m0, codes, scales, zeros, xsum, N, K, G, n0, nr, table, y, y_f32); break;
+        case 2: quant_block(bits, 2, x, m0, codes, scales, zeros, xsum, N, K, G, n0, nr, table, y, y_f32); break;
+        case 3: quant_block(bits, 3, x, m0, codes, scales, zeros, xsum, N, K, G, n0, nr, table, y, y_f32); break;
+        default: quant_block(bits, 4, x, m0, codes, scales, zeros, xsum, N, K, G, n0, nr, table, y, y_f32);
         }
     }
     free(xsum);
