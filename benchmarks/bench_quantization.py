@@ -114,6 +114,9 @@ def speed(label: str, kwargs: dict, args, workload: str) -> dict:
         row.update(decode_tok_s=lat["decode_tokens_per_s"], decode_ms_per_token=lat["decode_ms_per_token"],
                    prefill_ms=lat["prefill_ms"])
         gc.collect()
+        if args.throughput_schemes and label not in args.throughput_schemes.split(","):
+            print(json.dumps(row), flush=True)
+            return row
         tp = run_pagedllm({"model": model, "engine_args": kwargs, "workload": workload})
         row.update(throughput_tok_s=tp["output_tokens"] / tp["elapsed_s"],
                    throughput_total_tok_s=(tp["prompt_tokens"] + tp["output_tokens"]) / tp["elapsed_s"],
@@ -200,6 +203,8 @@ def main() -> None:
     ap.add_argument("--decode-iters", type=int, default=2, help="speed: timed requests (median), after one warm-up")
     ap.add_argument("--input-len", type=int, default=128, help="speed: prompt tokens of the timed request")
     ap.add_argument("--num-prompts", type=int, default=128, help="speed: requests of the throughput workload")
+    ap.add_argument("--throughput-schemes", default=None,
+                    help="speed: the rows whose throughput is measured (default: every pagedllm row)")
     ap.add_argument("--input-len-range", default="32:512")
     ap.add_argument("--output-len-range", default="16:256")
     ap.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True, help="run llama.cpp too")
