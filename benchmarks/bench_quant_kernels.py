@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.quantization import kernels as K
+from pagedllm.quantization import native
 
 
 def best(fn, reps: int = 20) -> float:
@@ -35,11 +36,14 @@ def main() -> None:
     codes, sc, zp = K.quantize_groupwise(w, 64, 4)
     p4, sz32 = K.pack_int4(codes, sc, zp, torch.float32)
     _, sz16 = K.pack_int4(codes, sc, zp, torch.bfloat16)
-    reps = {1: 20, 256: 3}
+    n4, ns, nz = native.pack_int4_native(codes, sc, zp)
+    s8b, z8 = s8.bfloat16(), torch.zeros(n, 1, dtype=torch.bfloat16)
+    reps = {1: 20, 4: 20, 256: 3}
     f8, s_f8 = K.quantize_fp8_per_channel(w)
+    f8s = s_f8.bfloat16()[:, None]
     qg = (codes.to(torch.int16) - 0).to(torch.int8)
     wb = w.bfloat16()
-    for m in (1, 256):
+    for m in (1, 4, 256):
         x = torch.randn(m, k)
         xb = x.bfloat16()
         best_m = lambda fn: best(fn, reps[m])  # noqa: E731
@@ -47,12 +51,17 @@ def main() -> None:
         rows = {
             "fp32 F.linear": base,
             "bf16 F.linear": best_m(lambda: F.linear(xb, wb)),
-            "int8 _weight_int8pack_mm (fp32 x)": best_m(lambda: K.int8_weight_linear(x, q8, s8)),
+            "int8 _weight_int8pack_mm (fp32 x)": best_m(lambda: torch._weight_int8pack_mm(x, q8, s8)),
             "int8 _weight_int8pack_mm (bf16 x)": best_m(lambda: K.int8_weight_linear(xb, q8, s8.bfloat16())),
             "int8 dequantize + F.linear (unfused)": best_m(lambda: F.linear(x, q8.float() * s8[:, None])),
             "w8a8 quantize x + torch._int_mm": best_m(lambda: K.int8_dynamic_linear(x, q8t, s8)),
             "int4 _weight_int4pack_mm_for_cpu (fp32 x)": best_m(lambda: K.int4_linear(x, p4, sz32, 64)),
             "int4 _weight_int4pack_mm_for_cpu (bf16 x)": best_m(lambda: K.int4_linear(xb, p4, sz16, 64)),
+            "int4 native (csrc/linear_quant.c), bf16 x": best_m(lambda: native.group_linear(xb, n4, ns, nz, 4)),
+            "int8 native (csrc/linear_quant.c), bf16 x": best_m(
+                lambda: native.group_linear(xb, q8, s8b[:, None], z8, 8)),
+            "fp8 native (csrc/linear_quant.c), bf16 x": best_m(
+                lambda: native.group_linear(xb, f8.view(torch.uint8), f8s, z8, 3)),
             "fp8 widen + F.linear": best_m(lambda: K.fp8_weight_linear(x, f8, s_f8)),
             "int8 codes, group scales, widen + F.linear": best(
                 lambda: K.int8_group_linear(x, qg, sc, zp)),

@@ -1,9 +1,12 @@
 """Writes a GGUF model as an unquantized GGUF (F32, F16 or BF16) with the same metadata, so that a
-peer (llama.cpp) runs exactly the weights pagedllm dequantizes, in the dtype being compared."""
+peer (llama.cpp) runs exactly the weights pagedllm dequantizes, in the dtype being compared; and
+re-quantizes it with llama.cpp's own quantizer (Q4_0, Q8_0, ...), the reference producer."""
 
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -50,4 +53,37 @@ def export_unquantized_gguf(src: str, out_type: str, dst: str | None = None) -> 
     writer.close()
     tmp.replace(target)
     logger.info("wrote %s (%s)", target, out_type)
+    return str(target)
+
+
+LLAMACPP_QUANT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K_M", "Q5_K_M", "Q6_K")
+
+
+def llamacpp_quantized_gguf(src: str, qtype: str, peers_venv: str | None = None, threads: int = 2) -> str:
+    """Path of `src` quantized to `qtype` by llama.cpp's ``llama_model_quantize`` (llama-cpp-python in
+    the peers' environment), from the F32 export of `src`; cached like the unquantized exports.
+
+    llama.cpp's defaults apply (as ``llama-quantize`` makes them): the tied token embedding of a
+    model whose width is not a multiple of 256 becomes Q8_0, norms stay F32.
+    """
+    from pagedllm.benchmarks.throughput import BackendUnavailable, peers_python, run_child
+
+    if qtype not in LLAMACPP_QUANT_TYPES:
+        raise ValueError(f"qtype must be one of {LLAMACPP_QUANT_TYPES}, got {qtype!r}")
+    target = cache_dir() / "gguf" / f"{Path(src).stem}.{qtype}.llamacpp.gguf"
+    if target.exists() and target.stat().st_mtime >= Path(src).stat().st_mtime:
+        return str(target)
+    f32 = export_unquantized_gguf(src, "F32")
+    python = peers_python(peers_venv)
+    tmp = target.with_suffix(".tmp")
+    spec = {"backend": "llama.cpp", "tag": f"llama.cpp-quantize-{qtype}", "model_path": f32, "output": str(tmp),
+            "quantize": qtype, "threads": threads}
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    with tempfile.TemporaryDirectory(prefix="pagedllm-quantize-") as workdir:
+        run = run_child([str(python), str(Path(__file__).with_name("llamacpp_worker.py"))], env, spec, workdir, None)
+    if run.returncode != 0 or not tmp.exists():
+        raise BackendUnavailable(f"llama.cpp quantize to {qtype} failed: "
+                                 f"{run.result.get('error') or f'exit code {run.returncode}'}")
+    tmp.replace(target)
+    logger.info("wrote %s (%s, llama.cpp %s)", target, qtype, run.result.get("llama_cpp_version"))
     return str(target)

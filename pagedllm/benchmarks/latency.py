@@ -116,9 +116,11 @@ _GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
 
 def run_llamacpp_latency(model: str | None, dtype: str, input_len: int, output_len: int, num_iters: int,
-                         num_warmup: int, seed: int, peers_venv: str | None, threads: int) -> dict[str, Any]:
-    """llama.cpp on the same weights (the model's GGUF rewritten unquantized in `dtype`), the same
-    prompt and the same number of threads, in a child process of the peers' python."""
+                         num_warmup: int, seed: int, peers_venv: str | None, threads: int,
+                         gguf_path: str | None = None) -> dict[str, Any]:
+    """llama.cpp on the same weights (the model's GGUF rewritten unquantized in `dtype`, or the GGUF
+    file `gguf_path` as it is), the same prompt and the same number of threads, in a child process
+    of the peers' python."""
     import os
     import sys
     import tempfile
@@ -132,19 +134,30 @@ def run_llamacpp_latency(model: str | None, dtype: str, input_len: int, output_l
     if source.kind != "gguf":
         raise BackendUnavailable(f"llama.cpp needs a GGUF model; {source.path} is a {source.kind} folder")
     python = peers_python(peers_venv)
-    path = export_unquantized_gguf(source.path, _GGUF_TYPES[dtype])
+    path = gguf_path or export_unquantized_gguf(source.path, _GGUF_TYPES[dtype])
+    gguf_type = _file_type(path) if gguf_path else _GGUF_TYPES[dtype]
     prompt = random_workload(1, (input_len, input_len), (output_len, output_len), vocab_info(model), seed)[0]
-    spec = {"backend": "llama.cpp", "tag": f"llama.cpp-{dtype}", "model_path": path,
+    spec = {"backend": "llama.cpp", "tag": f"llama.cpp-{gguf_type}", "model_path": path,
             "prompt_token_ids": prompt.prompt_token_ids, "output_len": output_len, "num_iters": num_iters,
             "num_warmup": num_warmup, "threads": threads}
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    print(f"--- llama.cpp ({dtype}, {Path(path).name}): starting ---", file=sys.stderr, flush=True)
+    print(f"--- llama.cpp ({gguf_type}, {Path(path).name}): starting ---", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="pagedllm-bench-") as workdir:
         run = run_child([str(python), str(Path(__file__).with_name("llamacpp_worker.py"))], env, spec, workdir,
                         None)
     if run.returncode != 0 or "decode_ms_per_token" not in run.result:
         raise BackendUnavailable(f"llama.cpp failed: {run.result.get('error') or f'exit code {run.returncode}'}")
-    return run.result | {"gguf": path, "gguf_type": _GGUF_TYPES[dtype]}
+    return run.result | {"gguf": path, "gguf_type": gguf_type}
+
+
+def _file_type(path: str) -> str:
+    """The GGUF's most common tensor type among its matrices (Q4_0, Q8_0, F32, ...)."""
+    from collections import Counter
+
+    import gguf
+
+    types = Counter(t.tensor_type.name for t in gguf.GGUFReader(path).tensors if len(t.shape) > 1)
+    return types.most_common(1)[0][0]
 
 
 def run_hf_latency(model: str | None, dtype: str, input_len: int, output_len: int, num_iters: int,

@@ -1,9 +1,12 @@
-"""Times one request on llama.cpp (llama-cpp-python); run by the peers' python as a script.
+"""Times one request on llama.cpp (llama-cpp-python), or quantizes a GGUF with llama.cpp's own
+quantizer; run by the peers' python as a script.
 
 Standalone on purpose (standard library, numpy and llama_cpp only). usage: llamacpp_worker.py SPEC.json
-The spec names the GGUF file, the prompt token ids, the output length, the iterations and the
+A timing spec names the GGUF file, the prompt token ids, the output length, the iterations and the
 threads; the result has the median prefill time and mean decode time per token (greedy: argmax of
-the last logits, one token evaluated per step, as pagedllm's decode step does).
+the last logits, one token evaluated per step, as pagedllm's decode step does). A spec with
+``"quantize"`` (a llama.cpp file type such as ``Q4_0``) writes ``model_path`` quantized to ``output``
+with ``llama_model_quantize`` and its default choices (as the ``llama-quantize`` tool makes them).
 """
 
 from __future__ import annotations
@@ -13,7 +16,21 @@ import sys
 import time
 
 
+def quantize(spec: dict) -> dict:
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{spec['quantize']}")
+    params.nthread = spec["threads"]
+    rc = llama_cpp.llama_model_quantize(spec["model_path"].encode(), spec["output"].encode(), params)
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize returned {rc}")
+    return {"output": spec["output"], "llama_cpp_version": llama_cpp.__version__}
+
+
 def run(spec: dict) -> dict:
+    if "quantize" in spec:
+        return quantize(spec)
     import llama_cpp
     import numpy as np
 

@@ -36,6 +36,12 @@ def int8_weight_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tenso
     return torch._weight_int8pack_mm(x2, codes, scales).to(x.dtype).reshape(*x.shape[:-1], -1)
 
 
+def int8_dequant_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The unfused int8 path (a reference for benchmarks): the weight widened to x's dtype and
+    scaled on every call, then ``F.linear``."""
+    return F.linear(x, codes.to(x.dtype) * scales.to(x.dtype)[:, None])
+
+
 def int8_dynamic_linear(x: torch.Tensor, codes_t: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """W8A8: each token's activations quantized to int8 (its own scale), int8 x int8 -> int32.
 

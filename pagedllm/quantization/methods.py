@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from pagedllm.quantization import kernels as K
+from pagedllm.quantization import native
 
 logger = logging.getLogger(__name__)
 
@@ -72,9 +73,23 @@ class _PerChannel(_FromFloat):
 
 
 class Int8LinearMethod(_PerChannel):
-    """Weight-only int8, one scale per output channel (``_weight_int8pack_mm``)."""
+    """Weight-only int8, one scale per output channel: the native kernel for decode rows where the
+    CPU has it, ``_weight_int8pack_mm`` otherwise (both read the same codes and bf16 scales)."""
 
     name = "int8"
+
+    def quantize(self, layer: nn.Module, w: torch.Tensor) -> None:
+        super().quantize(layer, w)
+        layer.native = native.fits(w.shape[1], w.shape[1])
+        if layer.native:
+            _set(layer, "wzero", torch.zeros(w.shape[0], 1, dtype=torch.bfloat16))
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if layer.native:
+            y = native.small_m_linear(x, layer.qweight, layer.wscale.unsqueeze(1), layer.wzero, bits=8)
+            if y is not None:
+                return _bias(y, bias)
+        return super().apply(layer, x, bias)
 
 
 class W8A8LinearMethod(_FromFloat):
@@ -92,12 +107,26 @@ class W8A8LinearMethod(_FromFloat):
 
 
 class Fp8LinearMethod(_PerChannel):
-    """e4m3 weights with one scale per output channel, widened to the activation dtype per call."""
+    """e4m3 weights with one scale per output channel, widened to bfloat16 inside the native kernel
+    where the CPU has it (any batch), else widened to the activation dtype per call in torch."""
 
     name = "fp8"
     scale_dtype = None
     quantizer = staticmethod(K.quantize_fp8_per_channel)
     kernel = staticmethod(K.fp8_weight_linear)
+
+    def quantize(self, layer: nn.Module, w: torch.Tensor) -> None:
+        super().quantize(layer, w)
+        layer.native = native.fits(w.shape[1], w.shape[1])
+        if layer.native:
+            _set(layer, "wscale", layer.wscale.to(torch.bfloat16).unsqueeze(1).contiguous())
+            _set(layer, "wzero", torch.zeros(w.shape[0], 1, dtype=torch.bfloat16))
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if layer.native:
+            return _bias(native.group_linear(x, layer.qweight.view(torch.uint8), layer.wscale, layer.wzero, bits=3),
+                         bias)
+        return super().apply(layer, x, bias)
 
 
 class Int4LinearMethod(_FromFloat):
@@ -191,31 +220,43 @@ def _load_shared_perm(param: nn.Parameter, loaded: torch.Tensor, shard_id: objec
 
 def finish_group_codes(layer: nn.Module, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                        bits: int, dtype: torch.dtype, perm: torch.Tensor | None = None) -> None:
-    """Kernel layout: 4-bit codes packed for ``_weight_int4pack_mm_for_cpu`` where the group size
-    allows it, otherwise int8 codes with per-group scales in the model dtype."""
+    """Kernel layout: 4-bit codes in the native kernel's layout (AVX-512 BF16 CPUs) or packed for
+    ``_weight_int4pack_mm_for_cpu``, where the group size allows it; otherwise int8 codes with
+    per-group scales in the model dtype."""
     group = codes.shape[1] // scales.shape[1]
     layer.group_size = group
     if perm is not None:
         _set(layer, "perm", perm.clone())
     else:
         layer.perm = None
-    if bits <= 4 and group in K.INT4_GROUP_SIZES:
+    layer.native = native.fits(codes.shape[1], group)
+    if bits <= 4 and (group in K.INT4_GROUP_SIZES or layer.native):
+        layer.kernel = "int4"
+        if layer.native:
+            packed, s, z = native.pack_int4_native(codes, scales, zeros)
+            _set(layer, "packed", packed)
+            _set(layer, "qscales", s)
+            _set(layer, "qzeros", z)
+            return
         packed, sz = K.pack_int4(codes, scales, zeros)
         _set(layer, "packed", packed)
         _set(layer, "scales_zeros", sz)
-        layer.kernel = "int4"
         return
-    shift = 128 if bits > 7 else 0
+    shift = 1 << (bits - 1)  # centred codes: the zero kept, zero + shift * scale, stays small
+    sdtype = torch.bfloat16 if layer.native else dtype
     _set(layer, "qcodes", (codes.to(torch.int16) - shift).to(torch.int8))
-    _set(layer, "qscales", scales.to(dtype))
-    _set(layer, "qzeros", (zeros + shift * scales).to(dtype))
+    _set(layer, "qscales", scales.to(sdtype))
+    _set(layer, "qzeros", (zeros + shift * scales).to(sdtype))
     layer.kernel = "int8_group"
 
 
 def apply_group_codes(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     if layer.perm is not None:
         x = x.index_select(-1, layer.perm)
-    if layer.kernel == "int4":
+    if layer.native:
+        y = native.group_linear(x, layer.packed if layer.kernel == "int4" else layer.qcodes, layer.qscales,
+                                layer.qzeros, bits=4 if layer.kernel == "int4" else 8)
+    elif layer.kernel == "int4":
         y = K.int4_linear(x, layer.packed, layer.scales_zeros, layer.group_size)
     else:
         y = K.int8_group_linear(x, layer.qcodes, layer.qscales, layer.qzeros)

@@ -96,14 +96,19 @@ def test_int4_kernel_equals_its_dequantized_weight(data, group: int) -> None:
     assert err.le(_bf16_bound(x, codes, scales, zeros)).all()
 
 
-def _bf16_bound(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
-    """The int4 kernel takes bfloat16 activations, scales and zeros (8-bit mantissas, relative
-    rounding <= 2^-9 each): per weight |dw| <= 2^-9 (|code-8| s + |zero + 8 s|), per input
-    |dx| <= 2^-9 |x|; the sum of both over K, doubled for the cross terms and accumulation."""
+def _bf16_bound(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                center: int = 8) -> torch.Tensor:
+    """The 4/8-bit kernels take bfloat16 activations, scales and zeros (8-bit mantissas, relative
+    rounding <= 2^-9 each), with the codes centred on `center` (torch's int4 kernel: 8, GGUF's
+    8-bit codes: 128) or not (the native kernel's 4-bit codes): per weight |dw| <= 2^-9
+    (|code - c| s + |zero + c s|), per input |dx| <= 2^-9 |x|; the sum of both over K, doubled for
+    the cross terms and accumulation. Both centrings are bounded (the larger is taken)."""
     g = codes.shape[1] // scales.shape[1]
     s = scales.repeat_interleave(g, 1)
-    zp = (zeros + 8 * scales).repeat_interleave(g, 1)
-    mag = (codes.float() - 8).abs() * s + zp.abs()
+    mag = torch.zeros_like(s)
+    for c in (0, center):
+        zp = (zeros + c * scales).repeat_interleave(g, 1)
+        mag = torch.maximum(mag, (codes.float() - c).abs() * s + zp.abs())
     return 2.0**-8 * (x.abs() @ mag.T) + EPS
 
 
@@ -175,6 +180,8 @@ def test_gguf_layer_computes_with_the_stored_blocks(qtype: int, kernel: str) -> 
     err = (layer(x) - x @ gc.dequantize().T).abs()
     if kernel == "int4":
         assert err.le(_bf16_bound(x, gc.codes, gc.scales, gc.zeros)).all()
+    elif layer.native:  # 8-bit codes in the native kernel: bfloat16 activations, scales and zeros
+        assert err.le(_bf16_bound(x, gc.codes, gc.scales, gc.zeros, center=128)).all()
     else:
         assert err.max() < 1e-3
 
