@@ -106,14 +106,67 @@ def install() -> list[str]:
     return found
 
 
+def _micro(sizes: list[int], context: int = 512, block_size: int = 16, reps: int = 50) -> dict[str, dict[str, float]]:
+    """Best-of-`reps` microseconds of one decode step's batch layout and sampling metadata for N
+    greedy requests of `context` tokens, built the old way and from the persistent batch."""
+    import torch
+
+    from pagedllm.sampling_params import SamplingParams
+    from pagedllm.worker.input_batch import RequestState, build_batch
+    from pagedllm.worker.sampler import SamplingMetadata, SamplingRow
+
+    try:
+        from pagedllm.worker.input_batch import InputBatch
+    except ImportError:
+        InputBatch = None  # noqa: N806  (a tree without the persistent batch)
+
+    def best(fn: object) -> float:
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()  # type: ignore[operator]
+            times.append(time.perf_counter() - t0)
+        return min(times) * 1e6
+
+    out: dict[str, dict[str, float]] = {}
+    cpu = torch.device("cpu")
+    for n in sizes:
+        p = SamplingParams(temperature=0)
+        nb = -(-(context + 1) // block_size)
+        states = [RequestState(f"r{i}", list(range(context + 1)), 32, list(range(i * nb, (i + 1) * nb)), context, p)
+                  for i in range(n)]
+        res = {"build_batch": best(lambda: build_batch(states, [1] * n, block_size, build_groups=False)),
+               "from_rows": best(lambda: SamplingMetadata.from_rows(
+                   [SamplingRow(s.sampling_params, None, s.prompt_token_ids, s.output_token_ids, s.eos_token_ids)
+                    for s in states], 49152, cpu))}
+        if InputBatch is not None:
+            ib = InputBatch(8192, block_size)
+            for s in states:
+                ib.add(s.req_id, s.token_ids, s.num_prompt_tokens, s.block_ids, s.num_computed_tokens, p)
+            ids = [s.req_id for s in states]
+            counts = np.ones(n, dtype=np.int64)
+            res["prepare"] = best(lambda: ib.prepare(ib.rows_of(ids), counts, build_groups=False))
+            rows = ib.rows_of(ids)
+            static = SamplingMetadata.static_from_batch(ib, rows, 49152, cpu)
+            res["from_batch"] = best(lambda: SamplingMetadata.from_batch(ib, rows, 49152, cpu))
+            res["cached_metadata"] = best(lambda: static.with_token_state(ib, rows, cpu))
+        out[str(n)] = res
+        print(f"micro N={n:4d} " + " ".join(f"{k}={v:.0f}" for k, v in res.items()), flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch-sizes", default="1,16,64,128")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--decode-steps", type=int, default=24)
+    ap.add_argument("--micro", action="store_true",
+                    help="also time the batch layout and sampling metadata alone: per-request objects "
+                         "(build_batch, SamplingMetadata.from_rows) against the persistent batch")
     ap.add_argument("--output-json")
     args = ap.parse_args()
+    micro = _micro([int(x) for x in args.batch_sizes.split(",")]) if args.micro else None
     found = install()
     from pagedllm import LLM, SamplingParams
 
@@ -135,6 +188,8 @@ def main() -> None:
         results[n] = {"decode_steps": steps, **med}
         print(f"N={n:4d} steps={steps:3d} " + " ".join(f"{p}={v:.0f}" for p, v in med.items()), flush=True)
     out = {"command": " ".join(sys.argv), "dtype": args.dtype, "parts": found, "us_per_step_median": results}
+    if micro is not None:
+        out["micro_us"] = micro
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(out, f, indent=1)
