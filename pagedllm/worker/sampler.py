@@ -349,13 +349,10 @@ class Sampler(torch.nn.Module):
     def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         """Samples one token per row of `logits` ([S, V] float32, left unmodified)."""
         assert logits.dim() == 2 and logits.shape[1] == md.vocab_size, (tuple(logits.shape), md.vocab_size)
-        if md.all_greedy and not md.needs_processing:
-            # The fast path: the argmax of the logits as they are (a widening cast keeps the order).
-            sampled = logits.argmax(dim=-1)
-        elif md.all_greedy:
-            sampled = self.process_logits(logits, md).argmax(dim=-1)
+        processed = self.process_logits(logits, md)
+        if md.all_greedy:
+            sampled = processed.argmax(dim=-1)
         else:
-            processed = self.process_logits(logits, md)
             sampled = self._sample_random(processed, md)
             if md.greedy_mask is not None:
                 sampled = torch.where(md.greedy_mask, processed.argmax(dim=-1), sampled)
