@@ -1,7 +1,9 @@
-"""Per-step model inputs in numpy: token ids, positions, slot mapping, attention groups.
+"""The worker's requests and per-step model inputs in numpy: token ids, positions, slot mapping,
+attention groups.
 
-Everything here is computed once per step, on the CPU, without torch, so it can be tested on
-its own and so no layer ever loops over requests.
+`InputBatch` keeps the requests in preallocated arrays, changed in place as they change; each
+step's `BatchArrays` are computed from them once, on the CPU, without torch, so it can be tested
+on its own and so no layer ever loops over requests.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from pagedllm.sampling_params import SamplingType
 
 
 @dataclass
@@ -292,8 +296,6 @@ class InputBatch:
                 getattr(self, name)[i] = self._DEFAULTS.get(name, 0)
             self.greedy[i] = True
             return
-        from pagedllm.sampling_params import SamplingType
-
         kind = p.sampling_type
         self.greedy[i] = kind == SamplingType.GREEDY
         self.seeded[i] = kind == SamplingType.RANDOM_SEED
