@@ -446,6 +446,13 @@ def host_overhead_section(r: dict[str, Any]) -> str:
         f"```\n{r['command']}\n```\n",
         table(["N", "part", "before (µs)", "after (µs)", "before / after"], rows),
     ]
+    if micro := r["after"].get("micro_us"):
+        mrows = [[n, fmt(m["build_batch"], ".0f"), fmt(m.get("prepare"), ".0f"), fmt(m["from_rows"], ".0f"),
+                  fmt(m.get("from_batch"), ".0f"), fmt(m.get("cached_metadata"), ".0f")] for n, m in micro.items()]
+        parts += ["\nThe runner's part alone (`--micro`: best of 50 calls, µs, one decode step of N greedy "
+                  "requests with 512 tokens of context each; the same code in both trees for the old way):\n",
+                  table(["N", "build_batch (RequestState)", "InputBatch.prepare", "SamplingMetadata.from_rows",
+                         "from_batch", "cached + with_token_state"], mrows)]
     if tp := r.get("throughput"):
         trows = [[k, fmt(v["output_tokens_per_s"]), fmt(v["elapsed_s"])] for k, v in tp["runs"].items()]
         parts += ["\nThroughput on the 128-request workload, before and after, in the same sitting:\n",
