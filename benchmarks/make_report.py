@@ -445,6 +445,46 @@ def later_throughput_section(runs: list[dict[str, Any]], main: dict[str, Any] | 
     return "".join(out)
 
 
+HOST_PARTS = ("schedule", "update_states", "build_batch", "sampling_metadata", "sampler", "update_from_output",
+              "process_outputs", "host", "forward")
+
+
+def host_overhead_section(r: dict[str, Any]) -> str:
+    """Per-step host time of decode steps before and after the persistent input batch
+    (benchmarks/host_overhead.py run on both trees in one sitting), with the throughput runs."""
+    before, after = r["before"]["us_per_step_median"], r["after"]["us_per_step_median"]
+    rows = []
+    for n in before:
+        b, a = before[n], after.get(n, {})
+        for part in HOST_PARTS:
+            if part in b or part in a:
+                ratio = f"{b[part] / a[part]:.2f}x" if part in a and part in b and a[part] > 0 else "-"
+                rows.append([n, part, fmt(b.get(part), ".0f"), fmt(a.get(part), ".0f"), ratio])
+    parts = [
+        "## Per-step host time: the persistent input batch\n",
+        "Median microseconds per decode step (all N requests decode one token), bfloat16, SmolLM2-135M; "
+        "`host` is the step's wall time minus the model forward (attention included) and the LM head. "
+        "Before: " + r["before"]["tree"] + "; after: " + r["after"]["tree"] + ". Same machine, one sitting "
+        "(shared 2 cores, load average " + r.get("load", "?") + "), one script run per tree:\n",
+        f"```\n{r['command']}\n```\n",
+        table(["N", "part", "before (µs)", "after (µs)", "before / after"], rows),
+    ]
+    if micro := r["after"].get("micro_us"):
+        mrows = [[n, fmt(m["build_batch"], ".0f"), fmt(m.get("prepare"), ".0f"), fmt(m["from_rows"], ".0f"),
+                  fmt(m.get("from_batch"), ".0f"), fmt(m.get("cached_metadata"), ".0f")] for n, m in micro.items()]
+        parts += ["\nThe runner's part alone (`--micro`: best of 50 calls, µs, one decode step of N greedy "
+                  "requests with 512 tokens of context each; the same code in both trees for the old way):\n",
+                  table(["N", "build_batch (RequestState)", "InputBatch.prepare", "SamplingMetadata.from_rows",
+                         "from_batch", "cached + with_token_state"], mrows)]
+    if tp := r.get("throughput"):
+        trows = [[k, fmt(v["output_tokens_per_s"]), fmt(v["elapsed_s"])] for k, v in tp["runs"].items()]
+        parts += ["\nThroughput on the 128-request workload, before and after, in the same sitting:\n",
+                  f"```\n{tp['command']}\n```\n", table(["run", "output tok/s", "elapsed (s)"], trows)]
+    if note := r.get("note"):
+        parts.append("\n" + note + "\n")
+    return "\n".join(parts)
+
+
 STEP_OF = {"throughput.json": "throughput", "serve*.json": "serve", "latency.json": "latency",
            "native_decode.json": "nativedecode", "scheduler.json": "scheduler", "memory.json": "memory"}
 
@@ -492,6 +532,8 @@ def main() -> None:
     for name in ("dtype_fast_path.md", "serve_soak.md", "chaos_runs.md"):
         if (note := res / name).exists():
             parts.append(note.read_text())
+    if (host := load(res / "host_overhead.json")) is not None:
+        parts.append(host_overhead_section(host))
     sched = load(res / "bench_scheduling.json") or load(res / "bench_scheduling_quick.json")
     if sched is not None:
         parts.append(scheduling_section(sched))

@@ -26,9 +26,9 @@ from pagedllm.models.registry import get_model_class
 from pagedllm.quantization import QuantizationSetup, process_model
 from pagedllm.worker import device as dev
 from pagedllm.worker.cuda_graph import CudaGraphRunner
-from pagedllm.worker.input_batch import BatchArrays, RequestState, build_batch
+from pagedllm.worker.input_batch import BatchArrays, InputBatch
 from pagedllm.worker.native_decode import NativeDecode
-from pagedllm.worker.sampler import Sampler, SamplingRow, compute_topk_logprobs, sample_isolating_faults
+from pagedllm.worker.sampler import Sampler, SamplingMetadata, compute_topk_logprobs, sample_isolating_faults
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,9 @@ class ModelRunner:
         self.cuda_graphs: CudaGraphRunner | None = None
         # Small decode-only steps as one native call (CPU; set once the KV cache exists).
         self.native_decode: NativeDecode | None = None
-        self.requests: dict[str, RequestState] = {}
+        # The requests this worker holds, in preallocated arrays updated as they change.
+        self.input_batch = InputBatch(model_config.max_model_len, self.block_size)
+        self._static_sampling: tuple[tuple[int, int, bytes], SamplingMetadata] | None = None
         self.generators: dict[str, torch.Generator] = {}
         # req_id -> prompt positions whose prompt logprobs were already returned; kept across a
         # recompute preemption so the recomputed prompt does not return them a second time.
@@ -300,31 +302,39 @@ class ModelRunner:
         return torch.frombuffer(buf, dtype=torch.uint8).view(self.kv_dtype).view(shape)
 
     # ---- per step -------------------------------------------------------------------------
+    @property
+    def requests(self) -> dict[str, int]:
+        """The requests this worker holds: req_id -> its row in the persistent batch."""
+        return self.input_batch.req_index
+
+    def _generator(self, req_id: str, params: Any) -> torch.Generator | None:
+        """The request's generator, created on first sight (kept across a preemption)."""
+        if params is None or params.seed is None:
+            return None
+        gen = self.generators.get(req_id)
+        if gen is None:
+            gen = self.generators[req_id] = torch.Generator(device=self.device).manual_seed(params.seed)
+        return gen
+
     def _update_states(self, so: SchedulerOutput) -> None:
+        ib = self.input_batch
         for rid in so.finished_req_ids:
-            self.requests.pop(rid, None)
+            ib.remove(rid)
         for rid in so.finished_req_ids - so.preempted_req_ids:
             self.generators.pop(rid, None)
             self.prompt_logprobs_done.pop(rid, None)
         for new in so.new_reqs:
             params = new.sampling_params
-            if params.seed is not None and new.req_id not in self.generators:
-                self.generators[new.req_id] = torch.Generator(device=self.device).manual_seed(params.seed)
-            self.requests[new.req_id] = RequestState(
-                req_id=new.req_id,
-                token_ids=list(new.prompt_token_ids) + list(new.output_token_ids),
-                num_prompt_tokens=len(new.prompt_token_ids),
-                block_ids=list(new.block_ids),
-                num_computed_tokens=new.num_computed_tokens,
-                sampling_params=params,
-                eos_token_ids=new.eos_token_ids,
-            )
+            ib.add(new.req_id, list(new.prompt_token_ids) + list(new.output_token_ids), len(new.prompt_token_ids),
+                   new.block_ids, new.num_computed_tokens, params, self._generator(new.req_id, params),
+                   new.eos_token_ids)
+        index = ib.req_index
         for cached in so.cached_reqs:
-            state = self.requests[cached.req_id]
-            for i, block_id in cached.replaced_block_ids:  # copy-on-write: its private copy
-                state.block_ids[i] = block_id
-            state.block_ids.extend(cached.new_block_ids)
-            state.num_computed_tokens = cached.num_computed_tokens
+            i = index[cached.req_id]
+            for j, block_id in cached.replaced_block_ids:  # copy-on-write: its private copy
+                ib.block_table[i, j] = block_id
+            ib.append_blocks(i, cached.new_block_ids)
+            ib.num_computed_tokens[i] = cached.num_computed_tokens
 
     def _attention_metadata(self, batch: BatchArrays) -> AttentionMetadata:
         def t(a: np.ndarray) -> torch.Tensor:
@@ -373,64 +383,57 @@ class ModelRunner:
         return {"max_query_len": int(counts.max()) if len(counts) else 0, "num_splits": splits, "triton": True}
 
     def _prompt_logprob_rows(
-        self, states: list[RequestState], batch: BatchArrays
+        self, rows: np.ndarray, batch: BatchArrays
     ) -> list[tuple[str, np.ndarray, np.ndarray, int]]:
         """For requests asking prompt_logprobs: (req_id, flat rows, next-token ids, k) of this chunk.
 
         The logits at prompt position p score prompt token p + 1, so a chunk covering positions
         [s, e) yields logprobs for tokens s + 1 .. min(e, num_prompt - 1).
         """
+        ib = self.input_batch
         out = []
-        for i, s in enumerate(states):
-            k = s.sampling_params.prompt_logprobs
-            if k is None:
-                continue
+        for i in np.nonzero(ib.prompt_logprobs[rows] >= 0)[0]:
+            r = rows[i]
+            rid, k = ib.req_ids[r], int(ib.prompt_logprobs[r])
             first = int(batch.seq_lens[i] - (batch.query_start_loc[i + 1] - batch.query_start_loc[i]))
             # After a preemption the prompt is computed again: skip positions already returned.
-            start = max(first, self.prompt_logprobs_done.get(s.req_id, 0))
-            end = min(int(batch.seq_lens[i]), s.num_prompt_tokens - 1)
+            start = max(first, self.prompt_logprobs_done.get(rid, 0))
+            end = min(int(batch.seq_lens[i]), int(ib.num_prompt_tokens[r]) - 1)
             if end <= start:
                 continue
-            self.prompt_logprobs_done[s.req_id] = end
-            rows = np.arange(start, end) - first + batch.query_start_loc[i]
-            targets = np.asarray(s.token_ids[start + 1 : end + 1], dtype=np.int64)
-            out.append((s.req_id, rows, targets, k))
+            self.prompt_logprobs_done[rid] = end
+            flat = np.arange(start, end) - first + batch.query_start_loc[i]
+            targets = ib.token_ids[r, start + 1 : end + 1].copy()
+            out.append((rid, flat, targets, k))
         return out
 
-    def _fork(self, so: SchedulerOutput, states: list[RequestState]) -> list[tuple[int, RequestState]]:
-        """Creates this step's forked samples: (index of the parent in the batch, child state)."""
-        index = {s.req_id: i for i, s in enumerate(states)}
+    def _fork(self, so: SchedulerOutput, rows: np.ndarray) -> list[tuple[int, int]]:
+        """Creates this step's forked samples: (index of the parent in the batch, child's row)."""
+        if not so.forked_reqs:
+            return []
+        ib = self.input_batch
+        index = {int(r): i for i, r in enumerate(rows)}
         out = []
         for f in so.forked_reqs:
-            i = index[f.parent_id]
-            parent = states[i]
-            child = RequestState(
-                req_id=f.req_id,
-                token_ids=list(parent.token_ids),
-                num_prompt_tokens=parent.num_prompt_tokens,
-                block_ids=list(f.block_ids),
-                num_computed_tokens=len(parent.token_ids),
-                sampling_params=f.sampling_params,
-                eos_token_ids=parent.eos_token_ids,
-            )
-            if f.sampling_params.seed is not None and f.req_id not in self.generators:
-                self.generators[f.req_id] = torch.Generator(device=self.device).manual_seed(f.sampling_params.seed)
-            self.requests[f.req_id] = child
-            out.append((i, child))
+            parent = ib.req_index[f.parent_id]
+            child = ib.fork(parent, f.req_id, f.block_ids, f.sampling_params,
+                            self._generator(f.req_id, f.sampling_params))
+            out.append((index[parent], child))
         return out
 
-    def _advance(self, so: SchedulerOutput, states: list[RequestState], forks: list[tuple[int, RequestState]]) -> None:
-        for state, n in zip(states, so.num_scheduled_tokens.values()):
-            state.num_computed_tokens += n
+    def _advance(self, rows: np.ndarray, counts: np.ndarray, forks: list[tuple[int, int]]) -> None:
+        ib = self.input_batch
+        ib.num_computed_tokens[rows] += counts
         for i, child in forks:  # the parent computed the prompt: its prompt logprobs are done
-            self.prompt_logprobs_done[child.req_id] = self.prompt_logprobs_done.get(states[i].req_id, 0)
+            self.prompt_logprobs_done[ib.req_ids[child]] = self.prompt_logprobs_done.get(ib.req_ids[rows[i]], 0)
 
     def record_sampled(self, out: ModelRunnerOutput) -> None:
         """On ranks that do not sample: appends the driver's tokens of the previous step."""
+        ib = self.input_batch
         for rid, tokens in zip(out.req_ids, out.sampled_token_ids):
-            state = self.requests.get(rid)
-            if state is not None and tokens:
-                state.token_ids.extend(tokens)
+            i = ib.req_index.get(rid)
+            if i is not None and tokens:
+                ib.extend_tokens(i, tokens)
 
     def _batch_options(self) -> dict[str, object]:
         """How build_batch lays out attention work for this runner's backend."""
@@ -445,8 +448,10 @@ class ModelRunner:
         ids = torch.from_numpy(batch.input_ids).to(self.device, non_blocking=True)
         return ids, torch.from_numpy(batch.positions).to(self.device, non_blocking=True)
 
-    def _forward(self, states: list[RequestState], counts: list[int], batch: BatchArrays) -> torch.Tensor | None:
+    def _forward(self, rows: np.ndarray, counts: np.ndarray, batch: BatchArrays) -> torch.Tensor | None:
         """Runs this rank's layers; the final hidden states on the last stage, else None.
+        `rows`: the scheduled requests' rows in the persistent batch, in batch order; `counts`:
+        their scheduled tokens.
 
         With pipeline stages the requests are cut into up to pp_size micro-batches of about equal
         tokens; each stage sends a micro-batch on as soon as it is done and starts the next, so
@@ -467,11 +472,9 @@ class ModelRunner:
                 return self.model(*self._model_inputs(batch))  # type: ignore[misc]
         hidden_size = int(self.model_config.hf_config.hidden_size)
         outs, sends = [], []
-        for a, b in _micro_batches(counts, p.pp_size):
-            mb = batch if (a, b) == (0, len(counts)) else build_batch(
-                states[a:b], counts[a:b], self.block_size, self.model_config.sliding_window,
-                **self._batch_options(),
-            )
+        for a, b in _micro_batches(counts.tolist(), p.pp_size):
+            mb = batch if (a, b) == (0, len(counts)) else self.input_batch.prepare(
+                rows[a:b], counts[a:b], self.model_config.sliding_window, **self._batch_options())
             h_in = None
             if not p.is_first_stage:
                 h_in = p.recv_from_prev_stage([(len(mb.input_ids), hidden_size)], self.dtype)[0]
@@ -486,86 +489,92 @@ class ModelRunner:
                 w.wait()
         return torch.cat(outs) if outs else None
 
+    def _sampling_metadata(self, rows: np.ndarray, vocab_size: int) -> SamplingMetadata:
+        """Sampling tensors for these rows: the parameter part is reused while the same rows hold
+        the same requests (a plain greedy batch then costs nothing per step)."""
+        ib = self.input_batch
+        key = (ib.version, vocab_size, rows.tobytes())
+        if self._static_sampling is None or self._static_sampling[0] != key:
+            self._static_sampling = (key, SamplingMetadata.static_from_batch(ib, rows, vocab_size, self.device))
+        return self._static_sampling[1].with_token_state(ib, rows, self.device)
+
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(so)
         self._move_blocks(so)
+        ib = self.input_batch
         req_ids = list(so.num_scheduled_tokens)
-        states = [self.requests[r] for r in req_ids]
-        if not states:
+        if not req_ids:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        batch = build_batch(
-            states,
-            list(so.num_scheduled_tokens.values()),
-            self.block_size,
-            self.model_config.sliding_window,
-            **self._batch_options(),
-        )
-        hidden = self._forward(states, list(so.num_scheduled_tokens.values()), batch)
-        forks = self._fork(so, states)
+        rows = ib.rows_of(req_ids)
+        counts = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
+        batch = ib.prepare(rows, counts, self.model_config.sliding_window, **self._batch_options())
+        hidden = self._forward(rows, counts, batch)
+        forks = self._fork(so, rows)
         if hidden is None:  # an earlier pipeline stage: the next stage carries on
-            self._advance(so, states, forks)
+            self._advance(rows, counts, forks)
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 
         # Rows to sample: each request that completes its tokens, then each forked sample, which
         # samples from its parent's row with its own parameters and generator.
-        row_of = {int(i): int(r) for i, r in zip(batch.sample_req_indices, batch.sample_rows)}
-        sample_states = [states[i] for i in batch.sample_req_indices] + [child for _, child in forks]
-        sample_rows = [int(r) for r in batch.sample_rows] + [row_of[i] for i, _ in forks]
-        new_tokens: dict[str, list[int]] = {}
+        sample_slots = rows[batch.sample_req_indices]
+        sample_rows = batch.sample_rows
+        if forks:
+            parents = np.asarray([i for i, _ in forks], dtype=np.int64)
+            sample_slots = np.concatenate([sample_slots, np.asarray([c for _, c in forks], dtype=np.int64)])
+            sample_rows = np.concatenate([sample_rows, batch.query_start_loc[parents + 1] - 1])
+        out_ids = req_ids + [ib.req_ids[c] for _, c in forks]
+        sampled: list[list[int]] = [[] for _ in out_ids]
         logprobs: dict[str, Logprobs] = {}
         failed: dict[str, str] = {}
         result = None
         # Every tensor-parallel rank of the last stage computes logits (the vocabulary is split);
         # only the driver samples, and the others learn its tokens with the next step.
-        if sample_states:
-            rows_t = torch.tensor(sample_rows, dtype=torch.long).to(self.device, non_blocking=True)
+        if len(sample_slots):
+            rows_t = torch.from_numpy(sample_rows).to(self.device, non_blocking=True)
             logits = self.model.compute_logits(hidden[rows_t])  # type: ignore[union-attr]
-        if sample_states and self.parallel.is_driver:
-            rows = [
-                SamplingRow(
-                    params=state.sampling_params,
-                    generator=self.generators.get(state.req_id),
-                    prompt_token_ids=state.prompt_token_ids,
-                    output_token_ids=state.output_token_ids,
-                    eos_token_ids=state.eos_token_ids,
-                )
-                for state in sample_states
-            ]
+        # where each sampled row's request sits in out_ids: the scheduled ones, then the forks
+        out_pos = batch.sample_req_indices.tolist() + list(range(len(req_ids), len(out_ids)))
+        if len(sample_slots) and self.parallel.is_driver:
             # A row whose sampling raises fails its request alone; the others are sampled as usual.
-            sampled = sample_isolating_faults(self.sampler, logits, rows, self.device)
-            failed = {sample_states[j].req_id: err for j, err in sampled.failed.items()}
-            sample_states = [sample_states[j] for j in sampled.kept]
-            result = sampled.output
-        if sample_states and self.parallel.is_driver and result is not None:
-            tokens = result.sampled_token_ids.tolist()  # the step's one device -> host sync
+            iso = sample_isolating_faults(
+                self.sampler, logits, lambda: [ib.sampling_row(int(i)) for i in sample_slots], self.device,
+                metadata=lambda: self._sampling_metadata(sample_slots, logits.shape[-1]),
+                generators=[g for g in (ib.generators[int(i)] for i in sample_slots) if g is not None])
+            failed = {out_ids[out_pos[j]]: err for j, err in iso.failed.items()}
+            if iso.failed:
+                sample_slots = sample_slots[iso.kept]
+                out_pos = [out_pos[j] for j in iso.kept]
+            result = iso.output
+        if result is not None:
+            tokens = result.sampled_token_ids.cpu().numpy()  # the step's one device -> host sync
             if result.logprobs is not None and self.is_cuda:
                 result.logprob_token_ids, result.logprobs, result.sampled_token_ranks = (
                     result.logprob_token_ids.cpu(), result.logprobs.cpu(), result.sampled_token_ranks.cpu())  # type: ignore[union-attr]
-            for j, state in enumerate(sample_states):
-                state.token_ids.append(tokens[j])
-                new_tokens[state.req_id] = [tokens[j]]
-                k = state.sampling_params.logprobs
-                if k is not None and result.logprobs is not None:
-                    logprobs[state.req_id] = Logprobs(
-                        token_ids=[result.logprob_token_ids[j, : k + 1].tolist()],
+            ib.append_tokens(sample_slots, tokens)
+            for pos, tok in zip(out_pos, tokens.tolist()):
+                sampled[pos] = [tok]
+            if result.logprobs is not None:
+                for j in np.nonzero(ib.logprobs[sample_slots] >= 0)[0]:
+                    k = int(ib.logprobs[sample_slots[j]])
+                    logprobs[out_ids[out_pos[j]]] = Logprobs(
+                        token_ids=[result.logprob_token_ids[j, : k + 1].tolist()],  # type: ignore[index]
                         logprobs=[result.logprobs[j, : k + 1].tolist()],
-                        ranks=[int(result.sampled_token_ranks[j])],
+                        ranks=[int(result.sampled_token_ranks[j])],  # type: ignore[index]
                     )
 
         prompt_logprobs: dict[str, Logprobs] = {}
-        for rid, rows_np, targets, k in self._prompt_logprob_rows(states, batch):
+        for rid, rows_np, targets, k in self._prompt_logprob_rows(rows, batch):
             plogits = self.model.compute_logits(hidden[torch.from_numpy(rows_np).to(self.device)])  # type: ignore[union-attr]
             if not self.parallel.is_driver:
                 continue
             ids, lps, ranks = compute_topk_logprobs(plogits, torch.from_numpy(targets).to(self.device), k)
             prompt_logprobs[rid] = Logprobs(token_ids=ids.tolist(), logprobs=lps.tolist(), ranks=ranks.tolist())
 
-        self._advance(so, states, forks)
-        out_ids = req_ids + [child.req_id for _, child in forks]
+        self._advance(rows, counts, forks)
         return ModelRunnerOutput(
             req_ids=out_ids,
-            sampled_token_ids=[new_tokens.get(r, []) for r in out_ids],
+            sampled_token_ids=sampled,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             failed=failed,

@@ -27,11 +27,17 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from pagedllm.sampling_params import SamplingParams, SamplingType
+
+if TYPE_CHECKING:
+    from pagedllm.worker.input_batch import InputBatch
 
 # Floor for the exponential noise: `probs / q` must never be 0 / 0 (NaN), since argmax treats NaN as the largest
 # value and would pick a token outside the allowed set.
@@ -153,7 +159,10 @@ class SamplingMetadata:
         greedy = [r.params.sampling_type == SamplingType.GREEDY for r in rows]
         all_greedy, all_random = all(greedy), not any(greedy)
         num_logprobs = [r.params.logprobs for r in rows if r.params.logprobs is not None]
-        bias_index, bias_values = _logit_bias(rows, device)
+        ruled = [(i, r.params) for i, r in enumerate(rows) if r.params.logit_bias or r.params.allowed_token_ids is not None]
+        bias_index, bias_values = _logit_bias(ruled, device)
+        blocked = [(i, r.eos_token_ids | r.params.all_stop_token_ids) for i, r in enumerate(rows)
+                   if len(r.output_token_ids) < r.params.min_tokens]
         return cls(
             vocab_size=vocab_size,
             all_greedy=all_greedy,
@@ -165,12 +174,90 @@ class SamplingMetadata:
             min_p=_optional_f32([r.params.min_p for r in rows], 0.0, device),
             generators=_generators(rows),
             max_num_logprobs=max(num_logprobs) if num_logprobs else None,
-            allowed_mask=_allowed_mask(rows, vocab_size, device),
+            allowed_mask=_allowed_mask(ruled, len(rows), vocab_size, device),
             bias_index=bias_index,
             bias_values=bias_values,
-            min_tokens_index=_min_tokens_index(rows, device),
+            min_tokens_index=_min_tokens_index(blocked, device),
             penalties=_penalties(rows, vocab_size, device),
         )
+
+    @classmethod
+    def from_batch(cls, batch: InputBatch, rows: np.ndarray, vocab_size: int, device: torch.device) -> SamplingMetadata:
+        """The same tensors as `from_rows`, for rows `rows` of the runner's persistent batch (in
+        sampling order), built from its arrays: no per-row Python except for the rows that use
+        logit_bias, allowed_token_ids or min_tokens, or are seeded."""
+        static = cls.static_from_batch(batch, rows, vocab_size, device)
+        return static.with_token_state(batch, rows, device)
+
+    @classmethod
+    def static_from_batch(
+        cls, batch: InputBatch, rows: np.ndarray, vocab_size: int, device: torch.device
+    ) -> SamplingMetadata:
+        """The parts that depend only on the rows' sampling parameters (not on their tokens so far):
+        valid as long as the same rows hold the same requests (`batch.version` unchanged)."""
+        greedy = batch.greedy[rows]
+        all_greedy, all_random = bool(greedy.all()), not bool(greedy.any())
+        temperature = None
+        if not all_greedy:
+            temperature = torch.from_numpy(np.where(greedy, np.float32(1.0), batch.temperature[rows])).to(device)
+        ks = batch.top_k[rows]
+        ks = np.where(ks <= 0, vocab_size, np.minimum(ks, vocab_size))
+        top_p, min_p = batch.top_p[rows], batch.min_p[rows]
+        lp = batch.logprobs[rows]
+        ruled = [(int(j), batch.params[rows[j]]) for j in np.nonzero(batch.has_token_rules[rows])[0]]
+        bias_index, bias_values = _logit_bias(ruled, device)
+        return cls(
+            vocab_size=vocab_size,
+            all_greedy=all_greedy,
+            all_random=all_random,
+            temperature=temperature,
+            greedy_mask=None if all_greedy or all_random else torch.from_numpy(greedy.copy()).to(device),
+            top_k=None if (ks == vocab_size).all() else torch.from_numpy(ks).to(device),
+            top_p=None if (top_p == 1.0).all() else torch.from_numpy(top_p).to(device),
+            min_p=None if (min_p == 0.0).all() else torch.from_numpy(min_p).to(device),
+            generators={int(j): batch.generators[rows[j]] for j in np.nonzero(batch.seeded[rows])[0]},
+            max_num_logprobs=int(lp.max()) if (lp >= 0).any() else None,
+            allowed_mask=_allowed_mask(ruled, len(rows), vocab_size, device),
+            bias_index=bias_index,
+            bias_values=bias_values,
+        )
+
+    def with_token_state(self, batch: InputBatch, rows: np.ndarray, device: torch.device) -> SamplingMetadata:
+        """This metadata with the parts that depend on the rows' tokens so far (min_tokens and the
+        penalties) computed for this step; itself when no row uses them."""
+        num_out = batch.num_tokens[rows] - batch.num_prompt_tokens[rows]
+        short = np.nonzero(num_out < batch.min_tokens[rows])[0]
+        rep = batch.repetition_penalty[rows]
+        presence, frequency = batch.presence_penalty[rows], batch.frequency_penalty[rows]
+        uses_repetition = bool((rep != 1.0).any())
+        has_penalties = uses_repetition or bool(presence.any()) or bool(frequency.any())
+        if len(short) == 0 and not has_penalties:
+            return self
+        blocked = [(int(j), batch.eos_token_ids[rows[j]] | batch.params[rows[j]].all_stop_token_ids) for j in short]
+        penalties = None
+        if has_penalties:
+            V = self.vocab_size
+            starts = batch.num_prompt_tokens[rows]
+            prompts = _gather_padded(batch.token_ids, rows, np.zeros_like(starts), starts, V, device)
+            penalties = PenaltyMetadata(
+                output_token_ids=_gather_padded(batch.token_ids, rows, starts, batch.num_tokens[rows], V, device),
+                prompt_token_ids=prompts if uses_repetition else None,
+                repetition_penalties=torch.from_numpy(rep).to(device),
+                presence_penalties=torch.from_numpy(presence).to(device),
+                frequency_penalties=torch.from_numpy(frequency).to(device),
+            )
+        return replace(self, min_tokens_index=_min_tokens_index(blocked, device), penalties=penalties)
+
+
+def _gather_padded(
+    token_ids: np.ndarray, rows: np.ndarray, begin: np.ndarray, end: np.ndarray, pad_id: int, device: torch.device
+) -> torch.Tensor:
+    """token_ids[rows[j], begin[j]:end[j]] right-padded with pad_id into one int64 tensor."""
+    width = int((end - begin).max()) if len(rows) else 0
+    cols = begin[:, None] + np.arange(width)[None, :]
+    valid = cols < end[:, None]
+    gathered = token_ids[rows[:, None], np.where(valid, cols, 0)]
+    return torch.from_numpy(np.where(valid, gathered, pad_id)).to(device)
 
 
 def _inject_fault(rows: list[SamplingRow], fault: tuple[int, int]) -> None:
@@ -211,28 +298,31 @@ def _generators(rows: list[SamplingRow]) -> dict[int, torch.Generator]:
     return generators
 
 
-def _allowed_mask(rows: list[SamplingRow], vocab_size: int, device: torch.device) -> torch.Tensor | None:
-    """[S, V] bool, True where a row's allowed_token_ids excludes the token; None when no row restricts."""
-    restricted = [i for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
+def _allowed_mask(
+    ruled: list[tuple[int, SamplingParams]], num_rows: int, vocab_size: int, device: torch.device
+) -> torch.Tensor | None:
+    """[S, V] bool, True where a row's allowed_token_ids excludes the token; None when no row restricts.
+    `ruled`: (row, params) of the rows that may restrict (others are left alone)."""
+    restricted = [(i, p) for i, p in ruled if p.allowed_token_ids is not None]
     if not restricted:
         return None
-    mask = torch.zeros(len(rows), vocab_size, dtype=torch.bool, device=device)
-    mask[restricted] = True
-    row_ids = [i for i in restricted for _ in rows[i].params.allowed_token_ids or []]
-    token_ids = [t for i in restricted for t in rows[i].params.allowed_token_ids or []]
+    mask = torch.zeros(num_rows, vocab_size, dtype=torch.bool, device=device)
+    mask[[i for i, _ in restricted]] = True
+    row_ids = [i for i, p in restricted for _ in p.allowed_token_ids or []]
+    token_ids = [t for _, p in restricted for t in p.allowed_token_ids or []]
     mask[_tensor(row_ids, torch.int64, device), _tensor(token_ids, torch.int64, device)] = False
     return mask
 
 
 def _logit_bias(
-    rows: list[SamplingRow], device: torch.device
+    ruled: list[tuple[int, SamplingParams]], device: torch.device
 ) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, torch.Tensor | None]:
-    """(rows, token ids) and values of every row's logit_bias entries, or (None, None)."""
+    """(rows, token ids) and values of the logit_bias entries of the (row, params) given, or (None, None)."""
     row_ids: list[int] = []
     token_ids: list[int] = []
     values: list[float] = []
-    for i, row in enumerate(rows):
-        for token, bias in (row.params.logit_bias or {}).items():
+    for i, params in ruled:
+        for token, bias in (params.logit_bias or {}).items():
             row_ids.append(i)
             token_ids.append(int(token))
             values.append(float(bias))
@@ -242,15 +332,17 @@ def _logit_bias(
     return index, _tensor(values, torch.float32, device)
 
 
-def _min_tokens_index(rows: list[SamplingRow], device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(rows, token ids) to block: EOS and stop ids of rows that have generated fewer than min_tokens."""
+def _min_tokens_index(
+    blocked: list[tuple[int, set[int] | frozenset[int]]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rows, token ids) to block, from (row, its EOS and stop ids) of the rows that have generated
+    fewer than min_tokens; None when there are none."""
     row_ids: list[int] = []
     token_ids: list[int] = []
-    for i, row in enumerate(rows):
-        if len(row.output_token_ids) < row.params.min_tokens:
-            blocked = sorted(row.eos_token_ids | row.params.all_stop_token_ids)
-            row_ids.extend([i] * len(blocked))
-            token_ids.extend(blocked)
+    for i, ids in blocked:
+        ordered = sorted(ids)
+        row_ids.extend([i] * len(ordered))
+        token_ids.extend(ordered)
     if not row_ids:
         return None
     return _tensor(row_ids, torch.int64, device), _tensor(token_ids, torch.int64, device)
@@ -438,29 +530,47 @@ class IsolatedSample:
 
 
 def sample_isolating_faults(
-    sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow], device: torch.device
+    sampler: Sampler,
+    logits: torch.Tensor,
+    rows: list[SamplingRow] | Callable[[], list[SamplingRow]],
+    device: torch.device,
+    metadata: Callable[[], SamplingMetadata] | None = None,
+    generators: list[torch.Generator] | None = None,
 ) -> IsolatedSample:
     """Samples every row at once; if that raises, isolates the rows that raise on their own.
 
-    Those rows are reported as failed and the others are sampled again, together, from the same
-    logits, with their random generators first put back where they were: greedy and seeded rows
-    get exactly the tokens they would have got had the failed rows never been in the batch. If no
-    single row raises, the batch's error is re-raised: it is not any one request's fault.
+    `metadata` builds the batch's sampling tensors (default: from the rows); `rows` are the per-row
+    views, or a function that builds them (called only when needed); `generators` are the rows' random generators
+    (default: those of the rows). Failing rows are reported as failed and the others are sampled
+    again, together, from the same logits, with their random generators first put back where they
+    were: greedy and seeded rows get exactly the tokens they would have got had the failed rows
+    never been in the batch. If no single row raises, the batch's error is re-raised: it is not any
+    one request's fault.
     """
     vocab_size = logits.shape[-1]
-    generators = [(r.generator, r.generator.get_state()) for r in rows if r.generator is not None]
+    given = rows
+
+    def row_views() -> list[SamplingRow]:
+        return given() if callable(given) else given
+
+    if generators is None:
+        generators = [r.generator for r in row_views() if r.generator is not None]
+    saved = [(g, g.get_state()) for g in generators]
+    if metadata is None or _FAULT is not None:  # the test hook sits in from_rows
+        metadata = lambda: SamplingMetadata.from_rows(row_views(), vocab_size, device)  # noqa: E731
     try:
-        out = sampler(logits, SamplingMetadata.from_rows(rows, vocab_size, device))
-        return IsolatedSample(out, list(range(len(rows))), {})
+        out = sampler(logits, metadata())
+        return IsolatedSample(out, list(range(logits.shape[0])), {})
     except Exception as batch_error:
         error = batch_error
 
     def rewind() -> None:
-        for g, state in generators:
+        for g, state in saved:
             g.set_state(state)
 
+    views = row_views()
     failed: dict[int, str] = {}
-    for i, row in enumerate(rows):
+    for i, row in enumerate(views):
         rewind()
         try:
             sampler(logits[i : i + 1], SamplingMetadata.from_rows([row], vocab_size, device))
@@ -468,11 +578,11 @@ def sample_isolating_faults(
             failed[i] = f"{type(e).__name__}: {e}"
     if not failed:
         raise error
-    logger.error("sampling failed for %d of %d rows: %s", len(failed), len(rows), "; ".join(failed.values()))
+    logger.error("sampling failed for %d of %d rows: %s", len(failed), len(views), "; ".join(failed.values()))
     rewind()
-    kept = [i for i in range(len(rows)) if i not in failed]
+    kept = [i for i in range(len(views)) if i not in failed]
     if not kept:
         return IsolatedSample(None, [], failed)
     index = torch.tensor(kept, dtype=torch.long, device=logits.device)
-    out = sampler(logits.index_select(0, index), SamplingMetadata.from_rows([rows[i] for i in kept], vocab_size, device))
+    out = sampler(logits.index_select(0, index), SamplingMetadata.from_rows([views[i] for i in kept], vocab_size, device))
     return IsolatedSample(out, kept, failed)

@@ -1,0 +1,181 @@
+"""The persistent input batch against the per-request reference (`build_batch` over RequestState):
+a seeded random run of adds, removals, forks, new tokens and new or replaced blocks, after which
+every step's arrays and sampling metadata must be exactly those built the old way."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import fields
+
+import numpy as np
+import pytest
+import torch
+
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.input_batch import InputBatch, RequestState, build_batch
+from pagedllm.worker.sampler import Sampler, SamplingMetadata, SamplingRow
+
+BS = 4
+V = 50
+
+
+def random_params(rng: random.Random) -> SamplingParams:
+    kind = rng.random()
+    if kind < 0.4:
+        return SamplingParams(temperature=0.0, logprobs=rng.choice([None, 2]))
+    return SamplingParams(
+        temperature=rng.choice([0.5, 1.0]),
+        top_p=rng.choice([1.0, 0.9]),
+        top_k=rng.choice([0, 5]),
+        min_p=rng.choice([0.0, 0.1]),
+        seed=rng.choice([None, 7]),
+        repetition_penalty=rng.choice([1.0, 1.2]),
+        presence_penalty=rng.choice([0.0, 0.5]),
+        frequency_penalty=rng.choice([0.0, 0.3]),
+        min_tokens=rng.choice([0, 3]),
+        logprobs=rng.choice([None, 1]),
+        prompt_logprobs=rng.choice([None, 2]),
+        logit_bias=rng.choice([None, {3: 1.5}]),
+        allowed_token_ids=rng.choice([None, [1, 2, 3, 4]]),
+        stop_token_ids=rng.choice([[], [9]]),
+    )
+
+
+def assert_same_batch(a: object, b: object) -> None:
+    for f in fields(a):  # type: ignore[arg-type]
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, np.ndarray):
+            assert x.dtype == y.dtype and np.array_equal(x, y), f.name
+        elif isinstance(x, list):
+            assert len(x) == len(y), f.name
+            for u, v in zip(x, y):
+                assert_same_batch(u, v)
+        else:
+            assert x == y, f.name
+
+
+def assert_same_metadata(a: SamplingMetadata, b: SamplingMetadata) -> None:
+    def same(x: object, y: object) -> bool:
+        if isinstance(x, torch.Tensor):
+            return isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)
+        if isinstance(x, tuple):
+            return isinstance(y, tuple) and all(same(u, v) for u, v in zip(x, y))
+        if isinstance(x, dict):
+            return x.keys() == y.keys() and all(x[k] is y[k] for k in x)  # type: ignore[union-attr]
+        if x is not None and hasattr(x, "__dataclass_fields__"):
+            return all(same(getattr(x, f.name), getattr(y, f.name)) for f in fields(x))  # type: ignore[arg-type]
+        return x == y
+
+    for f in fields(a):
+        assert same(getattr(a, f.name), getattr(b, f.name)), f.name
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_persistent_batch_matches_per_request_reference(seed: int) -> None:
+    rng = random.Random(seed)
+    ib = InputBatch(max_model_len=24, block_size=BS, capacity=2)  # small: rows and columns must grow
+    ref: dict[str, RequestState] = {}
+    gens: dict[str, torch.Generator] = {}
+    next_block = iter(range(1, 10**6))
+    counter = iter(range(10**6))
+
+    def add(rid: str, tokens: list[int], num_prompt: int, computed: int, params: SamplingParams) -> None:
+        blocks = [next(next_block) for _ in range(-(-len(tokens) // BS) + rng.randint(0, 2))]
+        gen = torch.Generator().manual_seed(7) if params.seed is not None else None
+        if gen is not None:
+            gens[rid] = gen
+        ib.add(rid, tokens, num_prompt, blocks, computed, params, gen, {0})
+        ref[rid] = RequestState(rid, list(tokens), num_prompt, list(blocks), computed, params, {0})
+
+    for _ in range(300):
+        op = rng.random()
+        if op < 0.25 or not ref:
+            n = rng.randint(1, 30)
+            add(f"r{next(counter)}", [rng.randrange(V) for _ in range(n)], rng.randint(1, n),
+                rng.randint(0, n - 1), random_params(rng))
+        elif op < 0.4:
+            rid = rng.choice(sorted(ref))
+            ib.remove(rid)
+            del ref[rid]
+            ib.remove("never-added")  # forgetting an unknown request is a no-op
+        elif op < 0.5:  # a fork: the parent's tokens, all computed, with its own blocks and params
+            parent = ref[rng.choice(sorted(ref))]
+            rid = f"r{next(counter)}"
+            params = random_params(rng)
+            blocks = [next(next_block) for _ in range(len(parent.block_ids))]
+            gen = torch.Generator().manual_seed(7) if params.seed is not None else None
+            ib.fork(ib.req_index[parent.req_id], rid, blocks, params, gen)
+            ref[rid] = RequestState(rid, list(parent.token_ids), parent.num_prompt_tokens, blocks,
+                                    len(parent.token_ids), params, parent.eos_token_ids)
+        elif op < 0.65:  # one sampled token for some requests, as the runner appends them
+            rids = rng.sample(sorted(ref), rng.randint(1, len(ref)))
+            toks = [rng.randrange(V) for _ in rids]
+            ib.append_tokens(ib.rows_of(rids), np.asarray(toks, dtype=np.int64))
+            for rid, t in zip(rids, toks):
+                ref[rid].token_ids.append(t)
+        elif op < 0.75:  # tokens learned from the driver (tensor-parallel ranks)
+            rid = rng.choice(sorted(ref))
+            toks = [rng.randrange(V) for _ in range(rng.randint(1, 3))]
+            ib.extend_tokens(ib.req_index[rid], toks)
+            ref[rid].token_ids.extend(toks)
+        else:  # new blocks, a copy-on-write replacement, progress
+            rid = rng.choice(sorted(ref))
+            i, s = ib.req_index[rid], ref[rid]
+            new = [next(next_block) for _ in range(rng.randint(0, 3))]
+            if s.block_ids and rng.random() < 0.5:
+                j, b = rng.randrange(len(s.block_ids)), next(next_block)
+                ib.block_table[i, j] = b
+                s.block_ids[j] = b
+            ib.append_blocks(i, new)
+            s.block_ids.extend(new)
+            s.num_computed_tokens = rng.randint(0, len(s.token_ids) - 1)
+            ib.num_computed_tokens[i] = s.num_computed_tokens
+
+        assert sorted(ib.req_ids) == sorted(ref) and len(ib.req_index) == ib.num_reqs
+        for rid, s in ref.items():
+            assert ib.request_state(rid) == s
+        # Rows past the live ones hold no blocks.
+        assert not ib.block_table[ib.num_reqs :].any()
+
+        # A step over a random subset, in random order; the blocks must cover the chunk.
+        rids = rng.sample(sorted(ref), rng.randint(1, len(ref)))
+        rids = [r for r in rids if len(ref[r].block_ids) * BS >= len(ref[r].token_ids) > ref[r].num_computed_tokens]
+        if not rids:
+            continue
+        n = [rng.randint(1, len(ref[r].token_ids) - ref[r].num_computed_tokens) for r in rids]
+        opts = dict(sliding_window=rng.choice([None, 5]), build_groups=rng.random() < 0.5, query_tile=4,
+                    dense_min_tokens=rng.choice([0, 3]), dense_min_pairs=4)
+        got = ib.prepare(ib.rows_of(rids), np.asarray(n), **opts)
+        want = build_batch([ref[r] for r in rids], n, BS, **opts)
+        assert_same_batch(got, want)
+
+        rows = ib.rows_of(rids)
+        sampling_rows = [SamplingRow(ref[r].sampling_params, gens.get(r) if ref[r].sampling_params.seed is not None
+                                     else None, ref[r].prompt_token_ids, ref[r].output_token_ids,
+                                     ref[r].eos_token_ids) for r in rids]
+        for r, row in zip(rids, sampling_rows):  # the batch's generator, the same object the runner keeps
+            row.generator = ib.generators[ib.req_index[r]]
+        assert_same_metadata(SamplingMetadata.from_batch(ib, rows, V, torch.device("cpu")),
+                             SamplingMetadata.from_rows(sampling_rows, V, torch.device("cpu")))
+
+
+def test_reused_static_metadata_tracks_tokens() -> None:
+    """The parameter part of the metadata is built once; min_tokens and penalties follow the tokens."""
+    ib = InputBatch(max_model_len=16, block_size=BS)
+    p = SamplingParams(temperature=0.0, min_tokens=2, frequency_penalty=1.0)
+    ib.add("a", [5, 6, 7], 3, [1], 0, p, None, {0})
+    rows = np.asarray([0])
+    static = SamplingMetadata.static_from_batch(ib, rows, V, torch.device("cpu"))
+    assert static.min_tokens_index is None and static.penalties is None and static.all_greedy
+    md = static.with_token_state(ib, rows, torch.device("cpu"))
+    assert md.min_tokens_index is not None and md.penalties is not None
+    assert md.penalties.output_token_ids.shape == (1, 0)
+    ib.append_tokens(rows, np.asarray([9]))
+    ib.append_tokens(rows, np.asarray([9]))
+    md = static.with_token_state(ib, rows, torch.device("cpu"))
+    assert md.min_tokens_index is None  # two outputs: min_tokens reached
+    assert md.penalties is not None and md.penalties.output_token_ids.tolist() == [[9, 9]]
+    logits = torch.zeros(1, V)
+    logits[0, 9] = 1.5  # penalised by 2 x 1.0 below token 1's 0.1
+    logits[0, 1] = 0.1
+    assert Sampler()(logits, md).sampled_token_ids.tolist() == [1]
