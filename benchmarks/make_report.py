@@ -217,17 +217,18 @@ def latency_matrix_table(m: dict[str, Any]) -> str:
             if not p["ok"]:
                 rows.append([run["dtype"], peer, "skipped: " + p["reason"].replace("|", "/"), "", "", "", ""])
                 continue
-            rows.append([run["dtype"], peer, f"{p['prefill_ms']:.1f}", "-", f"{p['decode_tokens_per_s']:.1f}",
-                         f"{100 * p['decode_weight_fraction_of_peak_bw']:.0f}%" if "decode_weight_fraction_of_peak_bw" in p
-                         else "-",
-                         f"{p['pagedllm_prefill_speedup']:.2f}x / {p['pagedllm_decode_speedup']:.2f}x"])
+            rows.append([run["dtype"], peer, f"{p['prefill_ms']:.1f}", "-", fmt(p.get("decode_tokens_per_s")),
+                         f"{100 * p['decode_weight_fraction_of_peak_bw']:.0f}%"
+                         if p.get("decode_weight_fraction_of_peak_bw") is not None else "-",
+                         f"{p['pagedllm_prefill_speedup']:.2f}x / {fmt(p.get('pagedllm_decode_speedup'), '.2f')}x"])
     first = m["runs"][0]["pagedllm"]
     return (run_block(first.get("meta")) +
             f"\nOne request, prompt {m['input_len']} tokens, output {m['output_len']} tokens, median of "
-            f"{m['num_iters']} runs; copy peak {first['peak_copy_bytes_per_s'] / 1e9:.1f} GB/s, fp32 matmul peak "
-            f"{first['peak_matmul_flops_per_s'] / 1e9:.1f} GFLOP/s. Weight roofline = bytes of weights one decode "
-            "step reads / copy peak. Speed-up = peer time / pagedllm time (prefill / decode).\n\n"
-            + table(["dtype", "engine", "prefill (TTFT) ms", "prefill % of fp32 peak", "decode tok/s",
+            f"{m['num_iters']} runs; copy peak {first['peak_copy_bytes_per_s'] / 1e9:.1f} GB/s, matmul peak per dtype "
+            + ", ".join(f"{run['dtype']} {run['pagedllm']['peak_matmul_flops_per_s'] / 1e9:.1f} GFLOP/s" for run in m["runs"])
+            + ". Weight roofline = bytes of weights one decode step reads / copy peak. Speed-up = peer time / "
+            "pagedllm time (prefill / decode); '-' where the peer's decode was too short to time.\n\n"
+            + table(["dtype", "engine", "prefill (TTFT) ms", "prefill % of the dtype's matmul peak", "decode tok/s",
                      "of weight roofline", "pagedllm speed-up"], rows))
 
 
@@ -271,21 +272,15 @@ def native_decode_section(r: dict[str, Any]) -> str:
     rows = [[x["dtype"], str(x["rows"]), f"{x['fused_ms']:.2f}", f"{x['torch_ms']:.2f}", f"{x['speedup']:.2f}x",
              f"{x['fused_weight_gb_s']:.1f}"] for x in r["results"]]
     return (
-        "## Decode steps as one native call
-
-" + run_block(r.get("meta")) +
-        "
-```
-.venv/bin/python benchmarks/bench_native_decode.py --out benchmarks/results/native_decode.json
-```
-
-"
+        "## Decode steps as one native call\n\n" + run_block(r.get("meta")) +
+        "\n```\n.venv/bin/python benchmarks/bench_native_decode.py --out benchmarks/results/native_decode.json\n```\n\n"
         "A decode-only step of a few rows runs the whole decoder stack in one C call "
         "(pagedllm/worker/csrc/llama_decode.c) instead of about 80 torch ops per layer. Step time of each path on "
         f"the same runner, weights and KV cache ({r['context']} tokens of context per row), fastest of 15; the copy "
         f"bandwidth of this machine measured in the same run is {r['copy_bytes_per_s'] / 1e9:.1f} GB/s. The fused "
         "step takes batches up to the row count where it stops winning (`MAX_ROWS` in "
-        "pagedllm/worker/native_decode.py).\n\n"
+        "pagedllm/worker/native_decode.py). Weights GB/s counts every parameter once (the tied embedding / LM "
+        "head included, which the step reads only for its embedding rows).\n\n"
         + table(["dtype", "rows", "fused ms", "torch ops ms", "speedup", "weights GB/s (fused)"], rows)
     )
 
@@ -529,7 +524,7 @@ def main() -> None:
         parts.append("## Long-context prefill\n\n" + latency_matrix_table(pf))
     if (kq := load(res / "kv_cache_dtype_quality.json")) is not None:
         parts.append(kv_quality_section(kq))
-    for name in ("dtype_fast_path.md", "serve_soak.md", "chaos_runs.md"):
+    for name in ("dtype_fast_path.md", "serve_soak.md", "chaos_runs.md", "guidellm.md"):
         if (note := res / name).exists():
             parts.append(note.read_text())
     if (host := load(res / "host_overhead.json")) is not None:

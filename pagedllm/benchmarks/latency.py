@@ -188,11 +188,14 @@ def run_hf_latency(model: str | None, dtype: str, input_len: int, output_len: in
             prefill = gen(1)  # the prompt's forward and the first token
             total = gen(output_len)
             if it >= num_warmup:
-                iters.append((prefill, max(total - prefill, 1e-9) / (output_len - 1)))
-    decode = statistics.median(d for _, d in iters)
+                iters.append((prefill, (total - prefill) / (output_len - 1)))
+    decode: float | None = statistics.median(d for _, d in iters)
+    if decode is not None and decode <= 0:
+        decode = None  # a few decode steps hidden in the two calls' noise: not measurable
     del hf
     return {"load_s": load_s, "prefill_ms": 1000 * statistics.median(p for p, _ in iters),
-            "decode_ms_per_token": 1000 * decode, "decode_tokens_per_s": 1 / decode}
+            "decode_ms_per_token": None if decode is None else 1000 * decode,
+            "decode_tokens_per_s": None if decode is None else 1 / decode}
 
 
 def run_latency_matrix(model: str | None, engine_kwargs: dict[str, Any], dtypes: list[str], compare: list[str],
@@ -218,9 +221,11 @@ def run_latency_matrix(model: str | None, engine_kwargs: dict[str, Any], dtypes:
                     p = run_hf_latency(model, dtype, input_len, output_len, num_iters, num_warmup, seed)
                 else:
                     raise BackendUnavailable(f"unknown peer {peer!r} (latency compares with llama.cpp, hf)")
+                measured = p["decode_ms_per_token"] is not None
                 p["decode_weight_fraction_of_peak_bw"] = (
-                    r["model"]["decode_weight_bytes"] / (p["decode_ms_per_token"] / 1000) / r["peak_copy_bytes_per_s"])
-                p["pagedllm_decode_speedup"] = p["decode_ms_per_token"] / r["decode_ms_per_token"]
+                    r["model"]["decode_weight_bytes"] / (p["decode_ms_per_token"] / 1000) / r["peak_copy_bytes_per_s"]
+                    if measured else None)
+                p["pagedllm_decode_speedup"] = p["decode_ms_per_token"] / r["decode_ms_per_token"] if measured else None
                 p["pagedllm_prefill_speedup"] = p["prefill_ms"] / r["prefill_ms"]
                 row[peer] = {"ok": True, **p}
             except BackendUnavailable as exc:
@@ -246,6 +251,10 @@ def format_latency_matrix(m: dict[str, Any]) -> str:
                 continue
             if not p["ok"]:
                 lines.append(f"{row['dtype']:10s} {peer:10s} skipped: {p['reason']}")
+                continue
+            if p["decode_tokens_per_s"] is None:  # too few decode steps to time
+                lines.append(f"{row['dtype']:10s} {peer:10s} {p['prefill_ms']:11.1f} {'-':>13s} {'-':>16s} "
+                             f"{'-':>17s}, {p['pagedllm_prefill_speedup']:.2f}x")
                 continue
             lines.append(f"{row['dtype']:10s} {peer:10s} {p['prefill_ms']:11.1f} {p['decode_tokens_per_s']:13.1f} "
                          f"{100 * p['decode_weight_fraction_of_peak_bw']:15.0f}% "
