@@ -18,6 +18,7 @@ import subprocess
 import tempfile
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -75,6 +76,22 @@ def compile_native(src: Path, includes: tuple[Path, ...] = ()) -> ctypes.CDLL | 
     except (OSError, RuntimeError) as e:
         logger.warning("native kernel %s unavailable (%s); using torch", src.name, e)
         return None
+
+
+def load_native(src: Path, switch_env: str, signatures: dict[str, tuple[list[Any], Any]],
+                includes: tuple[Path, ...] = ()) -> ctypes.CDLL | None:
+    """`src` compiled (see compile_native) with each function of `signatures` (name -> (argtypes,
+    restype)) typed; None where `switch_env` is "0", the kernel cannot be built, or it lacks one of
+    the functions (a CPU without the instructions its `#if` guards ask for)."""
+    if os.environ.get(switch_env, "1") == "0":
+        return None
+    lib = compile_native(src, includes)
+    if lib is None or not all(hasattr(lib, name) for name in signatures):
+        return None
+    for name, (argtypes, restype) in signatures.items():
+        f = getattr(lib, name)
+        f.argtypes, f.restype = argtypes, restype
+    return lib
 
 
 @lru_cache(maxsize=1)

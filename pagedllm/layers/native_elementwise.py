@@ -9,13 +9,12 @@ not a multiple of 16, no AVX-512, no compiler); the caller then runs the torch f
 from __future__ import annotations
 
 import ctypes
-import os
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-from pagedllm.attention.cpu_kernel import compile_native
+from pagedllm.attention.cpu_kernel import load_native
 
 _SRC = Path(__file__).parent / "csrc" / "elementwise_bf16.c"
 
@@ -23,19 +22,12 @@ _SRC = Path(__file__).parent / "csrc" / "elementwise_bf16.c"
 @lru_cache(maxsize=1)
 def load_elementwise_kernel() -> ctypes.CDLL | None:
     """The compiled kernel where the CPU has AVX-512 (else None: torch runs the ops)."""
-    if os.environ.get("PAGEDLLM_NATIVE_ELEMENTWISE", "1") == "0":
-        return None
-    lib = compile_native(_SRC)
-    if lib is None or not hasattr(lib, "rms_norm_bf16"):
-        return None
-    i64, p = ctypes.c_int64, ctypes.c_void_p
-    lib.rms_norm_bf16.argtypes = [p, i64, p, p, p, i64, i64, ctypes.c_float, p]
-    lib.rms_norm_bf16.restype = ctypes.c_int
-    lib.silu_mul_bf16.argtypes = [p, i64, i64, i64, p]
-    lib.silu_mul_bf16.restype = ctypes.c_int
-    lib.rope_bf16.argtypes = [p, i64, i64, i64, i64, p, p, p, i64, p]
-    lib.rope_bf16.restype = ctypes.c_int
-    return lib
+    i64, p, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    return load_native(_SRC, "PAGEDLLM_NATIVE_ELEMENTWISE", {
+        "rms_norm_bf16": ([p, i64, p, p, p, i64, i64, ctypes.c_float, p], i32),
+        "silu_mul_bf16": ([p, i64, i64, i64, p], i32),
+        "rope_bf16": ([p, i64, i64, i64, i64, p, p, p, i64, p], i32),
+    })
 
 
 def _rows_ok(x: torch.Tensor, n: int) -> bool:

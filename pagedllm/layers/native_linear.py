@@ -9,13 +9,12 @@ through AVX-512 BF16 dot products). Larger M keeps torch's GEMMs, which are fast
 from __future__ import annotations
 
 import ctypes
-import os
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-from pagedllm.attention.cpu_kernel import compile_native
+from pagedllm.attention.cpu_kernel import load_native
 
 SMALL_M_SRC = Path(__file__).parent / "csrc" / "small_m_gemm.c"
 # Most rows of x sent to the kernel: up to here it reads the weights once with every row's
@@ -28,17 +27,12 @@ _K_STEP = {torch.float32: 16, torch.bfloat16: 32}
 @lru_cache(maxsize=1)
 def load_linear_kernel() -> ctypes.CDLL | None:
     """The compiled kernel where the CPU has AVX-512 (else None: torch serves every GEMM)."""
-    if os.environ.get("PAGEDLLM_NATIVE_LINEAR", "1") == "0":
-        return None
-    lib = compile_native(SMALL_M_SRC)
-    if lib is None or not hasattr(lib, "small_m_linear"):
-        return None
-    lib.small_m_available.restype = ctypes.c_int
-    f = lib.small_m_linear
-    i64, p = ctypes.c_int64, ctypes.c_void_p
-    f.argtypes = [p, i64, p, p, i64, i64, p, i64]
-    f.restype = ctypes.c_int
-    return lib if lib.small_m_available() else None
+    i64, p, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib = load_native(SMALL_M_SRC, "PAGEDLLM_NATIVE_LINEAR", {
+        "small_m_available": ([], i32),
+        "small_m_linear": ([p, i64, p, p, i64, i64, p, i64], i32),
+    })
+    return lib if lib is not None and lib.small_m_available() else None
 
 
 @lru_cache(maxsize=None)

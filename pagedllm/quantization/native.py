@@ -12,14 +12,13 @@ Measured against torch's kernels in benchmarks/bench_quant_kernels.py (docs/quan
 from __future__ import annotations
 
 import ctypes
-import os
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention.cpu_kernel import compile_native
+from pagedllm.attention.cpu_kernel import load_native
 
 _SRC = Path(__file__).parent / "csrc" / "linear_quant.c"
 # Most rows of x that go through the kernel (a decode batch); larger ones take the batch path.
@@ -30,18 +29,12 @@ SMALL_M = 16
 def load_quant_kernel() -> ctypes.CDLL | None:
     """The compiled kernel where the CPU has AVX-512 BF16 (else None: torch's kernels serve);
     ``PAGEDLLM_NATIVE_QUANT=0`` turns it off."""
-    if os.environ.get("PAGEDLLM_NATIVE_QUANT", "1") == "0":
-        return None
-    lib = compile_native(_SRC)
-    if lib is None or not hasattr(lib, "int4_linear_bf16"):
-        return None
-    i64, p = ctypes.c_int64, ctypes.c_void_p
-    for f in (lib.int4_linear_bf16, lib.int8_linear_bf16, lib.e4m3_linear_bf16):
-        f.argtypes = [p, i64, p, p, p, i64, i64, i64, p, ctypes.c_int]
-        f.restype = ctypes.c_int
-    lib.quant_dequant.argtypes = [ctypes.c_int, p, p, p, i64, i64, i64, p, ctypes.c_int]
-    lib.quant_dequant.restype = ctypes.c_int
-    return lib
+    i64, p, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    linear = ([p, i64, p, p, p, i64, i64, i64, p, i32], i32)
+    return load_native(_SRC, "PAGEDLLM_NATIVE_QUANT", {
+        "int4_linear_bf16": linear, "int8_linear_bf16": linear, "e4m3_linear_bf16": linear,
+        "quant_dequant": ([i32, p, p, p, i64, i64, i64, p, i32], i32),
+    })
 
 
 def fits(in_features: int, group_size: int) -> bool:

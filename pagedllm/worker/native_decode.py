@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from functools import lru_cache
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pagedllm.attention.cpu_kernel import ATTENTION_SRC, compile_native
+from pagedllm.attention.cpu_kernel import ATTENTION_SRC, load_native
 from pagedllm.layers.linear import UnquantizedLinearMethod
 from pagedllm.layers.native_linear import SMALL_M_SRC
 
@@ -56,17 +55,11 @@ class _Model(ctypes.Structure):
 
 @lru_cache(maxsize=1)
 def load_decode_kernel() -> ctypes.CDLL | None:
-    if os.environ.get("PAGEDLLM_NATIVE_DECODE", "1") == "0":
-        return None
-    lib = compile_native(_SRC, includes=(ATTENTION_SRC, SMALL_M_SRC))
-    if lib is None:
-        return None
-    lib.small_m_available.restype = ctypes.c_int
-    f = lib.llama_decode_step
     i64 = ctypes.c_int64
-    f.argtypes = [ctypes.POINTER(_Model), i64, _p, _p, _p, _p, i64, _p, _p]
-    f.restype = ctypes.c_int
-    return lib
+    return load_native(_SRC, "PAGEDLLM_NATIVE_DECODE", {
+        "small_m_available": ([], ctypes.c_int),
+        "llama_decode_step": ([ctypes.POINTER(_Model), i64, _p, _p, _p, _p, i64, _p, _p], ctypes.c_int),
+    }, includes=(ATTENTION_SRC, SMALL_M_SRC))
 
 
 def _unsupported_reason(model: nn.Module, dtype: torch.dtype, kv_dtype: torch.dtype) -> str | None:
