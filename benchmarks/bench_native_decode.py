@@ -45,7 +45,7 @@ def measure(dtype: str, rows: list[int], context: int) -> list[dict]:
     for m in rows:
         states = [RequestState(f"r{i}", list(range(100, 101 + context)), context, list(range(i * nblocks, (i + 1) * nblocks)),
                                context, None) for i in range(m)]
-        batch = build_batch(states, [1] * m, runner.block_size, None, **runner._batch_options())
+        batch = build_batch(states, [1] * m, runner.block_size, None, **runner.batch_options)
 
         def fused() -> None:
             nd.run(batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables, batch.seq_lens)

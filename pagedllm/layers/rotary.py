@@ -80,23 +80,19 @@ class RotaryEmbedding(nn.Module):
 
             return rotary(positions, q, k, self.cos, self.sin, self.head_dim)
         qw = q.shape[1]
-        if q.dtype == torch.bfloat16 and q.dim() == 2 and k.dim() == 2 and q.stride() == k.stride():
-            # bf16: one fused native pass over q and k side by side (the fused QKV output), or each.
-            if k.data_ptr() == q.data_ptr() + qw * q.element_size():
-                out = rope_bf16(q.as_strided((q.shape[0], qw + k.shape[1]), q.stride()), positions, self.cos,
-                                self.sin, self.head_dim)
-                if out is not None:
-                    return out[:, :qw], out[:, qw:]
-            else:
-                qo = rope_bf16(q, positions, self.cos, self.sin, self.head_dim)
-                ko = rope_bf16(k, positions, self.cos, self.sin, self.head_dim) if qo is not None else None
-                if ko is not None:
-                    return qo, ko
-        cos, sin = self._lookup(positions)
+        native = q.dtype == torch.bfloat16  # bf16: one fused native pass with the same rounding points
         if (q.dim() == 2 and k.dim() == 2 and q.stride() == k.stride() and q.stride(1) == 1
                 and k.data_ptr() == q.data_ptr() + qw * q.element_size()):
             # q and k side by side in one row (the fused QKV output): rotate both in one pass.
             qk = q.as_strided((q.shape[0], qw + k.shape[1]), q.stride())
-            out = self._rotate(qk, cos, sin)
+            out = rope_bf16(qk, positions, self.cos, self.sin, self.head_dim) if native else None
+            if out is None:
+                out = self._rotate(qk, *self._lookup(positions))
             return out[:, :qw], out[:, qw:]
+        if native:
+            qo = rope_bf16(q, positions, self.cos, self.sin, self.head_dim)
+            ko = rope_bf16(k, positions, self.cos, self.sin, self.head_dim) if qo is not None else None
+            if ko is not None:
+                return qo, ko
+        cos, sin = self._lookup(positions)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -112,8 +112,14 @@ class ModelRunner:
             triton=triton, block_size=self.block_size,
             num_queries_per_kv=model_config.num_heads // model_config.num_kv_heads)
         self.forward_context = ForwardContext()
-        # Long prompt chunks with at least this many query-key pairs attend densely (fused SDPA).
-        self.dense_min_pairs = DENSE_MIN_PAIRS
+        # How the input batch lays out attention work for this backend (fixed once it is chosen):
+        # long prompt chunks with at least DENSE_MIN_PAIRS query-key pairs attend densely (fused SDPA).
+        self.batch_options: dict[str, Any] = {
+            "build_groups": self.attn_backend.needs_groups,
+            "query_tile": self.attn_backend.query_tile,
+            "dense_min_tokens": DENSE_MIN_TOKENS if self.attn_backend.native is not None else 0,
+            "dense_min_pairs": DENSE_MIN_PAIRS,
+        }
 
     @property
     def native_kernel(self) -> Any:
@@ -435,15 +441,6 @@ class ModelRunner:
             if i is not None and tokens:
                 ib.extend_tokens(i, tokens)
 
-    def _batch_options(self) -> dict[str, object]:
-        """How build_batch lays out attention work for this runner's backend."""
-        return {
-            "build_groups": self.attn_backend.needs_groups,
-            "query_tile": self.attn_backend.query_tile,
-            "dense_min_tokens": DENSE_MIN_TOKENS if self.native_kernel is not None else 0,
-            "dense_min_pairs": self.dense_min_pairs,
-        }
-
     def _model_inputs(self, batch: BatchArrays) -> tuple[torch.Tensor, torch.Tensor]:
         ids = torch.from_numpy(batch.input_ids).to(self.device, non_blocking=True)
         return ids, torch.from_numpy(batch.positions).to(self.device, non_blocking=True)
@@ -474,7 +471,7 @@ class ModelRunner:
         outs, sends = [], []
         for a, b in _micro_batches(counts.tolist(), p.pp_size):
             mb = batch if (a, b) == (0, len(counts)) else self.input_batch.prepare(
-                rows[a:b], counts[a:b], self.model_config.sliding_window, **self._batch_options())
+                rows[a:b], counts[a:b], self.model_config.sliding_window, **self.batch_options)
             h_in = None
             if not p.is_first_stage:
                 h_in = p.recv_from_prev_stage([(len(mb.input_ids), hidden_size)], self.dtype)[0]
@@ -508,7 +505,7 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         rows = ib.rows_of(req_ids)
         counts = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
-        batch = ib.prepare(rows, counts, self.model_config.sliding_window, **self._batch_options())
+        batch = ib.prepare(rows, counts, self.model_config.sliding_window, **self.batch_options)
         hidden = self._forward(rows, counts, batch)
         forks = self._fork(so, rows)
         if hidden is None:  # an earlier pipeline stage: the next stage carries on
@@ -540,7 +537,7 @@ class ModelRunner:
             iso = sample_isolating_faults(
                 self.sampler, logits, lambda: [ib.sampling_row(int(i)) for i in sample_slots], self.device,
                 metadata=lambda: self._sampling_metadata(sample_slots, logits.shape[-1]),
-                generators=[g for g in (ib.generators[int(i)] for i in sample_slots) if g is not None])
+                generators=[ib.generators[int(i)] for i in sample_slots[ib.seeded[sample_slots]]])
             failed = {out_ids[out_pos[j]]: err for j, err in iso.failed.items()}
             if iso.failed:
                 sample_slots = sample_slots[iso.kept]

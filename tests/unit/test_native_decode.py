@@ -48,7 +48,7 @@ def _decode_batch(runner, seq_lens: list[int], seed: int):
         states.append(RequestState(f"r{i}", tokens, n - 1, blocks, n - 1, SamplingParams()))
     for kv in runner.kv_caches:
         kv.copy_(torch.randn(kv.shape, generator=torch.Generator().manual_seed(seed)).to(kv.dtype))
-    return build_batch(states, [1] * len(states), runner.block_size, None, **runner._batch_options())
+    return build_batch(states, [1] * len(states), runner.block_size, None, **runner.batch_options)
 
 
 def _both_paths(runner, batch):
