@@ -56,7 +56,7 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.splits, dim=-1)
         q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v.contiguous()))
+        return self.o_proj(self.attn(q, k, v))
 
 
 class LlamaMLP(nn.Module):
@@ -86,9 +86,16 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        h, y = self.post_attention_layernorm.add_and_norm(x, self.self_attn(positions, self.input_layernorm(x)))
-        return h + self.mlp(y)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (residual stream, this layer's MLP output). The stream is `residual + x` (just `x`
+        for the first layer): the add runs inside the input norm's pass, as after attention."""
+        if residual is None:
+            residual, y = x, self.input_layernorm(x)
+        else:
+            residual, y = self.input_layernorm.add_and_norm(residual, x)
+        h, y = self.post_attention_layernorm.add_and_norm(residual, self.self_attn(positions, y))
+        return h, self.mlp(y)
 
 
 class PPMissingLayer(nn.Module):
@@ -137,9 +144,14 @@ class LlamaForCausalLM(nn.Module):
         the last pipeline stage, otherwise the residual stream handed to the next stage (which
         passes it back in as `hidden_states`)."""
         x = self.embed_tokens(input_ids) if hidden_states is None else hidden_states
+        residual = None
         for i in range(self.start_layer, self.end_layer):
-            x = self.layers[i](positions, x)
-        return self.norm(x) if self.parallel.is_last_stage else x
+            residual, x = self.layers[i](positions, x, residual)
+        if residual is None:  # a stage without layers
+            return self.norm(x) if self.parallel.is_last_stage else x
+        if self.parallel.is_last_stage:
+            return self.norm.add_and_norm(residual, x)[1]
+        return residual + x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
