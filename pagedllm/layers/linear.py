@@ -21,10 +21,24 @@ from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.layers.native_linear import small_m_linear
 
 _SINGLE = TensorParallelGroup()
-# float32 on the CPU: from this many rows up, oneDNN's GEMM on a weight kept in its own layout runs
-# about 2x faster than MKL's sgemm behind F.linear on this model's shapes (16 rows: 1.3-2.0x,
-# 64-1024 rows: 1.6-2.2x; 1 row: 0.6-1.2x). Decode rows (up to SMALL_M) take the small-M kernel.
+# float32 on the CPU: from this many rows up, oneDNN's GEMM runs about 2x faster than MKL's sgemm
+# behind F.linear on this model's shapes (16 rows: 1.3-2.0x, 64-1024 rows: 1.6-2.2x; 1 row:
+# 0.6-1.2x). Decode rows (up to SMALL_M) take the small-M kernel.
 MKLDNN_MIN_ROWS = 16
+
+
+def _onednn_linear():
+    """oneDNN's linear on a plain (row-major) weight, or None where torch lacks it. On a plain
+    weight it is as fast as on one reordered ahead into oneDNN's layout (same results, bit for bit;
+    measured at 16-2048 rows of this model's shapes), so the weight is held once."""
+    try:
+        op = torch.ops.mkldnn._linear_pointwise
+    except (AttributeError, RuntimeError):
+        return None
+    return op if torch.backends.mkldnn.is_available() else None
+
+
+_ONEDNN_LINEAR = _onednn_linear()
 
 
 class UnquantizedLinearMethod:
@@ -35,13 +49,11 @@ class UnquantizedLinearMethod:
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         w = layer.weight
-        if w.dtype == torch.float32 and w.device.type == "cpu" and torch.backends.mkldnn.is_available():
-            layer.weight_mkldnn = w.detach().to_mkldnn()  # a second copy, in oneDNN's layout
+        layer.onednn = _ONEDNN_LINEAR is not None and w.dtype == torch.float32 and w.device.type == "cpu"
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        packed = getattr(layer, "weight_mkldnn", None)
-        if packed is not None and x.dim() == 2 and x.shape[0] >= MKLDNN_MIN_ROWS:
-            y = torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), packed, None).to_dense()
+        if getattr(layer, "onednn", False) and x.dim() == 2 and x.shape[0] >= MKLDNN_MIN_ROWS:
+            y = _ONEDNN_LINEAR(x.contiguous(), layer.weight, None, "none", [], "")
             return y if bias is None else y.add_(bias)
         y = small_m_linear(x, layer.weight, bias)  # decode rows: one pass over the weights
         return y if y is not None else F.linear(x, layer.weight, bias)

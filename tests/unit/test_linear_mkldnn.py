@@ -1,5 +1,5 @@
-"""float32 linear layers on the CPU run batches of MKLDNN_MIN_ROWS+ rows through oneDNN on a weight
-kept in its layout; the result matches the float64 reference within float32 rounding."""
+"""float32 linear layers on the CPU run batches of MKLDNN_MIN_ROWS+ rows through oneDNN on the plain
+weight (held once); the result matches the float64 reference within float32 rounding."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def test_packed_float32_linear_matches_reference(rows: int) -> None:
     layer.weight.data.normal_()
     layer.bias.data.normal_()
     layer.quant_method.process_weights_after_loading(layer)
-    assert getattr(layer, "weight_mkldnn", None) is not None
+    assert layer.onednn
     x = torch.randn(rows, 576)
     with torch.inference_mode():
         y = layer(x)
@@ -28,7 +28,10 @@ def test_packed_float32_linear_matches_reference(rows: int) -> None:
     assert (y.double() - ref).abs().max().item() < 1e-3
 
 
-def test_bfloat16_layers_keep_no_packed_copy() -> None:
-    layer = Linear(64, 32, dtype=torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layers_hold_their_weight_once(dtype: torch.dtype) -> None:
+    layer = Linear(64, 32, dtype=dtype)
     layer.quant_method.process_weights_after_loading(layer)
-    assert getattr(layer, "weight_mkldnn", None) is None
+    tensors = [v for v in vars(layer).values() if isinstance(v, torch.Tensor)]
+    assert tensors == [] and [n for n, _ in layer.named_parameters()] == ["weight"]
+    assert layer.onednn == (dtype == torch.float32)
