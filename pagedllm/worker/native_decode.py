@@ -40,7 +40,6 @@ MAX_ROWS = 16
 
 _p = ctypes.c_void_p
 _pp = ctypes.POINTER(ctypes.c_void_p)
-_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # linear_quant.c's layouts (its BITS values); 0: the dense weight.
 _DENSE, _E4M3, _INT4, _INT8 = 0, 3, 4, 8
 
@@ -164,9 +163,9 @@ class NativeDecode:
                     d.codes, d.scales, d.zeros = codes.data_ptr(), scales.data_ptr(), zeros.data_ptr()
                     self._keep.extend([codes, scales, zeros, perm])
             self._keep.append(descs)
-            quantized = any(lay[0] != _DENSE for lay in layouts)  # type: ignore[index]
-            weights = ptrs([m.weight if lay[0] == _DENSE else None for m, lay in zip(mods, layouts)])  # type: ignore[index]
-            q = ctypes.cast(descs, ctypes.POINTER(_QuantLinear)) if quantized else None
+            dense = [lay[0] == _DENSE for lay in layouts]  # type: ignore[index]
+            weights = ptrs([m.weight if d else None for m, d in zip(mods, dense)])
+            q = None if all(dense) else ctypes.cast(descs, ctypes.POINTER(_QuantLinear))
             return weights, ptrs([m.bias for m in mods]), q
 
         qkv_w, qkv_b, qkv_q = lin("qkv_proj")
