@@ -1,5 +1,6 @@
 """Where a quantized single-stream decode step's time goes with the fused decode step: the fused
-call (embedding, every layer, final norm), the LM head, and the whole engine step, per scheme, on
+call (embedding, every layer, final norm), the LM head, and the whole engine step (and the same
+engine's step with the fused step switched off, alternating), per scheme, on
 the default model in bfloat16 (the activation dtype of the quantized kernels); and the LM head as
 an int8 weight through the native kernel, as a what-if.
 
@@ -54,8 +55,16 @@ def profile(label: str, iters: int) -> dict:
         return time.perf_counter() - t0
 
     request(65)
-    steps = [(request(65) - request(1)) * 1e3 / 64 for _ in range(3)]
-    row["engine_step_ms"], row["engine_step_min_ms"] = statistics.median(steps), min(steps)
+    # Alternating with the torch path (the fused step switched off on the same engine), so that the
+    # machine's load drifts alike for both.
+    steps: dict[str, list[float]] = {"fused": [], "torch": []}
+    for _ in range(3):
+        for path in ("fused", "torch"):
+            runner.native_decode = nd if path == "fused" else None
+            steps[path].append((request(65) - request(1)) * 1e3 / 64)
+    runner.native_decode = nd
+    row["engine_step_ms"], row["engine_step_min_ms"] = statistics.median(steps["fused"]), min(steps["fused"])
+    row["torch_path_step_ms"], row["torch_path_step_min_ms"] = statistics.median(steps["torch"]), min(steps["torch"])
     hidden = torch.randn(1, runner.model.lm_head.weight.shape[1], dtype=torch.bfloat16)
     row["lm_head_ms"], row["lm_head_min_ms"] = _median_ms(lambda: runner.model.compute_logits(hidden), iters)
     if nd is not None:
