@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from pagedllm.attention.cpu_kernel import load_native
 
 _SRC = Path(__file__).parent / "csrc" / "linear_quant.c"
+QUANT_SRC = _SRC  # included by the fused decode step (pagedllm/worker/csrc/llama_decode.c)
 # Most rows of x that go through the kernel (a decode batch); larger ones take the batch path.
 SMALL_M = 16
 

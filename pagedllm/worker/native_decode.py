@@ -5,9 +5,11 @@ its time is mostly per-op dispatch (about 80 ops per layer), not the weight read
 whole decoder stack for such a step in one C call over the model's own parameters and KV cache,
 in float32 or bfloat16, with the same paged attention kernel as every other step.
 
-It applies to unquantized Llama-family models (Llama, Mistral, Qwen2) on one CPU rank, with a KV
-cache in the model dtype; every other step, and every other configuration, runs the torch path.
-`PAGEDLLM_NATIVE_DECODE=0` turns it off.
+It applies to Llama-family models (Llama, Mistral, Qwen2) on one CPU rank, with a KV cache in the
+model dtype, whose linear layers are each either dense in the model dtype or quantized in a layout
+of the native quantized kernel (4-bit group codes of int4 / GGUF / AWQ / GPTQ, int8, fp8; the C
+step calls the same kernel function as the LinearMethod); every other step, and every other
+configuration, runs the torch path. `PAGEDLLM_NATIVE_DECODE=0` turns it off.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from torch import nn
 from pagedllm.attention.cpu_kernel import ATTENTION_SRC, load_native
 from pagedllm.layers.linear import UnquantizedLinearMethod
 from pagedllm.layers.native_linear import SMALL_M_SRC
+from pagedllm.quantization.native import QUANT_SRC
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +40,13 @@ MAX_ROWS = 16
 
 _p = ctypes.c_void_p
 _pp = ctypes.POINTER(ctypes.c_void_p)
+# linear_quant.c's layouts (its BITS values); 0: the dense weight.
+_DENSE, _E4M3, _INT4, _INT8 = 0, 3, 4, 8
+
+
+class _QuantLinear(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int64), ("group", ctypes.c_int64), ("codes", _p), ("scales", _p), ("zeros", _p),
+                ("perm", _p)]
 
 
 class _Model(ctypes.Structure):
@@ -50,6 +60,7 @@ class _Model(ctypes.Structure):
         *((name, _pp) for name in (
             "input_norm", "post_norm", "qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "gate_up_b", "down_w", "down_b",
             "k_cache", "v_cache")),
+        *((name, ctypes.POINTER(_QuantLinear)) for name in ("qkv_q", "o_q", "gate_up_q", "down_q")),
     ]
 
 
@@ -59,7 +70,42 @@ def load_decode_kernel() -> ctypes.CDLL | None:
     return load_native(_SRC, "PAGEDLLM_NATIVE_DECODE", {
         "small_m_available": ([], ctypes.c_int),
         "llama_decode_step": ([ctypes.POINTER(_Model), i64, _p, _p, _p, _p, i64, _p, _p], ctypes.c_int),
-    }, includes=(ATTENTION_SRC, SMALL_M_SRC))
+    }, includes=(ATTENTION_SRC, SMALL_M_SRC, QUANT_SRC))
+
+
+def _linear_layout(lin: nn.Module, dtype: torch.dtype
+                   ) -> tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | str:
+    """(kind, group size, codes, scales, zeros, input order or None) of a quantized linear layer the
+    C step runs with the kernel its LinearMethod calls; (0, ...) for a dense one; or why it cannot."""
+    from pagedllm.quantization.methods import (
+        Fp8LinearMethod,
+        GroupCodesLinearMethod,
+        Int4LinearMethod,
+        Int8LinearMethod,
+        W8A8LinearMethod,
+    )
+
+    qm = lin.quant_method
+    if type(qm) is UnquantizedLinearMethod:
+        if lin.weight.dtype != dtype:
+            return f"a linear weight in {lin.weight.dtype}"
+        return _DENSE, 0, lin.weight, lin.weight, lin.weight, None
+    name = getattr(qm, "name", type(qm).__name__)
+    if type(qm) is W8A8LinearMethod:
+        return "w8a8 linear layers (int8 activations through torch's int8 GEMM)"
+    if not getattr(lin, "native", False):
+        return f"{name} linear layers without the native quantized kernel"
+    k = lin.in_features
+    if type(qm) is Int8LinearMethod:
+        return _INT8, k, lin.qweight, lin.wscale, lin.wzero, None
+    if type(qm) is Fp8LinearMethod:
+        return _E4M3, k, lin.qweight, lin.wscale, lin.wzero, None
+    if isinstance(qm, (Int4LinearMethod, GroupCodesLinearMethod)):
+        perm = lin.perm
+        if lin.kernel == "int4":
+            return _INT4, lin.group_size, lin.packed, lin.qscales, lin.qzeros, perm
+        return _INT8, lin.group_size, lin.qcodes, lin.qscales, lin.qzeros, perm
+    return f"{name} linear layers"
 
 
 def _unsupported_reason(model: nn.Module, dtype: torch.dtype, kv_dtype: torch.dtype) -> str | None:
@@ -80,8 +126,9 @@ def _unsupported_reason(model: nn.Module, dtype: torch.dtype, kv_dtype: torch.dt
             return f"layer type {type(layer).__name__}"
         a, mlp = layer.self_attn, layer.mlp
         for lin in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            if type(lin.quant_method) is not UnquantizedLinearMethod or lin.weight.dtype != dtype:
-                return "quantized linear layers"
+            layout = _linear_layout(lin, dtype)
+            if isinstance(layout, str):
+                return layout
         if a.head_dim > 1024 or a.attn.k_scale != 1.0 or a.attn.v_scale != 1.0:
             return "head size or KV scales"
     return None
@@ -105,14 +152,27 @@ class NativeDecode:
             self._keep.append(arr)
             return ctypes.cast(arr, _pp)
 
-        def lin(name: str) -> tuple[ctypes.Array, ctypes.Array]:
+        def lin(name: str) -> tuple[ctypes.Array, ctypes.Array, object]:
+            """Dense weights (None where quantized), biases, and the descriptors (None: all dense)."""
             mods = [getattr(layer.self_attn if name in ("qkv_proj", "o_proj") else layer.mlp, name) for layer in layers]
-            return ptrs([m.weight for m in mods]), ptrs([m.bias for m in mods])
+            layouts = [_linear_layout(m, dtype) for m in mods]
+            descs = (_QuantLinear * len(mods))()
+            for d, (kind, group, codes, scales, zeros, perm) in zip(descs, layouts):  # type: ignore[misc]
+                if kind != _DENSE:
+                    d.kind, d.group, d.perm = kind, group, 0 if perm is None else perm.data_ptr()
+                    d.codes, d.scales, d.zeros = codes.data_ptr(), scales.data_ptr(), zeros.data_ptr()
+                    self._keep.extend([codes, scales, zeros, perm])
+            self._keep.append(descs)
+            dense = [lay[0] == _DENSE for lay in layouts]  # type: ignore[index]
+            weights = ptrs([m.weight if d else None for m, d in zip(mods, dense)])
+            q = None if all(dense) else ctypes.cast(descs, ctypes.POINTER(_QuantLinear))
+            return weights, ptrs([m.bias for m in mods]), q
 
-        qkv_w, qkv_b = lin("qkv_proj")
-        o_w, o_b = lin("o_proj")
-        gu_w, gu_b = lin("gate_up_proj")
-        down_w, down_b = lin("down_proj")
+        qkv_w, qkv_b, qkv_q = lin("qkv_proj")
+        o_w, o_b, o_q = lin("o_proj")
+        gu_w, gu_b, gu_q = lin("gate_up_proj")
+        down_w, down_b, down_q = lin("down_proj")
+        self.quantized = any(q is not None for q in (qkv_q, o_q, gu_q, down_q))
         self.hidden = int(cfg.hidden_size)
         self.model = _Model(
             num_layers=len(layers), hidden=self.hidden, num_heads=attn0.num_heads, num_kv_heads=attn0.num_kv_heads,
@@ -126,6 +186,7 @@ class NativeDecode:
             post_norm=ptrs([layer.post_attention_layernorm.weight for layer in layers]),
             qkv_w=qkv_w, qkv_b=qkv_b, o_w=o_w, o_b=o_b, gate_up_w=gu_w, gate_up_b=gu_b, down_w=down_w, down_b=down_b,
             k_cache=ptrs([kv[0] for kv in kv_caches]), v_cache=ptrs([kv[1] for kv in kv_caches]),
+            qkv_q=qkv_q, o_q=o_q, gate_up_q=gu_q, down_q=down_q,
         )
         # Everything the struct points at must stay alive and in place.
         self._keep.extend([model, kv_caches, rotary.cos, rotary.sin])
@@ -146,8 +207,13 @@ class NativeDecode:
         if reason is not None:
             logger.info("decode steps run as torch ops: %s", reason)
             return None
-        logger.info("decode steps of up to %d rows run as one native call per step", MAX_ROWS)
-        return cls(lib, model, kv_caches, dtype, block_size, sliding_window)
+        nd = cls(lib, model, kv_caches, dtype, block_size, sliding_window)
+        if nd.quantized and not avail & 2:  # the quantized kernels need AVX-512 BF16
+            logger.info("decode steps run as torch ops: the CPU has no AVX-512 BF16 for quantized linear layers")
+            return None
+        logger.info("decode steps of up to %d rows run as one native call per step%s", MAX_ROWS,
+                    " (quantized linear layers through the native quantized kernel)" if nd.quantized else "")
+        return nd
 
     def applies(self, num_tokens: int, num_reqs: int, has_dense: bool) -> bool:
         """A decode-only step (one token per request) of at most MAX_ROWS rows."""

@@ -8,13 +8,17 @@
  * the step's time is the weight reads. The paged attention is the same C function the model
  * runner calls for every other step (paged_attention.c, included below).
  *
- * Element types: weights, activations and the KV cache all float32 (dt 0) or all bfloat16 (dt 1).
+ * Element types: dense weights, activations and the KV cache all float32 (dt 0) or all bfloat16 (dt 1).
  * bf16 follows the rounding points of pagedllm's torch path (each op computes in float32 and
  * rounds its result to bf16; RMSNorm normalizes in float32, rounds, then scales by the weight), so
  * the two paths agree to the last bit except for the order of sums inside GEMMs and reductions.
  *
  * GEMMs are the small-M kernel of pagedllm/layers/csrc/small_m_gemm.c (included below), which
- * the torch path also uses for decode rows.
+ * the torch path also uses for decode rows. Each of a layer's four linear layers may instead be
+ * quantized (4-bit group codes of int4 / GGUF / AWQ / GPTQ, int8 codes, fp8 e4m3): then it runs
+ * the same function of pagedllm/quantization/csrc/linear_quant.c (included below) that the
+ * torch path's LinearMethod calls, on the same bf16 activations, so a quantized layer's output is
+ * the torch path's to the bit whenever its input is.
  */
 #include <math.h>
 #include <stdint.h>
@@ -23,8 +27,30 @@
 
 #include "../../attention/csrc/paged_attention.c"
 #include "../../layers/csrc/small_m_gemm.c"
+/* linear_quant.c names its own tile sizes; small_m_gemm.c's are no longer needed here. */
+#undef MR
+#undef NR
+#include "../../quantization/csrc/linear_quant.c"
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define LD_HAVE_QUANT 1 /* linear_quant.c compiled its kernels */
+#else
+#define LD_HAVE_QUANT 0
+#endif
 
 #define MAX_ROWS 16
+
+/* How one linear layer's weight is kept: LQ_DENSE reads the layer's dense weight (the per-layer
+ * *_w pointers, in dtype); the others are linear_quant.c's layouts (its BITS values): 4-bit codes
+ * [N, K/2], int8 codes [N, K], e4m3 bytes [N, K], with bf16 scales and zeros [N, K/group]. */
+enum { LQ_DENSE = 0, LQ_E4M3 = 3, LQ_INT4 = 4, LQ_INT8 = 8 };
+
+typedef struct {
+    int64_t kind;        /* LQ_* */
+    int64_t group;       /* inputs per scale and zero */
+    const void *codes, *scales, *zeros;
+    const int64_t *perm; /* the input order the codes follow (GPTQ act-order), or NULL */
+} QuantLinear;
 
 typedef struct {
     int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
@@ -39,6 +65,8 @@ typedef struct {
     const void *const *qkv_w, *const *qkv_b, *const *o_w, *const *o_b;
     const void *const *gate_up_w, *const *gate_up_b, *const *down_w, *const *down_b;
     void *const *k_cache, *const *v_cache; /* [num_blocks, block_size, num_kv_heads, head_dim] */
+    /* Per layer, [num_layers] arrays of descriptors of the four linear layers; NULL: all dense. */
+    const QuantLinear *qkv_q, *o_q, *gate_up_q, *down_q;
 } LlamaDecodeModel;
 
 /* The value as stored in dtype dt, read back as float32 (rounds to bf16 for dt 1). */
@@ -89,6 +117,54 @@ static void rope_row(const void *src, int64_t src_off, void *dst, int64_t dst_of
     }
 }
 
+/* Whether the step can run these linear layers (quantized ones need linear_quant.c's kernels). */
+static int linears_supported(const QuantLinear *ql, int64_t num_layers) {
+    if (ql == NULL) return 1;
+    for (int64_t l = 0; l < num_layers; l++) {
+        const int64_t k = ql[l].kind;
+        if (k != LQ_DENSE && (!LD_HAVE_QUANT || (k != LQ_INT4 && k != LQ_INT8 && k != LQ_E4M3))) return 0;
+    }
+    return 1;
+}
+
+/*
+ * y[M, N] = x[M, K] W^T (+ bias) in dtype dt. Dense: the small-M GEMM. Quantized: as the torch
+ * path's LinearMethod.apply, x rounded to bf16 (in the layer's input order where it has one), the
+ * kernel's result in dt (float32 straight from its accumulators, or rounded to bf16), then the
+ * bias added and rounded to dt. xb: scratch for M * K bf16 values.
+ */
+static void linear(const QuantLinear *ql, const void *x, int64_t M, const void *w, const void *bias, int64_t N,
+                   int64_t K, void *y, int dt, uint16_t *xb) {
+    if (ql == NULL || ql->kind == LQ_DENSE) {
+        gemm(x, M, w, bias, N, K, y, dt);
+        return;
+    }
+#if LD_HAVE_QUANT
+    const uint16_t *xq = (const uint16_t *)x;
+    if (dt == LD_F32 || ql->perm != NULL) {
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t k = 0; k < K; k++) {
+                const int64_t src = m * K + (ql->perm != NULL ? ql->perm[k] : k);
+                xb[m * K + k] = dt == LD_F32 ? f32_to_bf16(((const float *)x)[src]) : ((const uint16_t *)x)[src];
+            }
+        xq = xb;
+    }
+    const int y_f32 = dt == LD_F32;
+    if (ql->kind == LQ_INT4)
+        int4_linear_bf16(xq, M, ql->codes, ql->scales, ql->zeros, N, K, ql->group, y, y_f32);
+    else if (ql->kind == LQ_INT8)
+        int8_linear_bf16(xq, M, ql->codes, ql->scales, ql->zeros, N, K, ql->group, y, y_f32);
+    else
+        e4m3_linear_bf16(xq, M, ql->codes, ql->scales, ql->zeros, N, K, ql->group, y, y_f32);
+    if (bias != NULL)
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t n = 0; n < N; n++) st(y, m * N + n, ld(y, m * N + n, dt) + ld(bias, n, dt), dt);
+#endif
+}
+
+/* The descriptor of layer l's linear, or NULL (dense). */
+static inline const QuantLinear *qlin(const QuantLinear *ql, int64_t l) { return ql == NULL ? NULL : ql + l; }
+
 static void *alloc(int64_t bytes) { return aligned_alloc(64, (size_t)((bytes + 63) / 64 * 64)); }
 
 /*
@@ -109,10 +185,15 @@ int llama_decode_step(const LlamaDecodeModel *md, int64_t M, const int64_t *inpu
     if (Hd % kq || qn % kq || I % kq) return 1;
     for (int64_t m = 0; m < M; m++)
         if (positions[m] < 0 || positions[m] >= md->max_position) return 1;
+    if (!linears_supported(md->qkv_q, md->num_layers) || !linears_supported(md->o_q, md->num_layers) ||
+        !linears_supported(md->gate_up_q, md->num_layers) || !linears_supported(md->down_q, md->num_layers))
+        return 1;
+    const int64_t widest = I > qn ? (I > Hd ? I : Hd) : (qn > Hd ? qn : Hd); /* the largest input size */
 
     void *x = alloc(M * Hd * es), *xn = alloc(M * Hd * es), *qkv = alloc(M * qkvn * es);
     void *q = alloc(M * qn * es), *attn = alloc(M * qn * es), *o = alloc(M * Hd * es);
     void *gu = alloc(M * 2 * I * es), *act = alloc(M * I * es);
+    uint16_t *xb = alloc(M * widest * 2);
     int64_t *qsl = malloc((size_t)(M + 1) * sizeof(int64_t)), *work = malloc((size_t)M * 3 * sizeof(int64_t));
     for (int64_t m = 0; m <= M; m++) qsl[m] = m;
     for (int64_t m = 0; m < M; m++) {
@@ -125,7 +206,7 @@ int llama_decode_step(const LlamaDecodeModel *md, int64_t M, const int64_t *inpu
 
     for (int64_t l = 0; l < md->num_layers; l++) {
         rms_norm(x, M, Hd, md->input_norm[l], md->eps, xn, dt);
-        gemm(xn, M, md->qkv_w[l], md->qkv_b[l], qkvn, Hd, qkv, dt);
+        linear(qlin(md->qkv_q, l), xn, M, md->qkv_w[l], md->qkv_b[l], qkvn, Hd, qkv, dt, xb);
         for (int64_t m = 0; m < M; m++) {
             const int64_t slot = slot_mapping[m];
             /* q rotated into its own rows; k rotated and v copied straight into their cache slots. */
@@ -137,17 +218,17 @@ int llama_decode_step(const LlamaDecodeModel *md, int64_t M, const int64_t *inpu
         paged_attention(q, dt == LD_F32 ? DT_F32 : DT_BF16, md->k_cache[l], md->v_cache[l],
                         dt == LD_F32 ? DT_F32 : DT_BF16, NULL, block_tables, bt_stride, qsl, seq_lens, work, M, attn,
                         H, KVH, D, md->block_size, md->attn_scale, 1.0f, md->sliding_window);
-        gemm(attn, M, md->o_w[l], md->o_b[l], Hd, qn, o, dt);
+        linear(qlin(md->o_q, l), attn, M, md->o_w[l], md->o_b[l], Hd, qn, o, dt, xb);
         add_inplace(x, o, M * Hd, dt);
         rms_norm(x, M, Hd, md->post_norm[l], md->eps, xn, dt);
-        gemm(xn, M, md->gate_up_w[l], md->gate_up_b[l], 2 * I, Hd, gu, dt);
+        linear(qlin(md->gate_up_q, l), xn, M, md->gate_up_w[l], md->gate_up_b[l], 2 * I, Hd, gu, dt, xb);
         silu_mul(gu, M, I, act, dt);
-        gemm(act, M, md->down_w[l], md->down_b[l], Hd, I, o, dt);
+        linear(qlin(md->down_q, l), act, M, md->down_w[l], md->down_b[l], Hd, I, o, dt, xb);
         add_inplace(x, o, M * Hd, dt);
     }
     rms_norm(x, M, Hd, md->final_norm, md->eps, out, dt);
 
-    free(x), free(xn), free(qkv), free(q), free(attn), free(o), free(gu), free(act), free(qsl), free(work);
+    free(x), free(xn), free(qkv), free(q), free(attn), free(o), free(gu), free(act), free(xb), free(qsl), free(work);
     return 0;
 }
 

@@ -1,0 +1,126 @@
+"""The fused native decode step on quantized linear layers, against the torch path.
+
+Each quantized linear layer runs the same kernel function (linear_quant.c) in both paths on the
+same bf16 activations, so in bfloat16 the step equals the torch path to the bit at every row count
+where all four linear layers are quantized; a dense linear layer keeps the dense step's rule (bit
+for bit up to four rows, oneDNN's sum order above). In float32 the paths differ by the order of
+sums in the norms and attention (float32 ulps), and such a difference can move an activation
+across a bf16 rounding boundary on its way into a quantized kernel: one bf16 ulp (2^-8 relative)
+of one of 64 inputs, about 1e-3 of an output at most, hence the float32 tolerance.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.quantization import kernels as K
+from pagedllm.quantization.methods import GroupCodesLinearMethod, finish_group_codes
+from pagedllm.quantization.native import load_quant_kernel
+from pagedllm.worker.native_decode import MAX_ROWS, NativeDecode, load_decode_kernel
+from test_native_decode import _both_paths, _decode_batch
+
+pytestmark = pytest.mark.skipif(
+    load_decode_kernel() is None or load_quant_kernel() is None or not load_decode_kernel().small_m_available() & 2,
+    reason="no C compiler or no AVX-512 BF16")
+
+SCHEMES = {
+    "int4": {"quantization": "int4", "quantization_group_size": 32},
+    "int8": {"quantization": "int8"},
+    "fp8": {"quantization": "fp8"},
+    "ffn-int4": {"quantization": "int4", "quantization_skip": "attention"},  # qkv and o stay dense
+}
+
+
+def _runner(model_dir: str, dtype: str, **kwargs):
+    llm = LLM(model=model_dir, dtype=dtype, num_kv_blocks=64, block_size=16, **kwargs)
+    return llm, llm.llm_engine.core.executor.runner
+
+
+def _check(runner, dtype: str, all_quantized: bool, rows_list=(1, 3, MAX_ROWS)) -> None:
+    for rows in rows_list:
+        batch = _decode_batch(runner, [5 + 29 * i % 90 for i in range(rows)], seed=rows)
+        (ref, ref_kv), (out, out_kv) = _both_paths(runner, batch)
+        assert out is not None and out.dtype == ref.dtype and out.shape == ref.shape
+        if dtype == "bfloat16" and (all_quantized or rows <= 4):
+            assert torch.equal(out, ref), rows
+            assert all(torch.equal(a, b) for a, b in zip(out_kv, ref_kv))
+        elif dtype == "bfloat16":  # dense layers above four rows: see test_native_decode.py
+            torch.testing.assert_close(out.float(), ref.float(), rtol=2**-5, atol=2**-5)
+        else:
+            torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3)
+            for a, b in zip(out_kv, ref_kv):
+                torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_quantized_step_matches_torch_path(scheme, dtype, tiny_model_dir, one_torch_thread):
+    llm, runner = _runner(tiny_model_dir, dtype, **SCHEMES[scheme])  # Qwen2: qkv has a bias
+    assert runner.native_decode is not None and runner.native_decode.quantized
+    _check(runner, dtype, all_quantized=scheme != "ffn-int4")
+
+
+def _refinish(lin, dtype: torch.dtype, bits: int, group: int, perm: torch.Tensor | None = None) -> None:
+    """Turn a dense linear layer into a pre-quantized one (as GGUF/AWQ/GPTQ load them): its weight
+    quantized to `bits`-bit group codes, in the input order `perm` where given (GPTQ act-order)."""
+    w = lin.weight.data.float()
+    del lin.weight
+    if perm is not None:
+        w = w[:, perm]
+    codes, scales, zeros = K.quantize_groupwise(w, group, bits)
+    method = GroupCodesLinearMethod("gguf", bits, group, act_order=perm is not None)
+    method.dtype = dtype
+    finish_group_codes(lin, codes, scales, zeros, bits=bits, dtype=dtype, perm=perm)
+    lin.quant_method = method
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_group_code_layouts_input_order_and_dense_layers_mixed(dtype, tiny_model_dir, one_torch_thread):
+    """4-bit codes with an act-order input order, 8-bit group codes (GGUF Q5/Q6/Q8's layout), 4-bit
+    codes in groups of 64 and dense layers, each linear layer on its own."""
+    llm, runner = _runner(tiny_model_dir, dtype)
+    model, tdt = runner.model, getattr(torch, dtype)
+    g = torch.Generator().manual_seed(0)
+    for i, layer in enumerate(model.layers):
+        a, mlp = layer.self_attn, layer.mlp
+        _refinish(a.qkv_proj, tdt, 4, 32, torch.randperm(a.qkv_proj.in_features, generator=g))
+        _refinish(mlp.gate_up_proj, tdt, 8, 32)
+        if i == 0:
+            _refinish(mlp.down_proj, tdt, 4, 64)  # o_proj, and layer 1's down_proj, stay dense
+    assert model.layers[0].mlp.gate_up_proj.kernel == "int8_group"
+    runner.native_decode = NativeDecode.create(model, runner.kv_caches, runner.dtype, runner.kv_dtype,
+                                               runner.block_size, None)
+    assert runner.native_decode is not None and runner.native_decode.quantized
+    _check(runner, dtype, all_quantized=False)
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_awq_gptq_folders_run_the_fused_step(method, tmp_path, one_torch_thread):
+    pytest.importorskip("auto_round_extension.torch.qlinear_torch_zp")
+    from test_quantized_checkpoints import _quantized_pair
+
+    qdir, _ = _quantized_pair(tmp_path, method)
+    llm, runner = _runner(qdir, "bfloat16")
+    assert runner.native_decode is not None and runner.native_decode.quantized
+    _check(runner, "bfloat16", all_quantized=True, rows_list=(1, 5))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_greedy_generation_is_the_same_with_and_without_the_fused_step(dtype, tiny_model_dir, one_torch_thread):
+    llm, runner = _runner(tiny_model_dir, dtype, **SCHEMES["int4"])
+    prompts = [{"prompt_token_ids": list(range(7, 7 + n))} for n in (3, 17, 40, 9, 33)]
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (30, 12, 25, 40, 8)]
+    fused = llm.generate(prompts, params, use_tqdm=False)
+    nd, runner.native_decode = runner.native_decode, None
+    plain = llm.generate(prompts, params, use_tqdm=False)
+    runner.native_decode = nd
+    assert [o.outputs[0].token_ids for o in fused] == [o.outputs[0].token_ids for o in plain]
+
+
+def test_w8a8_runs_the_torch_path_and_says_why(tiny_model_dir, one_torch_thread, caplog):
+    with caplog.at_level("INFO", logger="pagedllm.worker.native_decode"):
+        llm, runner = _runner(tiny_model_dir, "float32", quantization="w8a8")
+    assert runner.native_decode is None
+    assert "w8a8 linear layers" in caplog.text
