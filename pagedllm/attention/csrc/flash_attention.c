@@ -99,6 +99,7 @@ static inline __attribute__((always_inline)) void tile_rows(
         }
     }
     const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80); /* bf16 1.0 */
     uint32_t pb[RB][KT / 2] __attribute__((aligned(64)));
     float alpha[RB];
     for (int r = 0; r < RB; r++) {
@@ -130,11 +131,14 @@ static inline __attribute__((always_inline)) void tile_rows(
         }
         const __m512 mr = _mm512_set1_ps(m[r]), sc = _mm512_set1_ps(scale2);
         __m512 sum = _mm512_setzero_ps();
-        for (int v = 0; v < KT / 16; v++) {
-            const __m512 p = _mm512_maskz_mov_ps(vis[v], exp2_bf16(_mm512_fmsub_ps(s[r][v], sc, mr)));
-            const __m256bh pbf = _mm512_cvtneps_pbh(p);
-            _mm256_store_si256((__m256i *)(pb[r] + 8 * v), (__m256i)pbf);
-            sum = _mm512_add_ps(sum, bf16x16_load((const uint16_t *)(pb[r] + 8 * v)));
+        for (int v = 0; v < KT / 32; v++) {
+            /* 32 weights rounded to bf16 in key order (pairs of adjacent keys), summed by one
+             * vdpbf16ps against ones. */
+            const __m512 p0 = _mm512_maskz_mov_ps(vis[2 * v], exp2_bf16(_mm512_fmsub_ps(s[r][2 * v], sc, mr)));
+            const __m512 p1 = _mm512_maskz_mov_ps(vis[2 * v + 1], exp2_bf16(_mm512_fmsub_ps(s[r][2 * v + 1], sc, mr)));
+            const __m512bh pbf = _mm512_cvtne2ps_pbh(p1, p0);
+            _mm512_store_si512((void *)(pb[r] + 16 * v), (__m512i)pbf);
+            sum = _mm512_dpbf16_ps(sum, pbf, ones);
         }
         l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(sum);
     }
@@ -143,7 +147,10 @@ static inline __attribute__((always_inline)) void tile_rows(
         __m512 acc[RB][4];
         for (int r = 0; r < RB; r++) {
             const __m512 al = _mm512_set1_ps(alpha[r]);
-            for (int v = 0; v < CV; v++) acc[r][v] = _mm512_mul_ps(_mm512_loadu_ps(o + r * D + c0 + 16 * v), al);
+            for (int v = 0; v < CV; v++) {
+                acc[r][v] = _mm512_loadu_ps(o + r * D + c0 + 16 * v);
+                if (alpha[r] != 1.f) acc[r][v] = _mm512_mul_ps(acc[r][v], al);
+            }
         }
         for (int t = 0; t < KT / 2; t++) {
             __m512bh b[4];
