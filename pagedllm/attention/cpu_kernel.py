@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 _SRC = Path(__file__).parent / "csrc" / "paged_attention.c"
 ATTENTION_SRC = _SRC  # included by the fused decode step (pagedllm/worker/csrc/llama_decode.c)
 _SHARED_HEADER = Path(__file__).parent / "csrc" / "bf16.h"  # included by every native kernel
+_FLASH_SRC = Path(__file__).parent / "csrc" / "flash_attention.c"
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 # Query tokens of one request handled together by one work item (they share every K/V load).
 QUERY_TILE = 8
@@ -107,6 +108,42 @@ def load_kernel() -> ctypes.CDLL | None:
     f.argtypes = [p, i32, p, p, i32, p, p, i64, p, p, p, i64, p, i64, i64, i64, i64, f32, f32, i64]
     f.restype = None
     return lib
+
+
+@lru_cache(maxsize=1)
+def load_flash() -> ctypes.CDLL | None:
+    """The bf16 flash-attention kernel for long prompt chunks (flash_attention.c), or None where the
+    CPU lacks AVX-512 BF16, it cannot be built, or PAGEDLLM_NATIVE_FLASH=0."""
+    i64, p, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    return load_native(_FLASH_SRC, "PAGEDLLM_NATIVE_FLASH", {
+        "flash_prefill_bf16": ([p, i64, i64, i64, p, p, p, i64, i64, i64, i64, f32, i64, p], None)})
+
+
+def flash_supported(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether flash_prefill can run this chunk: bf16 queries and cache on CPU, head size a multiple
+    of 16 (and the kernel built)."""
+    return (q.dtype == torch.bfloat16 and kv_cache.dtype == torch.bfloat16 and q.device.type == "cpu"
+            and q.shape[-1] % 16 == 0 and load_flash() is not None)
+
+
+def flash_prefill(q: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor, query_start: int,
+                  query_len: int, seq_len: int, scale: float, sliding_window: int = 0) -> torch.Tensor:
+    """Attention of one prompt chunk (queries q[query_start : query_start + query_len], at positions
+    seq_len - query_len ..) over keys 0 .. seq_len - 1 of the paged bf16 cache, read through
+    `blocks` ([ceil(seq_len / block_size)] int64 block ids), causal, within `sliding_window` when
+    > 0. q: [T, H, D] bf16; kv_cache: [2, num_blocks, block_size, KVH, D] bf16. -> [query_len, H * D]."""
+    lib = load_flash()
+    if lib is None:
+        raise RuntimeError("the native flash kernel is not available on this machine")
+    q = q.contiguous()
+    _, H, D = q.shape
+    _, _, bs, kvh, _ = kv_cache.shape
+    blocks = blocks.to(torch.int64).contiguous()
+    out = torch.empty(query_len, H * D, dtype=q.dtype)
+    lib.flash_prefill_bf16(q.data_ptr(), query_start, query_len, seq_len, kv_cache[0].data_ptr(),
+                           kv_cache[1].data_ptr(), blocks.data_ptr(), bs, H, kvh, D, scale, sliding_window,
+                           out.data_ptr())
+    return out
 
 
 # Element-type codes of the kernel (see DT_* in paged_attention.c).

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention.cpu_kernel import FP8_DTYPES, paged_attention_native
+from pagedllm.attention.cpu_kernel import FP8_DTYPES, flash_prefill, flash_supported, paged_attention_native
 from pagedllm.attention.metadata import AttentionMetadata, DenseAttention
 
 
@@ -64,9 +64,25 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scal
 
 
 def dense_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, d: DenseAttention, scale: float, k_scale: float, v_scale: float
+    q: torch.Tensor, kv_cache: torch.Tensor, d: DenseAttention, scale: float, k_scale: float, v_scale: float,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
     """One long chunk: gather its context once, then fused flash attention (GEMM-shaped tiles).
+    -> [query_len, H * D].
+
+    bf16 queries over a bf16 cache take the native flash kernel instead (flash_attention.c:
+    vdpbf16ps for Q K^T and P V, reading the blocks in place), unless PAGEDLLM_NATIVE_FLASH=0;
+    `sliding_window` is the window it applies (the torch path reads it from d.mask).
+    """
+    if flash_supported(q, kv_cache):
+        return flash_prefill(q, kv_cache, d.blocks, d.query_start, d.query_len, d.seq_len, scale, sliding_window)
+    return dense_attention_sdpa(q, kv_cache, d, scale, k_scale, v_scale)
+
+
+def dense_attention_sdpa(
+    q: torch.Tensor, kv_cache: torch.Tensor, d: DenseAttention, scale: float, k_scale: float, v_scale: float
+) -> torch.Tensor:
+    """dense_attention through torch: the context gathered once, then torch's CPU flash attention.
     -> [query_len, H * D].
 
     The chunk's queries see the cached context [0, ctx0) fully and the chunk itself causally, so
@@ -114,7 +130,8 @@ def paged_attention(
             md.sliding_window, k_scale, v_scale,
         )
         for d in md.dense:
-            out[d.query_start : d.query_start + d.query_len] = dense_attention(q, kv_cache, d, scale, k_scale, v_scale)
+            out[d.query_start : d.query_start + d.query_len] = dense_attention(q, kv_cache, d, scale, k_scale, v_scale,
+                                                                                   md.sliding_window)
         return out
     T, H, D = q.shape
     kvh = k.shape[1]
