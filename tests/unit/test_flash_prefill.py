@@ -68,6 +68,20 @@ def test_flash_matches_fp32_dense(H, KVH, D, bs, ctx, n, window):
     torch.testing.assert_close(out.float(), ref, rtol=0, atol=TOL * vmax)
 
 
+def test_flash_reads_queries_in_place_from_a_wider_row():
+    """q as the model hands it over: a [T, H, D] view into the fused q|k|v rows (token stride wider
+    than H * D); the result equals the contiguous copy's exactly."""
+    H, KVH, D, bs, ctx, n = 9, 3, 64, 16, 40, 150
+    q, kv, blocks, seq_len = make_case(11, H, KVH, D, bs, ctx, n)
+    T = q.shape[0]
+    qkv = torch.randn(T, (H + 2 * KVH) * D).to(torch.bfloat16)
+    qkv[:, : H * D] = q.reshape(T, H * D)
+    view = qkv[:, : H * D].view(T, H, D)
+    assert not view.is_contiguous()
+    assert torch.equal(flash_prefill(view, kv, blocks, 3, n, seq_len, D**-0.5),
+                       flash_prefill(q, kv, blocks, 3, n, seq_len, D**-0.5))
+
+
 def test_dense_attention_takes_flash_for_bf16_and_agrees_with_torch_flash():
     H, KVH, D, bs, ctx, n = 9, 3, 64, 16, 200, 300
     q, kv, blocks, seq_len = make_case(7, H, KVH, D, bs, ctx, n, q_start=0)

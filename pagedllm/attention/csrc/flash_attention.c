@@ -29,7 +29,8 @@
  * 2 (2^-9 + 5e-5) (relative) of the exact one: |error| <= (2^-8 + 1e-4) max|v| before the final
  * rounding of the output to bfloat16.
  *
- * Layouts: q [*, H, D] (rows q_start ..), out [query_len, H, D], k_cache, v_cache
+ * Layouts: q [*, H, D] (rows q_start .., q_stride elements apart: a view into a wider row is read in
+ * place), out [query_len, H, D], k_cache, v_cache
  * [num_blocks, block_size, KVH, D], blocks [ceil(seq_len / block_size)] block ids.
  */
 #include <math.h>
@@ -188,7 +189,7 @@ static inline __attribute__((always_inline)) void work_item(
     }
 }
 
-void flash_prefill_bf16(const uint16_t *q, int64_t q_start, int64_t query_len, int64_t seq_len,
+void flash_prefill_bf16(const uint16_t *q, int64_t q_start, int64_t q_stride, int64_t query_len, int64_t seq_len,
                         const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *blocks, int64_t BS,
                         int64_t H, int64_t KVH, int64_t D, float scale, int64_t window, uint16_t *out) {
     const int64_t G = H / KVH, ctx0 = seq_len - query_len, stride = KVH * D;
@@ -222,7 +223,7 @@ void flash_prefill_bf16(const uint16_t *q, int64_t q_start, int64_t query_len, i
             int nrows = (int)(tn * G);
             for (int r = 0; r < nrows; r++) {
                 const int64_t tok = t0 + r / G, head = h * G + r % G;
-                qrow[r] = (const uint32_t *)(q + ((q_start + tok) * H + head) * D);
+                qrow[r] = (const uint32_t *)(q + (q_start + tok) * q_stride + head * D);
                 pos[r] = ctx0 + tok;
             }
             for (; nrows % RB; nrows++) qrow[nrows] = qrow[nrows - 1], pos[nrows] = pos[nrows - 1];
