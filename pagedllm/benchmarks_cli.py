@@ -171,7 +171,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         offline_ratios,
         run_offline_baseline,
         run_serve_bench,
-        serve_engine_args,
+        server_engine_args,
         serve_ratios,
     )
     from pagedllm.benchmarks.throughput import BackendUnavailable
@@ -183,6 +183,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.offline_baseline and "pagedllm" not in (args.launch or []):
         raise ValueError("--offline-baseline compares the pagedllm server it launches with the offline engine: "
                          f"pass --launch pagedllm (got {','.join(args.launch) if args.launch else '--base-url'})")
+    server_args = shlex.split(args.server_args or "")
+    if args.offline_baseline:
+        server_engine_args(args.model, server_args)  # a bad flag fails now, not after the server's runs
     reqs, info = build_workload(args, args.model)
     opts = {
         "model_name": args.served_model_name,
@@ -201,9 +204,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(format_serve_table(report))
         _write_json(report, args.output_json)
         return 0
-    server_args = shlex.split(args.server_args or "")
-    if args.offline_baseline:
-        server_engine_args(args.model, server_args)  # a bad flag fails now, not after the server's runs
     reports = []
     for kind in args.launch:  # one after the other on the same workload, never two at once
         try:

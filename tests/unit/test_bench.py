@@ -229,3 +229,12 @@ def test_offline_baseline_runs_the_servers_engine_flags_on_the_workload(tiny_mod
     off = run_offline_baseline(reqs, tiny_model_dir, flags)
     assert off["num_requests"] == 4 and off["output_tokens"] == sum(r.output_len for r in reqs)
     assert off["dtype"] == "float32" and off["output_tokens_per_s"] > 0 and off["engine_flags"].startswith("--dtype")
+
+
+def test_offline_baseline_needs_a_launched_pagedllm_server(capsys) -> None:
+    from pagedllm.entrypoints.cli import main
+
+    assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--offline-baseline"]) == 2
+    assert "--offline-baseline compares the pagedllm server" in capsys.readouterr().err
+    assert main(["bench", "serve", "--launch", "pagedllm", "--offline-baseline", "--server-args", "--dtype f13"]) == 2
+    assert "--server-args '--dtype f13'" in capsys.readouterr().err
