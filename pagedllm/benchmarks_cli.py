@@ -208,7 +208,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     for kind in args.launch:  # one after the other on the same workload, never two at once
         try:
             with LaunchedServer(kind, args.model, server_args, args.peers_venv, args.launch_timeout) as server:
-                reports.append(run_serve_bench(server.base_url, reqs, info, {**opts, "server_label": kind}, server))
+                label = args.label if args.label and len(args.launch) == 1 else kind
+                reports.append(run_serve_bench(server.base_url, reqs, info, {**opts, "server_label": label}, server))
         except LaunchError as exc:
             print(f"pagedllm bench serve: cannot launch {kind}: {exc}", file=sys.stderr)
             reports.append({"benchmark": "serve", "server": kind, "error": str(exc), "runs": []})
@@ -250,7 +251,8 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--model", default=None,
                    help="model for the launched server and for the vocabulary of random prompts (default: smollm2)")
     p.add_argument("--served-model-name", default=None, help="'model' field of requests (default: first of /v1/models)")
-    p.add_argument("--label", default=None, help="name of the server in the report (default: --launch or 'external')")
+    p.add_argument("--label", default=None, help="name of the server in the report (default: --launch or 'external'; "
+                        "ignored when --launch names two servers)")
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     p.add_argument("--request-rate", type=_rate_list, default=[float("inf")], metavar="R1,R2",
                    help="requests per second, Poisson arrivals; inf = all at once; a list runs one pass per rate")
