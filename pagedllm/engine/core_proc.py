@@ -4,6 +4,8 @@ It talks to the API server process over two ZeroMQ sockets (requests in, outputs
 MessagePack frames (engine/core_io.py). It ends when told to, when its parent dies (the kernel
 sends it SIGKILL, and it checks its parent besides) and on SIGTERM; SIGINT from a terminal is the
 parent's to handle. Any fault is reported to the front end as one DEAD message before exiting 1.
+Idle for a poll interval after steps, it trims the C heap (utils.trim_heap), so that its RSS is
+what it holds, not what a burst of differently shaped steps left free in the allocator.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.request import RequestStatus
 from pagedllm.core.scheduler_output import EngineCoreOutput
 from pagedllm.engine.core_io import Codec, EngineReady, MsgKind
+from pagedllm.utils import trim_heap
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +102,7 @@ def _loop(core: Any, inbox: zmq.Socket, outbox: zmq.Socket, codec: Codec, parent
     outbox.send(codec.encode(MsgKind.READY, EngineReady(core.num_blocks, os.getpid())))
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
+    stepped = False  # since the heap was last trimmed
     while True:
         busy = core.has_unfinished_requests()
         changed = False
@@ -106,6 +110,9 @@ def _loop(core: Any, inbox: zmq.Socket, outbox: zmq.Socket, codec: Codec, parent
             if os.getppid() != parent_pid:
                 logger.info("the API server process is gone; the engine core exits")
                 return
+            if stepped:  # idle for a poll interval after a burst: give its freed heap back
+                trim_heap()
+                stepped = False
             continue
         rejected: list[EngineCoreOutput] = []
         while True:  # every command that has arrived, then one step
@@ -131,6 +138,7 @@ def _loop(core: Any, inbox: zmq.Socket, outbox: zmq.Socket, codec: Codec, parent
             core.scheduler.check_integrity()
         if core.has_unfinished_requests():
             outputs, stats = core.step()
+            stepped = True
             wire = rejected + outputs
             outbox.send(codec.encode(MsgKind.OUTPUTS, EngineCoreOutputs(wire, stats)))
         elif changed:  # aborts while idle free blocks: the front end's gauges hear of it

@@ -227,3 +227,50 @@ def test_offline_generate_fails_for_a_request_whose_sampling_raises(tiny_model_d
     idle_and_clean(llm.llm_engine)
     assert not llm.llm_engine.output_processor.requests
     assert [o.outputs[0].token_ids for o in llm.generate(["a fox", "a dog"], greedy, use_tqdm=False)] == want
+
+
+def test_finished_requests_leave_nothing_behind(engine: LLMEngine, ae: AsyncLLMEngine) -> None:
+    """After bursts of requests that finish, get aborted mid-stream or end on a stop string (n = 1
+    and n = 2), every per-request table of the front end and the engine is empty, and the live
+    request objects do not grow from one burst to the next."""
+    import gc
+
+    from pagedllm.core.request import Request
+    from pagedllm.engine.output_processor import RequestState, SequenceState
+
+    def live() -> int:
+        gc.collect()
+        return sum(isinstance(o, (Request, RequestState, SequenceState)) for o in gc.get_objects())
+
+    async def burst(tag: str) -> None:
+        rng = random.Random(7)
+        tasks = []
+        for i in range(40):
+            kw = {"n": 2, "seed": i} if i % 5 == 0 else {"stop": ["e"]} if i % 5 == 1 else {}
+            task = asyncio.ensure_future(collect(ae, f"{tag}{i}", f"tale {i}", max_tokens=rng.randint(1, 12), **kw))
+            tasks.append(task)
+            if i % 3 == 0:
+                await asyncio.sleep(rng.choice([0, 0.002, 0.01]))
+                task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await wait_until(lambda: not engine.scheduler.has_unfinished_requests() and not ae.output_processor.requests)
+
+    def assert_empty() -> None:
+        s = engine.scheduler
+        assert not ae._streams and not ae.output_processor.requests and not ae.output_processor.seq_owner
+        assert not s.requests and not s._worker and not s._pending_forks and not s.kv.req_blocks
+        assert not s.kv._num_cached and not s.kv._cow and not s.kv.swapped_blocks
+        # The worker drops the rows of the last step's finished requests at its next step.
+        assert set(engine.executor.runner.requests) <= set(s._forget)
+
+    async def run() -> None:
+        await burst("a")
+        assert_empty()
+        after_one = live()
+        await burst("b")
+        await burst("c")
+        assert_empty()
+        assert live() <= after_one
+        assert not ae.errored
+
+    asyncio.run(run())

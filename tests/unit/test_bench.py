@@ -215,3 +215,26 @@ def test_bench_latency_per_dtype_with_peers(tiny_model_dir, tmp_path, capsys) ->
         # llama.cpp runs GGUF files only: a Hugging Face folder is skipped with the reason.
         assert not row["llama.cpp"]["ok"] and "GGUF" in row["llama.cpp"]["reason"]
     assert "weight roofline" in capsys.readouterr().out
+
+
+def test_offline_baseline_runs_the_servers_engine_flags_on_the_workload(tiny_model_dir) -> None:
+    from pagedllm.benchmarks.serve import run_offline_baseline, server_engine_args
+
+    flags = ["--dtype", "float32", "--max-num-seqs", "3", "--port", "9", "--api-key", "k", "--kv-cache-memory", "64MiB"]
+    ea = server_engine_args(tiny_model_dir, flags)  # server flags (--port, --api-key) are not the engine's
+    assert (ea.model, ea.dtype, ea.max_num_seqs, ea.kv_cache_memory) == (tiny_model_dir, "float32", 3, 64 << 20)
+    with pytest.raises(ValueError, match="--dtype"):
+        server_engine_args(None, ["--dtype", "float13"])
+    reqs = random_workload(4, (4, 8), (2, 5), VocabInfo(200, frozenset({0, 1, 2})), seed=0)
+    off = run_offline_baseline(reqs, tiny_model_dir, flags)
+    assert off["num_requests"] == 4 and off["output_tokens"] == sum(r.output_len for r in reqs)
+    assert off["dtype"] == "float32" and off["output_tokens_per_s"] > 0 and off["engine_flags"].startswith("--dtype")
+
+
+def test_offline_baseline_needs_a_launched_pagedllm_server(capsys) -> None:
+    from pagedllm.entrypoints.cli import main
+
+    assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--offline-baseline"]) == 2
+    assert "--offline-baseline compares the pagedllm server" in capsys.readouterr().err
+    assert main(["bench", "serve", "--launch", "pagedllm", "--offline-baseline", "--server-args", "--dtype f13"]) == 2
+    assert "--server-args '--dtype f13'" in capsys.readouterr().err

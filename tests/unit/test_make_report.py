@@ -3,6 +3,7 @@ when someone next regenerates docs/benchmarks.md)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -21,3 +22,32 @@ def test_report_renders_every_committed_result(tmp_path):
                           ("prefill.json", "## Long-context prefill")):
         if (ROOT / "benchmarks" / "results" / name).exists():
             assert heading in text, heading
+
+
+def _serve_run(rate: object, out_tps: float, out_tokens: int) -> dict:
+    q = {"mean": 10.0, "median": 9.0, "p90": 12.0, "p99": 15.0}
+    return {"request_rate": rate, "max_concurrency": None, "completed": 4, "failed": 0, "errors": [],
+            "request_throughput": 0.5, "output_throughput": out_tps, "output_tokens": out_tokens,
+            "ttft_ms": q, "tpot_ms": q, "itl_ms": q, "e2el_ms": q}
+
+
+def test_serve_section_shows_the_server_over_offline_ratio(tmp_path):
+    from pagedllm.benchmarks.serve import offline_ratios
+
+    report = {"benchmark": "serve", "server": "pagedllm", "base_url": "http://127.0.0.1:1", "served_model": "m",
+              "workload": {"num_requests": 4, "input_len_range": [32, 512], "output_len_range": [16, 256]},
+              "runs": [_serve_run(1.0, 45.0, 400), _serve_run("inf", 96.0, 400)],
+              "offline": {"dtype": "bfloat16", "elapsed_s": 4.0, "output_tokens": 400,
+                          "output_tokens_per_s": 100.0, "engine_flags": "--max-num-seqs 64"}}
+    report["offline_ratio"] = offline_ratios(report)
+    assert [r["output_throughput"] for r in report["offline_ratio"]] == [0.45, 0.96]
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "serve.json").write_text(json.dumps(report))
+    doc = tmp_path / "benchmarks.md"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "make_report.py"), "--results", str(results),
+                           "--doc", str(doc)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text = doc.read_text()
+    assert "100.0 output tok/s" in text and "`--max-num-seqs 64`" in text
+    assert "| inf | 0.96 | yes |" in text and "| 1.0 | 0.45 | yes |" in text
