@@ -13,6 +13,9 @@
  * rounds its result to bf16; RMSNorm normalizes in float32, rounds, then scales by the weight), so
  * the two paths agree to the last bit except for the order of sums inside GEMMs and reductions.
  *
+ * llama_decode_head runs the same step on to the LM head: the logits of the rows that sample and,
+ * for batches that sample greedily with nothing else, their argmax.
+ *
  * GEMMs are the small-M kernel of pagedllm/layers/csrc/small_m_gemm.c (included below), which
  * the torch path also uses for decode rows.
  */
@@ -39,6 +42,9 @@ typedef struct {
     const void *const *qkv_w, *const *qkv_b, *const *o_w, *const *o_b;
     const void *const *gate_up_w, *const *gate_up_b, *const *down_w, *const *down_b;
     void *const *k_cache, *const *v_cache; /* [num_blocks, block_size, num_kv_heads, head_dim] */
+    /* The LM head (llama_decode_head); NULL when the step ends at the final norm. */
+    const void *lm_head; /* [vocab, hidden] */
+    int64_t vocab;
 } LlamaDecodeModel;
 
 /* The value as stored in dtype dt, read back as float32 (rounds to bf16 for dt 1). */
@@ -151,3 +157,49 @@ int llama_decode_step(const LlamaDecodeModel *md, int64_t M, const int64_t *inpu
     return 0;
 }
 
+
+/* Index of the largest of n values (the first one on ties; the first NaN if there is one, as
+ * torch.argmax does). */
+static int64_t argmax_row(const void *v, int64_t n, int dt) {
+    int64_t best = 0;
+    float bv = -INFINITY;
+    for (int64_t i = 0; i < n; i++) {
+        const float x = ld(v, i, dt);
+        if (isnan(x)) return i;
+        if (x > bv) bv = x, best = i;
+    }
+    return best;
+}
+
+/*
+ * The decode step (arguments as llama_decode_step) on to the LM head, for the S rows sample_rows
+ * of the batch: logits [S, vocab] float32 (the LM head's result in dtype, widened, as the torch
+ * path's LMHead returns it) when logits is not NULL, and each row's argmax when tokens is not
+ * NULL. Returns 0, or 1 for a request the kernel does not take (nothing written anywhere).
+ */
+int llama_decode_head(const LlamaDecodeModel *md, int64_t M, const int64_t *input_ids, const int64_t *positions,
+                      const int64_t *slot_mapping, const int64_t *block_tables, int64_t bt_stride,
+                      const int64_t *seq_lens, int64_t S, const int64_t *sample_rows, float *logits,
+                      int64_t *tokens) {
+    const int dt = (int)md->dtype;
+    const int64_t Hd = md->hidden, V = md->vocab, es = dt == LD_F32 ? 4 : 2;
+    if (md->lm_head == NULL || V < 1 || S < 1 || S > M || M > MAX_ROWS) return 1;
+    for (int64_t s = 0; s < S; s++)
+        if (sample_rows[s] < 0 || sample_rows[s] >= M) return 1;
+    void *h = alloc(M * Hd * es), *hs = alloc(S * Hd * es);
+    /* float32 GEMMs write the logits in place; bf16 ones go through a bf16 buffer. */
+    void *y = dt == LD_F32 && logits != NULL ? (void *)logits : alloc(S * V * es);
+    const int rc = llama_decode_step(md, M, input_ids, positions, slot_mapping, block_tables, bt_stride, seq_lens, h);
+    if (rc == 0) {
+        for (int64_t s = 0; s < S; s++)
+            memcpy((char *)hs + s * Hd * es, (const char *)h + sample_rows[s] * Hd * es, (size_t)(Hd * es));
+        gemm(hs, S, md->lm_head, NULL, V, Hd, y, dt);
+        if (logits != NULL && y != (void *)logits)
+            for (int64_t i = 0; i < S * V; i++) logits[i] = ld(y, i, dt);
+        if (tokens != NULL)
+            for (int64_t s = 0; s < S; s++) tokens[s] = argmax_row((const char *)y + s * V * es, V, dt);
+    }
+    if (y != (void *)logits) free(y);
+    free(h), free(hs);
+    return rc;
+}
