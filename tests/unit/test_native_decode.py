@@ -225,3 +225,33 @@ def test_default_model_bf16_greedy_is_the_torch_paths(monkeypatch):
     assert [o.outputs[0].token_ids for o in fused] == [o.outputs[0].token_ids for o in plain]
     assert [o.outputs[0].text for o in fused] == [o.outputs[0].text for o in plain]
     assert set(calls) == {"tokens"}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_native_argmax_takes_the_first_of_tied_logits_and_a_nan_as_torch_does(dtype, tiny_llama_dir,
+                                                                              one_torch_thread):
+    _needs_bf16(dtype)
+    llm, runner = _runner(tiny_llama_dir, dtype)
+    nd, head = runner.native_decode, runner.model.lm_head.weight
+    batch = _decode_batch(runner, [9, 30, 17], seed=4)
+    args = (batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables, batch.seq_lens,
+            np.arange(3))
+    start = [kv.clone() for kv in runner.kv_caches]
+
+    def tokens_and_ref() -> tuple[list[int], list[int]]:
+        for kv, s in zip(runner.kv_caches, start):
+            kv.copy_(s)
+        logits = nd.run_head(*args, greedy=False)
+        for kv, s in zip(runner.kv_caches, start):
+            kv.copy_(s)
+        return nd.run_head(*args, greedy=True).tolist(), logits.argmax(dim=-1).tolist()
+
+    with torch.inference_mode():
+        row = head[7].clone()
+        head.zero_()  # every logit 0 but three equal ones: ties either way
+        head[7] = head[40] = head[300] = row
+        tokens, ref = tokens_and_ref()
+        assert tokens == ref and set(tokens) <= {0, 7}
+        head[200] = float("nan")  # NaN logits from 200 on: torch's argmax picks the first NaN
+        tokens, ref = tokens_and_ref()
+        assert tokens == ref == [200, 200, 200]

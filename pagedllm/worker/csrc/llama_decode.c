@@ -158,14 +158,25 @@ int llama_decode_step(const LlamaDecodeModel *md, int64_t M, const int64_t *inpu
 }
 
 
+/* Whether element i is a NaN, from its bits (the kernels build with -ffast-math, under which
+ * isnan() may fold to false). */
+static inline int is_nan(const void *v, int64_t i, int dt) {
+    if (dt == LD_F32) {
+        uint32_t u;
+        memcpy(&u, (const float *)v + i, 4);
+        return (u & 0x7fffffffu) > 0x7f800000u;
+    }
+    return (((const uint16_t *)v)[i] & 0x7fffu) > 0x7f80u;
+}
+
 /* Index of the largest of n values (the first one on ties; the first NaN if there is one, as
  * torch.argmax does). */
 static int64_t argmax_row(const void *v, int64_t n, int dt) {
     int64_t best = 0;
-    float bv = -INFINITY;
+    float bv = ld(v, 0, dt);
     for (int64_t i = 0; i < n; i++) {
+        if (is_nan(v, i, dt)) return i;
         const float x = ld(v, i, dt);
-        if (isnan(x)) return i;
         if (x > bv) bv = x, best = i;
     }
     return best;
