@@ -3,7 +3,10 @@
 A decode step of a small batch reads every weight once for a handful of rows; run as torch ops,
 its time is mostly per-op dispatch (about 80 ops per layer), not the weight reads. This runs the
 whole decoder stack for such a step in one C call over the model's own parameters and KV cache,
-in float32 or bfloat16, with the same paged attention kernel as every other step.
+in float32 or bfloat16, with the same paged attention kernel as every other step. Where the
+step's sampled rows are few (at most SMALL_M, where the torch path's LM head is the same small-M
+GEMM), the call goes on through the LM head: it returns those rows' logits, or, when every row
+samples greedily with nothing else to apply, their argmax, so that such a step runs no torch op.
 
 It applies to unquantized Llama-family models (Llama, Mistral, Qwen2) on one CPU rank, with a KV
 cache in the model dtype; every other step, and every other configuration, runs the torch path.

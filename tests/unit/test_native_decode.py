@@ -104,13 +104,15 @@ def test_generation_is_the_same_with_and_without_the_fused_step(tiny_model_dir, 
                 assert la[t].logprob == pytest.approx(lb[t].logprob, abs=1e-4)
 
 
-def test_declined_step_leaves_the_cache_untouched(tiny_model_dir, one_torch_thread):
+@pytest.mark.parametrize("head", [False, True])
+def test_declined_step_leaves_the_cache_untouched(head, tiny_model_dir, one_torch_thread):
     llm, runner = _runner(tiny_model_dir, "float32")
     batch = _decode_batch(runner, [10, 20], seed=1)
     batch.positions[1] = runner.model_config.max_model_len + 10_000  # past the RoPE table
     before = [kv.clone() for kv in runner.kv_caches]
-    assert runner.native_decode.run(batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables,
-                                    batch.seq_lens) is None
+    args = (batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables, batch.seq_lens)
+    nd = runner.native_decode
+    assert (nd.run_head(*args, np.asarray([0, 1]), greedy=True) if head else nd.run(*args)) is None
     assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches))
 
 
@@ -171,16 +173,6 @@ def test_step_on_to_the_lm_head_gives_the_lm_heads_logits(dtype, tiny_llama_dir,
         if dtype == "bfloat16":  # and, up to four rows, what the torch path's forward and head give
             (torch_hidden, _), _ = _both_paths(runner, batch)
             assert torch.equal(runner.model.compute_logits(torch_hidden[torch.tensor(sample)]), logits)
-
-
-def test_head_step_declines_like_the_step(tiny_model_dir, one_torch_thread):
-    llm, runner = _runner(tiny_model_dir, "float32")
-    batch = _decode_batch(runner, [10, 20], seed=1)
-    batch.positions[1] = runner.model_config.max_model_len + 10_000  # past the RoPE table
-    before = [kv.clone() for kv in runner.kv_caches]
-    assert runner.native_decode.run_head(batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables,
-                                         batch.seq_lens, np.asarray([0, 1]), greedy=True) is None
-    assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches))
 
 
 def _generate_both(llm, runner, prompts, params):
