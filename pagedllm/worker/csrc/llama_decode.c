@@ -158,28 +158,33 @@ int llama_decode_step(const LlamaDecodeModel *md, int64_t M, const int64_t *inpu
 }
 
 
-/* Whether element i is a NaN, from its bits (the kernels build with -ffast-math, under which
- * isnan() may fold to false). */
-static inline int is_nan(const void *v, int64_t i, int dt) {
-    if (dt == LD_F32) {
-        uint32_t u;
-        memcpy(&u, (const float *)v + i, 4);
-        return (u & 0x7fffffffu) > 0x7f800000u;
-    }
-    return (((const uint16_t *)v)[i] & 0x7fffu) > 0x7f80u;
-}
-
 /* Index of the largest of n values (the first one on ties; the first NaN if there is one, as
- * torch.argmax does). */
+ * torch.argmax does). One vectorizable pass finds the maximum and whether there is a NaN (from
+ * the bits: the kernels build with -ffast-math, under which isnan() may fold to false); a second
+ * pass finds where the maximum first occurs. */
 static int64_t argmax_row(const void *v, int64_t n, int dt) {
-    int64_t best = 0;
-    float bv = ld(v, 0, dt);
-    for (int64_t i = 0; i < n; i++) {
-        if (is_nan(v, i, dt)) return i;
-        const float x = ld(v, i, dt);
-        if (x > bv) bv = x, best = i;
+    const uint32_t *u32 = (const uint32_t *)v;
+    const uint16_t *u16 = (const uint16_t *)v;
+    int nan = 0;
+    float m = ld(v, 0, dt);
+    if (dt == LD_F32) {
+        const float *f = (const float *)v;
+        for (int64_t i = 0; i < n; i++) {
+            nan |= (u32[i] & 0x7fffffffu) > 0x7f800000u;
+            m = f[i] > m ? f[i] : m;
+        }
+    } else {
+        for (int64_t i = 0; i < n; i++) {
+            nan |= (u16[i] & 0x7fffu) > 0x7f80u;
+            const float x = bf16_to_f32(u16[i]);
+            m = x > m ? x : m;
+        }
     }
-    return best;
+    for (int64_t i = 0; i < n; i++) {
+        const int is_nan = dt == LD_F32 ? (u32[i] & 0x7fffffffu) > 0x7f800000u : (u16[i] & 0x7fffu) > 0x7f80u;
+        if (nan ? is_nan : ld(v, i, dt) == m) return i;
+    }
+    return 0;
 }
 
 /*
@@ -206,7 +211,7 @@ int llama_decode_head(const LlamaDecodeModel *md, int64_t M, const int64_t *inpu
             memcpy((char *)hs + s * Hd * es, (const char *)h + sample_rows[s] * Hd * es, (size_t)(Hd * es));
         gemm(hs, S, md->lm_head, NULL, V, Hd, y, dt);
         if (logits != NULL && y != (void *)logits)
-            for (int64_t i = 0; i < S * V; i++) logits[i] = ld(y, i, dt);
+            for (int64_t i = 0; i < S * V; i++) logits[i] = bf16_to_f32(((const uint16_t *)y)[i]);
         if (tokens != NULL)
             for (int64_t s = 0; s < S; s++) tokens[s] = argmax_row((const char *)y + s * V * es, V, dt);
     }
