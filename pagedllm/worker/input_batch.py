@@ -130,6 +130,8 @@ def _layout(
     gives the input ids of the flat tokens (request index and position of each)."""
     R = len(n)
     T = int(n.sum())
+    if T == R and R and not build_groups and dense_min_tokens != 1 and int(n.min()) == 1:
+        return _decode_layout(starts, total, table, token_ids, block_size)
     # query_start_loc: [2, 5, 3] -> [0, 2, 7, 10]
     qsl = np.zeros(R + 1, dtype=np.int64)
     np.cumsum(n, out=qsl[1:])
@@ -410,6 +412,40 @@ class InputBatch:
         return _layout(n, starts, self.num_tokens[rows], table, lambda req, pos: token_ids[rows[req], pos],
                        self.block_size, sliding_window, build_groups, query_tile, dense_min_tokens,
                        dense_min_pairs)
+
+
+def _decode_layout(
+    starts: np.ndarray,
+    total: np.ndarray,
+    table: np.ndarray,
+    token_ids: Callable[[np.ndarray, np.ndarray], np.ndarray],
+    block_size: int,
+) -> BatchArrays:
+    """`_layout` of a decode-only batch (one token per request, no groups, nothing dense), with
+    the general case's arrays written down directly: request i's token is flat row i, at
+    position starts[i]; one work item (i, 0, 1) per request."""
+    R = len(starts)
+    idx = np.arange(R + 1)
+    req = idx[:R]
+    positions = starts.copy()
+    seq_lens = starts + 1
+    work = np.zeros((R, 3), dtype=np.int64)
+    work[:, 0] = req
+    work[:, 2] = 1
+    sample_req = np.nonzero(seq_lens == total)[0]
+    return BatchArrays(
+        input_ids=token_ids(req, positions),
+        positions=positions,
+        slot_mapping=table[req, positions // block_size] * block_size + positions % block_size,
+        query_start_loc=idx,
+        seq_lens=seq_lens,
+        block_tables=table,
+        work=work,
+        dense=[],
+        groups=[],
+        sample_rows=sample_req,
+        sample_req_indices=sample_req,
+    )
 
 
 def _dense_chunk(

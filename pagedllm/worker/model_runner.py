@@ -28,7 +28,14 @@ from pagedllm.worker import device as dev
 from pagedllm.worker.cuda_graph import CudaGraphRunner
 from pagedllm.worker.input_batch import BatchArrays, InputBatch
 from pagedllm.worker.native_decode import NativeDecode
-from pagedllm.worker.sampler import Sampler, SamplingMetadata, compute_topk_logprobs, sample_isolating_faults
+from pagedllm.worker.sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingMetadata,
+    compute_topk_logprobs,
+    sample_isolating_faults,
+    sampler_fault_hook,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -491,6 +498,35 @@ class ModelRunner:
                 w.wait()
         return torch.cat(outs) if outs else None
 
+    def _native_head(self, so: SchedulerOutput, rows: np.ndarray,
+                     batch: BatchArrays) -> np.ndarray | torch.Tensor | None:
+        """This step through the native decode call on to the LM head, where it applies: the
+        sampled rows' token ids when they all sample greedily with no logits processing and no
+        logprobs (the sampler would take the argmax of the same logits), else their logits; None
+        where the step takes the usual path (the forward pass, then the LM head in torch).
+
+        It applies to decode-only steps the fused step takes, on one rank, with no forked samples
+        and no prompt logprobs (both need hidden states), whose sampled rows are few enough that
+        the torch path's LM head is the same GEMM."""
+        nd = self.native_decode
+        if (nd is None or self.cuda_graphs is not None or self.parallel.pp_size != 1 or so.forked_reqs
+                or not nd.applies(len(batch.input_ids), len(batch.seq_lens), bool(batch.dense))
+                or not nd.head_applies(len(batch.sample_rows))):
+            return None
+        ib = self.input_batch
+        if (ib.prompt_logprobs[rows] >= 0).any():
+            return None
+        sample_slots = rows[batch.sample_req_indices]
+        greedy = False
+        if sampler_fault_hook() is None:
+            try:
+                md = self._sampling_metadata(sample_slots, nd.vocab)
+            except Exception:  # the sampler reports it (and fails the row) from the logits
+                md = None
+            greedy = md is not None and md.all_greedy and md.max_num_logprobs is None and not md.needs_processing
+        return nd.run_head(batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables,
+                           batch.seq_lens, batch.sample_rows, greedy)
+
     def _sampling_metadata(self, rows: np.ndarray, vocab_size: int) -> SamplingMetadata:
         """Sampling tensors for these rows: the parameter part is reused while the same rows hold
         the same requests (a plain greedy batch then costs nothing per step)."""
@@ -511,9 +547,11 @@ class ModelRunner:
         rows = ib.rows_of(req_ids)
         counts = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
         batch = ib.prepare(rows, counts, self.model_config.sliding_window, **self.batch_options)
-        hidden = self._forward(rows, counts, batch)
+        # A small decode step may run on to the LM head (and the argmax) in one native call.
+        head = self._native_head(so, rows, batch)
+        hidden = self._forward(rows, counts, batch) if head is None else None
         forks = self._fork(so, rows)
-        if hidden is None:  # an earlier pipeline stage: the next stage carries on
+        if hidden is None and head is None:  # an earlier pipeline stage: the next stage carries on
             self._advance(rows, counts, forks)
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
 
@@ -532,12 +570,16 @@ class ModelRunner:
         result = None
         # Every tensor-parallel rank of the last stage computes logits (the vocabulary is split);
         # only the driver samples, and the others learn its tokens with the next step.
-        if len(sample_slots):
+        if isinstance(head, torch.Tensor):
+            logits = head
+        elif len(sample_slots) and head is None:
             rows_t = torch.from_numpy(sample_rows).to(self.device, non_blocking=True)
-            logits = self.model.compute_logits(hidden[rows_t])  # type: ignore[union-attr]
+            logits = self.model.compute_logits(hidden[rows_t])  # type: ignore[index, union-attr]
         # where each sampled row's request sits in out_ids: the scheduled ones, then the forks
         out_pos = batch.sample_req_indices.tolist() + list(range(len(req_ids), len(out_ids)))
-        if len(sample_slots) and self.parallel.is_driver:
+        if isinstance(head, np.ndarray):  # greedy rows, nothing else: the native call's argmax
+            result = SamplerOutput(torch.from_numpy(head), None, None, None)
+        elif len(sample_slots) and self.parallel.is_driver:
             # A row whose sampling raises fails its request alone; the others are sampled as usual.
             iso = sample_isolating_faults(
                 self.sampler, logits, lambda: [ib.sampling_row(int(i)) for i in sample_slots], self.device,

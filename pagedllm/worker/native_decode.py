@@ -3,7 +3,10 @@
 A decode step of a small batch reads every weight once for a handful of rows; run as torch ops,
 its time is mostly per-op dispatch (about 80 ops per layer), not the weight reads. This runs the
 whole decoder stack for such a step in one C call over the model's own parameters and KV cache,
-in float32 or bfloat16, with the same paged attention kernel as every other step.
+in float32 or bfloat16, with the same paged attention kernel as every other step. Where the
+step's sampled rows are few (at most SMALL_M, where the torch path's LM head is the same small-M
+GEMM), the call goes on through the LM head: it returns those rows' logits, or, when every row
+samples greedily with nothing else to apply, their argmax, so that such a step runs no torch op.
 
 It applies to Llama-family models (Llama, Mistral, Qwen2) on one CPU rank, with a KV cache in the
 model dtype, whose linear layers are each either dense in the model dtype or quantized in a layout
@@ -25,7 +28,7 @@ from torch import nn
 
 from pagedllm.attention.cpu_kernel import ATTENTION_SRC, load_native
 from pagedllm.layers.linear import UnquantizedLinearMethod
-from pagedllm.layers.native_linear import SMALL_M_SRC
+from pagedllm.layers.native_linear import SMALL_M, SMALL_M_SRC
 from pagedllm.quantization.native import QUANT_SRC
 
 logger = logging.getLogger(__name__)
@@ -61,6 +64,8 @@ class _Model(ctypes.Structure):
             "input_norm", "post_norm", "qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "gate_up_b", "down_w", "down_b",
             "k_cache", "v_cache")),
         *((name, ctypes.POINTER(_QuantLinear)) for name in ("qkv_q", "o_q", "gate_up_q", "down_q")),
+        # The LM head (llama_decode_head): NULL when the step ends at the final norm.
+        ("lm_head", _p), ("vocab", ctypes.c_int64),
     ]
 
 
@@ -70,6 +75,7 @@ def load_decode_kernel() -> ctypes.CDLL | None:
     return load_native(_SRC, "PAGEDLLM_NATIVE_DECODE", {
         "small_m_available": ([], ctypes.c_int),
         "llama_decode_step": ([ctypes.POINTER(_Model), i64, _p, _p, _p, _p, i64, _p, _p], ctypes.c_int),
+        "llama_decode_head": ([ctypes.POINTER(_Model), i64, _p, _p, _p, _p, i64, _p, i64, _p, _p, _p], ctypes.c_int),
     }, includes=(ATTENTION_SRC, SMALL_M_SRC, QUANT_SRC))
 
 
@@ -188,6 +194,13 @@ class NativeDecode:
             k_cache=ptrs([kv[0] for kv in kv_caches]), v_cache=ptrs([kv[1] for kv in kv_caches]),
             qkv_q=qkv_q, o_q=o_q, gate_up_q=gu_q, down_q=down_q,
         )
+        head = model.lm_head.weight
+        # The step can end with the LM head where the torch path's head is the same small-M GEMM.
+        self.has_head = (head.dtype == dtype and head.is_contiguous() and head.dim() == 2
+                         and head.shape == (model.lm_head.vocab_size, self.hidden))
+        if self.has_head:
+            self.model.lm_head, self.model.vocab = head.data_ptr(), head.shape[0]
+            self.vocab = int(head.shape[0])
         # Everything the struct points at must stay alive and in place.
         self._keep.extend([model, kv_caches, rotary.cos, rotary.sin])
 
@@ -224,10 +237,46 @@ class NativeDecode:
         """Final normed hidden states [M, hidden], or None when the kernel declines the step (then
         the KV cache is untouched and the torch path runs it)."""
         M = len(input_ids)
-        arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (input_ids, positions, slot_mapping, seq_lens)]
-        table = np.ascontiguousarray(block_tables, dtype=np.int64)
         out = torch.empty(M, self.hidden, dtype=self.dtype)
-        rc = self.lib.llama_decode_step(
-            ctypes.byref(self.model), M, arrays[0].ctypes.data, arrays[1].ctypes.data, arrays[2].ctypes.data,
-            table.ctypes.data, table.shape[1], arrays[3].ctypes.data, out.data_ptr())
+        arrays = _step_arrays(input_ids, positions, slot_mapping, block_tables, seq_lens)
+        rc = self.lib.llama_decode_step(ctypes.byref(self.model), M, *_pointers(arrays), out.data_ptr())
         return out if rc == 0 else None
+
+    def head_applies(self, num_sample_rows: int) -> bool:
+        """Whether `run_head` can end this step: the LM head is bound and the torch path would
+        compute these rows' logits with the same GEMM (at most SMALL_M rows)."""
+        return self.has_head and 0 < num_sample_rows <= SMALL_M
+
+    def run_head(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
+                 block_tables: np.ndarray, seq_lens: np.ndarray, sample_rows: np.ndarray,
+                 greedy: bool) -> np.ndarray | torch.Tensor | None:
+        """The step on to the LM head for the batch rows `sample_rows`: their argmax token ids [S]
+        (int64) when `greedy`, else their float32 logits [S, vocab], equal to what the torch path's
+        LM head gives for the same hidden states. None when the kernel declines the step (then
+        the KV cache is untouched and the torch path runs it)."""
+        arrays = _step_arrays(input_ids, positions, slot_mapping, block_tables, seq_lens)
+        rows = np.ascontiguousarray(sample_rows, dtype=np.int64)
+        S = len(rows)
+        tokens = np.empty(S, dtype=np.int64) if greedy else None
+        logits = None if greedy else torch.empty(S, self.vocab, dtype=torch.float32)
+        rc = self.lib.llama_decode_head(
+            ctypes.byref(self.model), len(input_ids), *_pointers(arrays), S, rows.ctypes.data,
+            None if logits is None else logits.data_ptr(), None if tokens is None else tokens.ctypes.data)
+        if rc != 0:
+            return None
+        return tokens if greedy else logits
+
+
+def _step_arrays(input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
+                 block_tables: np.ndarray, seq_lens: np.ndarray) -> list[np.ndarray]:
+    """The step's arrays as contiguous int64 (the batch's arrays already are: no copy then); the
+    caller keeps them alive over the C call."""
+    return [np.ascontiguousarray(a, dtype=np.int64) for a in (input_ids, positions, slot_mapping, block_tables,
+                                                              seq_lens)]
+
+
+def _pointers(arrays: list[np.ndarray]) -> tuple[int, ...]:
+    """(input_ids, positions, slot_mapping, block_tables, block table stride, seq_lens): the C
+    functions' argument order."""
+    ids, pos, slots, table, lens = arrays
+    return ids.ctypes.data, pos.ctypes.data, slots.ctypes.data, table.ctypes.data, table.shape[1], lens.ctypes.data

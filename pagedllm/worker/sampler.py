@@ -71,6 +71,12 @@ def parse_sampler_fault(value: str | None) -> tuple[int, int] | None:
 _FAULT = parse_sampler_fault(os.environ.get(SAMPLER_FAULT_ENV))
 
 
+def sampler_fault_hook() -> tuple[int, int] | None:
+    """The PAGEDLLM_TEST_SAMPLER_FAULT test hook's (seed, after), or None when it is off (steps
+    then need not build SamplingRows)."""
+    return _FAULT
+
+
 def _tensor(values: object, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list as a tensor on `device`; the copy to a GPU is queued, not waited for (the host
     list is staged before this returns), so building a step's metadata never waits for the

@@ -179,3 +179,21 @@ def test_reused_static_metadata_tracks_tokens() -> None:
     logits[0, 9] = 1.5  # penalised by 2 x 1.0 below token 1's 0.1
     logits[0, 1] = 0.1
     assert Sampler()(logits, md).sampled_token_ids.tolist() == [1]
+
+
+@pytest.mark.parametrize("query_tile", [1, 8])
+def test_decode_only_layout_is_the_general_one(query_tile: int) -> None:
+    """A decode-only step takes a shortcut in the layout; it must give the general layout's arrays
+    (which a dense threshold of one token, with a pair threshold no request reaches, forces)."""
+    rng = random.Random(5)
+    states = []
+    for i in range(7):
+        n = rng.randint(1, 40)
+        done = n - rng.choice([1, 1, 2])  # some requests still have a prompt token after this one
+        states.append(RequestState(f"r{i}", list(range(100 + i, 100 + i + n)), max(done, 1), list(range(i * 12, i * 12 + 11)),
+                                   done, SamplingParams()))
+    fast = build_batch(states, [1] * len(states), BS, None, build_groups=False, query_tile=query_tile)
+    general = build_batch(states, [1] * len(states), BS, None, build_groups=False, query_tile=query_tile,
+                          dense_min_tokens=1, dense_min_pairs=1 << 40)
+    assert_same_batch(fast, general)
+    assert len(fast.sample_rows) < len(states)  # both kinds of rows are in the batch

@@ -104,13 +104,15 @@ def test_generation_is_the_same_with_and_without_the_fused_step(tiny_model_dir, 
                 assert la[t].logprob == pytest.approx(lb[t].logprob, abs=1e-4)
 
 
-def test_declined_step_leaves_the_cache_untouched(tiny_model_dir, one_torch_thread):
+@pytest.mark.parametrize("head", [False, True])
+def test_declined_step_leaves_the_cache_untouched(head, tiny_model_dir, one_torch_thread):
     llm, runner = _runner(tiny_model_dir, "float32")
     batch = _decode_batch(runner, [10, 20], seed=1)
     batch.positions[1] = runner.model_config.max_model_len + 10_000  # past the RoPE table
     before = [kv.clone() for kv in runner.kv_caches]
-    assert runner.native_decode.run(batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables,
-                                    batch.seq_lens) is None
+    args = (batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables, batch.seq_lens)
+    nd = runner.native_decode
+    assert (nd.run_head(*args, np.asarray([0, 1]), greedy=True) if head else nd.run(*args)) is None
     assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches))
 
 
@@ -131,3 +133,117 @@ def test_switch_off(tiny_model_dir, monkeypatch, one_torch_thread):
         assert llm.llm_engine.core.executor.runner.native_decode is None
     finally:
         load_decode_kernel.cache_clear()
+
+
+def _head_calls(runner, monkeypatch) -> list[str]:
+    """Records what each native LM-head step returned: "tokens", "logits" or "declined"."""
+    calls: list[str] = []
+    run_head = runner.native_decode.run_head
+
+    def spy(*args, **kwargs):
+        out = run_head(*args, **kwargs)
+        calls.append("declined" if out is None else "tokens" if isinstance(out, np.ndarray) else "logits")
+        return out
+
+    monkeypatch.setattr(runner.native_decode, "run_head", spy)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_step_on_to_the_lm_head_gives_the_lm_heads_logits(dtype, tiny_llama_dir, one_torch_thread):
+    _needs_bf16(dtype)
+    llm, runner = _runner(tiny_llama_dir, dtype)
+    nd = runner.native_decode
+    assert nd.has_head
+    for rows, sample in ((1, [0]), (3, [2, 0]), (4, [0, 1, 2, 3])):
+        batch = _decode_batch(runner, [7 + 23 * i % 70 for i in range(rows)], seed=10 + rows)
+        start = [kv.clone() for kv in runner.kv_caches]
+        args = (batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables, batch.seq_lens)
+        with torch.inference_mode():
+            hidden = nd.run(*args)
+            ref = runner.model.compute_logits(hidden[torch.tensor(sample)])
+        for kv, s in zip(runner.kv_caches, start):
+            kv.copy_(s)
+        logits = nd.run_head(*args, np.asarray(sample), greedy=False)
+        for kv, s in zip(runner.kv_caches, start):
+            kv.copy_(s)
+        tokens = nd.run_head(*args, np.asarray(sample), greedy=True)
+        assert logits.dtype == torch.float32 and torch.equal(logits, ref)
+        assert tokens.tolist() == ref.argmax(dim=-1).tolist()
+        if dtype == "bfloat16":  # and, up to four rows, what the torch path's forward and head give
+            (torch_hidden, _), _ = _both_paths(runner, batch)
+            assert torch.equal(runner.model.compute_logits(torch_hidden[torch.tensor(sample)]), logits)
+
+
+def _generate_both(llm, runner, prompts, params):
+    fused = llm.generate(prompts, params, use_tqdm=False)
+    nd, runner.native_decode = runner.native_decode, None
+    try:
+        plain = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        runner.native_decode = nd
+    return fused, plain
+
+
+def test_bf16_generation_through_the_head_step_is_the_torch_paths(tiny_llama_dir, monkeypatch, one_torch_thread):
+    """Greedy rows get their tokens from the native argmax; a batch with a seeded random row, a
+    penalty or logprobs gets logits from the same call and samples in torch: every token and
+    logprob is the torch path's (bf16, at most four rows: bit for bit)."""
+    _needs_bf16("bfloat16")
+    llm, runner = _runner(tiny_llama_dir, "bfloat16")
+    calls = _head_calls(runner, monkeypatch)
+    prompts = [{"prompt_token_ids": list(range(11, 11 + n))} for n in (5, 19, 33)]
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    fused, plain = _generate_both(llm, runner, prompts, greedy)
+    assert [o.outputs[0].token_ids for o in fused] == [o.outputs[0].token_ids for o in plain]
+    assert calls and set(calls) == {"tokens"}
+    calls.clear()
+    mixed = [greedy, SamplingParams(max_tokens=20, temperature=0.8, seed=5, ignore_eos=True, logprobs=3),
+             SamplingParams(max_tokens=16, temperature=0, repetition_penalty=1.3, ignore_eos=True)]
+    fused, plain = _generate_both(llm, runner, prompts, mixed)
+    for a, b in zip(fused, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+    assert "logits" in calls and "declined" not in calls
+
+
+def test_default_model_bf16_greedy_is_the_torch_paths(monkeypatch):
+    _needs_bf16("bfloat16")
+    llm = LLM(dtype="bfloat16", num_kv_blocks=64, enable_prefix_caching=False)
+    runner = llm.llm_engine.core.executor.runner
+    calls = _head_calls(runner, monkeypatch)
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+    fused, plain = _generate_both(llm, runner, prompts, SamplingParams(max_tokens=24, temperature=0))
+    assert [o.outputs[0].token_ids for o in fused] == [o.outputs[0].token_ids for o in plain]
+    assert [o.outputs[0].text for o in fused] == [o.outputs[0].text for o in plain]
+    assert set(calls) == {"tokens"}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_native_argmax_takes_the_first_of_tied_logits_and_a_nan_as_torch_does(dtype, tiny_llama_dir,
+                                                                              one_torch_thread):
+    _needs_bf16(dtype)
+    llm, runner = _runner(tiny_llama_dir, dtype)
+    nd, head = runner.native_decode, runner.model.lm_head.weight
+    batch = _decode_batch(runner, [9, 30, 17], seed=4)
+    args = (batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables, batch.seq_lens,
+            np.arange(3))
+    start = [kv.clone() for kv in runner.kv_caches]
+
+    def tokens_and_ref() -> tuple[list[int], list[int]]:
+        for kv, s in zip(runner.kv_caches, start):
+            kv.copy_(s)
+        logits = nd.run_head(*args, greedy=False)
+        for kv, s in zip(runner.kv_caches, start):
+            kv.copy_(s)
+        return nd.run_head(*args, greedy=True).tolist(), logits.argmax(dim=-1).tolist()
+
+    with torch.inference_mode():
+        row = head[7].clone()
+        head.zero_()  # every logit 0 but three equal ones: ties either way
+        head[7] = head[40] = head[300] = row
+        tokens, ref = tokens_and_ref()
+        assert tokens == ref and set(tokens) <= {0, 7}
+        head[200] = float("nan")  # NaN logits from 200 on: torch's argmax picks the first NaN
+        tokens, ref = tokens_and_ref()
+        assert tokens == ref == [200, 200, 200]

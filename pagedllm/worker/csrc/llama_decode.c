@@ -13,6 +13,9 @@
  * rounds its result to bf16; RMSNorm normalizes in float32, rounds, then scales by the weight), so
  * the two paths agree to the last bit except for the order of sums inside GEMMs and reductions.
  *
+ * llama_decode_head runs the same step on to the LM head: the logits of the rows that sample and,
+ * for batches that sample greedily with nothing else, their argmax.
+ *
  * GEMMs are the small-M kernel of pagedllm/layers/csrc/small_m_gemm.c (included below), which
  * the torch path also uses for decode rows. Each of a layer's four linear layers may instead be
  * quantized (4-bit group codes of int4 / GGUF / AWQ / GPTQ, int8 codes, fp8 e4m3): then it runs
@@ -67,6 +70,9 @@ typedef struct {
     void *const *k_cache, *const *v_cache; /* [num_blocks, block_size, num_kv_heads, head_dim] */
     /* Per layer, [num_layers] arrays of descriptors of the four linear layers; NULL: all dense. */
     const QuantLinear *qkv_q, *o_q, *gate_up_q, *down_q;
+    /* The LM head (llama_decode_head); NULL when the step ends at the final norm. */
+    const void *lm_head; /* [vocab, hidden] */
+    int64_t vocab;
 } LlamaDecodeModel;
 
 /* The value as stored in dtype dt, read back as float32 (rounds to bf16 for dt 1). */
@@ -232,3 +238,65 @@ int llama_decode_step(const LlamaDecodeModel *md, int64_t M, const int64_t *inpu
     return 0;
 }
 
+
+/* Index of the largest of n values (the first one on ties; the first NaN if there is one, as
+ * torch.argmax does). One vectorizable pass finds the maximum and whether there is a NaN (from
+ * the bits: the kernels build with -ffast-math, under which isnan() may fold to false); a second
+ * pass finds where the maximum first occurs. */
+static int64_t argmax_row(const void *v, int64_t n, int dt) {
+    const uint32_t *u32 = (const uint32_t *)v;
+    const uint16_t *u16 = (const uint16_t *)v;
+    int nan = 0;
+    float m = ld(v, 0, dt);
+    if (dt == LD_F32) {
+        const float *f = (const float *)v;
+        for (int64_t i = 0; i < n; i++) {
+            nan |= (u32[i] & 0x7fffffffu) > 0x7f800000u;
+            m = f[i] > m ? f[i] : m;
+        }
+    } else {
+        for (int64_t i = 0; i < n; i++) {
+            nan |= (u16[i] & 0x7fffu) > 0x7f80u;
+            const float x = bf16_to_f32(u16[i]);
+            m = x > m ? x : m;
+        }
+    }
+    for (int64_t i = 0; i < n; i++) {
+        const int is_nan = dt == LD_F32 ? (u32[i] & 0x7fffffffu) > 0x7f800000u : (u16[i] & 0x7fffu) > 0x7f80u;
+        if (nan ? is_nan : ld(v, i, dt) == m) return i;
+    }
+    return 0;
+}
+
+/*
+ * The decode step (arguments as llama_decode_step) on to the LM head, for the S rows sample_rows
+ * of the batch: logits [S, vocab] float32 (the LM head's result in dtype, widened, as the torch
+ * path's LMHead returns it) when logits is not NULL, and each row's argmax when tokens is not
+ * NULL. Returns 0, or 1 for a request the kernel does not take (nothing written anywhere).
+ */
+int llama_decode_head(const LlamaDecodeModel *md, int64_t M, const int64_t *input_ids, const int64_t *positions,
+                      const int64_t *slot_mapping, const int64_t *block_tables, int64_t bt_stride,
+                      const int64_t *seq_lens, int64_t S, const int64_t *sample_rows, float *logits,
+                      int64_t *tokens) {
+    const int dt = (int)md->dtype;
+    const int64_t Hd = md->hidden, V = md->vocab, es = dt == LD_F32 ? 4 : 2;
+    if (md->lm_head == NULL || V < 1 || S < 1 || S > M || M > MAX_ROWS) return 1;
+    for (int64_t s = 0; s < S; s++)
+        if (sample_rows[s] < 0 || sample_rows[s] >= M) return 1;
+    void *h = alloc(M * Hd * es), *hs = alloc(S * Hd * es);
+    /* float32 GEMMs write the logits in place; bf16 ones go through a bf16 buffer. */
+    void *y = dt == LD_F32 && logits != NULL ? (void *)logits : alloc(S * V * es);
+    const int rc = llama_decode_step(md, M, input_ids, positions, slot_mapping, block_tables, bt_stride, seq_lens, h);
+    if (rc == 0) {
+        for (int64_t s = 0; s < S; s++)
+            memcpy((char *)hs + s * Hd * es, (const char *)h + sample_rows[s] * Hd * es, (size_t)(Hd * es));
+        gemm(hs, S, md->lm_head, NULL, V, Hd, y, dt);
+        if (logits != NULL && y != (void *)logits)
+            for (int64_t i = 0; i < S * V; i++) logits[i] = bf16_to_f32(((const uint16_t *)y)[i]);
+        if (tokens != NULL)
+            for (int64_t s = 0; s < S; s++) tokens[s] = argmax_row((const char *)y + s * V * es, V, dt);
+    }
+    if (y != (void *)logits) free(y);
+    free(h), free(hs);
+    return rc;
+}
