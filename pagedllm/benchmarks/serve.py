@@ -262,6 +262,18 @@ class LaunchedServer:
 
 # ---- the benchmark --------------------------------------------------------------------------
 
+def rate_variant(reqs: list[BenchRequest], index: int) -> list[BenchRequest]:
+    """The workload for the index-th request rate: the same lengths, with each prompt's first token
+    moved by `index` (within the ids the workload already uses), so that no prompt shares a cached
+    prefix block with the runs at earlier rates on the same server (either engine's prefix cache
+    would otherwise serve the later rates' prompts from memory)."""
+    if index == 0:
+        return reqs
+    span = max(max(r.prompt_token_ids, default=0) for r in reqs) + 1
+    return [BenchRequest([(r.prompt_token_ids[0] + index) % span, *r.prompt_token_ids[1:]] if r.prompt_token_ids
+                         else r.prompt_token_ids, r.output_len) for r in reqs]
+
+
 def run_serve_bench(base_url: str, reqs: list[BenchRequest], workload_info: dict[str, Any],
                     opts: dict[str, Any], server: LaunchedServer | None = None) -> dict[str, Any]:
     """One run per request rate on the same workload; returns the JSON-able report."""
@@ -272,9 +284,9 @@ def run_serve_bench(base_url: str, reqs: list[BenchRequest], workload_info: dict
         asyncio.run(run_load(base_url, model, warm, float("inf"), None, 0, opts.get("api_key"),
                              opts["request_timeout"], "warm-up"))
     runs = []
-    for rate in opts["request_rates"]:
+    for i, rate in enumerate(opts["request_rates"]):
         results, duration = asyncio.run(run_load(
-            base_url, model, reqs, rate, opts.get("max_concurrency"), opts["seed"], opts.get("api_key"),
+            base_url, model, rate_variant(reqs, i), rate, opts.get("max_concurrency"), opts["seed"], opts.get("api_key"),
             opts["request_timeout"], f"rate {rate:g}/s"))
         m = compute_metrics(results, duration, opts.get("slo_ttft_ms"), opts.get("slo_tpot_ms"))
         m["request_rate"] = rate if rate != float("inf") else "inf"

@@ -238,3 +238,19 @@ def test_offline_baseline_needs_a_launched_pagedllm_server(capsys) -> None:
     assert "--offline-baseline compares the pagedllm server" in capsys.readouterr().err
     assert main(["bench", "serve", "--launch", "pagedllm", "--offline-baseline", "--server-args", "--dtype f13"]) == 2
     assert "--server-args '--dtype f13'" in capsys.readouterr().err
+
+
+def test_each_request_rate_gets_prompts_with_no_cached_prefix_from_earlier_rates():
+    from pagedllm.benchmarks.serve import rate_variant
+    from pagedllm.benchmarks.workloads import BenchRequest
+
+    reqs = [BenchRequest([5, 1, 2, 3], 7), BenchRequest([0, 9], 3), BenchRequest([], 2)]
+    assert rate_variant(reqs, 0) is reqs
+    seen = [[r.prompt_token_ids[:1] for r in rate_variant(reqs, i)] for i in range(3)]
+    for i in range(3):
+        v = rate_variant(reqs, i)
+        assert [(len(r.prompt_token_ids), r.output_len) for r in v] == [(4, 7), (2, 3), (0, 2)]
+        assert all(r.prompt_token_ids[1:] == o.prompt_token_ids[1:] for r, o in zip(v, reqs))
+        assert all(0 <= t < 10 for r in v for t in r.prompt_token_ids)
+    # every prompt's first block differs between rates
+    assert all(seen[i][j] != seen[k][j] for j in range(2) for i in range(3) for k in range(i))
