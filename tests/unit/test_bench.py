@@ -211,7 +211,9 @@ def test_bench_latency_per_dtype_with_peers(tiny_model_dir, tmp_path, capsys) ->
     for row in report["runs"]:
         assert row["pagedllm"]["model"]["dtype"] == row["dtype"]
         assert 0 < row["pagedllm"]["decode_weight_fraction_of_peak_bw"]
-        assert row["hf"]["ok"] and row["hf"]["pagedllm_decode_speedup"] > 0
+        # A 4-token decode of a tiny model can be too short to time: then the ratio is None ('-').
+        assert row["hf"]["ok"] and row["hf"]["pagedllm_prefill_speedup"] > 0
+        assert row["hf"]["pagedllm_decode_speedup"] is None or row["hf"]["pagedllm_decode_speedup"] > 0
         # llama.cpp runs GGUF files only: a Hugging Face folder is skipped with the reason.
         assert not row["llama.cpp"]["ok"] and "GGUF" in row["llama.cpp"]["reason"]
     assert "weight roofline" in capsys.readouterr().out
