@@ -125,11 +125,23 @@ def load_flash() -> ctypes.CDLL | None:
         "flash_prefill_bf16": ([p, i64, i64, i64, i64, p, p, p, i64, i64, i64, i64, f32, i64, p], None)})
 
 
+def flash_runs(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether flash_prefill runs chunks of these queries and cache on the CPU: bf16 both, head
+    size a multiple of 16 (and the kernel built)."""
+    return dtype == torch.bfloat16 and kv_dtype == torch.bfloat16 and head_dim % 16 == 0 and load_flash() is not None
+
+
+def dense_thresholds(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> tuple[int, int]:
+    """(tokens, query-key pairs) from which a prompt chunk on the CPU attends densely: with the flash
+    kernel, every chunk of FLASH_MIN_TOKENS+ tokens; otherwise torch's flash for long chunks only."""
+    if flash_runs(dtype, kv_dtype, head_dim):
+        return FLASH_MIN_TOKENS, 0
+    return DENSE_MIN_TOKENS, DENSE_MIN_PAIRS
+
+
 def flash_supported(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """Whether flash_prefill can run this chunk: bf16 queries and cache on CPU, head size a multiple
-    of 16 (and the kernel built)."""
-    return (q.dtype == torch.bfloat16 and kv_cache.dtype == torch.bfloat16 and q.device.type == "cpu"
-            and q.shape[-1] % 16 == 0 and load_flash() is not None)
+    """Whether flash_prefill can run this chunk (CPU tensors; see flash_runs)."""
+    return q.device.type == "cpu" and flash_runs(q.dtype, kv_cache.dtype, q.shape[-1])
 
 
 def flash_prefill(q: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor, query_start: int,

@@ -15,7 +15,7 @@ import psutil
 import torch
 
 from pagedllm.attention.backend import TritonAttentionBackend, select_attention_backend
-from pagedllm.attention.cpu_kernel import DENSE_MIN_PAIRS, DENSE_MIN_TOKENS, FLASH_MIN_TOKENS, load_flash
+from pagedllm.attention.cpu_kernel import dense_thresholds
 from pagedllm.attention.metadata import AttentionGroup, AttentionMetadata, DenseAttention, ForwardContext
 from pagedllm.config import CacheConfig, DeviceConfig, ModelConfig
 from pagedllm.distributed.parallel_state import ParallelContext
@@ -120,17 +120,15 @@ class ModelRunner:
             num_queries_per_kv=model_config.num_heads // model_config.num_kv_heads)
         self.forward_context = ForwardContext()
         # How the input batch lays out attention work for this backend (fixed once it is chosen):
-        # long prompt chunks with at least DENSE_MIN_PAIRS query-key pairs attend densely (torch's
-        # flash attention); in bf16 over a bf16 cache every chunk of FLASH_MIN_TOKENS+ tokens does
-        # (the native flash kernel beats the paged kernel's prompt path from there on).
-        flash = (self.attn_backend.native is not None and self.dtype == torch.bfloat16
-                 and self.kv_dtype == torch.bfloat16 and not self.is_cuda and load_flash() is not None)
+        # with the native CPU kernel, prompt chunks past dense_thresholds attend densely (the
+        # native bf16 flash kernel, or torch's flash attention for long chunks).
+        dense_tokens, dense_pairs = (dense_thresholds(self.dtype, self.kv_dtype, model_config.head_dim)
+                                     if self.attn_backend.native is not None else (0, 0))
         self.batch_options: dict[str, Any] = {
             "build_groups": self.attn_backend.needs_groups,
             "query_tile": self.attn_backend.query_tile,
-            "dense_min_tokens": (FLASH_MIN_TOKENS if flash else DENSE_MIN_TOKENS)
-            if self.attn_backend.native is not None else 0,
-            "dense_min_pairs": 0 if flash else DENSE_MIN_PAIRS,
+            "dense_min_tokens": dense_tokens,
+            "dense_min_pairs": dense_pairs,
         }
 
     @property
@@ -523,7 +521,7 @@ class ModelRunner:
                 md = self._sampling_metadata(sample_slots, nd.vocab)
             except Exception:  # the sampler reports it (and fails the row) from the logits
                 md = None
-            greedy = md is not None and md.all_greedy and md.max_num_logprobs is None and not md.needs_processing
+            greedy = md is not None and md.argmax_only
         return nd.run_head(batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables,
                            batch.seq_lens, batch.sample_rows, greedy)
 

@@ -157,6 +157,12 @@ class SamplingMetadata:
             and self.penalties is None
         )
 
+    @property
+    def argmax_only(self) -> bool:
+        """Whether the step's sampling is the argmax of the raw logits and nothing else: every row
+        greedy, no logits processing, no logprobs."""
+        return self.all_greedy and self.max_num_logprobs is None and not self.needs_processing
+
     @classmethod
     def from_rows(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device) -> SamplingMetadata:
         """Builds the step's sampling tensors from the rows, in row order."""
