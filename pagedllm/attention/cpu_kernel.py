@@ -33,18 +33,21 @@ _FLASH_SRC = Path(__file__).parent / "csrc" / "flash_attention.c"
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 # Query tokens of one request handled together by one work item (they share every K/V load).
 QUERY_TILE = 8
-# Prompt chunks of at least this many tokens skip the kernel: their context is gathered once and
-# attended with torch's fused SDPA, which runs GEMM-shaped tiles near the matmul rate.
+# Where the flash kernel does not run (float16, fp8 or mixed dtypes; see flash_runs): prompt chunks
+# of at least this many tokens skip the paged kernel: their context is gathered once and attended
+# with torch's fused SDPA, which runs GEMM-shaped tiles near the matmul rate.
 DENSE_MIN_TOKENS = 128
 # ... and at least this many query-key pairs: below it the paged kernel is as fast and the flash
 # call's fixed cost dominates (a 512-token first chunk has 131k pairs; 512 after 2048, 1.2M).
 DENSE_MIN_PAIRS = 1 << 20
 # Queries and cache both bf16, or both float32: chunks of at least this many tokens take the native
-# flash kernel (flash_attention.c), whatever their context; one call per chunk and layer, so the
-# smallest chunks stay in the paged kernel's single batched call. bf16, against the paged kernel's
-# prompt path, one thread, SmolLM2's shape (9 heads, 3 KV heads, D 64): 1.8x faster at 32 tokens,
-# 3.3x at 64, 4-5x at 128-512, 5.8x for 256 tokens after 1,024.
-FLASH_MIN_TOKENS = {torch.bfloat16: 64, torch.float32: 64}
+# flash kernel (flash_attention.c), whatever their context; one call per chunk and layer (about
+# 14 us of fixed cost against the paged kernel's 8), so the smallest chunks stay in the paged
+# kernel's single batched call. One thread, SmolLM2's shape (9 heads, 3 KV heads, D 64), against
+# the paged kernel's prompt path: bf16 1.8x faster at 32 tokens, 3.3x at 64, 4-5x at 128-512, 5.8x
+# for 256 tokens after 1,024; float32 (benchmarks/bench_flash_prefill.py --crossover) 0.9x at 16
+# tokens, 1.3x at 32 (2.9x after 256 cached), 2.2x at 64, 2.8x at 128, 3-4.6x at 256-512.
+FLASH_MIN_TOKENS = {torch.bfloat16: 64, torch.float32: 32}
 
 
 def _cpu_signature() -> str:
