@@ -146,7 +146,7 @@ static inline __attribute__((always_inline)) void tile_rows(
         }
         alpha[r] = 1.f;
         if (!any) {
-            memset(pw[r], 0, sizeof(pw[r]));
+            memset(pw[r], 0, (size_t)KT / PK * 4);
             continue;
         }
         /* Scores in the log2 domain: x = s * scale * log2(e); m is the running max of x. */
