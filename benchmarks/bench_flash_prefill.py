@@ -59,7 +59,8 @@ def flops(ctx: int, qlen: int) -> float:
 
 def prompt_chunks(chunk: int, dtype: torch.dtype) -> None:
     scale = D**-0.5
-    print(f"{'chunk':>18} {'native ms':>10} {'torch ms':>10} {'native GF/s':>12} {'torch GF/s':>11} {'torch/native':>13}")
+    print(f"{'chunk':>18} {'native ms':>10} {'torch ms':>10} {'native GF/s':>12} {'torch GF/s':>11} "
+          f"{'torch/native':>13}")
     tot = [0.0, 0.0]
     for ctx in range(0, PROMPT, chunk):
         qlen = min(chunk, PROMPT - ctx)

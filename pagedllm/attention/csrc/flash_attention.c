@@ -163,7 +163,8 @@ static inline __attribute__((always_inline)) void tile_rows(
             for (int v = 0; v < KT / 32; v++) {
                 /* 32 weights rounded to bf16 in key order (pairs of adjacent keys), summed by one
                  * vdpbf16ps against ones. */
-                const __m512 p0 = _mm512_maskz_mov_ps(vis[2 * v], exp2_weights(_mm512_fmsub_ps(s[r][2 * v], sc, mr), 2));
+                const __m512 p0 =
+                    _mm512_maskz_mov_ps(vis[2 * v], exp2_weights(_mm512_fmsub_ps(s[r][2 * v], sc, mr), 2));
                 const __m512 p1 =
                     _mm512_maskz_mov_ps(vis[2 * v + 1], exp2_weights(_mm512_fmsub_ps(s[r][2 * v + 1], sc, mr), 2));
                 const __m512bh pbf = _mm512_cvtne2ps_pbh(p1, p0);
