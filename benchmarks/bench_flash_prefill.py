@@ -1,21 +1,31 @@
-"""Long prompt chunks in bfloat16 on SmolLM2-135M's attention shape (9 heads, 3 KV heads, head size
-64, block 16): the native flash kernel (flash_attention.c) against torch's CPU flash attention over
-the gathered context (dense_attention_sdpa, the path bf16 took before), on the chunks of a 7,000-token
-prompt split at a step budget of CHUNK tokens (default 7000, what `bench latency --input-len 7000
---max-model-len 8192` runs; 2048 is the engine's default budget).
+"""Long prompt chunks on SmolLM2-135M's attention shape (9 heads, 3 KV heads, head size 64, block
+16), in bfloat16 or float32 (queries and cache alike): the native flash kernel (flash_attention.c)
+against torch's CPU flash attention over the gathered context (dense_attention_sdpa, the path those
+chunks took before), on the chunks of a 7,000-token prompt split at a step budget of CHUNK tokens
+(default 7000, what `bench latency --input-len 7000 --max-model-len 8192` runs; 2048 is the
+engine's default budget).
+
+With --crossover: chunks of 16..512 tokens after 0..2048 cached ones, the flash kernel against the
+paged kernel's prompt path (paged_attention.c, what chunks under FLASH_MIN_TOKENS take) and torch's
+flash, to place FLASH_MIN_TOKENS for the dtype.
 
 Usage: PYTHONPATH=. .venv/bin/python benchmarks/bench_flash_prefill.py [THREADS] [CHUNK]
-Prints ms per call (best of N, the two paths' calls interleaved), GFLOP/s (4 * D * visible
-query-key pairs * H) and the ratio torch / native.
+           [--dtype bfloat16|float32] [--crossover]
+Prints ms per call (best of N, the paths' calls interleaved), GFLOP/s (4 * D * visible query-key
+pairs * H) and the ratios.
 """
 from __future__ import annotations
 
+import argparse
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 
-from pagedllm.attention.cpu_kernel import flash_prefill, load_flash
+from pagedllm.attention.cpu_kernel import (
+    FLASH_MIN_TOKENS, flash_prefill, flash_runs, load_kernel, paged_attention_native,
+)
 from pagedllm.attention.metadata import DenseAttention
 from pagedllm.attention.torch_backend import dense_attention_sdpa
 
@@ -23,43 +33,88 @@ H, KVH, D, BS = 9, 3, 64, 16
 PROMPT = 7000
 
 
-def case(ctx: int, qlen: int):
+def case(ctx: int, qlen: int, dtype: torch.dtype):
     g = torch.Generator().manual_seed(0)
     nblk = -(-(ctx + qlen) // BS)
-    kv = torch.randn(2, nblk + 8, BS, KVH, D, generator=g).to(torch.bfloat16)
+    kv = torch.randn(2, nblk + 8, BS, KVH, D, generator=g).to(dtype)
     blocks = torch.randperm(nblk + 8, generator=g)[:nblk].contiguous()
-    q = torch.randn(qlen, H, D, generator=g).to(torch.bfloat16)
+    q = torch.randn(qlen, H, D, generator=g).to(dtype)
     return q, kv, DenseAttention(0, qlen, blocks, ctx + qlen, None)
 
 
-def main() -> None:
-    torch.set_grad_enabled(False)
-    if len(sys.argv) > 1:
-        torch.set_num_threads(int(sys.argv[1]))
-    chunk = int(sys.argv[2]) if len(sys.argv) > 2 else PROMPT
-    if load_flash() is None:
-        sys.exit("the native flash kernel is not available here (needs AVX-512 BF16)")
+def best_of(fns: list[Callable[[], object]], n: int) -> list[float]:
+    """Best seconds per call of each function, calls interleaved (a loaded machine slows all alike)."""
+    best = [float("inf")] * len(fns)
+    for _ in range(n):
+        for i, f in enumerate(fns):
+            t0 = time.perf_counter()
+            f()
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return best
+
+
+def flops(ctx: int, qlen: int) -> float:
+    return 4 * D * H * qlen * (ctx + (qlen + 1) / 2)
+
+
+def prompt_chunks(chunk: int, dtype: torch.dtype) -> None:
     scale = D**-0.5
-    print(f"H {H}, KVH {KVH}, D {D}, block {BS}, bfloat16, {torch.get_num_threads()} threads")
-    print(f"{'chunk':>18} {'native ms':>10} {'torch ms':>10} {'native GF/s':>12} {'torch GF/s':>11} {'torch/native':>13}")
+    print(f"{'chunk':>18} {'native ms':>10} {'torch ms':>10} {'native GF/s':>12} {'torch GF/s':>11} "
+          f"{'torch/native':>13}")
     tot = [0.0, 0.0]
     for ctx in range(0, PROMPT, chunk):
         qlen = min(chunk, PROMPT - ctx)
-        q, kv, d = case(ctx, qlen)
-        fns = [lambda: flash_prefill(q, kv, d.blocks, 0, qlen, d.seq_len, scale),
-               lambda: dense_attention_sdpa(q, kv, d, scale, 1.0, 1.0)]
-        best = [float("inf")] * 2
-        for _ in range(3):
-            for i, f in enumerate(fns):
-                t0 = time.perf_counter()
-                f()
-                best[i] = min(best[i], time.perf_counter() - t0)
-        flops = 4 * D * H * qlen * (ctx + (qlen + 1) / 2)
+        q, kv, d = case(ctx, qlen, dtype)
+        best = best_of([lambda: flash_prefill(q, kv, d.blocks, 0, qlen, d.seq_len, scale),
+                        lambda: dense_attention_sdpa(q, kv, d, scale, 1.0, 1.0)], 3)
         tot = [t + b for t, b in zip(tot, best)]
-        print(f"{f'{qlen} after {ctx}':>18} {best[0] * 1e3:10.1f} {best[1] * 1e3:10.1f} {flops / best[0] / 1e9:12.1f} "
-              f"{flops / best[1] / 1e9:11.1f} {best[1] / best[0]:13.2f}")
+        f = flops(ctx, qlen)
+        print(f"{f'{qlen} after {ctx}':>18} {best[0] * 1e3:10.1f} {best[1] * 1e3:10.1f} {f / best[0] / 1e9:12.1f} "
+              f"{f / best[1] / 1e9:11.1f} {best[1] / best[0]:13.2f}")
     print(f"one layer, whole prompt: native {tot[0] * 1e3:.0f} ms, torch {tot[1] * 1e3:.0f} ms, "
           f"torch/native {tot[1] / tot[0]:.2f}")
+
+
+def crossover(dtype: torch.dtype) -> None:
+    paged = load_kernel()
+    if paged is None:
+        sys.exit("the paged attention kernel is not available here")
+    scale = D**-0.5
+    print(f"FLASH_MIN_TOKENS[{dtype}] = {FLASH_MIN_TOKENS[dtype]}")
+    print(f"{'chunk':>16} {'flash ms':>9} {'paged ms':>9} {'torch ms':>9} {'paged/flash':>12} {'torch/flash':>12}")
+    for ctx in (0, 256, 2048):
+        for qlen in (16, 32, 48, 64, 96, 128, 256, 512):
+            q, kv, d = case(ctx, qlen, dtype)
+            bt = d.blocks[None]
+            qsl = torch.tensor([0, qlen], dtype=torch.int64)
+            seq = torch.tensor([ctx + qlen], dtype=torch.int64)
+            work = torch.tensor([[0, t0, min(8, qlen - t0)] for t0 in range(0, qlen, 8)], dtype=torch.int64)
+            n = max(3, min(50, int(2e8 / flops(ctx, qlen))))
+            best = best_of([lambda: flash_prefill(q, kv, d.blocks, 0, qlen, d.seq_len, scale),
+                            lambda: paged_attention_native(paged, q, kv, bt, qsl, seq, work, scale, 0),
+                            lambda: dense_attention_sdpa(q, kv, d, scale, 1.0, 1.0)], n)
+            print(f"{f'{qlen} after {ctx}':>16} {best[0] * 1e3:9.2f} {best[1] * 1e3:9.2f} {best[2] * 1e3:9.2f} "
+                  f"{best[1] / best[0]:12.2f} {best[2] / best[0]:12.2f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("threads", type=int, nargs="?")
+    ap.add_argument("chunk", type=int, nargs="?", default=PROMPT)
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    ap.add_argument("--crossover", action="store_true")
+    args = ap.parse_args()
+    torch.set_grad_enabled(False)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    if not flash_runs(dtype, dtype, D):
+        sys.exit(f"the native flash kernel does not run {args.dtype} here (needs AVX-512, and BF16 for bfloat16)")
+    print(f"H {H}, KVH {KVH}, D {D}, block {BS}, {args.dtype}, {torch.get_num_threads()} threads")
+    if args.crossover:
+        crossover(dtype)
+    else:
+        prompt_chunks(args.chunk, dtype)
 
 
 if __name__ == "__main__":

@@ -33,18 +33,21 @@ _FLASH_SRC = Path(__file__).parent / "csrc" / "flash_attention.c"
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 # Query tokens of one request handled together by one work item (they share every K/V load).
 QUERY_TILE = 8
-# Prompt chunks of at least this many tokens skip the kernel: their context is gathered once and
-# attended with torch's fused SDPA, which runs GEMM-shaped tiles near the matmul rate.
+# Where the flash kernel does not run (float16, fp8 or mixed dtypes; see flash_runs): prompt chunks
+# of at least this many tokens skip the paged kernel: their context is gathered once and attended
+# with torch's fused SDPA, which runs GEMM-shaped tiles near the matmul rate.
 DENSE_MIN_TOKENS = 128
 # ... and at least this many query-key pairs: below it the paged kernel is as fast and the flash
 # call's fixed cost dominates (a 512-token first chunk has 131k pairs; 512 after 2048, 1.2M).
 DENSE_MIN_PAIRS = 1 << 20
-# bf16 queries over a bf16 cache: chunks of at least this many tokens take the native flash kernel
-# (flash_attention.c), whatever their context. Against the paged kernel's prompt path, one thread,
-# SmolLM2's shape (9 heads, 3 KV heads, D 64): 1.8x faster at 32 tokens, 3.3x at 64, 4-5x at
-# 128-512, 5.8x for 256 tokens after 1,024; one call per chunk and layer, so the smallest chunks
-# stay in the paged kernel's single batched call.
-FLASH_MIN_TOKENS = 64
+# Queries and cache both bf16, or both float32: chunks of at least this many tokens take the native
+# flash kernel (flash_attention.c), whatever their context; one call per chunk and layer (about
+# 14 us of fixed cost against the paged kernel's 8), so the smallest chunks stay in the paged
+# kernel's single batched call. One thread, SmolLM2's shape (9 heads, 3 KV heads, D 64), against
+# the paged kernel's prompt path: bf16 1.8x faster at 32 tokens, 3.3x at 64, 4-5x at 128-512, 5.8x
+# for 256 tokens after 1,024; float32 (benchmarks/bench_flash_prefill.py --crossover) 0.9x at 16
+# tokens, 1.3x at 32 (2.9x after 256 cached), 2.2x at 64, 2.8x at 128, 3-4.6x at 256-512.
+FLASH_MIN_TOKENS = {torch.bfloat16: 64, torch.float32: 32}
 
 
 def _cpu_signature() -> str:
@@ -116,26 +119,41 @@ def load_kernel() -> ctypes.CDLL | None:
     return lib
 
 
+# The flash kernel's entry point for each query and cache element type (flash_attention.c); the
+# bf16 one exists where the CPU has AVX-512 BF16, the fp32 one wherever it has AVX-512F.
+_FLASH_FUNCTIONS = {torch.float32: "flash_prefill_f32", torch.bfloat16: "flash_prefill_bf16"}
+
+
 @lru_cache(maxsize=1)
 def load_flash() -> ctypes.CDLL | None:
-    """The bf16 flash-attention kernel for long prompt chunks (flash_attention.c), or None where the
-    CPU lacks AVX-512 BF16, it cannot be built, or PAGEDLLM_NATIVE_FLASH=0."""
+    """The flash-attention kernel for long prompt chunks (flash_attention.c), or None where the CPU
+    lacks AVX-512, it cannot be built, or PAGEDLLM_NATIVE_FLASH=0."""
     i64, p, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-    return load_native(_FLASH_SRC, "PAGEDLLM_NATIVE_FLASH", {
-        "flash_prefill_bf16": ([p, i64, i64, i64, i64, p, p, p, i64, i64, i64, i64, f32, i64, p], None)})
+    signature = ([p, i64, i64, i64, i64, p, p, p, i64, i64, i64, i64, f32, i64, p], None)
+    lib = load_native(_FLASH_SRC, "PAGEDLLM_NATIVE_FLASH", {_FLASH_FUNCTIONS[torch.float32]: signature})
+    if lib is not None and hasattr(lib, _FLASH_FUNCTIONS[torch.bfloat16]):
+        f = getattr(lib, _FLASH_FUNCTIONS[torch.bfloat16])
+        f.argtypes, f.restype = signature
+    return lib
+
+
+def flash_function(dtype: torch.dtype) -> Any:
+    """The flash kernel's entry point for queries and a cache of `dtype`, or None where it has none."""
+    lib, name = load_flash(), _FLASH_FUNCTIONS.get(dtype)
+    return getattr(lib, name, None) if lib is not None and name is not None else None
 
 
 def flash_runs(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether flash_prefill runs chunks of these queries and cache on the CPU: bf16 both, head
-    size a multiple of 16 (and the kernel built)."""
-    return dtype == torch.bfloat16 and kv_dtype == torch.bfloat16 and head_dim % 16 == 0 and load_flash() is not None
+    """Whether flash_prefill runs chunks of these queries and cache on the CPU: both float32 or both
+    bf16, head size a multiple of 16, and the kernel built with that entry point."""
+    return dtype == kv_dtype and head_dim % 16 == 0 and flash_function(dtype) is not None
 
 
 def dense_thresholds(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> tuple[int, int]:
     """(tokens, query-key pairs) from which a prompt chunk on the CPU attends densely: with the flash
-    kernel, every chunk of FLASH_MIN_TOKENS+ tokens; otherwise torch's flash for long chunks only."""
+    kernel, every chunk of FLASH_MIN_TOKENS[dtype]+ tokens; otherwise torch's flash for long chunks only."""
     if flash_runs(dtype, kv_dtype, head_dim):
-        return FLASH_MIN_TOKENS, 0
+        return FLASH_MIN_TOKENS[dtype], 0
     return DENSE_MIN_TOKENS, DENSE_MIN_PAIRS
 
 
@@ -147,21 +165,21 @@ def flash_supported(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
 def flash_prefill(q: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor, query_start: int,
                   query_len: int, seq_len: int, scale: float, sliding_window: int = 0) -> torch.Tensor:
     """Attention of one prompt chunk (queries q[query_start : query_start + query_len], at positions
-    seq_len - query_len ..) over keys 0 .. seq_len - 1 of the paged bf16 cache, read through
-    `blocks` ([ceil(seq_len / block_size)] int64 block ids), causal, within `sliding_window` when
-    > 0. q: [T, H, D] bf16; kv_cache: [2, num_blocks, block_size, KVH, D] bf16. -> [query_len, H * D]."""
-    lib = load_flash()
-    if lib is None:
-        raise RuntimeError("the native flash kernel is not available on this machine")
+    seq_len - query_len ..) over keys 0 .. seq_len - 1 of the paged cache, read through `blocks`
+    ([ceil(seq_len / block_size)] int64 block ids), causal, within `sliding_window` when > 0.
+    q: [T, H, D] and kv_cache: [2, num_blocks, block_size, KVH, D], both bf16 or both float32.
+    -> [query_len, H * D] in q's dtype."""
+    fn = flash_function(q.dtype)
+    if fn is None or kv_cache.dtype != q.dtype:
+        raise RuntimeError(f"the native flash kernel does not run {q.dtype} over a {kv_cache.dtype} cache here")
     _, H, D = q.shape
     if q.stride(2) != 1 or q.stride(1) != D:
         q = q.contiguous()  # rows of one token must be contiguous; tokens may sit in wider rows
     _, _, bs, kvh, _ = kv_cache.shape
     blocks = blocks.to(torch.int64).contiguous()
     out = torch.empty(query_len, H * D, dtype=q.dtype)
-    lib.flash_prefill_bf16(q.data_ptr(), query_start, q.stride(0), query_len, seq_len, kv_cache[0].data_ptr(),
-                           kv_cache[1].data_ptr(), blocks.data_ptr(), bs, H, kvh, D, scale, sliding_window,
-                           out.data_ptr())
+    fn(q.data_ptr(), query_start, q.stride(0), query_len, seq_len, kv_cache[0].data_ptr(),
+       kv_cache[1].data_ptr(), blocks.data_ptr(), bs, H, kvh, D, scale, sliding_window, out.data_ptr())
     return out
 
 

@@ -70,9 +70,10 @@ def dense_attention(
     """One long chunk: gather its context once, then fused flash attention (GEMM-shaped tiles).
     -> [query_len, H * D].
 
-    bf16 queries over a bf16 cache take the native flash kernel instead (flash_attention.c:
-    vdpbf16ps for Q K^T and P V, reading the blocks in place), unless PAGEDLLM_NATIVE_FLASH=0;
-    `sliding_window` is the window it applies (the torch path reads it from d.mask).
+    bf16 queries over a bf16 cache, and float32 over float32, take the native flash kernel instead
+    (flash_attention.c: vdpbf16ps or float32 FMAs for Q K^T and P V, reading the blocks in place),
+    unless PAGEDLLM_NATIVE_FLASH=0; `sliding_window` is the window it applies (the torch path reads
+    it from d.mask).
     """
     if flash_supported(q, kv_cache):
         return flash_prefill(q, kv_cache, d.blocks, d.query_start, d.query_len, d.seq_len, scale, sliding_window)

@@ -121,7 +121,7 @@ class ModelRunner:
         self.forward_context = ForwardContext()
         # How the input batch lays out attention work for this backend (fixed once it is chosen):
         # with the native CPU kernel, prompt chunks past dense_thresholds attend densely (the
-        # native bf16 flash kernel, or torch's flash attention for long chunks).
+        # native bf16 or fp32 flash kernel, or torch's flash attention for long chunks).
         dense_tokens, dense_pairs = (dense_thresholds(self.dtype, self.kv_dtype, model_config.head_dim)
                                      if self.attn_backend.native is not None else (0, 0))
         self.batch_options: dict[str, Any] = {

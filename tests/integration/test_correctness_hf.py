@@ -149,9 +149,10 @@ def test_default_model_bfloat16_matches_transformers_bfloat16():
 
 
 def test_long_prompt_chunks_on_the_dense_path_match_transformers(tmp_path):
-    """Chunks of 128+ tokens take the gathered-context flash path (first chunk causal, later
-    chunks merged with the cached context); greedy output still equals transformers."""
-    from pagedllm.attention.cpu_kernel import DENSE_MIN_TOKENS
+    """Chunks of 150 tokens attend densely (the native float32 flash kernel where the CPU has
+    AVX-512, else the gathered-context torch flash path: first chunk causal, later chunks merged
+    with the cached context); greedy output still equals transformers."""
+    from pagedllm.attention.cpu_kernel import DENSE_MIN_TOKENS, FLASH_MIN_TOKENS
 
     folder = make_tiny_checkpoint(str(tmp_path / "llama"), arch="llama", seed=3)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -160,8 +161,9 @@ def test_long_prompt_chunks_on_the_dense_path_match_transformers(tmp_path):
     # A 150-token budget: chunks of 150 (dense, the second one after 150 cached tokens) and 20.
     llm = LLM(folder, dtype="float32", max_num_batched_tokens=150, num_kv_blocks=64, block_size=16,
               max_model_len=512)
-    assert 150 >= DENSE_MIN_TOKENS
-    # These chunks are short of the pair threshold (no gain at this size): take the dense path anyway.
-    llm.llm_engine.executor.runner.dense_min_pairs = 0
+    assert 150 >= max(DENSE_MIN_TOKENS, FLASH_MIN_TOKENS[torch.float32])
+    # Without the flash kernel these chunks are short of the pair threshold (no gain at this size):
+    # take the dense path anyway.
+    llm.llm_engine.executor.runner.batch_options["dense_min_pairs"] = 0
     matched = run_comparison(llm, hf, prompts)
     assert all(m == MAX_TOKENS for m in matched), matched

@@ -83,7 +83,8 @@ def test_paged_attention_matches_dense(backend, starts, n, window):
     kv = torch.randn(2, NUM_BLOCKS, BS, KVH, D, generator=g)
     T = sum(n)
     q, k, v = torch.randn(T, H, D, generator=g), torch.randn(T, KVH, D, generator=g), torch.randn(T, KVH, D, generator=g)
-    # native+dense: chunks of 8 tokens or more go through the gathered-context SDPA path.
+    # native+dense: chunks of 8 tokens or more attend densely (float32: the native flash kernel,
+    # each chunk in its own call, the rest of the batch in the paged kernel).
     md = metadata(states, n, window, native, dense_min=8 if backend == "native+dense" else 0)
     assert bool(md.dense) == (backend == "native+dense" and max(n) >= 8)
     out = paged_attention(q, k, v, kv, md, D**-0.5)

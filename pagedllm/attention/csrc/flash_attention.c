@@ -1,33 +1,41 @@
 /*
- * Flash attention of one long prompt chunk on CPU, bfloat16 queries and bfloat16 KV cache, with
- * vdpbf16ps (AVX-512 BF16) for both Q K^T and P V, an online softmax in float32 and float32
- * accumulators. Keys and values are read from the paged cache through the block list.
+ * Flash attention of one long prompt chunk on CPU, reading keys and values from the paged cache
+ * through the block list, with an online softmax in float32 and float32 accumulators. Two element
+ * types share the code, as 32-bit words of PK elements each:
+ *   bfloat16 queries and cache (PK = 2, AVX-512 BF16): a word is a pair of bf16, and one vdpbf16ps
+ *     of a broadcast word against 16 words adds two products per lane;
+ *   float32 queries and cache (PK = 1, AVX-512F): a word is one float, and one vfmadd231ps of a
+ *     broadcast float against 16 floats adds one product per lane.
  *
  * The chunk's query tokens sit at positions ctx0 .. seq_len - 1 (ctx0 = seq_len - query_len) and
  * see keys 0 .. their own position (and, with a sliding window, only keys > position - window).
  *
  * 1. Packing (parallel over KV heads x key tiles of KT = 64 keys): each tile of K is stored as
- *    kp[D/2][KT] 32-bit pairs (k[key][2i], k[key][2i+1]), so that one vdpbf16ps of a broadcast
- *    query pair against 16 consecutive pairs adds two terms of the scores of one query row
- *    against 16 keys, keys across lanes, no horizontal reduction. Each tile of V is stored as
- *    vp[KT/2][D] pairs (v[2t][d], v[2t+1][d]), so that one vdpbf16ps of a broadcast pair of
- *    probabilities against 16 pairs adds two keys' terms to 16 output columns. Padding keys are
- *    zeros.
+ *    kp[D/PK][KT] words (word i of key j: k[j][PK i .. PK i + PK - 1]), so that one multiply-add
+ *    of a broadcast query word against 16 consecutive words adds PK terms of the scores of one
+ *    query row against 16 keys, keys across lanes, no horizontal reduction. Each tile of V is
+ *    stored as vp[KT/PK][D] words (word d of key group t: v[PK t .. PK t + PK - 1][d]), so that
+ *    one multiply-add of a broadcast word of probabilities against 16 words adds PK keys' terms
+ *    to 16 output columns. Padding keys are zeros.
  * 2. Attention (parallel over KV heads x query tiles, the longest tiles first): a query tile is
  *    TQ tokens x the G query heads sharing the KV head (rows token-major), so each packed K/V
  *    tile serves G heads. For every key tile the rows go 4 at a time: 4 x 64 scores in 16
  *    registers (each K load feeds 4 rows, each query broadcast 4 key vectors), scaled, masked
  *    only on tiles that cross a row's causal limit or window edge, online softmax (running max
- *    and sum per row, the float32 output rows rescaled when the max grows), then P rounded to
- *    bfloat16 and P V accumulated into the rows' float32 outputs. Key tiles wholly after the
- *    tile's last position (or before its window) are skipped.
+ *    and sum per row, the float32 output rows rescaled when the max grows), then P (rounded to
+ *    bfloat16 for PK = 2) and P V accumulated into the rows' float32 outputs. Key tiles wholly
+ *    after the tile's last position (or before its window) are skipped. Each row's result depends
+ *    on its own query, position and the keys only, not on the other rows of the call.
  *
- * Precision: products of two bf16 are exact in float32, so the scores are the float32 dot
- * products of the bf16 inputs; the weights come from a degree-4 2^x (relative error < 5e-5) and
- * are rounded to bfloat16 (relative error <= 2^-9 per weight), and the softmax sum is taken over
- * the rounded weights, so the output is a convex combination of V rows with each weight within
- * 2 (2^-9 + 5e-5) (relative) of the exact one: |error| <= (2^-8 + 1e-4) max|v| before the final
- * rounding of the output to bfloat16.
+ * Precision, bfloat16: products of two bf16 are exact in float32, so the scores are the float32
+ * dot products of the bf16 inputs; the weights come from a degree-4 2^x (relative error < 5e-5)
+ * and are rounded to bfloat16 (relative error <= 2^-9 per weight), and the softmax sum is taken
+ * over the rounded weights, so the output is a convex combination of V rows with each weight
+ * within 2 (2^-9 + 5e-5) (relative) of the exact one: |error| <= (2^-8 + 1e-4) max|v| before the
+ * final rounding of the output to bfloat16.
+ * Precision, float32: float32 sums in another order than a dense reference, a degree-7 2^x
+ * (relative error < 1e-8, under the float32 rounding of its result) and no rounding of P: the
+ * error is that of float32 arithmetic on D-term dot products and key-count-term sums.
  *
  * Layouts: q [*, H, D] (rows q_start .., q_stride elements apart: a view into a wider row is read in
  * place), out [query_len, H, D], k_cache, v_cache
@@ -40,7 +48,7 @@
 
 #include "bf16.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 
 #define KT 64        /* keys per tile */
@@ -48,33 +56,51 @@
 #define ROWS_MAX 128 /* query rows (tokens x G) per work item */
 #define NEG_BIG (-1e30f)
 
-static void pack_tile(uint32_t *restrict kp, uint32_t *restrict vp, const uint16_t *k_cache, const uint16_t *v_cache,
-                      const int64_t *blocks, int64_t BS, int64_t stride, int64_t head_off, int64_t k0, int64_t seq_len,
-                      int D) {
-    const int P = D / 2;
+/* acc + a b over the PK elements of each 32-bit word, lane by lane. */
+static inline __attribute__((always_inline)) __m512 madd(__m512 acc, __m512i a, __m512i b, const int PK) {
+#if defined(__AVX512BF16__)
+    if (PK == 2) return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+#endif
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), acc);
+}
+
+static inline __attribute__((always_inline)) void pack_tile(
+    uint32_t *restrict kp, uint32_t *restrict vp, const void *k_cache, const void *v_cache, const int64_t *blocks,
+    int64_t BS, int64_t stride, int64_t head_off, int64_t k0, int64_t seq_len, int D, const int PK) {
+    const int P = D / PK;
     for (int j = 0; j < KT; j++) {
         const int64_t k = k0 + j;
-        if (k >= seq_len) {
-            for (int i = 0; i < P; i++) kp[i * KT + j] = 0;
-            for (int d = 0; d < D; d++) ((uint16_t *)(vp + (j / 2) * D))[2 * d + (j & 1)] = 0;
-            continue;
+        const int live = k < seq_len;
+        const int64_t off = live ? ((blocks[k / BS] * BS + k % BS) * stride + head_off) * (4 / PK) : 0; /* bytes */
+        const uint32_t *kr = (const uint32_t *)((const char *)k_cache + off);
+        for (int i = 0; i < P; i++) kp[i * KT + j] = live ? kr[i] : 0;
+        if (PK == 2) {
+            const uint16_t *vr = (const uint16_t *)((const char *)v_cache + off);
+            uint16_t *dst = (uint16_t *)(vp + (j / 2) * D) + (j & 1);
+            for (int d = 0; d < D; d++) dst[2 * d] = live ? vr[d] : 0;
+        } else if (live) {
+            memcpy(vp + j * D, (const char *)v_cache + off, (size_t)D * 4);
+        } else {
+            memset(vp + j * D, 0, (size_t)D * 4);
         }
-        const int64_t off = (blocks[k / BS] * BS + k % BS) * stride + head_off;
-        const uint32_t *kr = (const uint32_t *)(k_cache + off);
-        for (int i = 0; i < P; i++) kp[i * KT + j] = kr[i];
-        const uint16_t *vr = v_cache + off;
-        uint16_t *dst = (uint16_t *)(vp + (j / 2) * D) + (j & 1);
-        for (int d = 0; d < D; d++) dst[2 * d] = vr[d];
     }
 }
 
-/* 2^x for x <= 0 on 16 lanes, accurate enough for weights rounded to bfloat16: 2^n 2^r with
- * |r| <= 1/2 and a degree-4 Taylor polynomial of e^(r ln 2) (relative error below 5e-5, 40 times
- * under bfloat16's 2^-9); very negative x give 0. */
-static inline __m512 exp2_bf16(__m512 x) {
+/* 2^x for x <= 0 on 16 lanes: 2^n 2^r with |r| <= 1/2 and a Taylor polynomial of e^(r ln 2), of
+ * degree 4 for weights rounded to bfloat16 (relative error below 5e-5, 40 times under bfloat16's
+ * 2^-9) and of degree 7 for float32 (below 1e-8); very negative x give 0. */
+static inline __attribute__((always_inline)) __m512 exp2_weights(__m512 x, const int PK) {
     const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 r = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(9.6181291e-3f);
+    __m512 p;
+    if (PK == 2) {
+        p = _mm512_set1_ps(9.6181291e-3f);
+    } else {
+        p = _mm512_set1_ps(1.5252734e-5f);
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.5403530e-4f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3333558e-3f));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.6181291e-3f));
+    }
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.5504109e-2f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.4022651e-1f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.9314718e-1f));
@@ -82,26 +108,25 @@ static inline __m512 exp2_bf16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* One key tile for RB rows: scores, online softmax, P V. qr: the rows' queries (bf16 pairs);
- * pos: their positions; o: their float32 outputs [RB][D]; m, l: running max and sum. */
+/* One key tile for RB rows: scores, online softmax, P V. qr: the rows' queries (words); pos: their
+ * positions; o: their float32 outputs [RB][D]; m, l: running max and sum. */
 static inline __attribute__((always_inline)) void tile_rows(
-    const int D, const uint32_t *const *qr, const int64_t *pos, const uint32_t *restrict kp,
+    const int D, const int PK, const uint32_t *const *qr, const int64_t *pos, const uint32_t *restrict kp,
     const uint32_t *restrict vp, const int64_t k0, const int masked, const int64_t window, const float scale2,
     float *restrict o, float *restrict m, float *restrict l) {
     __m512 s[RB][KT / 16];
     for (int r = 0; r < RB; r++)
         for (int v = 0; v < KT / 16; v++) s[r][v] = _mm512_setzero_ps();
-    for (int i = 0; i < D / 2; i++) {
-        __m512bh b[KT / 16];
-        for (int v = 0; v < KT / 16; v++) b[v] = (__m512bh)_mm512_loadu_si512((const void *)(kp + i * KT + 16 * v));
+    for (int i = 0; i < D / PK; i++) {
+        __m512i b[KT / 16];
+        for (int v = 0; v < KT / 16; v++) b[v] = _mm512_loadu_si512((const void *)(kp + i * KT + 16 * v));
         for (int r = 0; r < RB; r++) {
-            const __m512bh a = (__m512bh)_mm512_set1_epi32((int)qr[r][i]);
-            for (int v = 0; v < KT / 16; v++) s[r][v] = _mm512_dpbf16_ps(s[r][v], a, b[v]);
+            const __m512i a = _mm512_set1_epi32((int)qr[r][i]);
+            for (int v = 0; v < KT / 16; v++) s[r][v] = madd(s[r][v], a, b[v], PK);
         }
     }
     const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80); /* bf16 1.0 */
-    uint32_t pb[RB][KT / 2] __attribute__((aligned(64)));
+    uint32_t pw[RB][KT] __attribute__((aligned(64))); /* P as words: KT / PK per row */
     float alpha[RB];
     for (int r = 0; r < RB; r++) {
         __mmask16 vis[KT / 16];
@@ -121,7 +146,7 @@ static inline __attribute__((always_inline)) void tile_rows(
         }
         alpha[r] = 1.f;
         if (!any) {
-            memset(pb[r], 0, sizeof(pb[r]));
+            memset(pw[r], 0, (size_t)KT / PK * 4);
             continue;
         }
         /* Scores in the log2 domain: x = s * scale * log2(e); m is the running max of x. */
@@ -132,14 +157,27 @@ static inline __attribute__((always_inline)) void tile_rows(
         }
         const __m512 mr = _mm512_set1_ps(m[r]), sc = _mm512_set1_ps(scale2);
         __m512 sum = _mm512_setzero_ps();
-        for (int v = 0; v < KT / 32; v++) {
-            /* 32 weights rounded to bf16 in key order (pairs of adjacent keys), summed by one
-             * vdpbf16ps against ones. */
-            const __m512 p0 = _mm512_maskz_mov_ps(vis[2 * v], exp2_bf16(_mm512_fmsub_ps(s[r][2 * v], sc, mr)));
-            const __m512 p1 = _mm512_maskz_mov_ps(vis[2 * v + 1], exp2_bf16(_mm512_fmsub_ps(s[r][2 * v + 1], sc, mr)));
-            const __m512bh pbf = _mm512_cvtne2ps_pbh(p1, p0);
-            _mm512_store_si512((void *)(pb[r] + 16 * v), (__m512i)pbf);
-            sum = _mm512_dpbf16_ps(sum, pbf, ones);
+        if (PK == 2) {
+#if defined(__AVX512BF16__)
+            const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80); /* bf16 1.0 */
+            for (int v = 0; v < KT / 32; v++) {
+                /* 32 weights rounded to bf16 in key order (pairs of adjacent keys), summed by one
+                 * vdpbf16ps against ones. */
+                const __m512 p0 =
+                    _mm512_maskz_mov_ps(vis[2 * v], exp2_weights(_mm512_fmsub_ps(s[r][2 * v], sc, mr), 2));
+                const __m512 p1 =
+                    _mm512_maskz_mov_ps(vis[2 * v + 1], exp2_weights(_mm512_fmsub_ps(s[r][2 * v + 1], sc, mr), 2));
+                const __m512bh pbf = _mm512_cvtne2ps_pbh(p1, p0);
+                _mm512_store_si512((void *)(pw[r] + 16 * v), (__m512i)pbf);
+                sum = _mm512_dpbf16_ps(sum, pbf, ones);
+            }
+#endif
+        } else {
+            for (int v = 0; v < KT / 16; v++) {
+                const __m512 p = _mm512_maskz_mov_ps(vis[v], exp2_weights(_mm512_fmsub_ps(s[r][v], sc, mr), 1));
+                _mm512_store_ps((float *)pw[r] + 16 * v, p);
+                sum = _mm512_add_ps(sum, p);
+            }
         }
         l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(sum);
     }
@@ -153,12 +191,12 @@ static inline __attribute__((always_inline)) void tile_rows(
                 if (alpha[r] != 1.f) acc[r][v] = _mm512_mul_ps(acc[r][v], al);
             }
         }
-        for (int t = 0; t < KT / 2; t++) {
-            __m512bh b[4];
-            for (int v = 0; v < CV; v++) b[v] = (__m512bh)_mm512_loadu_si512((const void *)(vp + t * D + c0 + 16 * v));
+        for (int t = 0; t < KT / PK; t++) {
+            __m512i b[4];
+            for (int v = 0; v < CV; v++) b[v] = _mm512_loadu_si512((const void *)(vp + t * D + c0 + 16 * v));
             for (int r = 0; r < RB; r++) {
-                const __m512bh a = (__m512bh)_mm512_set1_epi32((int)pb[r][t]);
-                for (int v = 0; v < CV; v++) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, b[v]);
+                const __m512i a = _mm512_set1_epi32((int)pw[r][t]);
+                for (int v = 0; v < CV; v++) acc[r][v] = madd(acc[r][v], a, b[v], PK);
             }
         }
         for (int r = 0; r < RB; r++)
@@ -168,7 +206,7 @@ static inline __attribute__((always_inline)) void tile_rows(
 
 /* Key tiles are visited for the work item's rows [0, nrows) (a multiple of RB). */
 static inline __attribute__((always_inline)) void work_item(
-    const int D, const uint32_t *const *qrow, const int64_t *pos, int nrows, const uint32_t *kp_head,
+    const int D, const int PK, const uint32_t *const *qrow, const int64_t *pos, int nrows, const uint32_t *kp_head,
     const uint32_t *vp_head, int64_t ntiles, int64_t window, float scale, float *o, float *m, float *l) {
     const int64_t pmin = pos[0], pmax = pos[nrows - 1];
     int64_t t_first = 0;
@@ -177,23 +215,25 @@ static inline __attribute__((always_inline)) void work_item(
     if (t_last >= ntiles) t_last = ntiles - 1;
     for (int64_t t = t_first; t <= t_last; t++) {
         const int64_t k0 = t * KT;
-        const uint32_t *kp = kp_head + t * (int64_t)KT * (D / 2);
-        const uint32_t *vp = vp_head + t * (int64_t)KT * (D / 2);
+        const uint32_t *kp = kp_head + t * (int64_t)KT * (D / PK);
+        const uint32_t *vp = vp_head + t * (int64_t)KT * (D / PK);
         for (int r0 = 0; r0 < nrows; r0 += RB) {
             const int64_t lo = pos[r0], hi = pos[r0 + RB - 1];
             if (k0 > hi || (window > 0 && k0 + KT - 1 <= lo - window)) continue; /* nothing visible */
             const int masked = k0 + KT - 1 > lo || (window > 0 && k0 <= hi - window);
-            tile_rows(D, qrow + r0, pos + r0, kp, vp, k0, masked, window, scale * 1.44269504088896341f, o + r0 * D,
-                      m + r0, l + r0);
+            tile_rows(D, PK, qrow + r0, pos + r0, kp, vp, k0, masked, window, scale * 1.44269504088896341f,
+                      o + r0 * D, m + r0, l + r0);
         }
     }
 }
 
-void flash_prefill_bf16(const uint16_t *q, int64_t q_start, int64_t q_stride, int64_t query_len, int64_t seq_len,
-                        const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *blocks, int64_t BS,
-                        int64_t H, int64_t KVH, int64_t D, float scale, int64_t window, uint16_t *out) {
-    const int64_t G = H / KVH, ctx0 = seq_len - query_len, stride = KVH * D;
-    const int64_t ntiles = (seq_len + KT - 1) / KT, tile_elems = (int64_t)KT * D / 2;
+/* The whole call for elements of 4 / PK bytes (q, k_cache, v_cache and out of that type). */
+static inline __attribute__((always_inline)) void flash_prefill(
+    const void *q, int64_t q_start, int64_t q_stride, int64_t query_len, int64_t seq_len, const void *k_cache,
+    const void *v_cache, const int64_t *blocks, int64_t BS, int64_t H, int64_t KVH, int64_t D, float scale,
+    int64_t window, void *out, const int PK) {
+    const int64_t G = H / KVH, ctx0 = seq_len - query_len, stride = KVH * D, esize = 4 / PK;
+    const int64_t ntiles = (seq_len + KT - 1) / KT, tile_elems = (int64_t)KT * D / PK;
     uint32_t *kp = aligned_alloc(64, (size_t)(KVH * ntiles * tile_elems * 4));
     uint32_t *vp = aligned_alloc(64, (size_t)(KVH * ntiles * tile_elems * 4));
     if (!kp || !vp) {
@@ -204,7 +244,7 @@ void flash_prefill_bf16(const uint16_t *q, int64_t q_start, int64_t q_stride, in
     for (int64_t h = 0; h < KVH; h++)
         for (int64_t t = 0; t < ntiles; t++)
             pack_tile(kp + (h * ntiles + t) * tile_elems, vp + (h * ntiles + t) * tile_elems, k_cache, v_cache,
-                      blocks, BS, stride, h * D, t * KT, seq_len, (int)D);
+                      blocks, BS, stride, h * D, t * KT, seq_len, (int)D, PK);
 
     int64_t tq = ROWS_MAX / G;
     if (tq < 1) tq = 1;
@@ -223,7 +263,7 @@ void flash_prefill_bf16(const uint16_t *q, int64_t q_start, int64_t q_stride, in
             int nrows = (int)(tn * G);
             for (int r = 0; r < nrows; r++) {
                 const int64_t tok = t0 + r / G, head = h * G + r % G;
-                qrow[r] = (const uint32_t *)(q + (q_start + tok) * q_stride + head * D);
+                qrow[r] = (const uint32_t *)((const char *)q + ((q_start + tok) * q_stride + head * D) * esize);
                 pos[r] = ctx0 + tok;
             }
             for (; nrows % RB; nrows++) qrow[nrows] = qrow[nrows - 1], pos[nrows] = pos[nrows - 1];
@@ -231,22 +271,45 @@ void flash_prefill_bf16(const uint16_t *q, int64_t q_start, int64_t q_stride, in
             for (int r = 0; r < nrows; r++) m[r] = NEG_BIG, l[r] = 0.f;
             const uint32_t *kh = kp + h * ntiles * tile_elems, *vh = vp + h * ntiles * tile_elems;
             if (D == 64)
-                work_item(64, qrow, pos, nrows, kh, vh, ntiles, window, scale, o, m, l);
+                work_item(64, PK, qrow, pos, nrows, kh, vh, ntiles, window, scale, o, m, l);
             else if (D == 128)
-                work_item(128, qrow, pos, nrows, kh, vh, ntiles, window, scale, o, m, l);
+                work_item(128, PK, qrow, pos, nrows, kh, vh, ntiles, window, scale, o, m, l);
             else
-                work_item((int)D, qrow, pos, nrows, kh, vh, ntiles, window, scale, o, m, l);
+                work_item((int)D, PK, qrow, pos, nrows, kh, vh, ntiles, window, scale, o, m, l);
             for (int r = 0; r < (int)(tn * G); r++) {
                 const int64_t tok = t0 + r / G, head = h * G + r % G;
-                uint16_t *dst = out + (tok * H + head) * D;
                 const __m512 inv = _mm512_set1_ps(l[r] > 0.f ? 1.f / l[r] : 0.f);
-                for (int64_t d = 0; d < D; d += 16)
-                    _mm256_storeu_si256((__m256i *)(dst + d),
-                                        (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + r * D + d), inv)));
+                for (int64_t d = 0; d < D; d += 16) {
+                    const __m512 y = _mm512_mul_ps(_mm512_loadu_ps(o + r * D + d), inv);
+                    if (PK == 1) {
+                        _mm512_storeu_ps((float *)out + (tok * H + head) * D + d, y);
+                    } else {
+#if defined(__AVX512BF16__)
+                        _mm256_storeu_si256((__m256i *)((uint16_t *)out + (tok * H + head) * D + d),
+                                            (__m256i)_mm512_cvtneps_pbh(y));
+#endif
+                    }
+                }
             }
         }
         free(o), free(m), free(l), free(qrow), free(pos);
     }
     free(kp), free(vp);
 }
+
+void flash_prefill_f32(const float *q, int64_t q_start, int64_t q_stride, int64_t query_len, int64_t seq_len,
+                       const float *k_cache, const float *v_cache, const int64_t *blocks, int64_t BS, int64_t H,
+                       int64_t KVH, int64_t D, float scale, int64_t window, float *out) {
+    flash_prefill(q, q_start, q_stride, query_len, seq_len, k_cache, v_cache, blocks, BS, H, KVH, D, scale, window,
+                  out, 1);
+}
+
+#if defined(__AVX512BF16__)
+void flash_prefill_bf16(const uint16_t *q, int64_t q_start, int64_t q_stride, int64_t query_len, int64_t seq_len,
+                        const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *blocks, int64_t BS,
+                        int64_t H, int64_t KVH, int64_t D, float scale, int64_t window, uint16_t *out) {
+    flash_prefill(q, q_start, q_stride, query_len, seq_len, k_cache, v_cache, blocks, BS, H, KVH, D, scale, window,
+                  out, 2);
+}
+#endif
 #endif
