@@ -39,7 +39,7 @@ def case(ctx: int, qlen: int, dtype: torch.dtype):
     kv = torch.randn(2, nblk + 8, BS, KVH, D, generator=g).to(dtype)
     blocks = torch.randperm(nblk + 8, generator=g)[:nblk].contiguous()
     q = torch.randn(qlen, H, D, generator=g).to(dtype)
-    return q, kv, DenseAttention(0, qlen, blocks, ctx + qlen, None)
+    return q, kv, DenseAttention(0, qlen, blocks, ctx + qlen)
 
 
 def best_of(fns: list[Callable[[], object]], n: int) -> list[float]:

@@ -38,9 +38,7 @@ class DenseAttention:
     query_start: int
     query_len: int
     blocks: torch.Tensor  # [nblocks] block ids of keys 0 .. seq_len - 1
-    seq_len: int
-    # [query_len, seq_len] bool, only with a sliding window (else causal from the positions)
-    mask: torch.Tensor | None
+    seq_len: int  # keys 0 .. seq_len - 1; the chunk's queries are the last query_len positions
 
 
 @dataclass

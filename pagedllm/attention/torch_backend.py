@@ -72,16 +72,28 @@ def dense_attention(
 
     bf16 queries over a bf16 cache, and float32 over float32, take the native flash kernel instead
     (flash_attention.c: vdpbf16ps or float32 FMAs for Q K^T and P V, reading the blocks in place),
-    unless PAGEDLLM_NATIVE_FLASH=0; `sliding_window` is the window it applies (the torch path reads
-    it from d.mask).
+    unless PAGEDLLM_NATIVE_FLASH=0. A `sliding_window` > 0 limits each query to that many keys
+    ending at its own position.
     """
     if flash_supported(q, kv_cache):
         return flash_prefill(q, kv_cache, d.blocks, d.query_start, d.query_len, d.seq_len, scale, sliding_window)
-    return dense_attention_sdpa(q, kv_cache, d, scale, k_scale, v_scale)
+    return dense_attention_sdpa(q, kv_cache, d, scale, k_scale, v_scale, sliding_window)
+
+
+def window_mask(query_len: int, seq_len: int, sliding_window: int) -> torch.Tensor:
+    """[query_len, seq_len] bool, True where a query may see a key: the chunk's queries sit at the
+    last query_len positions and see the `sliding_window` keys ending at their own position.
+
+    query_len 2, seq_len 5, window 3 -> [0,1,1,1,0], [0,0,1,1,1].
+    """
+    qpos = torch.arange(seq_len - query_len, seq_len)[:, None]
+    kpos = torch.arange(seq_len)[None, :]
+    return (kpos <= qpos) & (kpos > qpos - sliding_window)
 
 
 def dense_attention_sdpa(
-    q: torch.Tensor, kv_cache: torch.Tensor, d: DenseAttention, scale: float, k_scale: float, v_scale: float
+    q: torch.Tensor, kv_cache: torch.Tensor, d: DenseAttention, scale: float, k_scale: float, v_scale: float,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
     """dense_attention through torch: the context gathered once, then torch's CPU flash attention.
     -> [query_len, H * D].
@@ -97,8 +109,9 @@ def dense_attention_sdpa(
     k = gather_kv(kv_cache, 0, d.blocks, q.dtype, k_scale).view(-1, kvh, D)[: d.seq_len].transpose(0, 1)
     v = gather_kv(kv_cache, 1, d.blocks, q.dtype, v_scale).view(-1, kvh, D)[: d.seq_len].transpose(0, 1)
     qd = q[d.query_start : d.query_start + d.query_len].transpose(0, 1)  # [H, q, D]
-    if d.mask is not None:
-        o = F.scaled_dot_product_attention(qd[None], k[None], v[None], attn_mask=d.mask, scale=scale,
+    if sliding_window:
+        mask = window_mask(d.query_len, d.seq_len, sliding_window).to(q.device)
+        o = F.scaled_dot_product_attention(qd[None], k[None], v[None], attn_mask=mask, scale=scale,
                                            enable_gqa=kvh != H)[0]
         return o.transpose(0, 1).reshape(d.query_len, H * D)
     if kvh != H:

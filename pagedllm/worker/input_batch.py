@@ -57,9 +57,6 @@ class DenseChunk:
     query_len: int
     blocks: np.ndarray  # [ceil(seq_len / block_size)] block ids of the context, in order
     seq_len: int  # keys 0 .. seq_len - 1 (the cached context plus the chunk itself)
-    # [query_len, seq_len] bool, True where a query may see a key; only with a sliding window
-    # (without one, the chunk is causal after its cached context and needs no mask).
-    mask: np.ndarray | None
 
 
 @dataclass
@@ -158,7 +155,7 @@ def _layout(
     else:
         is_dense = np.zeros(R, dtype=bool)
     dense = [
-        _dense_chunk(int(qsl[i]), int(n[i]), int(starts[i]), table[i], block_size, sliding_window)
+        _dense_chunk(int(qsl[i]), int(n[i]), int(starts[i]), table[i], block_size)
         for i in np.nonzero(is_dense)[0]
     ]
     work = _work_items(np.where(is_dense, 0, n), query_tile)
@@ -448,18 +445,10 @@ def _decode_layout(
     )
 
 
-def _dense_chunk(
-    query_start: int, qlen: int, start: int, blocks: np.ndarray, block_size: int, sliding_window: int | None
-) -> DenseChunk:
+def _dense_chunk(query_start: int, qlen: int, start: int, blocks: np.ndarray, block_size: int) -> DenseChunk:
+    """The chunk's context blocks; the attention applies causality and any sliding window itself."""
     seq_len = start + qlen
-    mask = None
-    if sliding_window:
-        # Query j sits at position start + j and sees keys start + j - window + 1 .. start + j:
-        # start 3, qlen 2, window 3 -> rows [0,1,1,1,0], [0,0,1,1,1].
-        qpos = start + np.arange(qlen)[:, None]
-        kpos = np.arange(seq_len)[None, :]
-        mask = (kpos <= qpos) & (kpos > qpos - sliding_window)
-    return DenseChunk(query_start, qlen, blocks[: -(-seq_len // block_size)].copy(), seq_len, mask)
+    return DenseChunk(query_start, qlen, blocks[: -(-seq_len // block_size)].copy(), seq_len)
 
 
 def _work_items(n: np.ndarray, tile: int) -> np.ndarray:

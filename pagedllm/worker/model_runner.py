@@ -379,8 +379,7 @@ class ModelRunner:
             groups=groups,
             native=self.native_kernel,
             dense=[
-                DenseAttention(d.query_start, d.query_len, t(d.blocks), d.seq_len,
-                               None if d.mask is None else t(d.mask))
+                DenseAttention(d.query_start, d.query_len, t(d.blocks), d.seq_len)
                 for d in batch.dense
             ],
             **self._gpu_attention_fields(batch),

@@ -39,8 +39,7 @@ def metadata(states, n, window: int, native, dense_min: int = 0) -> AttentionMet
     ]
     return AttentionMetadata(len(b.input_ids), t(b.slot_mapping), t(b.block_tables), t(b.query_start_loc),
                              t(b.seq_lens), t(b.work), window, groups, native,
-                             dense=[DenseAttention(d.query_start, d.query_len, t(d.blocks), d.seq_len,
-                                             None if d.mask is None else t(d.mask)) for d in b.dense])
+                             dense=[DenseAttention(d.query_start, d.query_len, t(d.blocks), d.seq_len) for d in b.dense])
 
 
 def reference(states, n, q, kv, window: int) -> torch.Tensor:

@@ -100,6 +100,18 @@ def test_flash_fp32_matches_fp64_dense(H, KVH, D, bs, ctx, n, window):
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=fp32_bound(q, kv, blocks, seq_len, D**-0.5, vmax))
 
 
+@pytest.mark.parametrize("H, KVH, D, bs, ctx, n, window", [c for c in CASES if c[-1]])
+def test_torch_path_applies_the_sliding_window(H, KVH, D, bs, ctx, n, window):
+    """The torch fallback (caches the kernel does not take) builds the window mask itself from the
+    chunk's position: float32 through torch's SDPA against the float64 reference."""
+    q, kv, blocks, seq_len = make_case(H * 100 + ctx + n, H, KVH, D, bs, ctx, n, q_start=0, dtype=torch.float32)
+    out = dense_attention_sdpa(q, kv, DenseAttention(0, n, blocks, seq_len), D**-0.5, 1.0, 1.0, window)
+    ref, vmax = reference(q, kv, blocks, 0, n, seq_len, D**-0.5, window, torch.float64)
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=fp32_bound(q, kv, blocks, seq_len, D**-0.5, vmax))
+    unwindowed, _ = reference(q, kv, blocks, 0, n, seq_len, D**-0.5, 0, torch.float64)
+    assert not torch.allclose(unwindowed, ref)  # the window changes the result: the test can fail
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16)])
 @pytest.mark.parametrize("window", [0, 100])
 def test_a_chunk_after_a_prefix_equals_those_rows_of_the_whole_prompt(dtype, window):
@@ -144,7 +156,7 @@ def test_flash_reads_queries_in_place_from_a_wider_row(dtype):
 def test_dense_attention_takes_flash_for_bf16_and_fp32_and_agrees_with_torch_flash():
     H, KVH, D, bs, ctx, n = 9, 3, 64, 16, 200, 300
     q, kv, blocks, seq_len = make_case(7, H, KVH, D, bs, ctx, n, q_start=0)
-    d = DenseAttention(0, n, blocks, seq_len, None)
+    d = DenseAttention(0, n, blocks, seq_len)
     ours = dense_attention(q, kv, d, D**-0.5, 1.0, 1.0)
     assert torch.equal(ours, flash_prefill(q, kv, blocks, 0, n, seq_len, D**-0.5))
     ref, vmax = reference(q, kv, blocks, 0, n, seq_len, D**-0.5, 0)
