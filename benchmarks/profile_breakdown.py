@@ -24,8 +24,8 @@ import pagedllm.layers.linear as lin
 from pagedllm import LLM, SamplingParams
 from pagedllm.benchmarks.workloads import random_workload, vocab_info
 
-GEMM = ("aten::mm", "aten::addmm", "aten::linear", "aten::mkldnn_linear", "aten::bmm", "aten::matmul",
-        "pagedllm::linear_bf16_small_m")
+GEMM = ("aten::mm", "aten::addmm", "aten::linear", "aten::mkldnn_linear", "mkldnn::_linear_pointwise", "aten::bmm",
+        "aten::matmul", "pagedllm::linear_bf16_small_m")
 ATTN = ("pagedllm::paged_attention",)
 DENSE = ("aten::_scaled_dot_product_flash_attention_for_cpu",)
 ELEMENTWISE = ("aten::mul", "aten::add", "aten::add_", "aten::mul_", "aten::rsqrt", "aten::pow", "aten::mean",

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.parallel_state import TensorParallelGroup
-from pagedllm.layers.native_linear import small_m_linear
+from pagedllm.layers.linear import dense_linear
 
 
 class _VocabShard(nn.Module):
@@ -49,8 +49,7 @@ class LMHead(_VocabShard):
     """Projects final hidden states of selected tokens to float32 logits over the whole vocabulary."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        y = small_m_linear(hidden, self.weight, None)
-        logits = (y if y is not None else F.linear(hidden, self.weight)).float()
+        logits = dense_linear(hidden, self.weight).float()
         if self.tp.size == 1:
             return logits
         return self.tp.all_gather(logits, dim=-1)[:, : self.vocab_size]

@@ -41,6 +41,22 @@ def _onednn_linear():
 _ONEDNN_LINEAR = _onednn_linear()
 
 
+def takes_onednn(weight: torch.Tensor, rows: int) -> bool:
+    """Whether x W^T with `rows` rows of x runs through oneDNN: float32 on the CPU, MKLDNN_MIN_ROWS+ rows."""
+    return (_ONEDNN_LINEAR is not None and weight.dtype == torch.float32 and weight.device.type == "cpu"
+            and rows >= MKLDNN_MIN_ROWS)
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b for a dense weight (linear layers and the LM head): see takes_onednn; decode rows
+    through the small-M kernel, everything else through F.linear."""
+    if x.dim() == 2 and takes_onednn(weight, x.shape[0]):
+        y = _ONEDNN_LINEAR(x.contiguous(), weight, None, "none", [], "")
+        return y if bias is None else y.add_(bias)
+    y = small_m_linear(x, weight, bias)  # decode rows: one pass over the weights
+    return y if y is not None else F.linear(x, weight, bias)
+
+
 class UnquantizedLinearMethod:
     """Plain dense weights in the model dtype."""
 
@@ -48,15 +64,10 @@ class UnquantizedLinearMethod:
         layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        w = layer.weight
-        layer.onednn = _ONEDNN_LINEAR is not None and w.dtype == torch.float32 and w.device.type == "cpu"
+        pass
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if getattr(layer, "onednn", False) and x.dim() == 2 and x.shape[0] >= MKLDNN_MIN_ROWS:
-            y = _ONEDNN_LINEAR(x.contiguous(), layer.weight, None, "none", [], "")
-            return y if bias is None else y.add_(bias)
-        y = small_m_linear(x, layer.weight, bias)  # decode rows: one pass over the weights
-        return y if y is not None else F.linear(x, layer.weight, bias)
+        return dense_linear(x, layer.weight, bias)
 
 
 class Linear(nn.Module):

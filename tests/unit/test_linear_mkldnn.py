@@ -1,12 +1,14 @@
-"""float32 linear layers on the CPU run batches of MKLDNN_MIN_ROWS+ rows through oneDNN on the plain
-weight (held once); the result matches the float64 reference within float32 rounding."""
+"""float32 linear layers and the LM head on the CPU run batches of MKLDNN_MIN_ROWS+ rows through
+oneDNN on the plain weight (held once); the result matches the float64 reference within float32
+rounding."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pagedllm.layers.linear import MKLDNN_MIN_ROWS, Linear
+from pagedllm.layers.embedding import LMHead
+from pagedllm.layers.linear import MKLDNN_MIN_ROWS, Linear, takes_onednn
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
@@ -17,7 +19,7 @@ def test_packed_float32_linear_matches_reference(rows: int) -> None:
     layer.weight.data.normal_()
     layer.bias.data.normal_()
     layer.quant_method.process_weights_after_loading(layer)
-    assert layer.onednn
+    assert takes_onednn(layer.weight, rows) == (rows >= MKLDNN_MIN_ROWS)
     x = torch.randn(rows, 576)
     with torch.inference_mode():
         y = layer(x)
@@ -34,4 +36,19 @@ def test_layers_hold_their_weight_once(dtype: torch.dtype) -> None:
     layer.quant_method.process_weights_after_loading(layer)
     tensors = [v for v in vars(layer).values() if isinstance(v, torch.Tensor)]
     assert tensors == [] and [n for n, _ in layer.named_parameters()] == ["weight"]
-    assert layer.onednn == (dtype == torch.float32)
+    assert takes_onednn(layer.weight, MKLDNN_MIN_ROWS) == (dtype == torch.float32)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+@pytest.mark.parametrize("rows", [1, MKLDNN_MIN_ROWS, 200])
+def test_lm_head_logits_match_reference(rows: int) -> None:
+    """The LM head takes the same dense path as the linear layers (oneDNN for float32 batches)."""
+    torch.manual_seed(rows)
+    head = LMHead(1000, 576, torch.float32, None)
+    head.weight.data.normal_()
+    x = torch.randn(rows, 576)
+    with torch.inference_mode():
+        logits = head(x)
+    ref = x.double() @ head.weight.double().T
+    assert logits.dtype == torch.float32 and logits.shape == (rows, 1000)
+    assert (logits.double() - ref).abs().max().item() < 1e-3
