@@ -29,7 +29,7 @@ from torch import nn
 from pagedllm.attention.cpu_kernel import ATTENTION_SRC, load_native
 from pagedllm.layers.linear import UnquantizedLinearMethod
 from pagedllm.layers.native_linear import SMALL_M, SMALL_M_SRC
-from pagedllm.quantization.native import QUANT_SRC
+from pagedllm.quantization.native import QUANT_SRC, int8_activations
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ _DENSE, _E4M3, _INT4, _INT8 = 0, 3, 4, 8
 
 class _QuantLinear(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int64), ("group", ctypes.c_int64), ("codes", _p), ("scales", _p), ("zeros", _p),
-                ("perm", _p)]
+                ("perm", _p), ("int8_act", ctypes.c_int64)]
 
 
 class _Model(ctypes.Structure):
@@ -166,6 +166,7 @@ class NativeDecode:
             for d, (kind, group, codes, scales, zeros, perm) in zip(descs, layouts):  # type: ignore[misc]
                 if kind != _DENSE:
                     d.kind, d.group, d.perm = kind, group, 0 if perm is None else perm.data_ptr()
+                    d.int8_act = int(int8_activations())  # the LinearMethods' choice
                     d.codes, d.scales, d.zeros = codes.data_ptr(), scales.data_ptr(), zeros.data_ptr()
                     self._keep.extend([codes, scales, zeros, perm])
             self._keep.append(descs)
