@@ -71,7 +71,8 @@ def weight_bytes(llm: LLM) -> int:
     """Bytes of all weights as kept in memory: parameters, and the buffers of linear layers (their
     quantized weights), each tensor once; rotary tables are not weights."""
     model = llm.llm_engine.executor.runner.model
-    linear_buffers = [b for m in model.modules() if hasattr(m, "quant_method") for b in m.buffers(recurse=False)]
+    linear_buffers = [b for m in model.modules() if hasattr(m, "quant_method") or hasattr(m, "int8_codes")
+                      for b in m.buffers(recurse=False)]
     seen = {id(t): t for t in [*model.parameters(), *linear_buffers]}
     return sum(t.numel() * t.element_size() for t in seen.values())
 

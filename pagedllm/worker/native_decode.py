@@ -66,6 +66,7 @@ class _Model(ctypes.Structure):
         *((name, ctypes.POINTER(_QuantLinear)) for name in ("qkv_q", "o_q", "gate_up_q", "down_q")),
         # The LM head (llama_decode_head): NULL when the step ends at the final norm.
         ("lm_head", _p), ("vocab", ctypes.c_int64),
+        ("lm_head_q", ctypes.POINTER(_QuantLinear)),  # NULL: the dense lm_head
     ]
 
 
@@ -202,6 +203,13 @@ class NativeDecode:
         if self.has_head:
             self.model.lm_head, self.model.vocab = head.data_ptr(), head.shape[0]
             self.vocab = int(head.shape[0])
+            codes = getattr(model.lm_head, "int8_codes", None)
+            if codes is not None:  # the torch path's LMHead reads these for decode rows: so does the step
+                packed, s, z = codes
+                self._head_q = _QuantLinear(kind=_INT8, group=32, codes=packed.data_ptr(), scales=s.data_ptr(),
+                                            zeros=z.data_ptr(), perm=0, int8_act=int(int8_activations()))
+                self._keep.extend([packed, s, z, self._head_q])
+                self.model.lm_head_q = ctypes.pointer(self._head_q)
         # Everything the struct points at must stay alive and in place.
         self._keep.extend([model, kv_caches, rotary.cos, rotary.sin])
 

@@ -74,6 +74,7 @@ typedef struct {
     /* The LM head (llama_decode_head); NULL when the step ends at the final norm. */
     const void *lm_head; /* [vocab, hidden] */
     int64_t vocab;
+    const QuantLinear *lm_head_q; /* the LM head's quantized codes (decode rows), or NULL: lm_head */
 } LlamaDecodeModel;
 
 /* The value as stored in dtype dt, read back as float32 (rounds to bf16 for dt 1). */
@@ -291,7 +292,13 @@ int llama_decode_head(const LlamaDecodeModel *md, int64_t M, const int64_t *inpu
     if (rc == 0) {
         for (int64_t s = 0; s < S; s++)
             memcpy((char *)hs + s * Hd * es, (const char *)h + sample_rows[s] * Hd * es, (size_t)(Hd * es));
-        gemm(hs, S, md->lm_head, NULL, V, Hd, y, dt);
+        if (md->lm_head_q != NULL) {
+            uint16_t *xb = alloc(S * Hd * 2);
+            linear(md->lm_head_q, hs, S, NULL, NULL, V, Hd, y, dt, xb);
+            free(xb);
+        } else {
+            gemm(hs, S, md->lm_head, NULL, V, Hd, y, dt);
+        }
         if (logits != NULL && y != (void *)logits)
             for (int64_t i = 0; i < S * V; i++) logits[i] = bf16_to_f32(((const uint16_t *)y)[i]);
         if (tokens != NULL)
