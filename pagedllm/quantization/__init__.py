@@ -62,7 +62,7 @@ class QuantizationSetup:
         self.gguf_kept: set[str] = set()
         """Checkpoint module names whose GGUF blocks are kept (not expanded to float)."""
         self._gguf_types: dict[str, int] = {}
-        if self.method == "gguf":
+        if self.method == "gguf" or getattr(model_config, "kind", None) == "gguf":
             from pagedllm.models.loader import gguf_to_hf_name, read_gguf_header
 
             for t in read_gguf_header(model_config.path).tensors.values():
@@ -73,9 +73,9 @@ class QuantizationSetup:
 
     @property
     def lm_head_int8(self) -> bool:
-        """Whether the LM head runs from int8 codes: where the GGUF file keeps the output tensor (or
-        the tied embedding) in a quantized type, as llama.cpp then does (``PAGEDLLM_QUANT_LM_HEAD=0``
-        keeps it dense)."""
+        """Whether the LM head runs from int8 codes: where the model is a GGUF file that keeps the
+        output tensor (or the tied embedding) in a quantized type, as llama.cpp then does, whatever
+        the scheme of the linear layers (``PAGEDLLM_QUANT_LM_HEAD=0`` keeps it dense)."""
         if os.environ.get("PAGEDLLM_QUANT_LM_HEAD", "1") == "0":
             return False
         head = self._gguf_types.get("lm_head", self._gguf_types.get("model.embed_tokens"))

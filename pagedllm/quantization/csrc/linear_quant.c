@@ -42,10 +42,22 @@
 #define MAXM 4
 #define NR 4
 #define TR 16 /* output rows per tile of the 4-bit and int8 layouts */
-/* Weights (times 4-row blocks of x) below which one thread does the product: a decode layer of a
- * small model is read in ~0.1 ms, and a parallel region on a machine shared with other work can
- * wait a whole scheduler slice for its second thread (measured: docs/quantization.md). */
-static int64_t quant_parallel_min = 1 << 22;
+/* Weights (times 4-row blocks of x) below which one thread does the product. With the int8
+ * path a decode layer of SmolLM2 (0.33 M - 1.8 M weights) is read in 10-60 us, and two threads
+ * still beat one on every one of them (benchmarks/bench_quant_kernels.py --decode-pass, and the
+ * single-stream decode A/B in docs/quantization.md), the smallest (o_proj) by the least. */
+#define QUANT_PARALLEL_MIN_DEFAULT (1 << 18)
+static int64_t quant_parallel_min_ = -1;
+
+/* The threshold in force: PAGEDLLM_QUANT_PARALLEL_MIN where set (read once), else the default. */
+static inline int64_t quant_parallel_min_get(void) {
+    if (quant_parallel_min_ < 0) {
+        const char *e = getenv("PAGEDLLM_QUANT_PARALLEL_MIN");
+        quant_parallel_min_ = e != NULL && *e ? strtoll(e, NULL, 10) : QUANT_PARALLEL_MIN_DEFAULT;
+    }
+    return quant_parallel_min_;
+}
+#define quant_parallel_min quant_parallel_min_get()
 
 /* bf16 bit patterns of the e4m3 subnormals m * 2^-9, m = 0..7 (lanes 8..31 unused). */
 static inline __m512i e4m3_subnormal_table(void) {
@@ -291,16 +303,16 @@ static inline __attribute__((always_inline)) int tiled_linear(
         const uint16_t *ts = scales + t % tiles * groups * TR, *tz = zeros + t % tiles * groups * TR;
         __m512 out[MAXM];
         const int mr = M - m0 < MAXM ? (int)(M - m0) : MAXM;
-#define TILE(MR_)                                                                                  \
+#define QTILE(MR_)                                                                                  \
     (int8_act ? tile_block(bits, MR_, 1, &a, m0, tc, ts, tz, K, G, out)                            \
               : tile_block(bits, MR_, 0, &a, m0, tc, ts, tz, K, G, out))
         switch (mr) {
-        case 1: TILE(1); break;
-        case 2: TILE(2); break;
-        case 3: TILE(3); break;
-        default: TILE(4);
+        case 1: QTILE(1); break;
+        case 2: QTILE(2); break;
+        case 3: QTILE(3); break;
+        default: QTILE(4);
         }
-#undef TILE
+#undef QTILE
         for (int m = 0; m < mr; m++) {
             float v[TR];
             _mm512_storeu_ps(v, out[m]);
@@ -331,7 +343,7 @@ int int8_linear_bf16(const uint16_t *x, int64_t M, const uint8_t *codes, const u
  * previous value (benchmarks set it to compare one thread with several). */
 int64_t quant_set_parallel_min(int64_t elems) {
     const int64_t old = quant_parallel_min;
-    quant_parallel_min = elems;
+    quant_parallel_min_ = elems;
     return old;
 }
 
