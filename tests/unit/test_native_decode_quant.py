@@ -19,7 +19,7 @@ from pagedllm.quantization import kernels as K
 from pagedllm.quantization.methods import GroupCodesLinearMethod, finish_group_codes
 from pagedllm.quantization.native import load_quant_kernel
 from pagedllm.worker.native_decode import MAX_ROWS, NativeDecode, load_decode_kernel
-from test_native_decode import _both_paths, _decode_batch, tiny_llama_dir  # noqa: F401 (a fixture)
+from test_native_decode import _both_paths, _decode_batch, head_three_ways, tiny_llama_dir  # noqa: F401 (a fixture)
 from test_quant_native import _int8_act_bound
 
 pytestmark = pytest.mark.skipif(
@@ -131,8 +131,6 @@ def test_w8a8_runs_the_torch_path_and_says_why(tiny_model_dir, one_torch_thread,
 def test_int8_lm_head_gives_the_torch_heads_logits(dtype, tiny_llama_dir, one_torch_thread):
     """An LM head kept as int8 codes (a GGUF whose output tensor is quantized) runs the same kernel
     function in the fused step's head as in the torch path's LMHead: the same logits to the bit."""
-    import numpy as np
-
     llm, runner = _runner(tiny_llama_dir, dtype, **SCHEMES["int4"])
     head = runner.model.lm_head
     head.keep_int8()
@@ -154,15 +152,27 @@ def test_int8_lm_head_gives_the_torch_heads_logits(dtype, tiny_llama_dir, one_to
     assert nd.has_head and nd.model.lm_head_q
     for rows, sample in ((1, [0]), (4, [3, 0, 1])):
         batch = _decode_batch(runner, [7 + 23 * i % 70 for i in range(rows)], seed=10 + rows)
-        start = [kv.clone() for kv in runner.kv_caches]
-        args = (batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables, batch.seq_lens)
-        with torch.inference_mode():
-            ref = runner.model.compute_logits(nd.run(*args)[torch.tensor(sample)])
-        for kv, s in zip(runner.kv_caches, start):
-            kv.copy_(s)
-        logits = nd.run_head(*args, np.asarray(sample), greedy=False)
-        for kv, s in zip(runner.kv_caches, start):
-            kv.copy_(s)
-        tokens = nd.run_head(*args, np.asarray(sample), greedy=True)
+        ref, logits, tokens = head_three_ways(runner, nd, batch, sample)
         assert torch.equal(logits, ref)
         assert tokens.tolist() == ref.argmax(dim=-1).tolist()
+
+
+def test_default_gguf_keeps_its_q8_0_output_tensor_as_int8(monkeypatch, one_torch_thread):
+    """The default model's GGUF stores the tied token_embd as Q8_0: every scheme on it runs the LM
+    head from int8 codes (in the fused head too), unless PAGEDLLM_QUANT_LM_HEAD=0."""
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.quantization import QuantizationSetup
+
+    for method in ("gguf", "int4"):
+        mc = EngineArgs(quantization=method).create_engine_config().model_config
+        assert QuantizationSetup(mc).lm_head_int8
+    monkeypatch.setenv("PAGEDLLM_QUANT_LM_HEAD", "0")
+    assert not QuantizationSetup(mc).lm_head_int8
+    monkeypatch.delenv("PAGEDLLM_QUANT_LM_HEAD")
+    llm = LLM(quantization="gguf", dtype="bfloat16", max_model_len=64, num_kv_blocks=16, block_size=16)
+    runner = llm.llm_engine.core.executor.runner
+    head = runner.model.lm_head
+    assert head.int8_codes is not None and head.qcodes.shape == (49152, 576)
+    assert runner.native_decode.model.lm_head_q
+    out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
