@@ -101,14 +101,17 @@ def speed(label: str, kwargs: dict, args, workload: str) -> dict:
     patch = contextlib.nullcontext()
     if label == UNFUSED_INT8:
         from pagedllm.quantization import kernels as K
-        from pagedllm.quantization.methods import Int8LinearMethod
+        from pagedllm.quantization.methods import Int8LinearMethod, _PerChannel
 
         def unfused(self, layer, x, bias):  # noqa: ANN001, ANN202
             y = K.int8_dequant_linear(x, layer.qweight, layer.wscale)
             return y if bias is None else y + bias
 
         kwargs["quantization"] = "int8"
-        patch = mock.patch.object(Int8LinearMethod, "apply", unfused)
+        # int8 codes [N, K] and scales [N] (not the native kernel's tiles), widened on every call
+        patch = contextlib.ExitStack()
+        patch.enter_context(mock.patch.object(Int8LinearMethod, "apply", unfused))
+        patch.enter_context(mock.patch.object(Int8LinearMethod, "quantize", _PerChannel.quantize))
     row: dict = {"scheme": label, "speed_dtype": kwargs["dtype"]}
     with patch:
         lat = run_latency(model, kwargs, args.input_len, args.decode_tokens, args.decode_iters, 1)
