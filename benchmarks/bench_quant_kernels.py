@@ -2,11 +2,18 @@
 
 One SmolLM2 MLP matrix (gate_up: 3072 x 576) at decode (1 token) and prefill (256 tokens) shapes;
 the float matmul runs in the same process, and every time is reported as a ratio to it.
-Run: flock /tmp/pagedllm-bench.lock python benchmarks/bench_quant_kernels.py
+
+``--decode-pass``: the native kernel over the linear layers of a SmolLM2 decode step (30 layers
+of distinct 4-bit g32 weights per shape, 33 MB for gate_up: about the L3 cache), one token,
+per layer shape, on one thread and on two (``quant_set_parallel_min``), both activation modes;
+this sets the kernel's threading threshold.
+Run: flock /tmp/pagedllm-bench.lock python benchmarks/bench_quant_kernels.py [--decode-pass]
 """
 
 from __future__ import annotations
 
+import argparse
+import os
 import time
 
 import torch
@@ -37,7 +44,8 @@ def main() -> None:
     p4, sz32 = K.pack_int4(codes, sc, zp, torch.float32)
     _, sz16 = K.pack_int4(codes, sc, zp, torch.bfloat16)
     n4, ns, nz = native.pack_int4_native(codes, sc, zp)
-    s8b, z8 = s8.bfloat16(), torch.zeros(n, 1, dtype=torch.bfloat16)
+    n8, n8s, n8z = native.pack_int8_native(q8, s8[:, None], torch.zeros(n, 1))
+    z8 = torch.zeros(n, 1, dtype=torch.bfloat16)
     reps = {1: 20, 4: 20, 256: 3}
     f8, s_f8 = K.quantize_fp8_per_channel(w)
     f8s = s_f8.bfloat16()[:, None]
@@ -57,11 +65,12 @@ def main() -> None:
             "w8a8 quantize x + torch._int_mm": best_m(lambda: K.int8_dynamic_linear(x, q8t, s8)),
             "int4 _weight_int4pack_mm_for_cpu (fp32 x)": best_m(lambda: K.int4_linear(x, p4, sz32, 64)),
             "int4 _weight_int4pack_mm_for_cpu (bf16 x)": best_m(lambda: K.int4_linear(xb, p4, sz16, 64)),
-            "int4 native (csrc/linear_quant.c), bf16 x": best_m(lambda: native.group_linear(xb, n4, ns, nz, 4)),
-            "int8 native (csrc/linear_quant.c), bf16 x": best_m(
-                lambda: native.group_linear(xb, q8, s8b[:, None], z8, 8)),
+            **{f"int4 native (csrc/linear_quant.c), {a} x": best_m(
+                lambda: _mode(a, lambda: native.group_linear(xb, n4, ns, nz, 4, n))) for a in ("int8", "bf16")},
+            **{f"int8 native (csrc/linear_quant.c), {a} x": best_m(
+                lambda: _mode(a, lambda: native.group_linear(xb, n8, n8s, n8z, 8, n))) for a in ("int8", "bf16")},
             "fp8 native (csrc/linear_quant.c), bf16 x": best_m(
-                lambda: native.group_linear(xb, f8.view(torch.uint8), f8s, z8, 3)),
+                lambda: native.group_linear(xb, f8.view(torch.uint8), f8s, z8, 3, n)),
             "fp8 widen + F.linear": best_m(lambda: K.fp8_weight_linear(x, f8, s_f8)),
             "int8 codes, group scales, widen + F.linear": best(
                 lambda: K.int8_group_linear(x, qg, sc, zp)),
@@ -71,5 +80,43 @@ def main() -> None:
             print(f"  {name:45s} {t * 1e6:9.0f} us  {t / base:6.2f}x")
 
 
+def _mode(act: str, fn):
+    """fn() with the kernel's activations in `act` (int8 or bf16)."""
+    os.environ["PAGEDLLM_QUANT_ACTIVATIONS"] = act
+    native.int8_activations.cache_clear()
+    return fn()
+
+
+def decode_pass(reps: int = 15) -> None:
+    torch.manual_seed(0)
+    shapes = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+    layers = {name: [native.pack_int4_native(*K.quantize_groupwise(torch.randn(n, k) * 0.05, 32, 4))
+                     for _ in range(30)] for name, (n, k) in shapes.items()}
+    lib = native.load_quant_kernel()
+    for act in ("int8", "bf16"):
+        _mode(act, lambda: None)
+        for threads, label in ((1, "1 thread"), (2, "2 threads")):
+            torch.set_num_threads(threads)
+            default = lib.quant_set_parallel_min(0 if threads == 2 else 1 << 62)
+            times = {}
+            for name, (n, k) in shapes.items():
+                x = torch.randn(1, k).bfloat16()
+
+                def run() -> None:
+                    for packed, s, z in layers[name]:
+                        native.small_m_linear(x, packed, s, z, 4, n)
+
+                times[name] = best(run, reps) / 30
+            total = sum(times.values()) * 30
+            print(f"{act} activations, {label}: " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in times.items())
+                  + f"; 30 layers {total * 1e3:.2f} ms", flush=True)
+            lib.quant_set_parallel_min(default)
+
+
 if __name__ == "__main__":
-    main()
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--decode-pass", action="store_true")
+    if ap.parse_args().decode_pass:
+        decode_pass()
+    else:
+        main()

@@ -71,7 +71,8 @@ def weight_bytes(llm: LLM) -> int:
     """Bytes of all weights as kept in memory: parameters, and the buffers of linear layers (their
     quantized weights), each tensor once; rotary tables are not weights."""
     model = llm.llm_engine.executor.runner.model
-    linear_buffers = [b for m in model.modules() if hasattr(m, "quant_method") for b in m.buffers(recurse=False)]
+    linear_buffers = [b for m in model.modules() if hasattr(m, "quant_method") or hasattr(m, "int8_codes")
+                      for b in m.buffers(recurse=False)]
     seen = {id(t): t for t in [*model.parameters(), *linear_buffers]}
     return sum(t.numel() * t.element_size() for t in seen.values())
 
@@ -100,14 +101,17 @@ def speed(label: str, kwargs: dict, args, workload: str) -> dict:
     patch = contextlib.nullcontext()
     if label == UNFUSED_INT8:
         from pagedllm.quantization import kernels as K
-        from pagedllm.quantization.methods import Int8LinearMethod
+        from pagedllm.quantization.methods import Int8LinearMethod, _PerChannel
 
         def unfused(self, layer, x, bias):  # noqa: ANN001, ANN202
             y = K.int8_dequant_linear(x, layer.qweight, layer.wscale)
             return y if bias is None else y + bias
 
         kwargs["quantization"] = "int8"
-        patch = mock.patch.object(Int8LinearMethod, "apply", unfused)
+        # int8 codes [N, K] and scales [N] (not the native kernel's tiles), widened on every call
+        patch = contextlib.ExitStack()
+        patch.enter_context(mock.patch.object(Int8LinearMethod, "apply", unfused))
+        patch.enter_context(mock.patch.object(Int8LinearMethod, "quantize", _PerChannel.quantize))
     row: dict = {"scheme": label, "speed_dtype": kwargs["dtype"]}
     with patch:
         lat = run_latency(model, kwargs, args.input_len, args.decode_tokens, args.decode_iters, 1)

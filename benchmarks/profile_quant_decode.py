@@ -76,9 +76,9 @@ def profile(label: str, iters: int) -> dict:
     w = runner.model.lm_head.weight.detach()
     if native.load_quant_kernel() is not None:
         codes, scales = K.quantize_int8_per_channel(w.float())
-        s, z = scales.to(torch.bfloat16)[:, None].contiguous(), torch.zeros(w.shape[0], 1, dtype=torch.bfloat16)
+        packed, s, z = native.pack_int8_native(codes, scales[:, None], torch.zeros(w.shape[0], 1))
         row["lm_head_int8_ms"], row["lm_head_int8_min_ms"] = _median_ms(
-            lambda: native.small_m_linear(hidden, codes, s, z, bits=8), iters)
+            lambda: native.small_m_linear(hidden, packed, s, z, bits=8, n=w.shape[0]), iters)
     row["lm_head_mib"] = w.numel() * w.element_size() / 2**20
     print(json.dumps(row), flush=True)
     return row

@@ -46,10 +46,33 @@ class VocabEmbedding(_VocabShard):
 
 
 class LMHead(_VocabShard):
-    """Projects final hidden states of selected tokens to float32 logits over the whole vocabulary."""
+    """Projects final hidden states of selected tokens to float32 logits over the whole vocabulary.
+
+    :meth:`keep_int8` adds int8 codes of the weight (per group of 32 inputs, as GGUF's Q8_0) that
+    decode-sized calls read through the native quantized kernel; larger ones keep the dense weight
+    (which a tied embedding still needs)."""
+
+    int8_codes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def keep_int8(self) -> None:
+        from pagedllm.quantization import native
+
+        w = self.weight.detach().float().reshape(self.rows, -1, 32)
+        scales = w.abs().amax(-1) / 127.0  # per 32 inputs: Q8_0's codes again where the weight came from Q8_0
+        codes = torch.round(w / scales.clamp(min=1e-30)[..., None]).clamp(-127, 127).to(torch.int8)
+        packed, s, z = native.pack_int8_native(codes.reshape(self.rows, -1), scales, torch.zeros_like(scales))
+        self.register_buffer("qcodes", packed, persistent=False)
+        self.register_buffer("qscales", s, persistent=False)
+        self.register_buffer("qzeros", z, persistent=False)
+        self.int8_codes = (packed, s, z)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = dense_linear(hidden, self.weight).float()
+        y = None
+        if self.int8_codes is not None:
+            from pagedllm.quantization import native
+
+            y = native.small_m_linear(hidden, *self.int8_codes, bits=8, n=self.rows)
+        logits = (y if y is not None else dense_linear(hidden, self.weight)).float()
         if self.tp.size == 1:
             return logits
         return self.tp.all_gather(logits, dim=-1)[:, : self.vocab_size]

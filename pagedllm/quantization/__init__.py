@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import os
 from typing import Any
 
 import torch
@@ -61,7 +62,7 @@ class QuantizationSetup:
         self.gguf_kept: set[str] = set()
         """Checkpoint module names whose GGUF blocks are kept (not expanded to float)."""
         self._gguf_types: dict[str, int] = {}
-        if self.method == "gguf":
+        if self.method == "gguf" or getattr(model_config, "kind", None) == "gguf":
             from pagedllm.models.loader import gguf_to_hf_name, read_gguf_header
 
             for t in read_gguf_header(model_config.path).tensors.values():
@@ -69,6 +70,16 @@ class QuantizationSetup:
                 if hf and hf.endswith(".weight"):
                     self._gguf_types[hf.removesuffix(".weight")] = t.qtype
         self.hf = _hf_quant_config(model_config.hf_config)
+
+    @property
+    def lm_head_int8(self) -> bool:
+        """Whether the LM head runs from int8 codes: where the model is a GGUF file that keeps the
+        output tensor (or the tied embedding) in a quantized type, as llama.cpp then does, whatever
+        the scheme of the linear layers (``PAGEDLLM_QUANT_LM_HEAD=0`` keeps it dense)."""
+        if os.environ.get("PAGEDLLM_QUANT_LM_HEAD", "1") == "0":
+            return False
+        head = self._gguf_types.get("lm_head", self._gguf_types.get("model.embed_tokens"))
+        return head in GGUF_TYPES
 
     def skipped(self, prefix: str, shards: list[str]) -> bool:
         names = [prefix, *shards]
@@ -123,9 +134,18 @@ class _LazyGroup(GroupCodesLinearMethod):
         super().create_weights(layer, in_features, out_features, dtype)
 
 
-def process_model(model: nn.Module, dtype: torch.dtype, label: str) -> dict[str, int]:
-    """Finish every linear layer's weights after loading; log what was quantized and the weight
-    memory (all parameters and buffers) before and after. Returns the byte counts."""
+def process_model(model: nn.Module, dtype: torch.dtype, label: str,
+                  setup: QuantizationSetup | None = None) -> dict[str, int]:
+    """Finish every linear layer's weights (and the LM head's int8 codes where ``setup`` asks for
+    them) after loading; log what was quantized and the weight memory (all parameters and
+    buffers) before and after. Returns the byte counts."""
+    from pagedllm.quantization import native
+
+    head = getattr(model, "lm_head", None)
+    if setup is not None and setup.lm_head_int8 and head is not None and hasattr(head, "keep_int8") \
+            and native.fits(head.weight.shape[1], 32):
+        head.keep_int8()
+        logger.info("LM head: int8 codes per 32 inputs for decode rows (the GGUF keeps it quantized)")
     itemsize = torch.empty(0, dtype=dtype).element_size()
     before = after = 0
     counts: dict[str, int] = {}

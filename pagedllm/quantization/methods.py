@@ -73,22 +73,28 @@ class _PerChannel(_FromFloat):
 
 
 class Int8LinearMethod(_PerChannel):
-    """Weight-only int8, one scale per output channel: the native kernel for decode rows where the
-    CPU has it, ``_weight_int8pack_mm`` otherwise (both read the same codes and bf16 scales)."""
+    """Weight-only int8, one scale per output channel: where the CPU has the native kernel, its
+    tiled codes for every batch (the kernel for decode rows, the weight expanded once per call for
+    oneDNN above: faster than ``_weight_int8pack_mm`` at batch sizes, docs/quantization.md);
+    otherwise ``_weight_int8pack_mm`` on the codes and bf16 scales."""
 
     name = "int8"
 
     def quantize(self, layer: nn.Module, w: torch.Tensor) -> None:
-        super().quantize(layer, w)
         layer.native = native.fits(w.shape[1], w.shape[1])
-        if layer.native:
-            _set(layer, "wzero", torch.zeros(w.shape[0], 1, dtype=torch.bfloat16))
+        if not layer.native:
+            super().quantize(layer, w)
+            return
+        codes, scales = self.quantizer(w)
+        packed, s, z = native.pack_int8_native(codes, scales[:, None], torch.zeros(w.shape[0], 1))
+        _set(layer, "qweight", packed)
+        _set(layer, "wscale", s)
+        _set(layer, "wzero", z)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layer.native:
-            y = native.small_m_linear(x, layer.qweight, layer.wscale.unsqueeze(1), layer.wzero, bits=8)
-            if y is not None:
-                return _bias(y, bias)
+            return _bias(native.group_linear(x, layer.qweight, layer.wscale, layer.wzero, bits=8,
+                                             n=layer.out_features), bias)
         return super().apply(layer, x, bias)
 
 
@@ -124,8 +130,8 @@ class Fp8LinearMethod(_PerChannel):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layer.native:
-            return _bias(native.group_linear(x, layer.qweight.view(torch.uint8), layer.wscale, layer.wzero, bits=3),
-                         bias)
+            return _bias(native.group_linear(x, layer.qweight.view(torch.uint8), layer.wscale, layer.wzero, bits=3,
+                                             n=layer.out_features), bias)
         return super().apply(layer, x, bias)
 
 
@@ -243,11 +249,17 @@ def finish_group_codes(layer: nn.Module, codes: torch.Tensor, scales: torch.Tens
         _set(layer, "scales_zeros", sz)
         return
     shift = 1 << (bits - 1)  # centred codes: the zero kept, zero + shift * scale, stays small
-    sdtype = torch.bfloat16 if layer.native else dtype
-    _set(layer, "qcodes", (codes.to(torch.int16) - shift).to(torch.int8))
-    _set(layer, "qscales", scales.to(sdtype))
-    _set(layer, "qzeros", (zeros + shift * scales).to(sdtype))
+    centred = (codes.to(torch.int16) - shift).to(torch.int8)
     layer.kernel = "int8_group"
+    if layer.native:
+        packed, s, z = native.pack_int8_native(centred, scales, zeros + shift * scales)
+        _set(layer, "qcodes", packed)
+        _set(layer, "qscales", s)
+        _set(layer, "qzeros", z)
+        return
+    _set(layer, "qcodes", centred)
+    _set(layer, "qscales", scales.to(dtype))
+    _set(layer, "qzeros", (zeros + shift * scales).to(dtype))
 
 
 def apply_group_codes(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -255,7 +267,7 @@ def apply_group_codes(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | No
         x = x.index_select(-1, layer.perm)
     if layer.native:
         y = native.group_linear(x, layer.packed if layer.kernel == "int4" else layer.qcodes, layer.qscales,
-                                layer.qzeros, bits=4 if layer.kernel == "int4" else 8)
+                                layer.qzeros, bits=4 if layer.kernel == "int4" else 8, n=layer.out_features)
     elif layer.kernel == "int4":
         y = K.int4_linear(x, layer.packed, layer.scales_zeros, layer.group_size)
     else:

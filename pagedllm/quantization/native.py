@@ -1,17 +1,22 @@
 """Native linear layers on 4-bit, 8-bit and fp8 (e4m3) group-wise codes (csrc/linear_quant.c),
 where the CPU has AVX-512 BF16.
 
-The weight is kept once, in the kernel's layout: 4-bit codes as 16 bytes per 32 inputs of a row
-(ggml's Q4_0 nibble order), 8-bit codes as signed bytes, e4m3 as its bytes, and bfloat16 scales
-and zeros per group (``w = code * scale + zero``). A few rows of x (decode steps) go through the kernel, one pass over
-the codes; larger batches expand the weight in the kernel once per call for
-``F.linear`` (oneDNN; float32 activations get a float32 weight), or use torch's int8 kernel on the same codes (per-channel int8).
+The weight is kept once, in the kernel's layout: 4-bit and int8 codes tiled by 16 output rows
+(:func:`pack_int4_native`, :func:`pack_int8_native`), e4m3 as its bytes, and bfloat16 scales and
+zeros per group (``w = code * scale + zero``). A few rows of x (decode steps) go through the
+kernel, one pass over the codes; larger batches expand the weight in the kernel once per call for
+``F.linear`` (oneDNN; float32 activations get a float32 weight).
+
+The activations of 4-bit and int8 codes go in as int8 per block of 32 inputs (VNNI dot products,
+as llama.cpp's Q4_0 x Q8_0) or in bfloat16; ``PAGEDLLM_QUANT_ACTIVATIONS`` (``int8``, the default,
+or ``bf16``) chooses, once per process, for the LinearMethods and the fused decode step alike.
 Measured against torch's kernels in benchmarks/bench_quant_kernels.py (docs/quantization.md).
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 from functools import lru_cache
 from pathlib import Path
 
@@ -24,6 +29,20 @@ _SRC = Path(__file__).parent / "csrc" / "linear_quant.c"
 QUANT_SRC = _SRC  # included by the fused decode step (pagedllm/worker/csrc/llama_decode.c)
 # Most rows of x that go through the kernel (a decode batch); larger ones take the batch path.
 SMALL_M = 16
+# Output rows per tile of the 4-bit and int8 layouts (TR in linear_quant.c).
+TILE = 16
+_ACTIVATIONS = ("int8", "bf16")
+
+
+@lru_cache(maxsize=1)
+def int8_activations() -> bool:
+    """Whether 4-bit and int8 codes meet int8 activations (``PAGEDLLM_QUANT_ACTIVATIONS``: ``int8``,
+    the default, or ``bf16``); one choice per process, so the fused decode step and the
+    LinearMethods run the same kernel."""
+    mode = os.environ.get("PAGEDLLM_QUANT_ACTIVATIONS", "int8").lower()
+    if mode not in _ACTIVATIONS:
+        raise ValueError(f"PAGEDLLM_QUANT_ACTIVATIONS={mode!r}: expected one of {', '.join(_ACTIVATIONS)}")
+    return mode == "int8"
 
 
 @lru_cache(maxsize=1)
@@ -31,10 +50,11 @@ def load_quant_kernel() -> ctypes.CDLL | None:
     """The compiled kernel where the CPU has AVX-512 BF16 (else None: torch's kernels serve);
     ``PAGEDLLM_NATIVE_QUANT=0`` turns it off."""
     i64, p, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    linear = ([p, i64, p, p, p, i64, i64, i64, p, i32], i32)
+    linear = ([p, i64, p, p, p, i64, i64, i64, p, i32, i32], i32)
     return load_native(_SRC, "PAGEDLLM_NATIVE_QUANT", {
         "int4_linear_bf16": linear, "int8_linear_bf16": linear, "e4m3_linear_bf16": linear,
         "quant_dequant": ([i32, p, p, p, i64, i64, i64, p, i32], i32),
+        "quant_set_parallel_min": ([i64], i64),
     })
 
 
@@ -43,27 +63,58 @@ def fits(in_features: int, group_size: int) -> bool:
     return group_size % 32 == 0 and in_features % group_size == 0 and load_quant_kernel() is not None
 
 
+def _tile_rows(t: torch.Tensor) -> torch.Tensor:
+    """t [N, ...] with zero rows appended up to a multiple of TILE."""
+    pad = -t.shape[0] % TILE
+    return t if pad == 0 else torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
+
+
+def _tile_groups(scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scales and zeros [N, K/g] -> the kernel's [N/16, K/g, 16] order (as [Np, K/g]), bfloat16."""
+    def tile(t: torch.Tensor) -> torch.Tensor:
+        t = _tile_rows(t.to(torch.bfloat16))
+        n, groups = t.shape
+        return t.reshape(n // TILE, TILE, groups).transpose(1, 2).reshape(n, groups).contiguous()
+
+    return tile(scales), tile(zeros)
+
+
 def pack_int4_native(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Codes [N, K] (0..15) -> [N, K/2] uint8 with, per 32 inputs, byte j = code j | code j+16 << 4;
-    scales [N, K/g] in bfloat16, and the zeros of the centred codes (the kernel reads code - 8),
-    zero + 8 scale, in bfloat16: near the group's middle, so their rounding is small."""
+    """Codes [N, K] (0..15) -> the kernel's tiles, [Np, K/2] uint8 (Np: N rounded up to 16): per
+    16 rows and 8 inputs, 64 bytes whose dword j holds row j's codes of inputs 0-3 in the low
+    nibbles and 4-7 in the high ones; scales and the zeros of the centred codes (the kernel reads
+    code - 8), zero + 8 scale, near the group's middle so their rounding is small, in bfloat16,
+    tiled alike."""
     n, k = codes.shape
-    c = codes.to(torch.uint8).reshape(n, k // 32, 2, 16)
-    packed = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
-    centred = zeros.float() + 8.0 * scales.float()
-    return packed, scales.to(torch.bfloat16).contiguous(), centred.to(torch.bfloat16).contiguous()
+    c = _tile_rows(codes.to(torch.uint8)).reshape(-1, TILE, k // 8, 2, 4)
+    packed = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).transpose(1, 2).reshape(-1, k // 2).contiguous()
+    s, z = _tile_groups(scales.float(), zeros.float() + 8.0 * scales.float())
+    return packed, s, z
+
+
+def pack_int8_native(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Centred int8 codes [N, K] (w = code * scale + zero) -> the kernel's tiles, [Np, K] uint8
+    holding code + 128: per 16 rows and 4 inputs, 64 bytes whose dword j holds row j's; scales and
+    zeros [N, K/g] in bfloat16, tiled alike."""
+    n, k = codes.shape
+    u = (_tile_rows(codes.to(torch.int16)) + 128).to(torch.uint8).reshape(-1, TILE, k // 4, 4)
+    s, z = _tile_groups(scales.float(), zeros.float())
+    return u.transpose(1, 2).reshape(-1, k).contiguous(), s, z
 
 
 def _in_features(codes: torch.Tensor, bits: int) -> int:
     return codes.shape[1] * (2 if bits == 4 else 1)
 
 
-def small_m_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int
-                   ) -> torch.Tensor | None:
-    """x [..., K] @ W^T through the kernel when x has at most SMALL_M rows (else None). ``codes``:
-    :func:`pack_int4_native`'s layout (bits 4), int8 [N, K] (bits 8) or e4m3 bytes [N, K] viewed as
-    uint8 (bits 3); ``scales``/``zeros`` bf16 [N, K/g]. x enters in bfloat16; the result returns in x's dtype (float32 or bfloat16)."""
+def small_m_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+                   n: int) -> torch.Tensor | None:
+    """x [..., K] @ W^T (W: n output rows) through the kernel when x has at most SMALL_M rows (else
+    None). ``codes``: :func:`pack_int4_native`'s tiles (bits 4), :func:`pack_int8_native`'s (bits
+    8) or e4m3 bytes [N, K] viewed as uint8 (bits 3); ``scales``/``zeros`` bf16 in the same layout.
+    x enters in bfloat16 (then int8 per block of 32 where :func:`int8_activations`); the result
+    returns in x's dtype (float32 or bfloat16)."""
     k = _in_features(codes, bits)
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
@@ -71,21 +122,19 @@ def small_m_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, z
         return None
     lib = load_quant_kernel()
     x2 = x2.to(torch.bfloat16).contiguous()
-    n = codes.shape[0]
     out_f32 = x.dtype == torch.float32
     y = torch.empty(m, n, dtype=torch.float32 if out_f32 else torch.bfloat16)
     f = {4: lib.int4_linear_bf16, 8: lib.int8_linear_bf16, 3: lib.e4m3_linear_bf16}[bits]
     if f(x2.data_ptr(), m, codes.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n, k, k // scales.shape[1],
-         y.data_ptr(), int(out_f32)) != 0:
+         y.data_ptr(), int(out_f32), int(int8_activations())) != 0:
         raise ValueError(f"quantized kernel: group size {k // scales.shape[1]} does not fit {k} inputs")
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
-def dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, n: int,
                dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """The weight [N, K] in `dtype` (bfloat16 or float32), expanded from the kernel's layout."""
+    """The weight [n, K] in `dtype` (bfloat16 or float32), expanded from the kernel's layout."""
     k = _in_features(codes, bits)
-    n = codes.shape[0]
     w = torch.empty(n, k, dtype=dtype)
     if load_quant_kernel().quant_dequant(bits, codes.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n, k,
                                          k // scales.shape[1], w.data_ptr(), int(dtype == torch.float32)) != 0:
@@ -93,12 +142,12 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, b
     return w
 
 
-def group_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int
-                 ) -> torch.Tensor:
-    """x @ W^T for any number of rows: the kernel for a few; for more, the weight expanded to x's
-    dtype (float32 stays float32) and ``F.linear``."""
-    y = small_m_linear(x, codes, scales, zeros, bits)
+def group_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+                 n: int) -> torch.Tensor:
+    """x @ W^T (n output rows) for any number of rows: the kernel for a few; for more, the weight
+    expanded to x's dtype (float32 stays float32) and ``F.linear``."""
+    y = small_m_linear(x, codes, scales, zeros, bits, n)
     if y is not None:
         return y
     dtype = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
-    return F.linear(x.to(dtype), dequantize(codes, scales, zeros, bits, dtype)).to(x.dtype)
+    return F.linear(x.to(dtype), dequantize(codes, scales, zeros, bits, n, dtype)).to(x.dtype)

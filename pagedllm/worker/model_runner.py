@@ -153,7 +153,7 @@ class ModelRunner:
         else:
             source = ModelSource(kind=mc.kind, path=mc.path, name=mc.served_model_name)  # type: ignore[arg-type]
             model.load_weights(iterate_weights(source, quant))
-        process_model(model, self.dtype, f"{mc.quantization.method} quantization" if quant else "")
+        process_model(model, self.dtype, f"{mc.quantization.method} quantization" if quant else "", quant)
         model.eval()
         for layer in self._attention_layers(model):
             layer.context, layer.backend = self.forward_context, self.attn_backend

@@ -29,7 +29,7 @@ from torch import nn
 from pagedllm.attention.cpu_kernel import ATTENTION_SRC, load_native
 from pagedllm.layers.linear import UnquantizedLinearMethod
 from pagedllm.layers.native_linear import SMALL_M, SMALL_M_SRC
-from pagedllm.quantization.native import QUANT_SRC
+from pagedllm.quantization.native import QUANT_SRC, int8_activations
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ _DENSE, _E4M3, _INT4, _INT8 = 0, 3, 4, 8
 
 class _QuantLinear(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int64), ("group", ctypes.c_int64), ("codes", _p), ("scales", _p), ("zeros", _p),
-                ("perm", _p)]
+                ("perm", _p), ("int8_act", ctypes.c_int64)]
 
 
 class _Model(ctypes.Structure):
@@ -66,6 +66,7 @@ class _Model(ctypes.Structure):
         *((name, ctypes.POINTER(_QuantLinear)) for name in ("qkv_q", "o_q", "gate_up_q", "down_q")),
         # The LM head (llama_decode_head): NULL when the step ends at the final norm.
         ("lm_head", _p), ("vocab", ctypes.c_int64),
+        ("lm_head_q", ctypes.POINTER(_QuantLinear)),  # NULL: the dense lm_head
     ]
 
 
@@ -166,6 +167,7 @@ class NativeDecode:
             for d, (kind, group, codes, scales, zeros, perm) in zip(descs, layouts):  # type: ignore[misc]
                 if kind != _DENSE:
                     d.kind, d.group, d.perm = kind, group, 0 if perm is None else perm.data_ptr()
+                    d.int8_act = int(int8_activations())  # the LinearMethods' choice
                     d.codes, d.scales, d.zeros = codes.data_ptr(), scales.data_ptr(), zeros.data_ptr()
                     self._keep.extend([codes, scales, zeros, perm])
             self._keep.append(descs)
@@ -201,6 +203,13 @@ class NativeDecode:
         if self.has_head:
             self.model.lm_head, self.model.vocab = head.data_ptr(), head.shape[0]
             self.vocab = int(head.shape[0])
+            codes = getattr(model.lm_head, "int8_codes", None)
+            if codes is not None:  # the torch path's LMHead reads these for decode rows: so does the step
+                packed, s, z = codes
+                self._head_q = _QuantLinear(kind=_INT8, group=32, codes=packed.data_ptr(), scales=s.data_ptr(),
+                                            zeros=z.data_ptr(), perm=0, int8_act=int(int8_activations()))
+                self._keep.extend([packed, s, z, self._head_q])
+                self.model.lm_head_q = ctypes.pointer(self._head_q)
         # Everything the struct points at must stay alive and in place.
         self._keep.extend([model, kv_caches, rotary.cos, rotary.sin])
 

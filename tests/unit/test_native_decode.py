@@ -149,6 +149,21 @@ def _head_calls(runner, monkeypatch) -> list[str]:
     return calls
 
 
+def head_three_ways(runner, nd, batch, sample: list[int]):
+    """(the torch LM head's logits on the fused step's hidden states, the fused head's logits, its
+    argmax tokens), each from the same starting cache."""
+    start = [kv.clone() for kv in runner.kv_caches]
+    args = (batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables, batch.seq_lens)
+    with torch.inference_mode():
+        ref = runner.model.compute_logits(nd.run(*args)[torch.tensor(sample)])
+    for kv, s in zip(runner.kv_caches, start):
+        kv.copy_(s)
+    logits = nd.run_head(*args, np.asarray(sample), greedy=False)
+    for kv, s in zip(runner.kv_caches, start):
+        kv.copy_(s)
+    return ref, logits, nd.run_head(*args, np.asarray(sample), greedy=True)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_step_on_to_the_lm_head_gives_the_lm_heads_logits(dtype, tiny_llama_dir, one_torch_thread):
     _needs_bf16(dtype)
@@ -157,17 +172,7 @@ def test_step_on_to_the_lm_head_gives_the_lm_heads_logits(dtype, tiny_llama_dir,
     assert nd.has_head
     for rows, sample in ((1, [0]), (3, [2, 0]), (4, [0, 1, 2, 3])):
         batch = _decode_batch(runner, [7 + 23 * i % 70 for i in range(rows)], seed=10 + rows)
-        start = [kv.clone() for kv in runner.kv_caches]
-        args = (batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables, batch.seq_lens)
-        with torch.inference_mode():
-            hidden = nd.run(*args)
-            ref = runner.model.compute_logits(hidden[torch.tensor(sample)])
-        for kv, s in zip(runner.kv_caches, start):
-            kv.copy_(s)
-        logits = nd.run_head(*args, np.asarray(sample), greedy=False)
-        for kv, s in zip(runner.kv_caches, start):
-            kv.copy_(s)
-        tokens = nd.run_head(*args, np.asarray(sample), greedy=True)
+        ref, logits, tokens = head_three_ways(runner, nd, batch, sample)
         assert logits.dtype == torch.float32 and torch.equal(logits, ref)
         assert tokens.tolist() == ref.argmax(dim=-1).tolist()
         if dtype == "bfloat16":  # and, up to four rows, what the torch path's forward and head give

@@ -19,7 +19,8 @@ from pagedllm.quantization import kernels as K
 from pagedllm.quantization.methods import GroupCodesLinearMethod, finish_group_codes
 from pagedllm.quantization.native import load_quant_kernel
 from pagedllm.worker.native_decode import MAX_ROWS, NativeDecode, load_decode_kernel
-from test_native_decode import _both_paths, _decode_batch
+from test_native_decode import _both_paths, _decode_batch, head_three_ways, tiny_llama_dir  # noqa: F401 (a fixture)
+from test_quant_native import _int8_act_bound
 
 pytestmark = pytest.mark.skipif(
     load_decode_kernel() is None or load_quant_kernel() is None or not load_decode_kernel().small_m_available() & 2,
@@ -124,3 +125,54 @@ def test_w8a8_runs_the_torch_path_and_says_why(tiny_model_dir, one_torch_thread,
         llm, runner = _runner(tiny_model_dir, "float32", quantization="w8a8")
     assert runner.native_decode is None
     assert "w8a8 linear layers" in caplog.text
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_int8_lm_head_gives_the_torch_heads_logits(dtype, tiny_llama_dir, one_torch_thread):
+    """An LM head kept as int8 codes (a GGUF whose output tensor is quantized) runs the same kernel
+    function in the fused step's head as in the torch path's LMHead: the same logits to the bit."""
+    llm, runner = _runner(tiny_llama_dir, dtype, **SCHEMES["int4"])
+    head = runner.model.lm_head
+    head.keep_int8()
+    w = head.weight.float()
+    hidden = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(0)).to(head.weight.dtype)
+    with torch.inference_mode():
+        y = head(hidden)
+    assert y.dtype == torch.float32
+    # int8 codes per 32 inputs: half a step per weight (|w| max / 254 of its block), plus the kernel's
+    # bf16 and int8-activation rounding (test_quant_native)
+    step = w.abs().reshape(w.shape[0], -1, 32).amax(-1).repeat_interleave(32, 1) / 127
+    x = hidden.float()
+    bound = x.abs() @ (step / 2).T + 2.0**-7 * (x.abs() @ w.abs().T) + _int8_act_bound(x, w.abs() * 1.01, 3)
+    if dtype == "bfloat16":
+        bound = bound + 2.0**-8 * (x @ w.T).abs()
+    assert ((y - x @ w.T).abs() <= bound + 1e-4).all()
+    runner.native_decode = nd = NativeDecode.create(runner.model, runner.kv_caches, runner.dtype, runner.kv_dtype,
+                                                    runner.block_size, None)
+    assert nd.has_head and nd.model.lm_head_q
+    for rows, sample in ((1, [0]), (4, [3, 0, 1])):
+        batch = _decode_batch(runner, [7 + 23 * i % 70 for i in range(rows)], seed=10 + rows)
+        ref, logits, tokens = head_three_ways(runner, nd, batch, sample)
+        assert torch.equal(logits, ref)
+        assert tokens.tolist() == ref.argmax(dim=-1).tolist()
+
+
+def test_default_gguf_keeps_its_q8_0_output_tensor_as_int8(monkeypatch, one_torch_thread):
+    """The default model's GGUF stores the tied token_embd as Q8_0: every scheme on it runs the LM
+    head from int8 codes (in the fused head too), unless PAGEDLLM_QUANT_LM_HEAD=0."""
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.quantization import QuantizationSetup
+
+    for method in ("gguf", "int4"):
+        mc = EngineArgs(quantization=method).create_engine_config().model_config
+        assert QuantizationSetup(mc).lm_head_int8
+    monkeypatch.setenv("PAGEDLLM_QUANT_LM_HEAD", "0")
+    assert not QuantizationSetup(mc).lm_head_int8
+    monkeypatch.delenv("PAGEDLLM_QUANT_LM_HEAD")
+    llm = LLM(quantization="gguf", dtype="bfloat16", max_model_len=64, num_kv_blocks=16, block_size=16)
+    runner = llm.llm_engine.core.executor.runner
+    head = runner.model.lm_head
+    assert head.int8_codes is not None and head.qcodes.shape == (49152, 576)
+    assert runner.native_decode.model.lm_head_q
+    out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4

@@ -1,7 +1,8 @@
 """The native 4/8-bit group-wise kernel (pagedllm/quantization/csrc/linear_quant.c) against a float
 reference on random matrices, on both of its paths (a few rows: one pass over the codes; more:
-the weight expanded to bfloat16 for F.linear), with the tolerance bfloat16 activations, scales and
-zeros allow."""
+the weight expanded to bfloat16 for F.linear), with either activation mode of the few-row path
+(int8 per block of 32, or bfloat16), with the tolerance bfloat16 activations, scales and zeros and
+the int8 rounding of the activations allow."""
 
 from __future__ import annotations
 
@@ -14,6 +15,28 @@ from pagedllm.quantization import native
 pytestmark = pytest.mark.skipif(native.load_quant_kernel() is None, reason="no AVX-512 BF16 here")
 
 
+@pytest.fixture(params=["int8", "bf16"])
+def activations(request, monkeypatch):
+    """The kernel's activation mode (PAGEDLLM_QUANT_ACTIVATIONS), for this test only."""
+    monkeypatch.setenv("PAGEDLLM_QUANT_ACTIVATIONS", request.param)
+    native.int8_activations.cache_clear()
+    yield request.param
+    native.int8_activations.cache_clear()
+
+
+def _int8_act_bound(x: torch.Tensor, w_mag: torch.Tensor, m: int) -> torch.Tensor:
+    """The int8 activations' rounding, where the few-row path (m <= SMALL_M) uses them: each block
+    of 32 inputs of a bf16 row is q = round(x / d), d = max|x| / 127, so |d q - x| <= d / 2 per
+    input; it meets the centred weight (code - offset) * scale, bounded by w_mag (the zero term
+    takes the exact sums of x), so the output moves by at most sum_k w_mag[n, k] d(k) / 2, plus
+    fp32 rounding of the products d q (relative 2^-24, inside the bf16 bound's margin)."""
+    if m > native.SMALL_M or not native.int8_activations():
+        return torch.zeros(x.shape[0], w_mag.shape[0])
+    xb = x.bfloat16().float()
+    d = xb.abs().reshape(x.shape[0], -1, 32).amax(-1) / 127
+    return (d.repeat_interleave(32, 1) / 2) @ w_mag.T
+
+
 def _bound(x: torch.Tensor, w_mag: torch.Tensor) -> torch.Tensor:
     """bfloat16 rounding (relative <= 2^-9) of each activation and of each weight's scale and zero
     term (w_mag: a bound of |code| s + |zero| per weight, in the kernel's centring): 2^-9 (|x| @ w_mag^T) for each, doubled for the
@@ -23,35 +46,61 @@ def _bound(x: torch.Tensor, w_mag: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("m", [1, 4, 7, native.SMALL_M + 3])
-def test_int4_kernel_matches_the_float_reference(group: int, m: int) -> None:
+def test_int4_kernel_matches_the_float_reference(group: int, m: int, activations: str) -> None:
     g = torch.Generator().manual_seed(group + m)
     w = torch.randn(70, 512, generator=g) * 0.05  # 70 rows: a partial block of 4 output rows
     x = torch.randn(m, 512, generator=g)
     codes, scales, zeros = K.quantize_groupwise(w, group, 4)
     ref_w = K.dequantize_groupwise(codes, scales, zeros)
     packed, s, z = native.pack_int4_native(codes, scales, zeros)
-    assert packed.shape == (70, 256) and packed.dtype == torch.uint8
+    assert packed.shape == (80, 256) and packed.dtype == torch.uint8  # 70 rows padded to tiles of 16
     # the kernel reads code - 8 with the zero + 8 scale: bound both parts' rounding
     mag = (((codes.float() - 8).abs() + 8) * scales.repeat_interleave(group, 1)).abs() \
         + zeros.repeat_interleave(group, 1).abs()
+    centred = ((codes.float() - 8) * scales.repeat_interleave(group, 1)).abs() * (1 + 2.0**-8)
     for dtype in (torch.float32, torch.bfloat16):
-        y = native.group_linear(x.to(dtype), packed, s, z, bits=4)
+        y = native.group_linear(x.to(dtype), packed, s, z, bits=4, n=70)
         assert y.dtype == dtype and y.shape == (m, 70)
-        bound = _bound(x, mag) + (2.0**-8 * (x @ ref_w.T).abs() if dtype == torch.bfloat16 else 0)
+        bound = _bound(x, mag) + _int8_act_bound(x, centred, m) \
+            + (2.0**-8 * (x @ ref_w.T).abs() if dtype == torch.bfloat16 else 0)
         assert ((y.float() - x @ ref_w.T).abs() <= bound).all()
 
 
 @pytest.mark.parametrize("m", [1, 5, native.SMALL_M + 1])
-def test_int8_kernel_matches_the_float_reference(m: int) -> None:
+def test_int8_kernel_matches_the_float_reference(m: int, activations: str) -> None:
     g = torch.Generator().manual_seed(m)
     w = torch.randn(33, 1536, generator=g) * 0.05
     x = torch.randn(3, m, 1536, generator=g)  # leading dimensions are kept
     codes, scales = K.quantize_int8_per_channel(w)
     ref_w = codes.float() * scales[:, None]
-    zeros = torch.zeros(33, 1, dtype=torch.bfloat16)
-    y = native.group_linear(x, codes, scales.bfloat16()[:, None], zeros, bits=8)
+    packed, s, z = native.pack_int8_native(codes, scales[:, None], torch.zeros(33, 1))
+    assert packed.shape == (48, 1536) and s.shape == (48, 1)
+    y = native.group_linear(x, packed, s, z, bits=8, n=33)
     assert y.shape == (3, m, 33) and y.dtype == torch.float32
-    assert ((y - x @ ref_w.T).abs() <= _bound(x.reshape(-1, 1536), ref_w.abs()).reshape(3, m, 33)).all()
+    x2 = x.reshape(-1, 1536)
+    bound = _bound(x2, ref_w.abs()) + _int8_act_bound(x2, ref_w.abs() * (1 + 2.0**-8), 3 * m)
+    assert ((y - x @ ref_w.T).abs() <= bound.reshape(3, m, 33)).all()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_tiled_layouts_expand_to_the_weight(bits: int) -> None:
+    """The batch path's expansion reads every code, scale and zero of the tiled layouts back in
+    place (rows past a tile, groups, both nibbles): exact in float32."""
+    g = torch.Generator().manual_seed(bits)
+    n, k, group = 37, 256, 64
+    codes = torch.randint(0, 16 if bits == 4 else 256, (n, k), generator=g)
+    scales = torch.rand(n, k // group, generator=g).bfloat16().float()
+    zeros = torch.randn(n, k // group, generator=g).bfloat16().float()
+    if bits == 4:
+        packed, s, z = native.pack_int4_native(codes, scales, zeros)
+        kernel_zeros = (zeros + 8 * scales).bfloat16().float()  # the zeros of code - 8, as kept
+        ref = ((codes.float() - 8).reshape(n, -1, group) * scales[..., None] + kernel_zeros[..., None]).reshape(n, k)
+    else:
+        centred = (codes - 128).to(torch.int8)
+        packed, s, z = native.pack_int8_native(centred, scales, zeros)
+        ref = (centred.float().reshape(n, -1, group) * scales[..., None] + zeros[..., None]).reshape(n, k)
+    w = native.dequantize(packed, s, z, bits, n, torch.float32)
+    torch.testing.assert_close(w, ref, rtol=2**-20, atol=0)
 
 
 def test_kernel_refuses_a_group_that_does_not_divide_the_inputs() -> None:
@@ -66,9 +115,9 @@ def test_e4m3_codes_widen_exactly() -> None:
     one = torch.ones(1, 1, dtype=torch.bfloat16)
     zero = torch.zeros(1, 1, dtype=torch.bfloat16)
     for rows in torch.eye(256).split(native.SMALL_M):  # one-hot x rows read the codes one by one
-        y = native.group_linear(rows, codes[None], one, zero, bits=3)
+        y = native.group_linear(rows, codes[None], one, zero, bits=3, n=1)
         assert torch.equal(y[:, 0], rows @ values)
-    y = native.group_linear(torch.eye(256), codes[None], one, zero, bits=3)  # the batch path
+    y = native.group_linear(torch.eye(256), codes[None], one, zero, bits=3, n=1)  # the batch path
     assert torch.equal(y[:, 0], values)
 
 
@@ -80,5 +129,5 @@ def test_fp8_kernel_matches_the_float_reference(m: int) -> None:
     w8, scales = K.quantize_fp8_per_channel(w)
     ref_w = w8.float() * scales[:, None]
     y = native.group_linear(x, w8.view(torch.uint8), scales.bfloat16()[:, None],
-                            torch.zeros(40, 1, dtype=torch.bfloat16), bits=3)
+                            torch.zeros(40, 1, dtype=torch.bfloat16), bits=3, n=40)
     assert ((y - x @ ref_w.T).abs() <= _bound(x, ref_w.abs())).all()

@@ -23,6 +23,8 @@ from pagedllm.quantization.methods import (
     Int8LinearMethod,
     W8A8LinearMethod,
 )
+from pagedllm.quantization import native
+from test_quant_native import _int8_act_bound
 
 N, KDIM, M = 96, 256, 7
 EPS = 1e-4  # float32 accumulation over KDIM terms of magnitude ~1
@@ -55,8 +57,11 @@ def test_int8_within_half_a_step_per_weight(data) -> None:
     step = w.abs().amax(dim=1) / 127
     # half a step per weight; the kernel takes bfloat16 activations and scales (relative 2^-9 each)
     bound = x.abs() @ (step[:, None] / 2).expand(N, KDIM).T + 2.0**-8 * (x.abs() @ w.abs().T) + EPS
+    if layer.native:  # int8 activations where the kernel takes them (|code * scale| <= |w| + step / 2)
+        bound = bound + _int8_act_bound(x, (w.abs() + step[:, None] / 2) * (1 + 2.0**-8), M)
     assert (layer(x) - _ref(layer, x, w)).abs().le(bound).all()
-    assert layer.qweight.dtype == torch.int8
+    # the native kernel's tiles hold code + 128 (uint8); torch's kernel reads int8 codes
+    assert layer.qweight.dtype == (torch.uint8 if layer.native else torch.int8)
 
 
 def test_w8a8_within_weight_and_activation_steps(data) -> None:
@@ -102,14 +107,19 @@ def _bf16_bound(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zero
     rounding <= 2^-9 each), with the codes centred on `center` (torch's int4 kernel: 8, GGUF's
     8-bit codes: 128) or not (the native kernel's 4-bit codes): per weight |dw| <= 2^-9
     (|code - c| s + |zero + c s|), per input |dx| <= 2^-9 |x|; the sum of both over K, doubled for
-    the cross terms and accumulation. Both centrings are bounded (the larger is taken)."""
+    the cross terms and accumulation. Both centrings are bounded (the larger is taken). Where the
+    native kernel quantizes the activations to int8, their rounding meets the centred weights
+    (test_quant_native._int8_act_bound)."""
     g = codes.shape[1] // scales.shape[1]
     s = scales.repeat_interleave(g, 1)
     mag = torch.zeros_like(s)
     for c in (0, center):
         zp = (zeros + c * scales).repeat_interleave(g, 1)
         mag = torch.maximum(mag, (codes.float() - c).abs() * s + zp.abs())
-    return 2.0**-8 * (x.abs() @ mag.T) + EPS
+    bound = 2.0**-8 * (x.abs() @ mag.T) + EPS
+    if native.load_quant_kernel() is not None:
+        bound = bound + _int8_act_bound(x, (codes.float() - center).abs() * s * (1 + 2.0**-8), x.shape[0])
+    return bound
 
 
 def test_int4_clip_search_never_worse(data) -> None:

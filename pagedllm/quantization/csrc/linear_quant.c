@@ -1,20 +1,34 @@
 /*
- * y = x W^T for group-wise quantized weights (w = code * scale + zero per group of G inputs) and
- * bf16 activations, with AVX-512 BF16 dot products (vdpbf16ps) and fp32 accumulation; for the few
- * rows of a decode step, where torch's packed int4/int8 kernels and a per-call widening read the
- * weight at a fraction of the memory bandwidth. Larger batches expand the weight to bf16 once per
- * call (quant_dequant) for oneDNN, in the activations' dtype.
+ * y = x W^T for group-wise quantized weights (w = (u - offset) * scale + zero per group of G inputs,
+ * u the stored code) and bf16 activations, for the few rows of a decode step, where torch's packed
+ * int4/int8 kernels and a per-call widening read the weight at a fraction of the memory bandwidth.
+ * Larger batches expand the weight to bf16 once per call (quant_dequant) for oneDNN, in the
+ * activations' dtype.
  *
- * Codes, BITS = 4: 16 bytes per 32 inputs of a row (byte j: code j in the low nibble, code j+16 in
- * the high one, as ggml's Q4_0 blocks), unsigned 0..15, read as code - 8 through a 16-entry bf16
- * table (vpermw); the zeros given are zero + 8 scale. BITS = 8: one signed byte per input, widened through fp32. BITS = 3 (fp8 e4m3): one
- * byte per input, whose exponent and mantissa move into bf16's fields (subnormals from a table).
- * Per 32 inputs: one
- * vdpbf16ps per x row into a per-group accumulator, scaled once per group. The zero term,
- * zero * sum(x over the group), is a dot product of the zeros with the group sums of x.
+ * 4-bit codes (int4, GGUF <= 4 bits, AWQ, GPTQ; offset 8) and int8 codes (int8, GGUF Q5/Q6/Q8;
+ * stored as code + 128, offset 128) are tiled by TR = 16 output rows, so that one 512-bit register
+ * holds one 32-bit lane per output row:
+ *   4 bits: per tile, per 8 inputs k..k+7, 64 bytes; dword j = row j, its byte i holds the code of
+ *           input k+i in the low nibble and of input k+4+i in the high one. [N/16, K*8] bytes.
+ *   int8:   per tile, per 4 inputs k..k+3, 64 bytes; dword j = row j, byte i = input k+i. [N/16, K*16].
+ *   scales, zeros: per tile, per group, the 16 rows' bf16 values. [N/16, K/G, 16].
+ * N is padded to a multiple of 16 (padding rows: code 0, scale 0, zero 0); the zeros given are the
+ * zeros of the centred codes u - offset (zero + offset * scale), small, so their bf16 rounding is too.
  *
- * Layouts: x [M, K] bf16; codes [N, K/2] uint8 (4 bits) or [N, K] int8 / e4m3; scales, zeros [N, K/G]
- * bf16; y [M, N] bf16 or fp32 (y_f32); K % G == 0, G % 32 == 0.
+ * Two ways to take the activations (int8_act, chosen per call):
+ *   int8 (VNNI, as ggml's Q4_0 x Q8_0 dot products): each x row quantized once per call to int8 per
+ *     block of 32 inputs (q = round(x / d), d = max|x| / 127, fp32); per block and 16 rows, one
+ *     vpdpbusd (u8 codes x s8 q -> s32) per 4 inputs, the offset folded in as -offset * sum(q), the
+ *     block's int32 sums scaled by d in fp32, each group's sum by its scale.
+ *   bf16: exact products of the codes (in fp32) and x (bf16 widened to fp32), fp32 FMAs, the
+ *     offset moved into the zero term.
+ * Either way the zero term, zero * sum(x over the group), uses the exact group sums of x.
+ *
+ * e4m3 (fp8) keeps a row-major layout: codes [N, K], scales and zeros [N, K/G]; one byte per input,
+ * whose exponent and mantissa move into bf16's fields (subnormals from a table), one vdpbf16ps per
+ * 32 inputs per x row into a per-group accumulator, scaled once per group.
+ *
+ * x [M, K] bf16; y [M, N] bf16 or fp32 (y_f32); K % G == 0, G % 32 == 0.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -27,33 +41,23 @@
 
 #define MAXM 4
 #define NR 4
-/* Weights (times 4-row blocks of x) below which one thread does the product: a decode layer of a
- * small model is read in ~0.1 ms, and a parallel region on a machine shared with other work can
- * wait a whole scheduler slice for its second thread (measured: docs/quantization.md). */
-#define PARALLEL_MIN_ELEMS (1 << 22)
+#define TR 16 /* output rows per tile of the 4-bit and int8 layouts */
+/* Weights (times 4-row blocks of x) below which one thread does the product. With the int8
+ * path a decode layer of SmolLM2 (0.33 M - 1.8 M weights) is read in 10-60 us, and two threads
+ * still beat one on every one of them (benchmarks/bench_quant_kernels.py --decode-pass, and the
+ * single-stream decode A/B in docs/quantization.md), the smallest (o_proj) by the least. */
+#define QUANT_PARALLEL_MIN_DEFAULT (1 << 18)
+static int64_t quant_parallel_min_ = -1;
 
-/* bf16 bit patterns of code - 8 for the codes 0 .. 15 (centred, so that the zero the kernel adds,
- * zero + 8 scale, is small and its bf16 rounding too), repeated for both 256-bit lanes of vpermw. */
-static inline __m512i code_table(void) {
-    uint16_t t[32];
-    for (int c = 0; c < 32; c++) t[c] = f32_to_bf16((float)((c & 15) - 8));
-    return _mm512_loadu_si512((const void *)t);
+/* The threshold in force: PAGEDLLM_QUANT_PARALLEL_MIN where set (read once), else the default. */
+static inline int64_t quant_parallel_min_get(void) {
+    if (quant_parallel_min_ < 0) {
+        const char *e = getenv("PAGEDLLM_QUANT_PARALLEL_MIN");
+        quant_parallel_min_ = e != NULL && *e ? strtoll(e, NULL, 10) : QUANT_PARALLEL_MIN_DEFAULT;
+    }
+    return quant_parallel_min_;
 }
-
-/* 32 4-bit codes of one block as 32 bf16 values. */
-static inline __m512bh widen32(const uint8_t *q, __m512i table) {
-    const __m128i b = _mm_loadu_si128((const __m128i *)q);
-    const __m128i m = _mm_set1_epi8(0x0f);
-    const __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
-    return (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(codes), table);
-}
-
-/* 32 int8 codes as 32 bf16 values (exact: |code| <= 128 fits bf16's 8-bit mantissa). */
-static inline __m512bh widen32_i8(const int8_t *q) {
-    const __m512i w = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q));
-    const __m512i w2 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)));
-    return _mm512_cvtne2ps_pbh(_mm512_cvtepi32_ps(w2), _mm512_cvtepi32_ps(w));
-}
+#define quant_parallel_min quant_parallel_min_get()
 
 /* bf16 bit patterns of the e4m3 subnormals m * 2^-9, m = 0..7 (lanes 8..31 unused). */
 static inline __m512i e4m3_subnormal_table(void) {
@@ -77,7 +81,7 @@ static inline __m512bh widen32_e4m3(const uint8_t *q, __m512i sub_table) {
 /* y rows m0 .. m0+MR-1, output rows n0 .. n0+nr-1 (MR and BITS constant after inlining: the
  * accumulators of a 1-row decode take 8 registers, not 32). */
 static inline __attribute__((always_inline)) void quant_block(
-    const int bits, const int MR, const uint16_t *x, int64_t m0, const uint8_t *codes, const uint16_t *scales,
+    const int MR, const uint16_t *x, int64_t m0, const uint8_t *codes, const uint16_t *scales,
     const uint16_t *zeros, const float *xsum, int64_t N, int64_t K, int64_t G, int64_t n0, int64_t nr,
     __m512i table, void *y, int y_f32) {
     const int64_t groups = K / G;
@@ -92,9 +96,7 @@ static inline __attribute__((always_inline)) void quant_block(
             __m512bh wv[NR];
             for (int r = 0; r < NR; r++) {
                 const int64_t row = n0 + (r < nr ? r : 0);
-                wv[r] = bits == 4   ? widen32(codes + row * (K / 2) + k / 2, table)
-                        : bits == 3 ? widen32_e4m3(codes + row * K + k, table)
-                                    : widen32_i8((const int8_t *)codes + row * K + k);
+                wv[r] = widen32_e4m3(codes + row * K + k, table);
             }
             for (int m = 0; m < MR; m++) {
                 const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + (m0 + m) * K + k));
@@ -120,8 +122,7 @@ static inline __attribute__((always_inline)) void quant_block(
         }
 }
 
-static inline __attribute__((always_inline)) int quant_linear(
-    const int bits, const uint16_t *x, int64_t M, const uint8_t *codes, const uint16_t *scales,
+static int e4m3_linear(const uint16_t *x, int64_t M, const uint8_t *codes, const uint16_t *scales,
     const uint16_t *zeros, int64_t N, int64_t K, int64_t G, void *y, int y_f32) {
     if (M < 1 || G % 32 != 0 || K % G != 0) return 1;
     const int64_t groups = K / G;
@@ -136,73 +137,263 @@ static inline __attribute__((always_inline)) int quant_linear(
         }
     const int64_t nblocks = (N + NR - 1) / NR;
     const int64_t mblocks = (M + MAXM - 1) / MAXM;
-    const __m512i table = bits == 3 ? e4m3_subnormal_table() : code_table();
-#pragma omp parallel for schedule(static) if (N * K * mblocks >= PARALLEL_MIN_ELEMS)
+    const __m512i table = e4m3_subnormal_table();
+#pragma omp parallel for schedule(static) if (N * K * mblocks >= quant_parallel_min)
     for (int64_t t = 0; t < mblocks * nblocks; t++) {
         const int64_t m0 = t / nblocks * MAXM, n0 = t % nblocks * NR;
         const int64_t nr = N - n0 < NR ? N - n0 : NR;
         switch (M - m0 < MAXM ? M - m0 : MAXM) {
-        case 1: quant_block(bits, 1, x, m0, codes, scales, zeros, xsum, N, K, G, n0, nr, table, y, y_f32); break;
-        case 2: quant_block(bits, 2, x, m0, codes, scales, zeros, xsum, N, K, G, n0, nr, table, y, y_f32); break;
-        case 3: quant_block(bits, 3, x, m0, codes, scales, zeros, xsum, N, K, G, n0, nr, table, y, y_f32); break;
-        default: quant_block(bits, 4, x, m0, codes, scales, zeros, xsum, N, K, G, n0, nr, table, y, y_f32);
+        case 1: quant_block(1, x, m0, codes, scales, zeros, xsum, N, K, G, n0, nr, table, y, y_f32); break;
+        case 2: quant_block(2, x, m0, codes, scales, zeros, xsum, N, K, G, n0, nr, table, y, y_f32); break;
+        case 3: quant_block(3, x, m0, codes, scales, zeros, xsum, N, K, G, n0, nr, table, y, y_f32); break;
+        default: quant_block(4, x, m0, codes, scales, zeros, xsum, N, K, G, n0, nr, table, y, y_f32);
         }
     }
     free(xsum);
     return 0;
 }
 
-int int4_linear_bf16(const uint16_t *x, int64_t M, const uint8_t *codes, const uint16_t *scales,
-                     const uint16_t *zeros, int64_t N, int64_t K, int64_t G, void *y, int y_f32) {
-    return quant_linear(4, x, M, codes, scales, zeros, N, K, G, y, y_f32);
-}
-
-int int8_linear_bf16(const uint16_t *x, int64_t M, const int8_t *codes, const uint16_t *scales,
-                     const uint16_t *zeros, int64_t N, int64_t K, int64_t G, void *y, int y_f32) {
-    return quant_linear(8, x, M, (const uint8_t *)codes, scales, zeros, N, K, G, y, y_f32);
-}
-
 int e4m3_linear_bf16(const uint16_t *x, int64_t M, const uint8_t *codes, const uint16_t *scales,
-                     const uint16_t *zeros, int64_t N, int64_t K, int64_t G, void *y, int y_f32) {
-    return quant_linear(3, x, M, codes, scales, zeros, N, K, G, y, y_f32);
+                     const uint16_t *zeros, int64_t N, int64_t K, int64_t G, void *y, int y_f32, int int8_act) {
+    (void)int8_act; /* e4m3 codes always meet bf16 activations */
+    return e4m3_linear(x, M, codes, scales, zeros, N, K, G, y, y_f32);
 }
 
-/* W [N, K] in bf16, or fp32 (w_f32), from the same layout (for batches, where oneDNN's GEMM beats a
- * pass per 4 rows). */
+/* ---- Tiled 4-bit and int8 codes ------------------------------------------------------------ */
+
+/* One tile: TR output rows x K inputs; scales and zeros [groups][TR] bf16 (see the layout above). */
+static inline int64_t tile_code_bytes(int bits, int64_t K) { return bits == 4 ? K * TR / 2 : K * TR; }
+
+/* The activations of a call, prepared once for every tile: fp32 copies (the float path), or int8
+ * values per block of 32 with their scale d (x ~= d q) and the integer term -offset * sum(q) that
+ * turns sum(u q) over a block into sum((u - offset) q) (the int8 path); and the exact group sums
+ * of x for the zero term. */
+typedef struct {
+    float *xf;     /* [M, K] */
+    int8_t *xq;    /* [M, K] */
+    float *xd;     /* [M, K/32] */
+    int32_t *xc;   /* [M, K/32] */
+    float *xsum;   /* [M, K/G] */
+} Acts;
+
+static int prepare_acts(const uint16_t *x, int64_t M, int64_t K, int64_t G, int offset, int int8_act, Acts *a) {
+    const int64_t groups = K / G, nb = K / 32;
+    memset(a, 0, sizeof(*a));
+    a->xsum = (float *)malloc(sizeof(float) * M * groups);
+    if (int8_act) {
+        a->xq = (int8_t *)aligned_alloc(64, (size_t)((M * K + 63) / 64 * 64));
+        a->xd = (float *)malloc(sizeof(float) * M * nb);
+        a->xc = (int32_t *)malloc(sizeof(int32_t) * M * nb);
+    } else {
+        a->xf = (float *)aligned_alloc(64, (size_t)((M * K * 4 + 63) / 64 * 64));
+    }
+    if (!a->xsum || (int8_act ? !a->xq || !a->xd || !a->xc : !a->xf)) return 2;
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t g = 0; g < groups; g++) {
+            float s = 0.f;
+            for (int64_t k = g * G; k < (g + 1) * G; k++) s += bf16_to_f32(x[m * K + k]);
+            a->xsum[m * groups + g] = s;
+        }
+        if (!int8_act) {
+            for (int64_t k = 0; k < K; k++) a->xf[m * K + k] = bf16_to_f32(x[m * K + k]);
+            continue;
+        }
+        for (int64_t b = 0; b < nb; b++) {
+            const __m512 lo = bf16x16_load(x + m * K + b * 32), hi = bf16x16_load(x + m * K + b * 32 + 16);
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+            const float d = amax / 127.f;
+            const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+            /* round to nearest (even), |q| <= 127 */
+            const __m512i ql = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), qh = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+            _mm_storeu_si128((__m128i *)(a->xq + m * K + b * 32), _mm512_cvtsepi32_epi8(ql));
+            _mm_storeu_si128((__m128i *)(a->xq + m * K + b * 32 + 16), _mm512_cvtsepi32_epi8(qh));
+            a->xd[m * nb + b] = d;
+            a->xc[m * nb + b] = -offset * _mm512_reduce_add_epi32(_mm512_add_epi32(ql, qh));
+        }
+    }
+    return 0;
+}
+
+static void free_acts(Acts *a) { free(a->xf), free(a->xq), free(a->xd), free(a->xc), free(a->xsum); }
+
+/* y rows m0 .. m0+MR-1 of one tile's TR output rows (MR, BITS and INT8 constant after inlining). */
+static inline __attribute__((always_inline)) void tile_block(
+    const int bits, const int MR, const int int8_act, const Acts *a, int64_t m0, const uint8_t *tc,
+    const uint16_t *ts, const uint16_t *tz, int64_t K, int64_t G, __m512 out[MAXM]) {
+    const int64_t groups = K / G, nb = K / 32;
+    const __m512i nib = _mm512_set1_epi8(0x0f), byte = _mm512_set1_epi32(0xff);
+    __m512 acc[MAXM];
+    for (int m = 0; m < MR; m++) acc[m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512 part[MAXM];
+        for (int m = 0; m < MR; m++) part[m] = _mm512_setzero_ps();
+        for (int64_t kb = g * G; kb < (g + 1) * G; kb += 32) {
+            if (int8_act) {
+                __m512i ia[MAXM], ib[MAXM];
+                for (int m = 0; m < MR; m++) {
+                    ia[m] = _mm512_set1_epi32(a->xc[(m0 + m) * nb + kb / 32]);
+                    ib[m] = _mm512_setzero_si512();
+                }
+                for (int c = 0; c < (bits == 4 ? 4 : 8); c++) {
+                    const __m512i v = _mm512_loadu_si512((const void *)(tc + (bits == 4 ? (kb + 8 * c) * 8 : (kb + 4 * c) * 16)));
+                    for (int m = 0; m < MR; m++) {
+                        const int8_t *q = a->xq + (m0 + m) * K + kb;
+                        int32_t q0, q1;
+                        if (bits == 4) {
+                            memcpy(&q0, q + 8 * c, 4), memcpy(&q1, q + 8 * c + 4, 4);
+                            ia[m] = _mm512_dpbusd_epi32(ia[m], _mm512_and_si512(v, nib), _mm512_set1_epi32(q0));
+                            ib[m] = _mm512_dpbusd_epi32(ib[m], _mm512_and_si512(_mm512_srli_epi16(v, 4), nib),
+                                                        _mm512_set1_epi32(q1));
+                        } else {
+                            memcpy(&q0, q + 4 * c, 4);
+                            if (c & 1)
+                                ib[m] = _mm512_dpbusd_epi32(ib[m], v, _mm512_set1_epi32(q0));
+                            else
+                                ia[m] = _mm512_dpbusd_epi32(ia[m], v, _mm512_set1_epi32(q0));
+                        }
+                    }
+                }
+                for (int m = 0; m < MR; m++)
+                    part[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(ia[m], ib[m])),
+                                              _mm512_set1_ps(a->xd[(m0 + m) * nb + kb / 32]), part[m]);
+            } else {
+                /* sum of u x in fp32 (u the stored code, exact in fp32); the offset goes to the zero term */
+                for (int c = 0; c < (bits == 4 ? 4 : 8); c++) {
+                    const __m512i v = _mm512_loadu_si512((const void *)(tc + (bits == 4 ? (kb + 8 * c) * 8 : (kb + 4 * c) * 16)));
+                    const __m512i halves[2] = {bits == 4 ? _mm512_and_si512(v, nib) : v,
+                                               _mm512_and_si512(_mm512_srli_epi16(v, 4), nib)};
+                    for (int h = 0; h < (bits == 4 ? 2 : 1); h++)
+                        for (int i = 0; i < 4; i++) {
+                            const __m512 w = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(halves[h], 8 * i), byte));
+                            const int64_t k = kb + (bits == 4 ? 8 * c + 4 * h : 4 * c) + i;
+                            for (int m = 0; m < MR; m++)
+                                part[m] = _mm512_fmadd_ps(w, _mm512_set1_ps(a->xf[(m0 + m) * K + k]), part[m]);
+                        }
+                }
+            }
+        }
+        const __m512 s = bf16x16_load(ts + g * TR);
+        __m512 z = bf16x16_load(tz + g * TR);
+        /* the float path's sum(u x) carries offset * sum(x): zero' - offset * scale */
+        if (!int8_act) z = _mm512_fnmadd_ps(s, _mm512_set1_ps(bits == 4 ? 8.f : 128.f), z);
+        for (int m = 0; m < MR; m++) {
+            acc[m] = _mm512_fmadd_ps(part[m], s, acc[m]);
+            acc[m] = _mm512_fmadd_ps(z, _mm512_set1_ps(a->xsum[(m0 + m) * groups + g]), acc[m]);
+        }
+    }
+    for (int m = 0; m < MR; m++) out[m] = acc[m];
+}
+
+static inline __attribute__((always_inline)) int tiled_linear(
+    const int bits, const uint16_t *x, int64_t M, const uint8_t *codes, const uint16_t *scales,
+    const uint16_t *zeros, int64_t N, int64_t K, int64_t G, void *y, int y_f32, int int8_act) {
+    if (M < 1 || G % 32 != 0 || K % G != 0) return 1;
+    const int64_t groups = K / G, tiles = (N + TR - 1) / TR, mblocks = (M + MAXM - 1) / MAXM;
+    Acts a;
+    if (prepare_acts(x, M, K, G, bits == 4 ? 8 : 128, int8_act, &a) != 0) {
+        free_acts(&a);
+        return 2;
+    }
+    const int64_t cb = tile_code_bytes(bits, K);
+#pragma omp parallel for schedule(static) if (N * K * mblocks >= quant_parallel_min)
+    for (int64_t t = 0; t < mblocks * tiles; t++) {
+        const int64_t m0 = t / tiles * MAXM, n0 = t % tiles * TR;
+        const int64_t nr = N - n0 < TR ? N - n0 : TR;
+        const uint8_t *tc = codes + t % tiles * cb;
+        const uint16_t *ts = scales + t % tiles * groups * TR, *tz = zeros + t % tiles * groups * TR;
+        __m512 out[MAXM];
+        const int mr = M - m0 < MAXM ? (int)(M - m0) : MAXM;
+#define QTILE(MR_)                                                                                  \
+    (int8_act ? tile_block(bits, MR_, 1, &a, m0, tc, ts, tz, K, G, out)                            \
+              : tile_block(bits, MR_, 0, &a, m0, tc, ts, tz, K, G, out))
+        switch (mr) {
+        case 1: QTILE(1); break;
+        case 2: QTILE(2); break;
+        case 3: QTILE(3); break;
+        default: QTILE(4);
+        }
+#undef QTILE
+        for (int m = 0; m < mr; m++) {
+            float v[TR];
+            _mm512_storeu_ps(v, out[m]);
+            for (int64_t r = 0; r < nr; r++) {
+                const int64_t i = (m0 + m) * N + n0 + r;
+                if (y_f32)
+                    ((float *)y)[i] = v[r];
+                else
+                    ((uint16_t *)y)[i] = f32_to_bf16(v[r]);
+            }
+        }
+    }
+    free_acts(&a);
+    return 0;
+}
+
+int int4_linear_bf16(const uint16_t *x, int64_t M, const uint8_t *codes, const uint16_t *scales,
+                     const uint16_t *zeros, int64_t N, int64_t K, int64_t G, void *y, int y_f32, int int8_act) {
+    return tiled_linear(4, x, M, codes, scales, zeros, N, K, G, y, y_f32, int8_act);
+}
+
+int int8_linear_bf16(const uint16_t *x, int64_t M, const uint8_t *codes, const uint16_t *scales,
+                     const uint16_t *zeros, int64_t N, int64_t K, int64_t G, void *y, int y_f32, int int8_act) {
+    return tiled_linear(8, x, M, codes, scales, zeros, N, K, G, y, y_f32, int8_act);
+}
+
+/* Weights (times 4-row blocks of x) from which a product runs on every thread; returns the
+ * previous value (benchmarks set it to compare one thread with several). */
+int64_t quant_set_parallel_min(int64_t elems) {
+    const int64_t old = quant_parallel_min;
+    quant_parallel_min_ = elems;
+    return old;
+}
+
+/* Store 16 fp32 weights of a row at w (bf16 or fp32). */
+static inline void store16(void *w, int64_t i, __m512 v, int w_f32) {
+    if (w_f32)
+        _mm512_storeu_ps((float *)w + i, v);
+    else
+        _mm256_storeu_si256((__m256i *)((uint16_t *)w + i), (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+/* W [N, K] in bf16, or fp32 (w_f32), from the same layouts (for batches, where oneDNN's GEMM beats
+ * a pass per 4 rows). */
 int quant_dequant(int bits, const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros, int64_t N,
                   int64_t K, int64_t G, void *w, int w_f32) {
     if (G % 32 != 0 || K % G != 0 || (bits != 4 && bits != 8 && bits != 3)) return 1;
     const int64_t groups = K / G;
     const __m512i sub_table = e4m3_subnormal_table();
-#pragma omp parallel for schedule(static) if (N * K >= PARALLEL_MIN_ELEMS)
+#pragma omp parallel for schedule(static) if (N * K >= quant_parallel_min)
     for (int64_t n = 0; n < N; n++) {
-        for (int64_t k = 0; k < K; k += 32) {
-            const __m512 s = _mm512_set1_ps(bf16_to_f32(scales[n * groups + k / G]));
-            const __m512 z = _mm512_set1_ps(bf16_to_f32(zeros[n * groups + k / G]));
-            __m512 lo, hi;
+        const int64_t t = n / TR, r = n % TR;
+        for (int64_t k = 0; k < K; k += 16) {
+            const int64_t si = bits == 3 ? n * groups + k / G : (t * groups + k / G) * TR + r;
+            const __m512 s = _mm512_set1_ps(bf16_to_f32(scales[si]));
+            const __m512 z = _mm512_set1_ps(bf16_to_f32(zeros[si]));
+            __m512 v;
+            if (bits == 3) {
+                if (k % 32) continue;
+                const __m512i e = (__m512i)widen32_e4m3(codes + n * K + k, sub_table);
+                const __m512 lo = _mm512_cvtpbh_ps((__m256bh)_mm512_castsi512_si256(e));
+                const __m512 hi = _mm512_cvtpbh_ps((__m256bh)_mm512_extracti64x4_epi64(e, 1));
+                store16(w, n * K + k, _mm512_fmadd_ps(lo, s, z), w_f32);
+                store16(w, n * K + k + 16, _mm512_fmadd_ps(hi, s, z), w_f32);
+                continue;
+            }
+            const uint8_t *tc = codes + t * tile_code_bytes(bits, K);
+            uint32_t d[4];
             if (bits == 4) {
-                const __m128i b = _mm_loadu_si128((const __m128i *)(codes + n * (K / 2) + k / 2));
-                const __m128i msk = _mm_set1_epi8(0x0f);
-                const __m512 eight = _mm512_set1_ps(8.0f);
-                lo = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, msk))), eight);
-                hi = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), msk))),
-                                   eight);
-            } else if (bits == 3) {
-                const __m512i v = (__m512i)widen32_e4m3(codes + n * K + k, sub_table);
-                lo = _mm512_cvtpbh_ps((__m256bh)_mm512_castsi512_si256(v));
-                hi = _mm512_cvtpbh_ps((__m256bh)_mm512_extracti64x4_epi64(v, 1));
+                /* 16 inputs: two 8-input chunks; dword r of a chunk holds inputs 0-3 (low nibbles), 4-7 */
+                for (int c = 0; c < 2; c++) memcpy(&d[c], tc + (k + 8 * c) * 8 + r * 4, 4);
+                const __m128i b = _mm_set_epi32(0, 0, (int)d[1], (int)d[0]);
+                const __m128i m4 = _mm_set1_epi8(0x0f);
+                const __m128i codes16 = _mm_unpacklo_epi32(_mm_and_si128(b, m4), _mm_and_si128(_mm_srli_epi16(b, 4), m4));
+                v = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes16)), _mm512_set1_ps(8.f));
             } else {
-                const int8_t *q = (const int8_t *)codes + n * K + k;
-                lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
-                hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16))));
+                for (int c = 0; c < 4; c++) memcpy(&d[c], tc + (k + 4 * c) * 16 + r * 4, 4);
+                const __m128i b = _mm_xor_si128(_mm_loadu_si128((const __m128i *)d), _mm_set1_epi8((char)0x80));
+                v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
             }
-            const __m512 wl = _mm512_fmadd_ps(lo, s, z), wh = _mm512_fmadd_ps(hi, s, z);
-            if (w_f32) {
-                _mm512_storeu_ps((float *)w + n * K + k, wl);
-                _mm512_storeu_ps((float *)w + n * K + k + 16, wh);
-            } else {
-                _mm512_storeu_si512((void *)((uint16_t *)w + n * K + k), (__m512i)_mm512_cvtne2ps_pbh(wh, wl));
-            }
+            store16(w, n * K + k, _mm512_fmadd_ps(v, s, z), w_f32);
         }
     }
     return 0;

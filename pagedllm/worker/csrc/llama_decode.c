@@ -44,8 +44,8 @@
 #define MAX_ROWS 16
 
 /* How one linear layer's weight is kept: LQ_DENSE reads the layer's dense weight (the per-layer
- * *_w pointers, in dtype); the others are linear_quant.c's layouts (its BITS values): 4-bit codes
- * [N, K/2], int8 codes [N, K], e4m3 bytes [N, K], with bf16 scales and zeros [N, K/group]. */
+ * *_w pointers, in dtype); the others are linear_quant.c's layouts (its BITS values): 4-bit and
+ * int8 codes tiled by 16 output rows, e4m3 bytes [N, K], with bf16 scales and zeros per group. */
 enum { LQ_DENSE = 0, LQ_E4M3 = 3, LQ_INT4 = 4, LQ_INT8 = 8 };
 
 typedef struct {
@@ -53,6 +53,7 @@ typedef struct {
     int64_t group;       /* inputs per scale and zero */
     const void *codes, *scales, *zeros;
     const int64_t *perm; /* the input order the codes follow (GPTQ act-order), or NULL */
+    int64_t int8_act;    /* 4-bit and int8 codes: activations in int8 (VNNI) rather than bf16 */
 } QuantLinear;
 
 typedef struct {
@@ -73,6 +74,7 @@ typedef struct {
     /* The LM head (llama_decode_head); NULL when the step ends at the final norm. */
     const void *lm_head; /* [vocab, hidden] */
     int64_t vocab;
+    const QuantLinear *lm_head_q; /* the LM head's quantized codes (decode rows), or NULL: lm_head */
 } LlamaDecodeModel;
 
 /* The value as stored in dtype dt, read back as float32 (rounds to bf16 for dt 1). */
@@ -157,11 +159,11 @@ static void linear(const QuantLinear *ql, const void *x, int64_t M, const void *
     }
     const int y_f32 = dt == LD_F32;
     if (ql->kind == LQ_INT4)
-        int4_linear_bf16(xq, M, ql->codes, ql->scales, ql->zeros, N, K, ql->group, y, y_f32);
+        int4_linear_bf16(xq, M, ql->codes, ql->scales, ql->zeros, N, K, ql->group, y, y_f32, (int)ql->int8_act);
     else if (ql->kind == LQ_INT8)
-        int8_linear_bf16(xq, M, ql->codes, ql->scales, ql->zeros, N, K, ql->group, y, y_f32);
+        int8_linear_bf16(xq, M, ql->codes, ql->scales, ql->zeros, N, K, ql->group, y, y_f32, (int)ql->int8_act);
     else
-        e4m3_linear_bf16(xq, M, ql->codes, ql->scales, ql->zeros, N, K, ql->group, y, y_f32);
+        e4m3_linear_bf16(xq, M, ql->codes, ql->scales, ql->zeros, N, K, ql->group, y, y_f32, 0);
     if (bias != NULL)
         for (int64_t m = 0; m < M; m++)
             for (int64_t n = 0; n < N; n++) st(y, m * N + n, ld(y, m * N + n, dt) + ld(bias, n, dt), dt);
@@ -290,7 +292,13 @@ int llama_decode_head(const LlamaDecodeModel *md, int64_t M, const int64_t *inpu
     if (rc == 0) {
         for (int64_t s = 0; s < S; s++)
             memcpy((char *)hs + s * Hd * es, (const char *)h + sample_rows[s] * Hd * es, (size_t)(Hd * es));
-        gemm(hs, S, md->lm_head, NULL, V, Hd, y, dt);
+        if (md->lm_head_q != NULL) {
+            uint16_t *xb = alloc(S * Hd * 2);
+            linear(md->lm_head_q, hs, S, NULL, NULL, V, Hd, y, dt, xb);
+            free(xb);
+        } else {
+            gemm(hs, S, md->lm_head, NULL, V, Hd, y, dt);
+        }
         if (logits != NULL && y != (void *)logits)
             for (int64_t i = 0; i < S * V; i++) logits[i] = bf16_to_f32(((const uint16_t *)y)[i]);
         if (tokens != NULL)
