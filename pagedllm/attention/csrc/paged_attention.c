@@ -7,7 +7,8 @@
  * score scale and a per-tensor V scale into the output by the caller (v_scale below).
  *
  * Work is split into items (request, first query token, number of query tokens <= TILE) and
- * parallelized over items x KV heads. Each item keeps TILE x G query rows (G query heads share
+ * parallelized over items x KV heads (paged_attention_items runs a range of those on the calling
+ * thread, for a caller that splits them over its own team: the fused decode step). Each item keeps TILE x G query rows (G query heads share
  * one KV head) and streams the keys it may see in runs of KB = 16 keys (within one cache block),
  * with an online softmax.
  *

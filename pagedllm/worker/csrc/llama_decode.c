@@ -10,8 +10,18 @@
  *
  * Element types: dense weights, activations and the KV cache all float32 (dt 0) or all bfloat16 (dt 1).
  * bf16 follows the rounding points of pagedllm's torch path (each op computes in float32 and
- * rounds its result to bf16; RMSNorm normalizes in float32, rounds, then scales by the weight), so
- * the two paths agree to the last bit except for the order of sums inside GEMMs and reductions.
+ * rounds its result to bf16; RMSNorm normalizes in float32, rounds, then scales by the weight); its
+ * bf16 RMSNorm, RoPE and SiLU*mul are the torch path's own kernels (elementwise_bf16.c, included
+ * below), so the two paths agree to the last bit except for the order of sums inside GEMMs.
+ *
+ * Threads: the step runs in one OpenMP parallel region (a team of torch's thread count), not one per
+ * kernel: each thread normalizes the residual stream for itself, computes an equal share of every
+ * GEMM's output rows (equal weight bytes), RoPE, KV writes and attention for its share of the
+ * (row, KV head) items, and SiLU*mul of the gate rows it computed; a barrier stands only where the
+ * next op reads what other threads wrote (five per layer). Every output element is computed as on
+ * one thread, so the team's results are the one-thread step's to the bit. Models with quantized
+ * linear layers run the step on the calling thread instead, each GEMM and quantized kernel with
+ * its own team, as the torch path calls them.
  *
  * llama_decode_head runs the same step on to the LM head: the logits of the rows that sample and,
  * for batches that sample greedily with nothing else, their argmax.
