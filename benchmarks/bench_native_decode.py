@@ -5,7 +5,8 @@ Usage: .venv/bin/python benchmarks/bench_native_decode.py [--dtype float32,bfloa
 
 Both paths run the same ModelRunner on the default model (same weights, same KV cache, each row a
 request with `--context` tokens of cached context); each time is the fastest of 15 calls after a
-warm-up, with torch's threads. This is what chooses the fused step's row limit (MAX_ROWS in
+warm-up, with torch's threads; `fused+head` is the same call on to the LM head and a greedy argmax
+of every row (what a greedy decode step runs). This is what chooses the fused step's row limit (MAX_ROWS in
 pagedllm/worker/native_decode.py): the largest batch at which it is still faster.
 """
 
@@ -16,6 +17,7 @@ import json
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from pagedllm import LLM
@@ -50,6 +52,10 @@ def measure(dtype: str, rows: list[int], context: int) -> list[dict]:
         def fused() -> None:
             nd.run(batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables, batch.seq_lens)
 
+        def fused_head() -> None:
+            nd.run_head(batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables, batch.seq_lens,
+                        np.arange(m), greedy=True)
+
         def torch_path() -> None:
             runner.native_decode = None
             try:
@@ -59,9 +65,10 @@ def measure(dtype: str, rows: list[int], context: int) -> list[dict]:
 
         with torch.inference_mode():
             t_fused, t_torch = _best_ms(fused), _best_ms(torch_path)
-        out.append({"dtype": dtype, "rows": m, "fused_ms": t_fused, "torch_ms": t_torch,
+            t_head = _best_ms(fused_head) if nd.head_applies(m) else float("nan")
+        out.append({"dtype": dtype, "rows": m, "fused_ms": t_fused, "fused_head_ms": t_head, "torch_ms": t_torch,
                     "speedup": t_torch / t_fused, "fused_weight_gb_s": weight_bytes / t_fused / 1e6})
-        print(f"{dtype:9s} rows {m:3d}: fused {t_fused:7.2f} ms   torch ops {t_torch:7.2f} ms   "
+        print(f"{dtype:9s} rows {m:3d}: fused {t_fused:7.2f} ms   fused+head {t_head:7.2f} ms   torch ops {t_torch:7.2f} ms   "
               f"{t_torch / t_fused:5.2f}x   weights read at {weight_bytes / t_fused / 1e6:5.1f} GB/s", flush=True)
     del llm
     return out

@@ -16,14 +16,14 @@ import torch
 
 from pagedllm.attention.cpu_kernel import load_native
 
-_SRC = Path(__file__).parent / "csrc" / "elementwise_bf16.c"
+ELEMENTWISE_SRC = Path(__file__).parent / "csrc" / "elementwise_bf16.c"  # also included by the fused decode step
 
 
 @lru_cache(maxsize=1)
 def load_elementwise_kernel() -> ctypes.CDLL | None:
     """The compiled kernel where the CPU has AVX-512 (else None: torch runs the ops)."""
     i64, p, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    return load_native(_SRC, "PAGEDLLM_NATIVE_ELEMENTWISE", {
+    return load_native(ELEMENTWISE_SRC, "PAGEDLLM_NATIVE_ELEMENTWISE", {
         "rms_norm_bf16": ([p, i64, p, p, p, i64, i64, ctypes.c_float, p], i32),
         "silu_mul_bf16": ([p, i64, i64, i64, p], i32),
         "rope_bf16": ([p, i64, i64, i64, i64, p, p, p, i64, p], i32),

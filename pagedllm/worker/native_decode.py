@@ -28,6 +28,7 @@ from torch import nn
 
 from pagedllm.attention.cpu_kernel import ATTENTION_SRC, load_native
 from pagedllm.layers.linear import UnquantizedLinearMethod
+from pagedllm.layers.native_elementwise import ELEMENTWISE_SRC
 from pagedllm.layers.native_linear import SMALL_M, SMALL_M_SRC
 from pagedllm.quantization.native import QUANT_SRC, int8_activations
 
@@ -77,7 +78,7 @@ def load_decode_kernel() -> ctypes.CDLL | None:
         "small_m_available": ([], ctypes.c_int),
         "llama_decode_step": ([ctypes.POINTER(_Model), i64, _p, _p, _p, _p, i64, _p, _p], ctypes.c_int),
         "llama_decode_head": ([ctypes.POINTER(_Model), i64, _p, _p, _p, _p, i64, _p, i64, _p, _p, _p], ctypes.c_int),
-    }, includes=(ATTENTION_SRC, SMALL_M_SRC, QUANT_SRC))
+    }, includes=(ATTENTION_SRC, ELEMENTWISE_SRC, SMALL_M_SRC, QUANT_SRC))
 
 
 def _linear_layout(lin: nn.Module, dtype: torch.dtype

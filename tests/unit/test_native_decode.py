@@ -88,6 +88,36 @@ def test_fused_step_matches_torch_path(arch, dtype, tiny_model_dir, tiny_llama_d
             torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_step_in_a_team_of_threads_gives_the_one_thread_bits(dtype, tiny_model_dir, one_torch_thread):
+    """With two threads the step runs in one OpenMP team, each thread its share of every GEMM row,
+    attention head and elementwise run: each output element is computed as on one thread, so the
+    hidden states, the KV cache, the logits and the argmax are the one-thread step's."""
+    _needs_bf16(dtype)
+    llm, runner = _runner(tiny_model_dir, dtype)
+    nd = runner.native_decode
+    for rows in (1, 3, MAX_ROWS):
+        batch = _decode_batch(runner, [4 + 37 * i % 80 for i in range(rows)], seed=20 + rows)
+        args = (batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables, batch.seq_lens)
+        sample = np.arange(rows)[::-1].copy()
+        start = [kv.clone() for kv in runner.kv_caches]
+        results = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            out = []
+            for call in (lambda: nd.run(*args), lambda: nd.run_head(*args, sample, greedy=False),
+                         lambda: nd.run_head(*args, sample, greedy=True)):
+                for kv, s in zip(runner.kv_caches, start):
+                    kv.copy_(s)
+                out.append(call())
+            results.append((out, [kv.clone() for kv in runner.kv_caches]))
+        torch.set_num_threads(1)
+        (one, one_kv), (two, two_kv) = results
+        assert all(torch.equal(a, b) for a, b in zip(one_kv, two_kv))
+        assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+        assert one[2].tolist() == two[2].tolist() == one[1].argmax(dim=-1).tolist()
+
+
 def test_generation_is_the_same_with_and_without_the_fused_step(tiny_model_dir, one_torch_thread):
     llm, runner = _runner(tiny_model_dir, "float32")
     prompts = [{"prompt_token_ids": list(range(7, 7 + n))} for n in (3, 17, 40, 9, 33)]
@@ -224,10 +254,13 @@ def test_default_model_bf16_greedy_is_the_torch_paths(monkeypatch):
     assert set(calls) == {"tokens"}
 
 
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_native_argmax_takes_the_first_of_tied_logits_and_a_nan_as_torch_does(dtype, tiny_llama_dir,
+def test_native_argmax_takes_the_first_of_tied_logits_and_a_nan_as_torch_does(dtype, threads, tiny_llama_dir,
                                                                               one_torch_thread):
+    """With two threads each takes half of the vocabulary: the ties and the NaN span both halves."""
     _needs_bf16(dtype)
+    torch.set_num_threads(threads)
     llm, runner = _runner(tiny_llama_dir, dtype)
     nd, head = runner.native_decode, runner.model.lm_head.weight
     batch = _decode_batch(runner, [9, 30, 17], seed=4)

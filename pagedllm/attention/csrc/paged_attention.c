@@ -7,7 +7,8 @@
  * score scale and a per-tensor V scale into the output by the caller (v_scale below).
  *
  * Work is split into items (request, first query token, number of query tokens <= TILE) and
- * parallelized over items x KV heads. Each item keeps TILE x G query rows (G query heads share
+ * parallelized over items x KV heads (paged_attention_items runs a range of those on the calling
+ * thread, for a caller that splits them over its own team: the fused decode step). Each item keeps TILE x G query rows (G query heads share
  * one KV head) and streams the keys it may see in runs of KB = 16 keys (within one cache block),
  * with an online softmax.
  *
@@ -295,130 +296,151 @@ static void decode_dispatch(int R, int64_t D, int mode, const float *qf, const u
 }
 #endif
 
+/* Work item w of the call (arguments as paged_attention below) for KV head kh, on the calling thread. */
+static void attend_item(const void *q, int q_dt, const void *k_cache, const void *v_cache, int kv_dt,
+                        const float *fp8_table, const int64_t *block_tables, int64_t bt_stride,
+                        const int64_t *query_start_loc, const int64_t *seq_lens, const int64_t *work, int64_t w,
+                        int64_t kh, void *out, int64_t H, int64_t KVH, int64_t D, int64_t BS, float scale,
+                        float v_scale, int64_t window) {
+    const int64_t G = H / KVH;
+    const int64_t r = work[3 * w], t0 = work[3 * w + 1], nt = work[3 * w + 2];
+    const int64_t qs = query_start_loc[r];
+    const int64_t qlen = query_start_loc[r + 1] - qs;
+    const int64_t ctx0 = seq_lens[r] - qlen; /* position of the request's first query token */
+    const int64_t *bt = block_tables + r * bt_stride;
+    const int64_t rows = nt * G;
+    float m[rows], l[rows], s[rows * KB];
+    float acc[rows * D], qf[rows * D];
+    float kt[D * KB], vt[KB * D];
+    int64_t pos[rows];
+    for (int64_t i = 0; i < nt; i++) {
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t row = i * G + g;
+            /* Scaled once here, so scores come out of the FMAs ready for the softmax. */
+            load_f32(qf + row * D, q, ((qs + t0 + i) * H + kh * G + g) * D, 1, D, q_dt, NULL);
+            for (int64_t d = 0; d < D; d++) qf[row * D + d] *= scale;
+            pos[row] = ctx0 + t0 + i;
+            m[row] = -INFINITY;
+            l[row] = 0.f;
+        }
+    }
+    memset(acc, 0, sizeof(float) * rows * D);
+    const int64_t last = ctx0 + t0 + nt - 1;
+    int64_t first = 0;
+    if (window > 0 && ctx0 + t0 - window + 1 > 0) first = ctx0 + t0 - window + 1;
+    const int64_t stride = KVH * D; /* elements between consecutive slots of a block */
+    int done = 0;
+#ifdef FAST_DECODE
+    if (rows < TRANSPOSE_MIN_ROWS && (D == 32 || D == 64 || D == 128)) {
+        int mode = kv_dt == DT_F32 ? KM_F32 : KM_CONV;
+        uint16_t qb[rows * D];
+#if defined(__AVX512BF16__)
+        if (kv_dt == DT_BF16 && q_dt == DT_BF16) {
+            mode = KM_BF16DP;
+            for (int64_t row = 0; row < rows; row++)
+                memcpy(qb + row * D, (const uint16_t *)q + ((qs + t0 + row / G) * H + kh * G + row % G) * D,
+                       sizeof(uint16_t) * D);
+        }
+#endif
+        for (int64_t r0 = 0; r0 < rows; r0 += DEC_ROWS) {
+            const int nr = rows - r0 < DEC_ROWS ? (int)(rows - r0) : DEC_ROWS;
+            decode_dispatch(nr, D, mode, qf + r0 * D, qb + r0 * D, scale, k_cache, v_cache, kv_dt, fp8_table, bt,
+                            BS, kh * D, stride, pos + r0, first, last, window, acc + r0 * D, l + r0, kt, vt);
+        }
+        done = 1;
+    }
+#endif
+    for (int64_t k0 = first, kn; !done && k0 <= last; k0 += kn) {
+        /* A run of keys inside one cache block: consecutive slots. */
+        const int64_t off = k0 % BS;
+        kn = BS - off;
+        if (kn > KB) kn = KB;
+        if (kn > last + 1 - k0) kn = last + 1 - k0;
+        const int64_t base = ((bt[k0 / BS] * BS + off) * KVH + kh) * D;
+        for (int64_t j = 0; j < kn; j++) load_f32(vt + j * D, v_cache, base + j * stride, 1, D, kv_dt, fp8_table);
+        if (rows >= TRANSPOSE_MIN_ROWS) {
+            /* kt[d][j] = K[key j][d]: one strided load per d; keys past the run are 0. */
+            for (int64_t d = 0; d < D; d++) {
+                load_f32(kt + d * KB, k_cache, base + d, stride, kn, kv_dt, fp8_table);
+                for (int64_t j = kn; j < KB; j++) kt[d * KB + j] = 0.f;
+            }
+            for (int64_t r0 = 0; r0 < rows; r0 += RB) {
+                const int64_t nr = rows - r0 < RB ? rows - r0 : RB;
+                scores_rb(s + r0 * KB, qf + r0 * D, nr, kt, D);
+            }
+        } else {
+            /* Few rows (a decode): the transpose would not pay; contiguous rows, dot each. */
+            for (int64_t j = 0; j < kn; j++) load_f32(kt + j * D, k_cache, base + j * stride, 1, D, kv_dt, fp8_table);
+            for (int64_t row = 0; row < rows; row++)
+                for (int64_t j = 0; j < kn; j++) s[row * KB + j] = dot(qf + row * D, kt + j * D, D);
+        }
+        for (int64_t row = 0; row < rows; row++) {
+            float *sr = s + row * KB;
+            float mx = -INFINITY;
+            for (int64_t j = 0; j < kn; j++) {
+                const int64_t key = k0 + j;
+                const int visible = key <= pos[row] && (window <= 0 || key > pos[row] - window);
+                if (!visible) sr[j] = -INFINITY;
+                if (sr[j] > mx) mx = sr[j];
+            }
+            if (mx == -INFINITY) continue;
+            float *ar = acc + row * D;
+            if (mx > m[row]) {
+                const float alpha = expf(m[row] - mx); /* 0 on the first run */
+                l[row] *= alpha;
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) ar[d] *= alpha;
+                m[row] = mx;
+            }
+            /* exp over the whole run at once (vectorized); hidden keys give exactly 0. */
+            float p[KB];
+            const float mr = m[row];
+#pragma omp simd
+            for (int64_t j = 0; j < kn; j++) p[j] = expf(sr[j] - mr);
+            for (int64_t j = 0; j < kn; j++) {
+                l[row] += p[j];
+                const float pj = p[j];
+                const float *vj = vt + j * D;
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) ar[d] += pj * vj[d];
+            }
+        }
+    }
+    for (int64_t i = 0; i < nt; i++) {
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t row = i * G + g;
+            const float inv = l[row] > 0.f ? v_scale / l[row] : 0.f;
+            store_f32(out, ((qs + t0 + i) * H + kh * G + g) * D, acc + row * D, inv, D, q_dt);
+        }
+    }
+}
+
+#define ATTEND_ARGS q, q_dt, k_cache, v_cache, kv_dt, fp8_table, block_tables, bt_stride, query_start_loc, seq_lens, \
+                    work
+
 void paged_attention(const void *q, int q_dt, const void *k_cache, const void *v_cache, int kv_dt,
                      const float *fp8_table, const int64_t *block_tables, int64_t bt_stride,
                      const int64_t *query_start_loc, const int64_t *seq_lens, const int64_t *work, int64_t num_work,
                      void *out, int64_t H, int64_t KVH, int64_t D, int64_t BS, float scale, float v_scale,
                      int64_t window) {
-    const int64_t G = H / KVH;
     /* Query-row x key pairs of the call: below PARALLEL_MIN_PAIRS (a few hundred microseconds of
      * work, e.g. one decode) one thread does it all, as waking the team would cost more. */
     int64_t pairs = 0;
     for (int64_t w = 0; w < num_work; w++) pairs += work[3 * w + 2] * seq_lens[work[3 * w]];
     pairs *= H;
 #pragma omp parallel for schedule(dynamic, 1) collapse(2) if (pairs >= PARALLEL_MIN_PAIRS)
-    for (int64_t w = 0; w < num_work; w++) {
-        for (int64_t kh = 0; kh < KVH; kh++) {
-            const int64_t r = work[3 * w], t0 = work[3 * w + 1], nt = work[3 * w + 2];
-            const int64_t qs = query_start_loc[r];
-            const int64_t qlen = query_start_loc[r + 1] - qs;
-            const int64_t ctx0 = seq_lens[r] - qlen; /* position of the request's first query token */
-            const int64_t *bt = block_tables + r * bt_stride;
-            const int64_t rows = nt * G;
-            float m[rows], l[rows], s[rows * KB];
-            float acc[rows * D], qf[rows * D];
-            float kt[D * KB], vt[KB * D];
-            int64_t pos[rows];
-            for (int64_t i = 0; i < nt; i++) {
-                for (int64_t g = 0; g < G; g++) {
-                    const int64_t row = i * G + g;
-                    /* Scaled once here, so scores come out of the FMAs ready for the softmax. */
-                    load_f32(qf + row * D, q, ((qs + t0 + i) * H + kh * G + g) * D, 1, D, q_dt, NULL);
-                    for (int64_t d = 0; d < D; d++) qf[row * D + d] *= scale;
-                    pos[row] = ctx0 + t0 + i;
-                    m[row] = -INFINITY;
-                    l[row] = 0.f;
-                }
-            }
-            memset(acc, 0, sizeof(float) * rows * D);
-            const int64_t last = ctx0 + t0 + nt - 1;
-            int64_t first = 0;
-            if (window > 0 && ctx0 + t0 - window + 1 > 0) first = ctx0 + t0 - window + 1;
-            const int64_t stride = KVH * D; /* elements between consecutive slots of a block */
-            int done = 0;
-#ifdef FAST_DECODE
-            if (rows < TRANSPOSE_MIN_ROWS && (D == 32 || D == 64 || D == 128)) {
-                int mode = kv_dt == DT_F32 ? KM_F32 : KM_CONV;
-                uint16_t qb[rows * D];
-#if defined(__AVX512BF16__)
-                if (kv_dt == DT_BF16 && q_dt == DT_BF16) {
-                    mode = KM_BF16DP;
-                    for (int64_t row = 0; row < rows; row++)
-                        memcpy(qb + row * D, (const uint16_t *)q + ((qs + t0 + row / G) * H + kh * G + row % G) * D,
-                               sizeof(uint16_t) * D);
-                }
-#endif
-                for (int64_t r0 = 0; r0 < rows; r0 += DEC_ROWS) {
-                    const int nr = rows - r0 < DEC_ROWS ? (int)(rows - r0) : DEC_ROWS;
-                    decode_dispatch(nr, D, mode, qf + r0 * D, qb + r0 * D, scale, k_cache, v_cache, kv_dt, fp8_table, bt,
-                                    BS, kh * D, stride, pos + r0, first, last, window, acc + r0 * D, l + r0, kt, vt);
-                }
-                done = 1;
-            }
-#endif
-            for (int64_t k0 = first, kn; !done && k0 <= last; k0 += kn) {
-                /* A run of keys inside one cache block: consecutive slots. */
-                const int64_t off = k0 % BS;
-                kn = BS - off;
-                if (kn > KB) kn = KB;
-                if (kn > last + 1 - k0) kn = last + 1 - k0;
-                const int64_t base = ((bt[k0 / BS] * BS + off) * KVH + kh) * D;
-                for (int64_t j = 0; j < kn; j++) load_f32(vt + j * D, v_cache, base + j * stride, 1, D, kv_dt, fp8_table);
-                if (rows >= TRANSPOSE_MIN_ROWS) {
-                    /* kt[d][j] = K[key j][d]: one strided load per d; keys past the run are 0. */
-                    for (int64_t d = 0; d < D; d++) {
-                        load_f32(kt + d * KB, k_cache, base + d, stride, kn, kv_dt, fp8_table);
-                        for (int64_t j = kn; j < KB; j++) kt[d * KB + j] = 0.f;
-                    }
-                    for (int64_t r0 = 0; r0 < rows; r0 += RB) {
-                        const int64_t nr = rows - r0 < RB ? rows - r0 : RB;
-                        scores_rb(s + r0 * KB, qf + r0 * D, nr, kt, D);
-                    }
-                } else {
-                    /* Few rows (a decode): the transpose would not pay; contiguous rows, dot each. */
-                    for (int64_t j = 0; j < kn; j++) load_f32(kt + j * D, k_cache, base + j * stride, 1, D, kv_dt, fp8_table);
-                    for (int64_t row = 0; row < rows; row++)
-                        for (int64_t j = 0; j < kn; j++) s[row * KB + j] = dot(qf + row * D, kt + j * D, D);
-                }
-                for (int64_t row = 0; row < rows; row++) {
-                    float *sr = s + row * KB;
-                    float mx = -INFINITY;
-                    for (int64_t j = 0; j < kn; j++) {
-                        const int64_t key = k0 + j;
-                        const int visible = key <= pos[row] && (window <= 0 || key > pos[row] - window);
-                        if (!visible) sr[j] = -INFINITY;
-                        if (sr[j] > mx) mx = sr[j];
-                    }
-                    if (mx == -INFINITY) continue;
-                    float *ar = acc + row * D;
-                    if (mx > m[row]) {
-                        const float alpha = expf(m[row] - mx); /* 0 on the first run */
-                        l[row] *= alpha;
-#pragma omp simd
-                        for (int64_t d = 0; d < D; d++) ar[d] *= alpha;
-                        m[row] = mx;
-                    }
-                    /* exp over the whole run at once (vectorized); hidden keys give exactly 0. */
-                    float p[KB];
-                    const float mr = m[row];
-#pragma omp simd
-                    for (int64_t j = 0; j < kn; j++) p[j] = expf(sr[j] - mr);
-                    for (int64_t j = 0; j < kn; j++) {
-                        l[row] += p[j];
-                        const float pj = p[j];
-                        const float *vj = vt + j * D;
-#pragma omp simd
-                        for (int64_t d = 0; d < D; d++) ar[d] += pj * vj[d];
-                    }
-                }
-            }
-            for (int64_t i = 0; i < nt; i++) {
-                for (int64_t g = 0; g < G; g++) {
-                    const int64_t row = i * G + g;
-                    const float inv = l[row] > 0.f ? v_scale / l[row] : 0.f;
-                    store_f32(out, ((qs + t0 + i) * H + kh * G + g) * D, acc + row * D, inv, D, q_dt);
-                }
-            }
-        }
-    }
+    for (int64_t w = 0; w < num_work; w++)
+        for (int64_t kh = 0; kh < KVH; kh++)
+            attend_item(ATTEND_ARGS, w, kh, out, H, KVH, D, BS, scale, v_scale, window);
+}
+
+/* Work items x KV heads [lo, hi) of the call (item w, KV head kh is number w * KVH + kh), on the
+ * calling thread: for callers that split the items over their own OpenMP team. */
+void paged_attention_items(const void *q, int q_dt, const void *k_cache, const void *v_cache, int kv_dt,
+                           const float *fp8_table, const int64_t *block_tables, int64_t bt_stride,
+                           const int64_t *query_start_loc, const int64_t *seq_lens, const int64_t *work, int64_t lo,
+                           int64_t hi, void *out, int64_t H, int64_t KVH, int64_t D, int64_t BS, float scale,
+                           float v_scale, int64_t window) {
+    for (int64_t i = lo; i < hi; i++)
+        attend_item(ATTEND_ARGS, i / KVH, i % KVH, out, H, KVH, D, BS, scale, v_scale, window);
 }

@@ -9,15 +9,20 @@
  *                   with r = [-x2, x1], cos/sin rows of the token's position (bf16 tables).
  *
  * Rows are split over the OpenMP team only when there are enough of them to pay for waking it.
+ * The fused decode step (pagedllm/worker/csrc/llama_decode.c) includes this file and calls the
+ * per-row functions (rms_norm_bf16_row, silu_mul_bf16_span, rope_bf16_row) inside its own team,
+ * so that its bf16 results are these kernels' to the bit.
  * Layouts: x [T, N] with row stride ldx (elements); add, h_out and y [T, N] contiguous; all bf16
  * as uint16.
  */
+#ifndef PAGEDLLM_ELEMENTWISE_BF16_C
+#define PAGEDLLM_ELEMENTWISE_BF16_C
 #include <math.h>
 #include <stdint.h>
 
 #include "../../attention/csrc/bf16.h"
 
-#define PARALLEL_MIN_ELEMS (1 << 18)
+#define ELEMENTWISE_PARALLEL_MIN (1 << 18)
 
 #if defined(__AVX512F__)
 /* bf16 value of v, back in float32. */
@@ -33,50 +38,73 @@ static inline __m256i rnd(__m512 v) {
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round_bf16(v)), 16));
 }
 
+/* One row: h = bf16(x + add) into hr when add is given (else h = x), y = bf16(w * bf16(h * inv)). */
+static inline void rms_norm_bf16_row(const uint16_t *xr, const uint16_t *add, uint16_t *hr, const uint16_t *w,
+                                     int64_t N, float eps, uint16_t *yr) {
+    __m512 ss = _mm512_setzero_ps();
+    for (int64_t i = 0; i < N; i += 16) {
+        __m512 h = bf16x16_load(xr + i);
+        if (add) {
+            const __m256i hb = rnd(_mm512_add_ps(h, bf16x16_load(add + i)));
+            _mm256_storeu_si256((__m256i *)(hr + i), hb);
+            h = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hb), 16));
+        }
+        ss = _mm512_fmadd_ps(h, h, ss);
+    }
+    const __m512 inv = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(ss) / (float)N + eps));
+    const uint16_t *src = add ? hr : xr;
+    for (int64_t i = 0; i < N; i += 16) {
+        const __m512 n = round_bf16(_mm512_mul_ps(bf16x16_load(src + i), inv));
+        _mm256_storeu_si256((__m256i *)(yr + i), rnd(_mm512_mul_ps(bf16x16_load(w + i), n)));
+    }
+}
+
 /* N % 16 == 0. */
 int rms_norm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *add, uint16_t *h_out, const uint16_t *w, int64_t T,
                   int64_t N, float eps, uint16_t *y) {
     if (N % 16) return 1;
-#pragma omp parallel for schedule(static) if (T * N >= PARALLEL_MIN_ELEMS)
-    for (int64_t t = 0; t < T; t++) {
-        const uint16_t *xr = x + t * ldx;
-        uint16_t *hr = add ? h_out + t * N : 0;
-        uint16_t *yr = y + t * N;
-        __m512 ss = _mm512_setzero_ps();
-        for (int64_t i = 0; i < N; i += 16) {
-            __m512 h = bf16x16_load(xr + i);
-            if (add) {
-                const __m256i hb = rnd(_mm512_add_ps(h, bf16x16_load(add + t * N + i)));
-                _mm256_storeu_si256((__m256i *)(hr + i), hb);
-                h = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hb), 16));
-            }
-            ss = _mm512_fmadd_ps(h, h, ss);
-        }
-        const __m512 inv = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(ss) / (float)N + eps));
-        const uint16_t *src = add ? hr : xr;
-        for (int64_t i = 0; i < N; i += 16) {
-            const __m512 n = round_bf16(_mm512_mul_ps(bf16x16_load(src + i), inv));
-            _mm256_storeu_si256((__m256i *)(yr + i), rnd(_mm512_mul_ps(bf16x16_load(w + i), n)));
-        }
-    }
+#pragma omp parallel for schedule(static) if (T * N >= ELEMENTWISE_PARALLEL_MIN)
+    for (int64_t t = 0; t < T; t++)
+        rms_norm_bf16_row(x + t * ldx, add ? add + t * N : 0, add ? h_out + t * N : 0, w, N, eps, y + t * N);
     return 0;
+}
+
+/* y[i] = bf16(bf16(silu(g[i])) * u[i]) for i < n; n % 16 == 0. */
+static inline void silu_mul_bf16_span(const uint16_t *g, const uint16_t *u, int64_t n, uint16_t *y) {
+    for (int64_t i = 0; i < n; i += 16) {
+        const __m512 gv = bf16x16_load(g + i);
+        const __m512 s = round_bf16(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f),
+                                                                    exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv)))));
+        _mm256_storeu_si256((__m256i *)(y + i), rnd(_mm512_mul_ps(s, bf16x16_load(u + i))));
+    }
 }
 
 /* x [T, 2I] rows [gate | up] with row stride ldx; y [T, I]; I % 16 == 0. */
 int silu_mul_bf16(const uint16_t *x, int64_t ldx, int64_t T, int64_t I, uint16_t *y) {
     if (I % 16) return 1;
-#pragma omp parallel for schedule(static) if (T * I >= PARALLEL_MIN_ELEMS)
-    for (int64_t t = 0; t < T; t++) {
-        const uint16_t *g = x + t * ldx, *u = g + I;
-        uint16_t *yr = y + t * I;
-        for (int64_t i = 0; i < I; i += 16) {
-            const __m512 gv = bf16x16_load(g + i);
-            const __m512 s = round_bf16(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f),
-                                                                        exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv)))));
-            _mm256_storeu_si256((__m256i *)(yr + i), rnd(_mm512_mul_ps(s, bf16x16_load(u + i))));
+#pragma omp parallel for schedule(static) if (T * I >= ELEMENTWISE_PARALLEL_MIN)
+    for (int64_t t = 0; t < T; t++) silu_mul_bf16_span(x + t * ldx, x + t * ldx + I, I, y + t * I);
+    return 0;
+}
+
+/* The heads of one row: xr [W] to yr [W], W = heads * hd; c, s: the position's cos and sin rows;
+ * (hd / 2) % 16 == 0. */
+static inline void rope_bf16_row(const uint16_t *xr0, int64_t W, int64_t hd, const uint16_t *c, const uint16_t *s,
+                                 uint16_t *yr0) {
+    const int64_t half = hd / 2;
+    for (int64_t h0 = 0; h0 < W; h0 += hd) {
+        const uint16_t *xr = xr0 + h0;
+        uint16_t *yr = yr0 + h0;
+        for (int64_t i = 0; i < half; i += 16) {
+            const __m512 x1 = bf16x16_load(xr + i), x2 = bf16x16_load(xr + half + i);
+            const __m512 lo = _mm512_add_ps(round_bf16(_mm512_mul_ps(x1, bf16x16_load(c + i))),
+                                            round_bf16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), bf16x16_load(s + i))));
+            const __m512 hi = _mm512_add_ps(round_bf16(_mm512_mul_ps(x2, bf16x16_load(c + half + i))),
+                                            round_bf16(_mm512_mul_ps(x1, bf16x16_load(s + half + i))));
+            _mm256_storeu_si256((__m256i *)(yr + i), rnd(lo));
+            _mm256_storeu_si256((__m256i *)(yr + half + i), rnd(hi));
         }
     }
-    return 0;
 }
 
 /* x [T, W] (row stride ldx), W = heads * hd; cos, sin [max_pos, hd]; y [T, W]; (hd / 2) % 16 == 0.
@@ -87,23 +115,9 @@ int rope_bf16(const uint16_t *x, int64_t ldx, int64_t T, int64_t W, int64_t hd, 
     if (hd % 2 || half % 16 || W % hd) return 1;
     for (int64_t t = 0; t < T; t++)
         if (pos[t] < 0 || pos[t] >= max_pos) return 2;
-#pragma omp parallel for schedule(static) if (T * W >= PARALLEL_MIN_ELEMS)
-    for (int64_t t = 0; t < T; t++) {
-        const uint16_t *c = cos + pos[t] * hd, *s = sin + pos[t] * hd;
-        for (int64_t h0 = 0; h0 < W; h0 += hd) {
-            const uint16_t *xr = x + t * ldx + h0;
-            uint16_t *yr = y + t * W + h0;
-            for (int64_t i = 0; i < half; i += 16) {
-                const __m512 x1 = bf16x16_load(xr + i), x2 = bf16x16_load(xr + half + i);
-                const __m512 lo = _mm512_add_ps(round_bf16(_mm512_mul_ps(x1, bf16x16_load(c + i))),
-                                                round_bf16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), bf16x16_load(s + i))));
-                const __m512 hi = _mm512_add_ps(round_bf16(_mm512_mul_ps(x2, bf16x16_load(c + half + i))),
-                                                round_bf16(_mm512_mul_ps(x1, bf16x16_load(s + half + i))));
-                _mm256_storeu_si256((__m256i *)(yr + i), rnd(lo));
-                _mm256_storeu_si256((__m256i *)(yr + half + i), rnd(hi));
-            }
-        }
-    }
+#pragma omp parallel for schedule(static) if (T * W >= ELEMENTWISE_PARALLEL_MIN)
+    for (int64_t t = 0; t < T; t++) rope_bf16_row(x + t * ldx, W, hd, cos + pos[t] * hd, sin + pos[t] * hd, y + t * W);
     return 0;
 }
+#endif
 #endif

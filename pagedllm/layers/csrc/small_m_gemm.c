@@ -16,6 +16,7 @@
 #define PAGEDLLM_SMALL_M_GEMM_C
 #include <stdint.h>
 #include <string.h>
+#include <omp.h>
 
 #include "../../attention/csrc/bf16.h"
 
@@ -94,12 +95,13 @@ static inline __attribute__((always_inline)) void gemm_tile_bf16(const uint16_t 
 }
 #endif
 
-/* y[M, N] = x[M, K] W[N, K]^T (+ bias), in dtype dt. */
-static void gemm(const void *x, int64_t M, const void *w, const void *bias, int64_t N, int64_t K, void *y, int dt) {
-    const int64_t nblocks = (N + NR - 1) / NR;
-#pragma omp parallel for schedule(static) if (N * K >= GEMM_PARALLEL_MIN)
-    for (int64_t b = 0; b < nblocks; b++) {
-        const int64_t n0 = b * NR, nr = N - n0 < NR ? N - n0 : NR;
+/* Rows [n_lo, n_hi) of y[M, N] = x[M, K] W[N, K]^T (+ bias), in dtype dt, on the calling thread.
+ * Each element of y is its own dot product with the same order of sums whatever the row range, so
+ * a GEMM split into row ranges gives the bits of the whole one. */
+static void gemm_rows(const void *x, int64_t M, const void *w, const void *bias, int64_t N, int64_t K, void *y, int dt,
+                      int64_t n_lo, int64_t n_hi) {
+    for (int64_t n0 = n_lo; n0 < n_hi; n0 += NR) {
+        const int64_t nr = n_hi - n0 < NR ? n_hi - n0 : NR;
         for (int64_t m0 = 0; m0 < M; m0 += MR) {
             const int64_t mr = M - m0 < MR ? M - m0 : MR;
 /* A constant row count per call site, so that the accumulators stay in registers. */
@@ -132,6 +134,25 @@ static void gemm(const void *x, int64_t M, const void *w, const void *bias, int6
                     st(y, m * N + n, s, dt);
                 }
         }
+    }
+}
+
+/* The share [*lo, *hi) of n items that thread t of nth takes: whole units of `unit` items, as equal
+ * in number as they can be (the last unit may be short). */
+static inline void team_share(int64_t n, int64_t unit, int t, int nth, int64_t *lo, int64_t *hi) {
+    const int64_t units = (n + unit - 1) / unit;
+    const int64_t a = units * t / nth * unit, b = units * (t + 1) / nth * unit;
+    *lo = a < n ? a : n;
+    *hi = b < n ? b : n;
+}
+
+/* y[M, N] = x[M, K] W[N, K]^T (+ bias), in dtype dt: row blocks split evenly over the OpenMP team. */
+static void gemm(const void *x, int64_t M, const void *w, const void *bias, int64_t N, int64_t K, void *y, int dt) {
+#pragma omp parallel if (N * K >= GEMM_PARALLEL_MIN)
+    {
+        int64_t lo, hi;
+        team_share(N, NR, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
+        gemm_rows(x, M, w, bias, N, K, y, dt, lo, hi);
     }
 }
 

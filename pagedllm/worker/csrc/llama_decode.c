@@ -10,8 +10,18 @@
  *
  * Element types: dense weights, activations and the KV cache all float32 (dt 0) or all bfloat16 (dt 1).
  * bf16 follows the rounding points of pagedllm's torch path (each op computes in float32 and
- * rounds its result to bf16; RMSNorm normalizes in float32, rounds, then scales by the weight), so
- * the two paths agree to the last bit except for the order of sums inside GEMMs and reductions.
+ * rounds its result to bf16; RMSNorm normalizes in float32, rounds, then scales by the weight); its
+ * bf16 RMSNorm, RoPE and SiLU*mul are the torch path's own kernels (elementwise_bf16.c, included
+ * below), so the two paths agree to the last bit except for the order of sums inside GEMMs.
+ *
+ * Threads: the step runs in one OpenMP parallel region (a team of torch's thread count), not one per
+ * kernel: each thread normalizes the residual stream for itself, computes an equal share of every
+ * GEMM's output rows (equal weight bytes), RoPE, KV writes and attention for its share of the
+ * (row, KV head) items, and SiLU*mul of the gate rows it computed; a barrier stands only where the
+ * next op reads what other threads wrote (five per layer). Every output element is computed as on
+ * one thread, so the team's results are the one-thread step's to the bit. Models with quantized
+ * linear layers run the step on the calling thread instead, each GEMM and quantized kernel with
+ * its own team, as the torch path calls them.
  *
  * llama_decode_head runs the same step on to the LM head: the logits of the rows that sample and,
  * for batches that sample greedily with nothing else, their argmax.
@@ -29,6 +39,7 @@
 #include <string.h>
 
 #include "../../attention/csrc/paged_attention.c"
+#include "../../layers/csrc/elementwise_bf16.c"
 #include "../../layers/csrc/small_m_gemm.c"
 /* linear_quant.c names its own tile sizes; small_m_gemm.c's are no longer needed here. */
 #undef MR
@@ -78,11 +89,18 @@ typedef struct {
 } LlamaDecodeModel;
 
 /* The value as stored in dtype dt, read back as float32 (rounds to bf16 for dt 1). */
-static inline float rnd(float v, int dt) { return dt == LD_F32 ? v : bf16_to_f32(f32_to_bf16(v)); }
+static inline float round_dt(float v, int dt) { return dt == LD_F32 ? v : bf16_to_f32(f32_to_bf16(v)); }
 
 /* out[m] = RMSNorm(x[m]) * weight: float32 statistics; bf16 rounds the normalized row before the
  * weight multiplies it (as the torch path does). */
 static void rms_norm(const void *x, int64_t M, int64_t H, const void *weight, float eps, void *out, int dt) {
+#if HAVE_AVX512
+    if (dt == LD_BF16 && H % 16 == 0) { /* the torch path's kernel (elementwise_bf16.c) */
+        for (int64_t m = 0; m < M; m++)
+            rms_norm_bf16_row((const uint16_t *)x + m * H, NULL, NULL, weight, H, eps, (uint16_t *)out + m * H);
+        return;
+    }
+#endif
     for (int64_t m = 0; m < M; m++) {
         float ss = 0.0f;
         for (int64_t i = 0; i < H; i++) {
@@ -91,21 +109,45 @@ static void rms_norm(const void *x, int64_t M, int64_t H, const void *weight, fl
         }
         const float inv = 1.0f / sqrtf(ss / (float)H + eps);
         for (int64_t i = 0; i < H; i++)
-            st(out, m * H + i, rnd(ld(x, m * H + i, dt) * inv, dt) * ld(weight, i, dt), dt);
+            st(out, m * H + i, round_dt(ld(x, m * H + i, dt) * inv, dt) * ld(weight, i, dt), dt);
     }
 }
 
-/* x[m] += y[m] (the residual stream), rounded to dtype. */
-static void add_inplace(void *x, const void *y, int64_t n, int dt) {
-    for (int64_t i = 0; i < n; i++) st(x, i, ld(x, i, dt) + ld(y, i, dt), dt);
+/* x[m, lo:hi] += y[m, lo:hi] (the residual stream, rows of N), rounded to dtype. */
+static void add_inplace(void *x, const void *y, int64_t M, int64_t N, int64_t lo, int64_t hi, int dt) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t i = m * N + lo; i < m * N + hi; i++) st(x, i, ld(x, i, dt) + ld(y, i, dt), dt);
 }
 
-/* out[m, i] = silu(gu[m, i]) * gu[m, I + i], each op rounded to dtype. */
-static void silu_mul(const void *gu, int64_t M, int64_t I, void *out, int dt) {
+/* out[m, i] = silu(gu[m, i]) * gu[m, I + i] for i in [lo, hi), each op rounded to dtype. */
+static void silu_mul(const void *gu, int64_t M, int64_t I, void *out, int dt, int64_t lo, int64_t hi) {
+#if HAVE_AVX512
+    if (dt == LD_BF16 && lo % 16 == 0 && (hi - lo) % 16 == 0) { /* the torch path's kernel */
+        for (int64_t m = 0; m < M; m++) {
+            const uint16_t *g = (const uint16_t *)gu + m * 2 * I;
+            silu_mul_bf16_span(g + lo, g + I + lo, hi - lo, (uint16_t *)out + m * I + lo);
+        }
+        return;
+    }
+    if (dt == LD_F32) { /* 16 lanes at a time, the same for every element whatever the range */
+        for (int64_t m = 0; m < M; m++) {
+            const float *g = (const float *)gu + m * 2 * I, *u = g + I;
+            float *y = (float *)out + m * I;
+            for (int64_t i = lo; i < hi; i += 16) {
+                const __mmask16 k = hi - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (hi - i)) - 1u);
+                const __m512 gv = _mm512_maskz_loadu_ps(k, g + i);
+                const __m512 sv = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f),
+                                                                  exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+                _mm512_mask_storeu_ps(y + i, k, _mm512_mul_ps(sv, _mm512_maskz_loadu_ps(k, u + i)));
+            }
+        }
+        return;
+    }
+#endif
     for (int64_t m = 0; m < M; m++)
-        for (int64_t i = 0; i < I; i++) {
+        for (int64_t i = lo; i < hi; i++) {
             const float g = ld(gu, m * 2 * I + i, dt), u = ld(gu, m * 2 * I + I + i, dt);
-            st(out, m * I + i, rnd(g / (1.0f + expf(-g)), dt) * u, dt);
+            st(out, m * I + i, round_dt(g / (1.0f + expf(-g)), dt) * u, dt);
         }
 }
 
@@ -114,13 +156,20 @@ static void silu_mul(const void *gu, int64_t M, int64_t I, void *out, int dt) {
 static void rope_row(const void *src, int64_t src_off, void *dst, int64_t dst_off, int64_t heads, int64_t D,
                      const void *cos, const void *sin, int64_t pos, int dt) {
     const int64_t half = D / 2;
+#if HAVE_AVX512
+    if (dt == LD_BF16 && half % 16 == 0) { /* the torch path's kernel */
+        rope_bf16_row((const uint16_t *)src + src_off, heads * D, D, (const uint16_t *)cos + pos * D,
+                      (const uint16_t *)sin + pos * D, (uint16_t *)dst + dst_off);
+        return;
+    }
+#endif
     float buf[1024];
     for (int64_t h = 0; h < heads; h++) {
         for (int64_t i = 0; i < D; i++) buf[i] = ld(src, src_off + h * D + i, dt);
         for (int64_t i = 0; i < D; i++) {
             const float rot = i < half ? -buf[i + half] : buf[i - half];
             const float c = ld(cos, pos * D + i, dt), s = ld(sin, pos * D + i, dt);
-            st(dst, dst_off + h * D + i, rnd(buf[i] * c, dt) + rnd(rot * s, dt), dt);
+            st(dst, dst_off + h * D + i, round_dt(buf[i] * c, dt) + round_dt(rot * s, dt), dt);
         }
     }
 }
@@ -136,15 +185,20 @@ static int linears_supported(const QuantLinear *ql, int64_t num_layers) {
 }
 
 /*
- * y[M, N] = x[M, K] W^T (+ bias) in dtype dt. Dense: the small-M GEMM. Quantized: as the torch
- * path's LinearMethod.apply, x rounded to bf16 (in the layer's input order where it has one), the
- * kernel's result in dt (float32 straight from its accumulators, or rounded to bf16), then the
- * bias added and rounded to dt. xb: scratch for M * K bf16 values.
+ * y[M, N] = x[M, K] W^T (+ bias) in dtype dt. Dense: the small-M GEMM, of rows [lo, hi) of y on
+ * the calling thread inside the step's team, or of all rows over its own OpenMP team outside one
+ * (team 0). Quantized (always outside a team, all rows): as the torch path's LinearMethod.apply,
+ * x rounded to bf16 (in the layer's input order where it has one), the kernel's result in dt
+ * (float32 straight from its accumulators, or rounded to bf16), then the bias added and rounded
+ * to dt. xb: scratch for M * K bf16 values.
  */
 static void linear(const QuantLinear *ql, const void *x, int64_t M, const void *w, const void *bias, int64_t N,
-                   int64_t K, void *y, int dt, uint16_t *xb) {
+                   int64_t K, void *y, int dt, uint16_t *xb, int team, int64_t lo, int64_t hi) {
     if (ql == NULL || ql->kind == LQ_DENSE) {
-        gemm(x, M, w, bias, N, K, y, dt);
+        if (team)
+            gemm_rows(x, M, w, bias, N, K, y, dt, lo, hi);
+        else
+            gemm(x, M, w, bias, N, K, y, dt);
         return;
     }
 #if LD_HAVE_QUANT
@@ -175,16 +229,175 @@ static inline const QuantLinear *qlin(const QuantLinear *ql, int64_t l) { return
 
 static void *alloc(int64_t bytes) { return aligned_alloc(64, (size_t)((bytes + 63) / 64 * 64)); }
 
+/* Waits for the other threads of the step's team (team 1); nothing outside a team. */
+static inline void team_sync(int team) {
+    if (team) {
+#pragma omp barrier
+    }
+}
+
+/* One step's arguments and scratch, shared by the threads that run it. */
+typedef struct {
+    const LlamaDecodeModel *md;
+    int64_t M, bt_stride;
+    const int64_t *positions, *slot_mapping, *block_tables, *seq_lens, *qsl, *work;
+    /* Shared activations; xn holds one [M, hidden] row set per thread (each normalizes for itself). */
+    void *x, *xn, *qkv, *q, *attn, *o, *gu, *act;
+    uint16_t *xb;
+    /* 1: the step runs in one OpenMP team, each thread its share of every op and a barrier where
+     * the next op reads what other threads wrote; 0: on the calling thread, each GEMM and the
+     * attention opening their own team as the torch path's calls do (models with quantized layers,
+     * whose kernel opens its own). */
+    int team;
+    /* llama_decode_head: S sample rows, their normed rows (one set per thread), the LM head's
+     * result y [S, vocab], and each thread's argmax of its vocab share (index, value, NaN). */
+    int64_t S;
+    const int64_t *sample_rows;
+    void *hs, *y;
+    float *logits, *part_max;
+    int64_t *part_idx;
+    int *part_nan;
+} Step;
+
 /*
- * input_ids, positions, slot_mapping, seq_lens [M]; block_tables [M, bt_stride] (int64).
- * out: [M, hidden] final normed hidden states in dtype. Returns 0, or 1 for a request the kernel
- * does not take (then nothing was written to the KV cache).
+ * The decoder layers for thread tid of nth (team) or the calling thread (tid 0 of 1). Work split:
+ * the norms are computed by every thread for itself (no barrier before the GEMM that reads them);
+ * each GEMM's output rows are split into equal row blocks (equal weight bytes per thread), gate and
+ * up by the same rows so that each thread's SiLU*mul reads only its own results, the residual add
+ * by the columns each thread just computed; RoPE, the KV write and attention by (row, KV head).
+ * Barriers: after QKV, after attention, after O + residual, after SiLU*mul, after down + residual.
  */
-int llama_decode_step(const LlamaDecodeModel *md, int64_t M, const int64_t *input_ids, const int64_t *positions,
-                      const int64_t *slot_mapping, const int64_t *block_tables, int64_t bt_stride,
-                      const int64_t *seq_lens, void *out) {
+static void step_layers(const Step *c, int tid, int nth) {
+    const LlamaDecodeModel *md = c->md;
+    const int dt = (int)md->dtype, team = c->team;
+    const int64_t M = c->M, Hd = md->hidden, D = md->head_dim, H = md->num_heads, KVH = md->num_kv_heads;
+    const int64_t G = H / KVH, I = md->intermediate, qn = H * D, kvn = KVH * D, qkvn = qn + 2 * kvn;
+    const int64_t es = dt == LD_F32 ? 4 : 2;
+    const int qdt = dt == LD_F32 ? DT_F32 : DT_BF16;
+    void *xn = (char *)c->xn + tid * M * Hd * es;
+    int64_t lo, hi;
+    for (int64_t l = 0; l < md->num_layers; l++) {
+        rms_norm(c->x, M, Hd, md->input_norm[l], md->eps, xn, dt);
+        team_share(qkvn, NR, tid, nth, &lo, &hi);
+        linear(qlin(md->qkv_q, l), xn, M, md->qkv_w[l], md->qkv_b[l], qkvn, Hd, c->qkv, dt, c->xb, team, lo, hi);
+        team_sync(team);
+        /* q rotated into its own rows; k rotated and v copied straight into their cache slots. */
+        team_share(M * KVH, 1, tid, nth, &lo, &hi);
+        for (int64_t it = lo; it < hi; it++) {
+            const int64_t m = it / KVH, kh = it % KVH, slot = c->slot_mapping[m], pos = c->positions[m];
+            const int64_t src = m * qkvn + qn + kh * D, dst = slot * kvn + kh * D;
+            rope_row(c->qkv, m * qkvn + kh * G * D, c->q, m * qn + kh * G * D, G, D, md->cos, md->sin, pos, dt);
+            rope_row(c->qkv, src, md->k_cache[l], dst, 1, D, md->cos, md->sin, pos, dt);
+            memcpy((char *)md->v_cache[l] + dst * es, (const char *)c->qkv + (src + kvn) * es, (size_t)(D * es));
+        }
+        if (team)
+            paged_attention_items(c->q, qdt, md->k_cache[l], md->v_cache[l], qdt, NULL, c->block_tables, c->bt_stride,
+                                  c->qsl, c->seq_lens, c->work, lo, hi, c->attn, H, KVH, D, md->block_size,
+                                  md->attn_scale, 1.0f, md->sliding_window);
+        else
+            paged_attention(c->q, qdt, md->k_cache[l], md->v_cache[l], qdt, NULL, c->block_tables, c->bt_stride,
+                            c->qsl, c->seq_lens, c->work, M, c->attn, H, KVH, D, md->block_size, md->attn_scale, 1.0f,
+                            md->sliding_window);
+        team_sync(team);
+        team_share(Hd, NR, tid, nth, &lo, &hi);
+        linear(qlin(md->o_q, l), c->attn, M, md->o_w[l], md->o_b[l], Hd, qn, c->o, dt, c->xb, team, lo, hi);
+        add_inplace(c->x, c->o, M, Hd, lo, hi, dt);
+        team_sync(team);
+        rms_norm(c->x, M, Hd, md->post_norm[l], md->eps, xn, dt);
+        team_share(I, 16, tid, nth, &lo, &hi); /* whole 16-lane runs for SiLU*mul */
+        if (team) { /* gate rows [lo, hi) and the up rows that pair with them */
+            linear(NULL, xn, M, md->gate_up_w[l], md->gate_up_b[l], 2 * I, Hd, c->gu, dt, c->xb, team, lo, hi);
+            linear(NULL, xn, M, md->gate_up_w[l], md->gate_up_b[l], 2 * I, Hd, c->gu, dt, c->xb, team, I + lo, I + hi);
+        } else {
+            linear(qlin(md->gate_up_q, l), xn, M, md->gate_up_w[l], md->gate_up_b[l], 2 * I, Hd, c->gu, dt, c->xb,
+                   team, 0, 2 * I);
+        }
+        silu_mul(c->gu, M, I, c->act, dt, lo, hi);
+        team_sync(team);
+        team_share(Hd, NR, tid, nth, &lo, &hi);
+        linear(qlin(md->down_q, l), c->act, M, md->down_w[l], md->down_b[l], Hd, I, c->o, dt, c->xb, team, lo, hi);
+        add_inplace(c->x, c->o, M, Hd, lo, hi, dt);
+        team_sync(team);
+    }
+}
+
+/* Index of the largest of v[lo, hi) (the first one on ties; the first NaN if there is one, as
+ * torch.argmax does), its value in *max and whether it is a NaN in *nan. One vectorizable pass
+ * finds the maximum and whether there is a NaN (from the bits: the kernels build with
+ * -ffast-math, under which isnan() may fold to false); a second pass finds where it first occurs. */
+static int64_t argmax_range(const void *v, int64_t lo, int64_t hi, int dt, float *max, int *nan_out) {
+    const uint32_t *u32 = (const uint32_t *)v;
+    const uint16_t *u16 = (const uint16_t *)v;
+    int nan = 0;
+    float m = ld(v, lo, dt);
+    if (dt == LD_F32) {
+        const float *f = (const float *)v;
+        for (int64_t i = lo; i < hi; i++) {
+            nan |= (u32[i] & 0x7fffffffu) > 0x7f800000u;
+            m = f[i] > m ? f[i] : m;
+        }
+    } else {
+        for (int64_t i = lo; i < hi; i++) {
+            nan |= (u16[i] & 0x7fffu) > 0x7f80u;
+            const float x = bf16_to_f32(u16[i]);
+            m = x > m ? x : m;
+        }
+    }
+    *max = m;
+    *nan_out = nan;
+    for (int64_t i = lo; i < hi; i++) {
+        const int is_nan = dt == LD_F32 ? (u32[i] & 0x7fffffffu) > 0x7f800000u : (u16[i] & 0x7fffu) > 0x7f80u;
+        if (nan ? is_nan : ld(v, i, dt) == m) return i;
+    }
+    return lo;
+}
+
+/* The step for thread tid of nth: the layers, then either the final norm of its rows into out
+ * [M, hidden] (S 0), or the LM head: the final norm of the sample rows, the logits of its share of
+ * the vocabulary (widened into c->logits where asked) and, for c->part_idx, the argmax of each
+ * sample row over that share. */
+static void step_thread(const Step *c, void *out, int tid, int nth) {
+    const LlamaDecodeModel *md = c->md;
     const int dt = (int)md->dtype;
-    const int64_t Hd = md->hidden, D = md->head_dim, H = md->num_heads, KVH = md->num_kv_heads;
+    const int64_t Hd = md->hidden, V = md->vocab, S = c->S, es = dt == LD_F32 ? 4 : 2;
+    step_layers(c, tid, nth);
+    if (S == 0) {
+        for (int64_t m = tid; m < c->M; m += nth)
+            rms_norm((const char *)c->x + m * Hd * es, 1, Hd, md->final_norm, md->eps, (char *)out + m * Hd * es, dt);
+        return;
+    }
+    void *hs = (char *)c->hs + tid * S * Hd * es;
+    for (int64_t s = 0; s < S; s++)
+        rms_norm((const char *)c->x + c->sample_rows[s] * Hd * es, 1, Hd, md->final_norm, md->eps,
+                 (char *)hs + s * Hd * es, dt);
+    int64_t lo, hi;
+    team_share(V, NR, tid, nth, &lo, &hi);
+    linear(md->lm_head_q, hs, S, md->lm_head, NULL, V, Hd, c->y, dt, c->xb, c->team, lo, hi);
+    if (c->logits != NULL && c->y != (void *)c->logits)
+        for (int64_t s = 0; s < S; s++)
+            for (int64_t i = s * V + lo; i < s * V + hi; i++) c->logits[i] = bf16_to_f32(((const uint16_t *)c->y)[i]);
+    if (c->part_idx != NULL)
+        for (int64_t s = 0; s < S; s++)
+            c->part_idx[tid * S + s] = hi > lo ? argmax_range((const char *)c->y + s * V * es, lo, hi, dt,
+                                                              &c->part_max[tid * S + s], &c->part_nan[tid * S + s])
+                                               : -1;
+}
+
+/* Whether every linear layer is dense (the step can run in one team). */
+static int all_dense(const QuantLinear *ql, int64_t num_layers) {
+    if (ql != NULL)
+        for (int64_t l = 0; l < num_layers; l++)
+            if (ql[l].kind != LQ_DENSE) return 0;
+    return 1;
+}
+
+/* The step (S 0) or the step on to the LM head; see llama_decode_step and llama_decode_head. */
+static int run_step(const LlamaDecodeModel *md, int64_t M, const int64_t *input_ids, const int64_t *positions,
+                    const int64_t *slot_mapping, const int64_t *block_tables, int64_t bt_stride,
+                    const int64_t *seq_lens, void *out, int64_t S, const int64_t *sample_rows, float *logits,
+                    int64_t *tokens) {
+    const int dt = (int)md->dtype;
+    const int64_t Hd = md->hidden, D = md->head_dim, H = md->num_heads, KVH = md->num_kv_heads, V = md->vocab;
     const int64_t I = md->intermediate, qn = H * D, kvn = KVH * D, qkvn = qn + 2 * kvn;
     const int64_t es = dt == LD_F32 ? 4 : 2;
     if (M < 1 || M > MAX_ROWS || D > 1024 || (dt != LD_F32 && dt != LD_BF16)) return 1;
@@ -197,11 +410,11 @@ int llama_decode_step(const LlamaDecodeModel *md, int64_t M, const int64_t *inpu
         !linears_supported(md->gate_up_q, md->num_layers) || !linears_supported(md->down_q, md->num_layers))
         return 1;
     const int64_t widest = I > qn ? (I > Hd ? I : Hd) : (qn > Hd ? qn : Hd); /* the largest input size */
+    const int team = omp_get_max_threads() > 1 && all_dense(md->qkv_q, md->num_layers) &&
+                     all_dense(md->o_q, md->num_layers) && all_dense(md->gate_up_q, md->num_layers) &&
+                     all_dense(md->down_q, md->num_layers) && (S == 0 || md->lm_head_q == NULL);
+    const int nth = team ? omp_get_max_threads() : 1;
 
-    void *x = alloc(M * Hd * es), *xn = alloc(M * Hd * es), *qkv = alloc(M * qkvn * es);
-    void *q = alloc(M * qn * es), *attn = alloc(M * qn * es), *o = alloc(M * Hd * es);
-    void *gu = alloc(M * 2 * I * es), *act = alloc(M * I * es);
-    uint16_t *xb = alloc(M * widest * 2);
     int64_t *qsl = malloc((size_t)(M + 1) * sizeof(int64_t)), *work = malloc((size_t)M * 3 * sizeof(int64_t));
     for (int64_t m = 0; m <= M; m++) qsl[m] = m;
     for (int64_t m = 0; m < M; m++) {
@@ -209,65 +422,67 @@ int llama_decode_step(const LlamaDecodeModel *md, int64_t M, const int64_t *inpu
         work[3 * m + 1] = 0;
         work[3 * m + 2] = 1;
     }
-    for (int64_t m = 0; m < M; m++)
-        memcpy((char *)x + m * Hd * es, (const char *)md->embed + input_ids[m] * Hd * es, (size_t)(Hd * es));
-
-    for (int64_t l = 0; l < md->num_layers; l++) {
-        rms_norm(x, M, Hd, md->input_norm[l], md->eps, xn, dt);
-        linear(qlin(md->qkv_q, l), xn, M, md->qkv_w[l], md->qkv_b[l], qkvn, Hd, qkv, dt, xb);
-        for (int64_t m = 0; m < M; m++) {
-            const int64_t slot = slot_mapping[m];
-            /* q rotated into its own rows; k rotated and v copied straight into their cache slots. */
-            rope_row(qkv, m * qkvn, q, m * qn, H, D, md->cos, md->sin, positions[m], dt);
-            rope_row(qkv, m * qkvn + qn, md->k_cache[l], slot * kvn, KVH, D, md->cos, md->sin, positions[m], dt);
-            memcpy((char *)md->v_cache[l] + slot * kvn * es, (const char *)qkv + (m * qkvn + qn + kvn) * es,
-                   (size_t)(kvn * es));
+    Step c = {.md = md, .M = M, .bt_stride = bt_stride, .positions = positions, .slot_mapping = slot_mapping,
+              .block_tables = block_tables, .seq_lens = seq_lens, .qsl = qsl, .work = work, .team = team, .S = S,
+              .sample_rows = sample_rows, .logits = logits};
+    c.x = alloc(M * Hd * es), c.xn = alloc(nth * M * Hd * es), c.qkv = alloc(M * qkvn * es);
+    c.q = alloc(M * qn * es), c.attn = alloc(M * qn * es), c.o = alloc(M * Hd * es);
+    c.gu = alloc(M * 2 * I * es), c.act = alloc(M * I * es), c.xb = alloc(M * widest * 2);
+    if (S > 0) {
+        c.hs = alloc(nth * S * Hd * es);
+        /* float32 GEMMs write the logits in place; bf16 ones go through a bf16 buffer. */
+        c.y = dt == LD_F32 && logits != NULL ? (void *)logits : alloc(S * V * es);
+        if (tokens != NULL) {
+            c.part_idx = malloc((size_t)(nth * S) * sizeof(int64_t));
+            c.part_max = malloc((size_t)(nth * S) * sizeof(float));
+            c.part_nan = malloc((size_t)(nth * S) * sizeof(int));
         }
-        paged_attention(q, dt == LD_F32 ? DT_F32 : DT_BF16, md->k_cache[l], md->v_cache[l],
-                        dt == LD_F32 ? DT_F32 : DT_BF16, NULL, block_tables, bt_stride, qsl, seq_lens, work, M, attn,
-                        H, KVH, D, md->block_size, md->attn_scale, 1.0f, md->sliding_window);
-        linear(qlin(md->o_q, l), attn, M, md->o_w[l], md->o_b[l], Hd, qn, o, dt, xb);
-        add_inplace(x, o, M * Hd, dt);
-        rms_norm(x, M, Hd, md->post_norm[l], md->eps, xn, dt);
-        linear(qlin(md->gate_up_q, l), xn, M, md->gate_up_w[l], md->gate_up_b[l], 2 * I, Hd, gu, dt, xb);
-        silu_mul(gu, M, I, act, dt);
-        linear(qlin(md->down_q, l), act, M, md->down_w[l], md->down_b[l], Hd, I, o, dt, xb);
-        add_inplace(x, o, M * Hd, dt);
     }
-    rms_norm(x, M, Hd, md->final_norm, md->eps, out, dt);
+    for (int64_t m = 0; m < M; m++)
+        memcpy((char *)c.x + m * Hd * es, (const char *)md->embed + input_ids[m] * Hd * es, (size_t)(Hd * es));
 
-    free(x), free(xn), free(qkv), free(q), free(attn), free(o), free(gu), free(act), free(xb), free(qsl), free(work);
+    if (team) {
+#pragma omp parallel num_threads(nth)
+        step_thread(&c, out, omp_get_thread_num(), omp_get_num_threads());
+    } else {
+        step_thread(&c, out, 0, 1);
+    }
+
+    /* Each sample row's argmax: the first share's NaN if any share has one, else the largest of
+     * the shares' maxima (the earliest share on ties). */
+    if (tokens != NULL)
+        for (int64_t s = 0; s < S; s++) {
+            int64_t best = -1;
+            float bmax = 0.0f;
+            int bnan = 0;
+            for (int t = 0; t < nth; t++) {
+                const int64_t i = c.part_idx[t * S + s];
+                if (i < 0 || bnan) continue;
+                const float v = c.part_max[t * S + s];
+                if (c.part_nan[t * S + s] || best < 0 || v > bmax) best = i, bmax = v, bnan = c.part_nan[t * S + s];
+            }
+            tokens[s] = best;
+        }
+
+    free(c.x), free(c.xn), free(c.qkv), free(c.q), free(c.attn), free(c.o), free(c.gu), free(c.act), free(c.xb);
+    free(qsl), free(work);
+    if (S > 0) {
+        if (c.y != (void *)logits) free(c.y);
+        free(c.hs), free(c.part_idx), free(c.part_max), free(c.part_nan);
+    }
     return 0;
 }
 
-
-/* Index of the largest of n values (the first one on ties; the first NaN if there is one, as
- * torch.argmax does). One vectorizable pass finds the maximum and whether there is a NaN (from
- * the bits: the kernels build with -ffast-math, under which isnan() may fold to false); a second
- * pass finds where the maximum first occurs. */
-static int64_t argmax_row(const void *v, int64_t n, int dt) {
-    const uint32_t *u32 = (const uint32_t *)v;
-    const uint16_t *u16 = (const uint16_t *)v;
-    int nan = 0;
-    float m = ld(v, 0, dt);
-    if (dt == LD_F32) {
-        const float *f = (const float *)v;
-        for (int64_t i = 0; i < n; i++) {
-            nan |= (u32[i] & 0x7fffffffu) > 0x7f800000u;
-            m = f[i] > m ? f[i] : m;
-        }
-    } else {
-        for (int64_t i = 0; i < n; i++) {
-            nan |= (u16[i] & 0x7fffu) > 0x7f80u;
-            const float x = bf16_to_f32(u16[i]);
-            m = x > m ? x : m;
-        }
-    }
-    for (int64_t i = 0; i < n; i++) {
-        const int is_nan = dt == LD_F32 ? (u32[i] & 0x7fffffffu) > 0x7f800000u : (u16[i] & 0x7fffu) > 0x7f80u;
-        if (nan ? is_nan : ld(v, i, dt) == m) return i;
-    }
-    return 0;
+/*
+ * input_ids, positions, slot_mapping, seq_lens [M]; block_tables [M, bt_stride] (int64).
+ * out: [M, hidden] final normed hidden states in dtype. Returns 0, or 1 for a request the kernel
+ * does not take (then nothing was written to the KV cache).
+ */
+int llama_decode_step(const LlamaDecodeModel *md, int64_t M, const int64_t *input_ids, const int64_t *positions,
+                      const int64_t *slot_mapping, const int64_t *block_tables, int64_t bt_stride,
+                      const int64_t *seq_lens, void *out) {
+    return run_step(md, M, input_ids, positions, slot_mapping, block_tables, bt_stride, seq_lens, out, 0, NULL, NULL,
+                    NULL);
 }
 
 /*
@@ -280,31 +495,9 @@ int llama_decode_head(const LlamaDecodeModel *md, int64_t M, const int64_t *inpu
                       const int64_t *slot_mapping, const int64_t *block_tables, int64_t bt_stride,
                       const int64_t *seq_lens, int64_t S, const int64_t *sample_rows, float *logits,
                       int64_t *tokens) {
-    const int dt = (int)md->dtype;
-    const int64_t Hd = md->hidden, V = md->vocab, es = dt == LD_F32 ? 4 : 2;
-    if (md->lm_head == NULL || V < 1 || S < 1 || S > M || M > MAX_ROWS) return 1;
+    if (md->lm_head == NULL || md->vocab < 1 || S < 1 || S > M || M > MAX_ROWS) return 1;
     for (int64_t s = 0; s < S; s++)
         if (sample_rows[s] < 0 || sample_rows[s] >= M) return 1;
-    void *h = alloc(M * Hd * es), *hs = alloc(S * Hd * es);
-    /* float32 GEMMs write the logits in place; bf16 ones go through a bf16 buffer. */
-    void *y = dt == LD_F32 && logits != NULL ? (void *)logits : alloc(S * V * es);
-    const int rc = llama_decode_step(md, M, input_ids, positions, slot_mapping, block_tables, bt_stride, seq_lens, h);
-    if (rc == 0) {
-        for (int64_t s = 0; s < S; s++)
-            memcpy((char *)hs + s * Hd * es, (const char *)h + sample_rows[s] * Hd * es, (size_t)(Hd * es));
-        if (md->lm_head_q != NULL) {
-            uint16_t *xb = alloc(S * Hd * 2);
-            linear(md->lm_head_q, hs, S, NULL, NULL, V, Hd, y, dt, xb);
-            free(xb);
-        } else {
-            gemm(hs, S, md->lm_head, NULL, V, Hd, y, dt);
-        }
-        if (logits != NULL && y != (void *)logits)
-            for (int64_t i = 0; i < S * V; i++) logits[i] = bf16_to_f32(((const uint16_t *)y)[i]);
-        if (tokens != NULL)
-            for (int64_t s = 0; s < S; s++) tokens[s] = argmax_row((const char *)y + s * V * es, V, dt);
-    }
-    if (y != (void *)logits) free(y);
-    free(h), free(hs);
-    return rc;
+    return run_step(md, M, input_ids, positions, slot_mapping, block_tables, bt_stride, seq_lens, NULL, S, sample_rows,
+                    logits, tokens);
 }
