@@ -115,10 +115,11 @@ def throughput_section(r: dict[str, Any], img: Path) -> str:
     peaks = r.get("peak_matmul_flops_per_s_by_dtype") or {}
     if peaks:
         peak_text = ("the measured matmul peak of the row's dtype (best of repeated 1024x1024 matmuls in the same "
-                     "run, through torch.mm and oneDNN's linear, whichever is faster: " + ", ".join(f"{d} {v / 1e9:.1f} GFLOP/s" for d, v in peaks.items()) + ")")
+                     "run, through torch.mm and oneDNN's linear, whichever is faster: "
+                     + ", ".join(f"{d} {v / 1e9:.1f} GFLOP/s" for d, v in peaks.items()) + ")")
     elif peak:
-        peak_text = f"{peak / 1e9:.1f} GFLOP/s (best of repeated 1024x1024 fp32 matmuls measured in the same run, torch.mm "
-                     "or oneDNN's linear)"
+        peak_text = (f"{peak / 1e9:.1f} GFLOP/s (best of repeated 1024x1024 fp32 matmuls measured in the same run, "
+                     "torch.mm or oneDNN's linear)")
     return (
         "## Offline throughput\n\n" + run_block(r.get("meta")) +
         f"\nWorkload: {wl['kind']}, {wl['num_requests']} requests, prompts {wl.get('input_len_range', '')} "
