@@ -61,8 +61,10 @@ def table(paths: list[str]) -> str:
         d4k = r["ppl4096"] - base["ppl4096"] if "ppl4096" in r and "ppl4096" in base else None
         ppl_s = f"{ppl:.3f} ± {r['ppl512_err']:.3f}" if ppl is not None else ("—" if name == "int8-unfused"
                                                                               else "not measured")
+        # int8-unfused computes with the int8 row's weights: its perplexity is that row's.
+        p4k, d4k_s = ("—", "—") if name == "int8-unfused" else (fmt(r.get("ppl4096"), ".3f"), fmt(d4k, "+.3f"))
         out.append(f"| {name} | {mem_s} | {ppl_s} | {fmt(d512, '+.3f') if ppl is not None else '—'} "
-                   f"| {fmt(r.get('ppl4096'), '.3f')} | {fmt(d4k, '+.3f')} "
+                   f"| {p4k} | {d4k_s} "
                    f"| {_speed(r, 'decode_tok_s', base, '.1f')} | {_speed(r, 'throughput_tok_s', base, '.1f')} |")
     if ratios:
         out.append("")
