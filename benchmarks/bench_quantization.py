@@ -237,7 +237,7 @@ def main() -> None:
         return
     args.out = args.out or "benchmarks/results/quantization_ppl.json"
     rows = [peer(args, q) for q in args.peer_files.split(",")] if args.peer else []
-    for label in args.schemes.split(","):
+    for label in [] if args.schemes == "none" else args.schemes.split(","):  # none: the peer's rows only
         rows.append(measure(label, SCHEMES[label], args))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))

@@ -78,7 +78,7 @@ def main() -> None:
     default = [results / "quantization_run1.json", results / "quantization_run2.json",
                *sorted(results.glob("quantization_ppl*.json")), results / "quantization_speed_decode.json",
                results / "quantization_speed_int4.json", *sorted(results.glob("quantization_speed_w8a8*.json")),
-               results / "quantization_speed_final.json"]
+               results / "quantization_speed_final.json", results / "quantization_quality_final.json"]
     ap.add_argument("paths", nargs="*", default=[str(p) for p in default])
     ap.add_argument("--write", default=None, help="markdown file whose marked table is replaced")
     args = ap.parse_args()
