@@ -21,6 +21,7 @@ from pagedllm.config import CacheConfig, DeviceConfig, ModelConfig
 from pagedllm.distributed.parallel_state import ParallelContext
 from pagedllm.core.scheduler_output import Logprobs, ModelRunnerOutput, SchedulerOutput
 from pagedllm.layers.attention import Attention
+from pagedllm.layers.linear import dense_linear
 from pagedllm.models.loader import ModelSource, iterate_weights
 from pagedllm.models.registry import get_model_class
 from pagedllm.quantization import QuantizationSetup, process_model
@@ -295,9 +296,11 @@ class ModelRunner:
         """
         hidden = int(self.model_config.hf_config.hidden_size)
         a = torch.randn(256, hidden, dtype=self.dtype, device=self.device)
-        b = torch.randn(hidden, 4 * hidden, dtype=self.dtype, device=self.device)
+        w = torch.randn(4 * hidden, hidden, dtype=self.dtype, device=self.device)
         sync = torch.cuda.synchronize if self.is_cuda else (lambda: None)
-        flops = 2.0 * 256 * hidden * 4 * hidden / _best_time(lambda: (torch.mm(a, b), sync()))
+        # The GEMM path the model's own prefill takes (oneDNN for float32 on the CPU, where torch.mm's
+        # MKL path runs at about half that rate).
+        flops = 2.0 * 256 * hidden * 4 * hidden / _best_time(lambda: (dense_linear(a, w), sync()))
         k = min(16, self.num_blocks, self.num_swap_blocks)
         if k == 0:
             return flops, 1.0  # no swap pool: nothing can be swapped, whatever the rate
