@@ -13,6 +13,8 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import TensorParallelGroup
 from pagedllm.layers.linear import dense_linear
+from pagedllm.quantization import native as qnative
+from pagedllm.quantization.kernels import quantize_int8_per_channel
 
 
 class _VocabShard(nn.Module):
@@ -52,26 +54,25 @@ class LMHead(_VocabShard):
     decode-sized calls read through the native quantized kernel; larger ones keep the dense weight
     (which a tied embedding still needs)."""
 
-    int8_codes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-
     def keep_int8(self) -> None:
-        from pagedllm.quantization import native
-
-        w = self.weight.detach().float().reshape(self.rows, -1, 32)
-        scales = w.abs().amax(-1) / 127.0  # per 32 inputs: Q8_0's codes again where the weight came from Q8_0
-        codes = torch.round(w / scales.clamp(min=1e-30)[..., None]).clamp(-127, 127).to(torch.int8)
-        packed, s, z = native.pack_int8_native(codes.reshape(self.rows, -1), scales, torch.zeros_like(scales))
+        # Symmetric int8 per group of 32 inputs, each group quantized as an int8 output channel is
+        # (which gives Q8_0's codes back where the weight came from Q8_0).
+        codes, scales = quantize_int8_per_channel(self.weight.detach().reshape(-1, 32))
+        packed, s, z = qnative.pack_int8_native(codes.reshape(self.rows, -1), scales.reshape(self.rows, -1),
+                                                torch.zeros(self.rows, scales.numel() // self.rows))
         self.register_buffer("qcodes", packed, persistent=False)
         self.register_buffer("qscales", s, persistent=False)
         self.register_buffer("qzeros", z, persistent=False)
-        self.int8_codes = (packed, s, z)
+
+    @property
+    def int8_codes(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(codes, scales, zeros) in the native kernel's layout after :meth:`keep_int8`, else None."""
+        b = self._buffers
+        return (b["qcodes"], b["qscales"], b["qzeros"]) if "qcodes" in b else None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        y = None
-        if self.int8_codes is not None:
-            from pagedllm.quantization import native
-
-            y = native.small_m_linear(hidden, *self.int8_codes, bits=8, n=self.rows)
+        codes = self.int8_codes
+        y = None if codes is None else qnative.small_m_linear(hidden, *codes, bits=8, n=self.rows)
         logits = (y if y is not None else dense_linear(hidden, self.weight)).float()
         if self.tp.size == 1:
             return logits
