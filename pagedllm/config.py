@@ -17,6 +17,8 @@ KV_CACHE_DTYPES = ("auto", *DTYPES, "fp8", "fp8_e4m3", "fp8_e5m2")
 KV_CACHE_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
 QUANTIZATION_METHODS = ("int8", "w8a8", "int4", "fp8", "awq", "gptq", "gguf")
 QUANTIZATION_GROUP_SIZES = (32, 64, 128)
+EMBEDDING_QUANTIZATION_METHODS = ("int8", "w8a8", "int4", "fp8", "gguf")
+"""Schemes under which the token embedding and LM head may be kept as codes too."""
 # --quantization-skip preset: keep attention (q/k/v/o projections) in the model dtype.
 SKIP_PRESETS = {"attention": ("*.self_attn.*",)}
 
@@ -118,6 +120,9 @@ class QuantizationConfig:
     ``attention`` stands for the attention projections."""
     clip_search: bool = False
     """int4: per group, search the clipping range that minimises the squared error."""
+    embeddings: bool = False
+    """Keep the token embedding and the LM head as codes too (int8/w8a8: int8 per 32 inputs; int4:
+    4-bit groups; fp8: e4m3 per row; gguf: the file's blocks), with no dense copy."""
 
     def __post_init__(self) -> None:
         if self.method not in QUANTIZATION_METHODS:
@@ -127,6 +132,9 @@ class QuantizationConfig:
         for pattern in self.skip:
             if not pattern.strip():
                 raise ValueError(f"quantization skip patterns must be non-empty globs, got {self.skip!r}")
+        if self.embeddings and self.method not in EMBEDDING_QUANTIZATION_METHODS:
+            raise ValueError(f"quantize_embeddings applies to quantization {EMBEDDING_QUANTIZATION_METHODS}, "
+                             f"not {self.method!r}")
 
     @property
     def skip_globs(self) -> tuple[str, ...]:

@@ -157,6 +157,9 @@ class EngineArgs:
         None, "comma-separated module globs kept unquantized, or attention (quantize only the MLP)",
         shown_default="none")
     quantization_clip_search: bool = arg(False, "int4: search each group's clipping range")
+    quantize_embeddings: bool = arg(
+        False, "with --quantization int8, w8a8, int4, fp8 or gguf: keep the token embedding and LM head "
+        "as codes too (int8/w8a8: int8 per 32 inputs; int4: the group size's 4-bit codes; fp8: e4m3 per row)")
     max_model_len: int | None = arg(None, "longest prompt + output", parse=int, shown_default="model's")
     seed: int = arg(0, "seed for unseeded sampling", parse=int)
     block_size: int = arg(16, "tokens per KV cache block", parse=int)
@@ -305,6 +308,9 @@ class EngineArgs:
         stored = checkpoint_quantization(source, hf_config)
         method = self.quantization or (stored if stored in ("awq", "gptq") else None)
         if method is None:
+            if self.quantize_embeddings:
+                raise ValueError("quantize_embeddings=True needs a quantization (int8, w8a8, int4, fp8 or gguf), "
+                                 "got quantization=None")
             return None
         if stored in ("awq", "gptq") and method != stored:
             raise ValueError(f"quantization={method!r}: the checkpoint is quantized with {stored!r}")
@@ -312,7 +318,7 @@ class EngineArgs:
             raise ValueError(f"quantization={method!r} needs a {method} checkpoint, {source.path} is not one")
         skip = tuple(p.strip() for p in (self.quantization_skip or "").split(",") if p.strip())
         return QuantizationConfig(method=method, group_size=int(self.quantization_group_size), skip=skip,
-                                  clip_search=self.quantization_clip_search)
+                                  clip_search=self.quantization_clip_search, embeddings=self.quantize_embeddings)
 
     def create_engine_config(self) -> EngineConfig:
         from pagedllm.hardware import resolve_dtype

@@ -18,6 +18,7 @@ from torch import nn
 
 from pagedllm.config import ModelConfig, QuantizationConfig
 from pagedllm.quantization.formats import GGUF_TYPES
+from pagedllm.quantization.vocab import RowCodes, quantize_rows, rows_from_group_codes
 from pagedllm.quantization.methods import (
     Fp8LinearMethod,
     GroupCodesLinearMethod,
@@ -62,6 +63,7 @@ class QuantizationSetup:
         self.gguf_kept: set[str] = set()
         """Checkpoint module names whose GGUF blocks are kept (not expanded to float)."""
         self._gguf_types: dict[str, int] = {}
+        self._gguf_tensors: dict[str, Any] = {}
         if self.method == "gguf" or getattr(model_config, "kind", None) == "gguf":
             from pagedllm.models.loader import gguf_to_hf_name, read_gguf_header
 
@@ -69,6 +71,8 @@ class QuantizationSetup:
                 hf = gguf_to_hf_name(t.name)
                 if hf and hf.endswith(".weight"):
                     self._gguf_types[hf.removesuffix(".weight")] = t.qtype
+                    self._gguf_tensors[hf.removesuffix(".weight")] = t
+        self.path = model_config.path
         self.hf = _hf_quant_config(model_config.hf_config)
 
     @property
@@ -76,10 +80,31 @@ class QuantizationSetup:
         """Whether the LM head runs from int8 codes: where the model is a GGUF file that keeps the
         output tensor (or the tied embedding) in a quantized type, as llama.cpp then does, whatever
         the scheme of the linear layers (``PAGEDLLM_QUANT_LM_HEAD=0`` keeps it dense)."""
-        if os.environ.get("PAGEDLLM_QUANT_LM_HEAD", "1") == "0":
+        if os.environ.get("PAGEDLLM_QUANT_LM_HEAD", "1") == "0" or self.config.embeddings:
             return False
         head = self._gguf_types.get("lm_head", self._gguf_types.get("model.embed_tokens"))
         return head in GGUF_TYPES
+
+    def vocab_codes(self, module: str, weight: torch.Tensor) -> tuple[RowCodes, str]:
+        """The codes (and how they were made, for the log) that replace the loaded ``weight`` of
+        the vocabulary module ``module`` (``model.embed_tokens`` or ``lm_head``, as the checkpoint
+        names it) under ``--quantize-embeddings``: a GGUF's own blocks where they fit the kernel,
+        else the scheme's quantizer."""
+        info = self._gguf_tensors.get(module) if self.method == "gguf" else None
+        if info is not None and info.qtype in GGUF_TYPES and GGUF_TYPES[info.qtype][2] % 32 == 0 \
+                and weight.shape[1] % GGUF_TYPES[info.qtype][2] == 0:
+            import numpy as np
+
+            from pagedllm.quantization.formats import gguf_group_codes
+
+            raw = np.memmap(self.path, dtype=np.uint8, mode="r")[info.offset : info.offset + info.n_bytes]
+            gc = gguf_group_codes(raw, info.qtype, info.torch_shape)
+            name, bits, _ = GGUF_TYPES[info.qtype]
+            return rows_from_group_codes(gc.codes, gc.scales, gc.zeros, bits), f"the file's {name} blocks"
+        method = "int8" if self.method == "gguf" else self.method
+        rc = quantize_rows(weight, method, self.config.group_size, self.config.clip_search)
+        what = {8: "int8 per 32 inputs", 4: f"int4 groups of {rc.group}", 3: "fp8 e4m3 per row"}[rc.bits]
+        return rc, what
 
     def skipped(self, prefix: str, shards: list[str]) -> bool:
         names = [prefix, *shards]
@@ -134,15 +159,48 @@ class _LazyGroup(GroupCodesLinearMethod):
         super().create_weights(layer, in_features, out_features, dtype)
 
 
+def quantize_vocab(model: nn.Module, setup: QuantizationSetup) -> tuple[int, int]:
+    """Replace the token embedding's and the LM head's dense weights by codes (one set for a tied
+    pair, as the model's own tying shares one weight); returns their bytes before and after."""
+    from pagedllm.quantization import native
+
+    before = after = 0
+    done: dict[int, RowCodes] = {}
+    for attr, ckpt in (("embed_tokens", "model.embed_tokens"), ("lm_head", "lm_head")):
+        mod = getattr(model, attr, None)
+        if mod is None or not hasattr(mod, "use_codes"):
+            continue
+        w = mod.weight
+        if id(w) in done:
+            mod.use_codes(done[id(w)])
+            logger.info("%s: shares the embedding's codes (tied)", attr)
+            continue
+        if not native.fits(w.shape[1], 32):
+            raise ValueError(f"--quantize-embeddings: the native quantized kernel does not run here (AVX-512 BF16 "
+                             f"CPUs) or does not take hidden size {w.shape[1]}")
+        tied_ckpt = "model.embed_tokens" if getattr(model.config, "tie_word_embeddings", False) else ckpt
+        rc, what = setup.vocab_codes(tied_ckpt, w.data)
+        before += w.numel() * w.element_size()
+        after += sum(t.numel() * t.element_size() for t in rc.tensors())
+        done[id(w)] = rc
+        mod.use_codes(rc)
+        logger.info("%s: %s (%d rows)", attr, what, w.shape[0])
+    return before, after
+
+
 def process_model(model: nn.Module, dtype: torch.dtype, label: str,
                   setup: QuantizationSetup | None = None) -> dict[str, int]:
     """Finish every linear layer's weights (and the LM head's int8 codes where ``setup`` asks for
-    them) after loading; log what was quantized and the weight memory (all parameters and
-    buffers) before and after. Returns the byte counts."""
+    them, or the embedding's and LM head's codes under ``--quantize-embeddings``) after loading;
+    log what was quantized and the weight memory (all parameters and buffers) before and after.
+    Returns the byte counts."""
     from pagedllm.quantization import native
 
     head = getattr(model, "lm_head", None)
-    if setup is not None and setup.lm_head_int8 and head is not None and hasattr(head, "keep_int8") \
+    vocab_before = vocab_after = 0
+    if setup is not None and setup.config.embeddings:
+        vocab_before, vocab_after = quantize_vocab(model, setup)
+    elif setup is not None and setup.lm_head_int8 and head is not None and hasattr(head, "keep_int8") \
             and native.fits(head.weight.shape[1], 32):
         head.keep_int8()
         logger.info("LM head: int8 codes per 32 inputs for decode rows (the GGUF keeps it quantized)")
@@ -163,12 +221,15 @@ def process_model(model: nn.Module, dtype: torch.dtype, label: str,
                   for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]}
     others = {id(t): t for t in model.parameters() if id(t) not in linear_ids}
     rest = sum(t.numel() * t.element_size() for t in others.values() if t.dtype.is_floating_point)
-    total_before, total_after = before + rest, after + rest
+    total_before, total_after = before + rest + vocab_before, after + rest + vocab_after
     if label:
+        kept = (f"embeddings and lm_head as codes ({vocab_before / 2**20:.1f} -> {vocab_after / 2**20:.1f} MiB), "
+                f"norms kept in" if vocab_before else "embeddings, norms and lm_head kept in")
         logger.info(
-            "%s: linear layers %s; weight memory %.1f MiB -> %.1f MiB (linear %.1f -> %.1f MiB; "
-            "embeddings, norms and lm_head kept in %s)",
+            "%s: linear layers %s; weight memory %.1f MiB -> %.1f MiB (linear %.1f -> %.1f MiB; %s %s)",
             label, ", ".join(f"{n}: {c}" for n, c in sorted(counts.items())),
-            total_before / 2**20, total_after / 2**20, before / 2**20, after / 2**20, str(dtype).removeprefix("torch."),
+            total_before / 2**20, total_after / 2**20, before / 2**20, after / 2**20, kept,
+            str(dtype).removeprefix("torch."),
         )
-    return {"before": total_before, "after": total_after, "linear_before": before, "linear_after": after}
+    return {"before": total_before, "after": total_after, "linear_before": before, "linear_after": after,
+            "vocab_before": vocab_before, "vocab_after": vocab_after}

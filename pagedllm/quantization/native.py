@@ -54,6 +54,7 @@ def load_quant_kernel() -> ctypes.CDLL | None:
     return load_native(_SRC, "PAGEDLLM_NATIVE_QUANT", {
         "int4_linear_bf16": linear, "int8_linear_bf16": linear, "e4m3_linear_bf16": linear,
         "quant_dequant": ([i32, p, p, p, i64, i64, i64, p, i32], i32),
+        "quant_gather_rows": ([i32, p, p, p, i64, i64, i64, p, i64, p, i32], i32),
         "quant_set_parallel_min": ([i64], i64),
     })
 
@@ -140,6 +141,22 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, b
                                          k // scales.shape[1], w.data_ptr(), int(dtype == torch.float32)) != 0:
         raise ValueError(f"quantized kernel: group size {k // scales.shape[1]} does not fit {k} inputs")
     return w
+
+
+def gather_rows(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, n: int,
+                ids: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Rows ``ids`` of the weight (an embedding lookup on codes), [*ids.shape, K] in ``dtype``: the
+    values :func:`dequantize` gives for those rows, bit for bit, with only these rows expanded; ids
+    outside [0, n) give zero rows. float16 comes from the float32 rows."""
+    k = _in_features(codes, bits)
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    out_f32 = dtype != torch.bfloat16
+    out = torch.empty(flat.numel(), k, dtype=torch.float32 if out_f32 else torch.bfloat16)
+    if load_quant_kernel().quant_gather_rows(bits, codes.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n, k,
+                                             k // scales.shape[1], flat.data_ptr(), flat.numel(), out.data_ptr(),
+                                             int(out_f32)) != 0:
+        raise ValueError(f"quantized kernel: group size {k // scales.shape[1]} does not fit {k} inputs")
+    return out.to(dtype).reshape(*ids.shape, k)
 
 
 def group_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,

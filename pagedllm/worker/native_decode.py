@@ -68,6 +68,7 @@ class _Model(ctypes.Structure):
         # The LM head (llama_decode_head): NULL when the step ends at the final norm.
         ("lm_head", _p), ("vocab", ctypes.c_int64),
         ("lm_head_q", ctypes.POINTER(_QuantLinear)),  # NULL: the dense lm_head
+        ("embed_q", ctypes.POINTER(_QuantLinear)), ("embed_rows", ctypes.c_int64),  # NULL: the dense embed
     ]
 
 
@@ -189,7 +190,7 @@ class NativeDecode:
             dtype=_DTYPE_CODES[dtype], block_size=block_size, sliding_window=int(sliding_window or 0),
             max_position=rotary.cos.shape[0], eps=float(layers[0].input_layernorm.eps),
             attn_scale=float(attn0.attn.scale),
-            embed=model.embed_tokens.weight.data_ptr(), final_norm=model.norm.weight.data_ptr(),
+            embed=self._vocab_ptr(model.embed_tokens), final_norm=model.norm.weight.data_ptr(),
             cos=rotary.cos.data_ptr(), sin=rotary.sin.data_ptr(),
             input_norm=ptrs([layer.input_layernorm.weight for layer in layers]),
             post_norm=ptrs([layer.post_attention_layernorm.weight for layer in layers]),
@@ -197,22 +198,39 @@ class NativeDecode:
             k_cache=ptrs([kv[0] for kv in kv_caches]), v_cache=ptrs([kv[1] for kv in kv_caches]),
             qkv_q=qkv_q, o_q=o_q, gate_up_q=gu_q, down_q=down_q,
         )
-        head = model.lm_head.weight
+        embed = self._codes(model.embed_tokens)
+        if embed is not None:  # the embedding kept as codes: the step expands the rows it looks up
+            self.model.embed_q, self.model.embed_rows = ctypes.pointer(embed), model.embed_tokens.rows
+            self.quantized = True
+        head = model.lm_head
         # The step can end with the LM head where the torch path's head is the same small-M GEMM.
-        self.has_head = (head.dtype == dtype and head.is_contiguous() and head.dim() == 2
-                         and head.shape == (model.lm_head.vocab_size, self.hidden))
+        self.has_head = head.quant_codes is not None and not head.dense or (
+            head.weight.dtype == dtype and head.weight.is_contiguous() and head.weight.dim() == 2
+            and head.weight.shape == (head.vocab_size, self.hidden))
         if self.has_head:
-            self.model.lm_head, self.model.vocab = head.data_ptr(), head.shape[0]
-            self.vocab = int(head.shape[0])
-            codes = getattr(model.lm_head, "int8_codes", None)
-            if codes is not None:  # the torch path's LMHead reads these for decode rows: so does the step
-                packed, s, z = codes
-                self._head_q = _QuantLinear(kind=_INT8, group=32, codes=packed.data_ptr(), scales=s.data_ptr(),
-                                            zeros=z.data_ptr(), perm=0, int8_act=int(int8_activations()))
-                self._keep.extend([packed, s, z, self._head_q])
-                self.model.lm_head_q = ctypes.pointer(self._head_q)
+            self.model.lm_head, self.model.vocab = self._vocab_ptr(head), head.vocab_size
+            self.vocab = int(head.vocab_size)
+            head_q = self._codes(head)
+            if head_q is not None:  # the torch path's LMHead reads these for decode rows: so does the step
+                self.model.lm_head_q = ctypes.pointer(head_q)
         # Everything the struct points at must stay alive and in place.
         self._keep.extend([model, kv_caches, rotary.cos, rotary.sin])
+
+    def _codes(self, mod: nn.Module) -> _QuantLinear | None:
+        """The descriptor of a vocabulary module's codes (embedding or LM head), or None (dense)."""
+        q = mod.quant_codes
+        if q is None:
+            return None
+        bits, group, codes, scales, zeros = q
+        desc = _QuantLinear(kind={3: _E4M3, 4: _INT4, 8: _INT8}[bits], group=group, codes=codes.data_ptr(),
+                            scales=scales.data_ptr(), zeros=zeros.data_ptr(), perm=0, int8_act=int(int8_activations()))
+        self._keep.extend([codes, scales, zeros, desc])
+        return desc
+
+    @staticmethod
+    def _vocab_ptr(mod: nn.Module) -> int:
+        """The dense weight, or (codes only) the codes: never read densely, but not NULL."""
+        return mod.weight.data_ptr() if mod.dense else mod.quant_codes[2].data_ptr()
 
     @classmethod
     def create(cls, model: nn.Module, kv_caches: list[torch.Tensor], dtype: torch.dtype, kv_dtype: torch.dtype,

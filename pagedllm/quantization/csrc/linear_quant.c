@@ -355,46 +355,68 @@ static inline void store16(void *w, int64_t i, __m512 v, int w_f32) {
         _mm256_storeu_si256((__m256i *)((uint16_t *)w + i), (__m256i)_mm512_cvtneps_pbh(v));
 }
 
+/* Row n of W ([K] values at w, bf16 or fp32 (w_f32)) from the layouts above. */
+static inline void dequant_row(int bits, const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros,
+                               int64_t n, int64_t K, int64_t G, void *w, int w_f32, __m512i sub_table) {
+    const int64_t groups = K / G, t = n / TR, r = n % TR;
+    for (int64_t k = 0; k < K; k += 16) {
+        const int64_t si = bits == 3 ? n * groups + k / G : (t * groups + k / G) * TR + r;
+        const __m512 s = _mm512_set1_ps(bf16_to_f32(scales[si]));
+        const __m512 z = _mm512_set1_ps(bf16_to_f32(zeros[si]));
+        __m512 v;
+        if (bits == 3) {
+            if (k % 32) continue;
+            const __m512i e = (__m512i)widen32_e4m3(codes + n * K + k, sub_table);
+            const __m512 lo = _mm512_cvtpbh_ps((__m256bh)_mm512_castsi512_si256(e));
+            const __m512 hi = _mm512_cvtpbh_ps((__m256bh)_mm512_extracti64x4_epi64(e, 1));
+            store16(w, k, _mm512_fmadd_ps(lo, s, z), w_f32);
+            store16(w, k + 16, _mm512_fmadd_ps(hi, s, z), w_f32);
+            continue;
+        }
+        const uint8_t *tc = codes + t * tile_code_bytes(bits, K);
+        uint32_t d[4];
+        if (bits == 4) {
+            /* 16 inputs: two 8-input chunks; dword r of a chunk holds inputs 0-3 (low nibbles), 4-7 */
+            for (int c = 0; c < 2; c++) memcpy(&d[c], tc + (k + 8 * c) * 8 + r * 4, 4);
+            const __m128i b = _mm_set_epi32(0, 0, (int)d[1], (int)d[0]);
+            const __m128i m4 = _mm_set1_epi8(0x0f);
+            const __m128i codes16 = _mm_unpacklo_epi32(_mm_and_si128(b, m4), _mm_and_si128(_mm_srli_epi16(b, 4), m4));
+            v = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes16)), _mm512_set1_ps(8.f));
+        } else {
+            for (int c = 0; c < 4; c++) memcpy(&d[c], tc + (k + 4 * c) * 16 + r * 4, 4);
+            const __m128i b = _mm_xor_si128(_mm_loadu_si128((const __m128i *)d), _mm_set1_epi8((char)0x80));
+            v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+        }
+        store16(w, k, _mm512_fmadd_ps(v, s, z), w_f32);
+    }
+}
+
 /* W [N, K] in bf16, or fp32 (w_f32), from the same layouts (for batches, where oneDNN's GEMM beats
  * a pass per 4 rows). */
 int quant_dequant(int bits, const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros, int64_t N,
                   int64_t K, int64_t G, void *w, int w_f32) {
     if (G % 32 != 0 || K % G != 0 || (bits != 4 && bits != 8 && bits != 3)) return 1;
-    const int64_t groups = K / G;
     const __m512i sub_table = e4m3_subnormal_table();
+    const int64_t es = w_f32 ? 4 : 2;
 #pragma omp parallel for schedule(static) if (N * K >= quant_parallel_min)
-    for (int64_t n = 0; n < N; n++) {
-        const int64_t t = n / TR, r = n % TR;
-        for (int64_t k = 0; k < K; k += 16) {
-            const int64_t si = bits == 3 ? n * groups + k / G : (t * groups + k / G) * TR + r;
-            const __m512 s = _mm512_set1_ps(bf16_to_f32(scales[si]));
-            const __m512 z = _mm512_set1_ps(bf16_to_f32(zeros[si]));
-            __m512 v;
-            if (bits == 3) {
-                if (k % 32) continue;
-                const __m512i e = (__m512i)widen32_e4m3(codes + n * K + k, sub_table);
-                const __m512 lo = _mm512_cvtpbh_ps((__m256bh)_mm512_castsi512_si256(e));
-                const __m512 hi = _mm512_cvtpbh_ps((__m256bh)_mm512_extracti64x4_epi64(e, 1));
-                store16(w, n * K + k, _mm512_fmadd_ps(lo, s, z), w_f32);
-                store16(w, n * K + k + 16, _mm512_fmadd_ps(hi, s, z), w_f32);
-                continue;
-            }
-            const uint8_t *tc = codes + t * tile_code_bytes(bits, K);
-            uint32_t d[4];
-            if (bits == 4) {
-                /* 16 inputs: two 8-input chunks; dword r of a chunk holds inputs 0-3 (low nibbles), 4-7 */
-                for (int c = 0; c < 2; c++) memcpy(&d[c], tc + (k + 8 * c) * 8 + r * 4, 4);
-                const __m128i b = _mm_set_epi32(0, 0, (int)d[1], (int)d[0]);
-                const __m128i m4 = _mm_set1_epi8(0x0f);
-                const __m128i codes16 = _mm_unpacklo_epi32(_mm_and_si128(b, m4), _mm_and_si128(_mm_srli_epi16(b, 4), m4));
-                v = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes16)), _mm512_set1_ps(8.f));
-            } else {
-                for (int c = 0; c < 4; c++) memcpy(&d[c], tc + (k + 4 * c) * 16 + r * 4, 4);
-                const __m128i b = _mm_xor_si128(_mm_loadu_si128((const __m128i *)d), _mm_set1_epi8((char)0x80));
-                v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
-            }
-            store16(w, n * K + k, _mm512_fmadd_ps(v, s, z), w_f32);
-        }
+    for (int64_t n = 0; n < N; n++) dequant_row(bits, codes, scales, zeros, n, K, G, (char *)w + n * K * es, w_f32, sub_table);
+    return 0;
+}
+
+/* Rows ids[0..M) of W (a quantized embedding's lookup) into out [M, K], bf16 or fp32 (out_f32): the
+ * values quant_dequant gives for those rows, bit for bit. Rows outside [0, N) come out as zeros. */
+int quant_gather_rows(int bits, const uint8_t *codes, const uint16_t *scales, const uint16_t *zeros, int64_t N,
+                      int64_t K, int64_t G, const int64_t *ids, int64_t M, void *out, int out_f32) {
+    if (G % 32 != 0 || K % G != 0 || (bits != 4 && bits != 8 && bits != 3)) return 1;
+    const __m512i sub_table = e4m3_subnormal_table();
+    const int64_t es = out_f32 ? 4 : 2;
+#pragma omp parallel for schedule(static) if (M * K >= quant_parallel_min)
+    for (int64_t m = 0; m < M; m++) {
+        char *row = (char *)out + m * K * es;
+        if (ids[m] < 0 || ids[m] >= N)
+            memset(row, 0, (size_t)(K * es));
+        else
+            dequant_row(bits, codes, scales, zeros, ids[m], K, G, row, out_f32, sub_table);
     }
     return 0;
 }

@@ -86,6 +86,9 @@ typedef struct {
     const void *lm_head; /* [vocab, hidden] */
     int64_t vocab;
     const QuantLinear *lm_head_q; /* the LM head's quantized codes (decode rows), or NULL: lm_head */
+    /* The embedding's codes (linear_quant.c's layouts, embed_rows rows), or NULL: the dense embed. */
+    const QuantLinear *embed_q;
+    int64_t embed_rows;
 } LlamaDecodeModel;
 
 /* The value as stored in dtype dt, read back as float32 (rounds to bf16 for dt 1). */
@@ -409,6 +412,7 @@ static int run_step(const LlamaDecodeModel *md, int64_t M, const int64_t *input_
     if (!linears_supported(md->qkv_q, md->num_layers) || !linears_supported(md->o_q, md->num_layers) ||
         !linears_supported(md->gate_up_q, md->num_layers) || !linears_supported(md->down_q, md->num_layers))
         return 1;
+    if (md->embed_q != NULL && !linears_supported(md->embed_q, 1)) return 1;
     const int64_t widest = I > qn ? (I > Hd ? I : Hd) : (qn > Hd ? qn : Hd); /* the largest input size */
     const int team = omp_get_max_threads() > 1 && all_dense(md->qkv_q, md->num_layers) &&
                      all_dense(md->o_q, md->num_layers) && all_dense(md->gate_up_q, md->num_layers) &&
@@ -438,8 +442,17 @@ static int run_step(const LlamaDecodeModel *md, int64_t M, const int64_t *input_
             c.part_nan = malloc((size_t)(nth * S) * sizeof(int));
         }
     }
-    for (int64_t m = 0; m < M; m++)
-        memcpy((char *)c.x + m * Hd * es, (const char *)md->embed + input_ids[m] * Hd * es, (size_t)(Hd * es));
+    if (md->embed_q != NULL) {
+#if LD_HAVE_QUANT
+        /* the rows as the torch path's lookup expands them (quant_gather_rows, in dtype) */
+        const QuantLinear *e = md->embed_q;
+        quant_gather_rows((int)e->kind, e->codes, e->scales, e->zeros, md->embed_rows, Hd, e->group, input_ids, M,
+                          c.x, dt == LD_F32);
+#endif
+    } else {
+        for (int64_t m = 0; m < M; m++)
+            memcpy((char *)c.x + m * Hd * es, (const char *)md->embed + input_ids[m] * Hd * es, (size_t)(Hd * es));
+    }
 
     if (team) {
 #pragma omp parallel num_threads(nth)
