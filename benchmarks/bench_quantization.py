@@ -53,6 +53,13 @@ SCHEMES = {
     "gguf-q4_0": {"dtype": "float32", "quantization": "gguf", "model": "Q4_0"},
     "ffn-int8": {"dtype": "float32", "quantization": "int8", "quantization_skip": "attention"},
     "ffn-int4": {"dtype": "float32", "quantization": "int4", "quantization_skip": "attention"},
+    # --quantize-embeddings: the token embedding and LM head as codes too.
+    "int8-emb": {"dtype": "float32", "quantization": "int8", "quantize_embeddings": True},
+    "int4-g32-emb": {"dtype": "float32", "quantization": "int4", "quantization_group_size": 32,
+                     "quantize_embeddings": True},
+    "int4-g128-emb": {"dtype": "float32", "quantization": "int4", "quantization_group_size": 128,
+                      "quantize_embeddings": True},
+    "gguf-q4_1-emb": {"dtype": "float32", "quantization": "gguf", "quantize_embeddings": True},
 }
 SPEED_DTYPE = {"fp32": "float32"}  # every other row: bfloat16
 # Speed-only row: int8 weights widened to the model dtype on every call, then F.linear.
@@ -68,10 +75,10 @@ def scheme_model(kwargs: dict) -> tuple[str | None, dict]:
 
 
 def weight_bytes(llm: LLM) -> int:
-    """Bytes of all weights as kept in memory: parameters, and the buffers of linear layers (their
-    quantized weights), each tensor once; rotary tables are not weights."""
+    """Bytes of all weights as kept in memory: parameters, and the buffers of linear layers and of the
+    embedding and LM head (their quantized weights), each tensor once; rotary tables are not weights."""
     model = llm.llm_engine.executor.runner.model
-    linear_buffers = [b for m in model.modules() if hasattr(m, "quant_method") or hasattr(m, "int8_codes")
+    linear_buffers = [b for m in model.modules() if hasattr(m, "quant_method") or hasattr(m, "quant_codes")
                       for b in m.buffers(recurse=False)]
     seen = {id(t): t for t in [*model.parameters(), *linear_buffers]}
     return sum(t.numel() * t.element_size() for t in seen.values())

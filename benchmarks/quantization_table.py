@@ -17,7 +17,8 @@ import re
 from pathlib import Path
 
 ORDER = ["fp32", "bf16", "int8", "int8-unfused", "w8a8", "int4-g32", "int4-g128", "fp8", "gguf-q4_1", "gguf-q8_0",
-         "gguf-q4_0", "ffn-int8", "ffn-int4", "llama.cpp q4_1", "llama.cpp q8_0", "llama.cpp q4_0"]
+         "gguf-q4_0", "ffn-int8", "ffn-int4", "int8-emb", "int4-g32-emb", "int4-g128-emb", "gguf-q4_1-emb",
+         "llama.cpp q4_1", "llama.cpp q8_0", "llama.cpp q4_0"]
 SPEED_KEYS = {"decode_tok_s", "decode_ms_per_token", "prefill_ms", "throughput_tok_s", "throughput_total_tok_s",
               "throughput_s", "speed_dtype", "llama_cpp_version"}
 BEGIN, END = "<!-- quantization-table -->", "<!-- /quantization-table -->"

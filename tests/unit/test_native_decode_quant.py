@@ -172,7 +172,7 @@ def test_default_gguf_keeps_its_q8_0_output_tensor_as_int8(monkeypatch, one_torc
     llm = LLM(quantization="gguf", dtype="bfloat16", max_model_len=64, num_kv_blocks=16, block_size=16)
     runner = llm.llm_engine.core.executor.runner
     head = runner.model.lm_head
-    assert head.int8_codes is not None and head.qcodes.shape == (49152, 576)
+    assert head.quant_codes is not None and head.qcodes.shape == (49152, 576)
     assert runner.native_decode.model.lm_head_q
     out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
