@@ -238,3 +238,16 @@ def test_ray_executor_matches_one_process(tiny8: str, tiny_tp1: list[list]) -> N
             llm.llm_engine.shutdown()
     finally:
         ray.shutdown()
+
+
+@pytest.mark.slow
+def test_quantized_embeddings_shard_the_vocabulary(tiny8: str) -> None:
+    """--quantize-embeddings under TP=2: each rank keeps its vocabulary rows' codes (per row, so the
+    same codes as one rank's), looks up the ids it holds and gathers its logits. The linear layers
+    stay dense (skip "*") so that only the vocabulary's codes are compared. The hidden states differ
+    by float32 ulps (the row-parallel all-reduce's sum order), which the head's int8 activations
+    (per 32 inputs, step max|x| / 127) can round to a neighbouring code: about 1e-3 of a logprob."""
+    quant = {"quantization": "int8", "quantization_skip": "*", "quantize_embeddings": True}
+    ref, got = (run(tiny8, PROMPTS[:6], **TINY_ROOM, **quant, tensor_parallel_size=tp) for tp in (1, 2))
+    for r, g in zip(ref, got):
+        assert_same(r, g, atol=1e-3)
