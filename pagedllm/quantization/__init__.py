@@ -203,7 +203,9 @@ def process_model(model: nn.Module, dtype: torch.dtype, label: str,
     elif setup is not None and setup.lm_head_int8 and head is not None and hasattr(head, "keep_int8") \
             and native.fits(head.weight.shape[1], 32):
         head.keep_int8()
-        logger.info("LM head: int8 codes per 32 inputs for decode rows (the GGUF keeps it quantized)")
+        vocab_after = sum(t.numel() * t.element_size() for t in head.quant_codes[2:])  # beside the dense weight
+        logger.info("LM head: int8 codes per 32 inputs for decode rows (the GGUF keeps it quantized), %.1f MiB "
+                    "beside its dense weight", vocab_after / 2**20)
     itemsize = torch.empty(0, dtype=dtype).element_size()
     before = after = 0
     counts: dict[str, int] = {}
@@ -223,13 +225,17 @@ def process_model(model: nn.Module, dtype: torch.dtype, label: str,
     rest = sum(t.numel() * t.element_size() for t in others.values() if t.dtype.is_floating_point)
     total_before, total_after = before + rest + vocab_before, after + rest + vocab_after
     if label:
-        kept = (f"embeddings and lm_head as codes ({vocab_before / 2**20:.1f} -> {vocab_after / 2**20:.1f} MiB), "
-                f"norms kept in" if vocab_before else "embeddings, norms and lm_head kept in")
+        dt = str(dtype).removeprefix("torch.")
+        if vocab_before:
+            kept = (f"embeddings and lm_head as codes ({vocab_before / 2**20:.1f} -> {vocab_after / 2**20:.1f} MiB), "
+                    f"norms kept in {dt}")
+        else:
+            kept = f"embeddings, norms and lm_head kept in {dt}" + (
+                f", and {vocab_after / 2**20:.1f} MiB of the LM head's int8 codes" if vocab_after else "")
         logger.info(
-            "%s: linear layers %s; weight memory %.1f MiB -> %.1f MiB (linear %.1f -> %.1f MiB; %s %s)",
+            "%s: linear layers %s; weight memory %.1f MiB -> %.1f MiB (linear %.1f -> %.1f MiB; %s)",
             label, ", ".join(f"{n}: {c}" for n, c in sorted(counts.items())),
             total_before / 2**20, total_after / 2**20, before / 2**20, after / 2**20, kept,
-            str(dtype).removeprefix("torch."),
         )
     return {"before": total_before, "after": total_after, "linear_before": before, "linear_after": after,
             "vocab_before": vocab_before, "vocab_after": vocab_after}
