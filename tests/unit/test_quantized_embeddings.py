@@ -9,16 +9,17 @@ functions, so in bfloat16 it equals the torch path to the bit (test_native_decod
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from pagedllm import LLM
+from pagedllm import LLM, SamplingParams
 from pagedllm.config import QuantizationConfig
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.layers.embedding import LMHead, VocabEmbedding
 from pagedllm.quantization import native
 from pagedllm.quantization.native import load_quant_kernel
-from pagedllm.quantization.vocab import quantize_rows
+from pagedllm.quantization.vocab import quantize_rows, rows_from_group_codes
 from pagedllm.worker.native_decode import load_decode_kernel
 from test_native_decode import head_three_ways, tiny_llama_dir  # noqa: F401 (a fixture)
 from test_native_decode_quant import _check, _decode_batch
@@ -118,3 +119,43 @@ def test_the_flag_needs_a_quantization_that_takes_it():
         EngineArgs(quantize_embeddings=True).create_engine_config()
     with pytest.raises(ValueError, match="not 'awq'"):
         QuantizationConfig(method="awq", embeddings=True)
+
+
+def test_gguf_keeps_the_files_q8_0_embedding_blocks(one_torch_thread):
+    """The default model's tied token_embd is Q8_0: its blocks become the int8 codes per 32 inputs
+    (the same codes and bf16 scales as quantizing the expanded weight), and every step, the fused
+    one included, reads them."""
+    from pagedllm.models.loader import read_gguf_header, resolve_model
+    from pagedllm.models.loader.gguf_weights import dequantize_gguf
+
+    llm = LLM(quantization="gguf", quantize_embeddings=True, dtype="bfloat16", max_model_len=64, num_kv_blocks=16,
+              block_size=16)
+    runner = llm.llm_engine.core.executor.runner
+    emb = runner.model.embed_tokens
+    header = read_gguf_header(resolve_model(None).path)
+    info = header.tensors["token_embd.weight"]
+    raw = np.memmap(header.path, dtype=np.uint8, mode="r")[info.offset: info.offset + info.n_bytes]
+    rc = quantize_rows(dequantize_gguf(raw, info.qtype, info.torch_shape), "int8")
+    assert emb.quant_codes[:2] == (8, 32) and emb.qcodes is runner.model.lm_head.qcodes
+    assert torch.equal(emb.qcodes, rc.codes) and torch.equal(emb.qscales, rc.scales)
+    assert runner.native_decode.model.embed_q and runner.native_decode.model.lm_head_q
+    out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("bits", [4, 6])
+def test_stored_group_codes_keep_their_values(bits):
+    """A GGUF vocabulary tensor's blocks (4-bit types as 4-bit codes, 5 to 8 bits as centred int8
+    codes) expand to code * scale + zero, the zero as the kernel keeps it (zero + offset * scale in
+    bfloat16)."""
+    g = torch.Generator().manual_seed(bits)
+    n, k, group = 45, 128, 32
+    codes = torch.randint(0, 1 << bits, (n, k), generator=g).to(torch.uint8)
+    scales = torch.rand(n, k // group, generator=g).bfloat16().float()
+    zeros = torch.randn(n, k // group, generator=g).bfloat16().float()
+    rc = rows_from_group_codes(codes, scales, zeros, bits)
+    assert (rc.bits, rc.group) == (4 if bits == 4 else 8, group)
+    shift = 8 if bits == 4 else 1 << (bits - 1)
+    kz = (zeros + shift * scales).bfloat16().float()
+    ref = ((codes.float() - shift).reshape(n, -1, group) * scales[..., None] + kz[..., None]).reshape(n, k)
+    torch.testing.assert_close(native.dequantize(*rc.tensors(), rc.bits, n, torch.float32), ref, rtol=2**-20, atol=0)
