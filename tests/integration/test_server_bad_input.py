@@ -59,7 +59,8 @@ BAD = [
 def server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: str):
     logs = tmp_path_factory.mktemp("bad-input")
     s = Server(logs / "server.log", tiny_model_dir, "--num-kv-blocks", "128", "--max-num-seqs", "16",
-               "--api-key", KEY, "--header-read-timeout", "1")
+               "--api-key", KEY, "--header-read-timeout", "1",
+               "--timeout-keep-alive", "3")
     try:
         s.wait_ready()
         yield s
@@ -131,6 +132,61 @@ def test_slow_headers_are_cut_off(server: Server, http: httpx.Client) -> None:
     assert results == [b""] * 200
     assert time.monotonic() - t0 < 12
     good(http)
+
+
+def _health_on(sock: socket.socket) -> bytes:
+    """One GET /health on an open keep-alive connection: the response head, or b"" when the server
+    has closed the connection."""
+    try:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    except (BrokenPipeError, ConnectionResetError):
+        return b""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        try:
+            chunk = sock.recv(4096)
+        except ConnectionResetError:
+            return b""
+        if not chunk:
+            return b""
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(ln.split(b":")[1] for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += sock.recv(4096)
+    return head
+
+
+def test_idle_keep_alive_connection_lives_until_its_timeout(server: Server, http: httpx.Client) -> None:
+    """An idle keep-alive connection serves its next request after longer than
+    --header-read-timeout (1 s: that bound starts with the next request's first bytes, not at the
+    end of the last response) and is closed once idle for --timeout-keep-alive (3 s); a request
+    whose headers start but never end is still cut off after --header-read-timeout."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        assert _health_on(s).startswith(b"HTTP/1.1 200")
+        time.sleep(2.0)
+        assert _health_on(s).startswith(b"HTTP/1.1 200")
+        time.sleep(4.5)
+        assert _health_on(s) == b""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        assert _health_on(s).startswith(b"HTTP/1.1 200")
+        time.sleep(2.0)
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+        t0 = time.monotonic()
+        assert s.recv(4096) == b""
+        assert time.monotonic() - t0 < 2.5
+    good(http)
+
+
+def test_keep_alive_outlives_client_pools() -> None:
+    """The default idle timeout is longer than the official clients keep idle pooled connections
+    (httpx's and the openai client's expiry), so they drop a connection before the server does."""
+    import openai
+
+    from pagedllm.entrypoints.openai.cli_args import KEEP_ALIVE_S
+
+    assert KEEP_ALIVE_S > httpx.Limits(max_connections=None).keepalive_expiry
+    assert KEEP_ALIVE_S > (openai.DEFAULT_CONNECTION_LIMITS.keepalive_expiry or 0)
 
 
 def test_docs_follow_the_api_key(server: Server) -> None:

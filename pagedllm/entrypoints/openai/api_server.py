@@ -377,18 +377,29 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 class HeaderTimeoutProtocol(H11Protocol):
     """uvicorn's HTTP/1.1 protocol with a bound on reading a request's headers: a connection that
-    has not sent complete headers `header_read_timeout` seconds after it opened (or after its last
-    response) is closed, so that slow-header clients cannot hold connections open forever."""
+    has not sent complete headers `header_read_timeout` seconds after it opened, or after the first
+    bytes of its next request, is closed, so that slow-header clients cannot hold connections open
+    forever. Between a response and the next request's first bytes the connection is idle, and
+    uvicorn's keep-alive timeout (--timeout-keep-alive) bounds it instead."""
 
     header_read_timeout = 10.0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._idle = False
         self._arm_header_timer()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        self._arm_header_timer()
+        self._idle = True
+
+    def data_received(self, data: bytes) -> None:
+        # The next request begins (not bytes of a request already in progress, as a pipelined
+        # one would be): its headers get the same bound as the first request's.
+        if self._idle and (self.cycle is None or self.cycle.response_complete):
+            self._arm_header_timer()
+        self._idle = False
+        super().data_received(data)
 
     def _arm_header_timer(self) -> None:
         cycle = self.cycle  # a new request replaces it as soon as its headers are in
@@ -427,6 +438,8 @@ def run_server(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if not args.header_read_timeout > 0:
         raise ValueError(f"--header-read-timeout must be positive, got {args.header_read_timeout}")
+    if not args.timeout_keep_alive > 0:
+        raise ValueError(f"--timeout-keep-alive must be positive, got {args.timeout_keep_alive}")
     chat_template = load_chat_template(args.chat_template)
     api_keys = list(args.api_key or [])
     if not api_keys and os.environ.get("PAGEDLLM_API_KEY"):
@@ -482,7 +495,7 @@ def _serve(
         log_level=args.uvicorn_log_level,
         access_log=not args.disable_uvicorn_access_log,
         timeout_graceful_shutdown=5,
-        timeout_keep_alive=5,
+        timeout_keep_alive=args.timeout_keep_alive,
         http=type("Protocol", (HeaderTimeoutProtocol,), {"header_read_timeout": args.header_read_timeout}),
     )
     server = _Server(config, app.state.server_state)

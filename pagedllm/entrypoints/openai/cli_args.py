@@ -5,6 +5,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+# Idle keep-alive connections outlive the client pools' own expiry (httpx / openai 5 s, aiohttp 15 s):
+# the client drops an idle connection first, so it never sends a request on one that the server
+# closes at that moment (with equal timeouts, one request in a few thousand failed that way).
+KEEP_ALIVE_S = 20.0
+
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     from pagedllm.engine.arg_utils import EngineArgs, parse_size
@@ -30,6 +35,10 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="largest request body accepted, e.g. 8MiB (default); larger ones get 413")
     g.add_argument("--header-read-timeout", type=float, default=10.0,
                    help="seconds a connection may take to send a request's headers before it is closed")
+    g.add_argument("--timeout-keep-alive", type=float, default=KEEP_ALIVE_S,
+                   help="seconds an idle keep-alive connection stays open after a response (default "
+                        f"{KEEP_ALIVE_S:g}: longer than HTTP clients keep idle pooled connections, httpx and "
+                        "the openai client 5 s, aiohttp 15 s, so a client never reuses one the server is closing)")
     g.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput log line")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug", "trace"))
