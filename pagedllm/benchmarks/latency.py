@@ -63,7 +63,8 @@ def run_latency(model: str | None, engine_kwargs: dict[str, Any], input_len: int
     decode = statistics.median(statistics.fmean(i["decode_s"]) for i in iters)
     total = statistics.median(i["total_s"] for i in iters)
     mean_ctx = input_len + output_len / 2  # a decode step's context, averaged over the request
-    weight_bytes = shape.decode_weight_bytes(itemsize)
+    runner = getattr(engine.core.executor, "runner", None)  # in-process (one rank): the model's own bytes
+    weight_bytes = decode_read_bytes(runner.model) if runner is not None else shape.decode_weight_bytes(itemsize)
     kv_bytes = shape.kv_bytes_per_token(itemsize) * mean_ctx
     prefill_flops = shape.prefill_flops(input_len)
     decode_flops = shape.token_flops(int(mean_ctx))
@@ -93,6 +94,31 @@ def run_latency(model: str | None, engine_kwargs: dict[str, Any], input_len: int
         "iterations": [{"prefill_ms": 1000 * i["prefill_s"], "decode_ms_per_token": 1000 * statistics.fmean(i["decode_s"]),
                         "total_s": i["total_s"]} for i in iters],
     }
+
+
+def decode_read_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights one decode step reads, from the model's own storage: every tensor of the
+    decoder (quantized layers: their codes, scales and zeros) and what the LM head reads for decode
+    rows (its codes where it keeps them, else its weight). The embedding table and the rotary
+    tables give one row per token and are left out."""
+    from pagedllm.layers.embedding import LMHead, VocabEmbedding
+    from pagedllm.layers.rotary import RotaryEmbedding
+
+    def own(m: torch.nn.Module) -> list[torch.Tensor]:
+        return [*m.parameters(recurse=False), *m.buffers(recurse=False)]
+
+    head = [m for m in model.modules() if isinstance(m, LMHead)]
+    skipped = {t.data_ptr() for m in model.modules() if isinstance(m, (LMHead, VocabEmbedding, RotaryEmbedding))
+               for t in own(m)}
+    read: dict[int, int] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.data_ptr() not in skipped:
+            read[t.data_ptr()] = t.numel() * t.element_size()
+    for h in head:
+        q = h.quant_codes
+        for t in (q[2:] if q is not None else [h.weight]):
+            read[t.data_ptr()] = t.numel() * t.element_size()
+    return sum(read.values())
 
 
 def format_latency(r: dict[str, Any]) -> str:

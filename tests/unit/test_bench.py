@@ -256,3 +256,25 @@ def test_each_request_rate_gets_prompts_with_no_cached_prefix_from_earlier_rates
         assert all(0 <= t < 10 for r in v for t in r.prompt_token_ids)
     # every prompt's first block differs between rates
     assert all(seen[i][j] != seen[k][j] for j in range(2) for i in range(3) for k in range(i))
+
+
+def test_decode_read_bytes_follow_the_model_storage(tiny_model_dir) -> None:
+    """bench latency's weight roofline counts the bytes a decode step reads: for a dense model the
+    decoder and the LM head (as the shape formula says, which leaves out the final norm), for a
+    quantized one its codes, scales and zeros, and with --quantize-embeddings the head's codes."""
+    from pagedllm import LLM
+    from pagedllm.benchmarks.flops import ModelShape
+    from pagedllm.benchmarks.latency import decode_read_bytes
+
+    def read(**kw) -> tuple[int, ModelShape]:
+        eng = LLM(model=tiny_model_dir, num_kv_blocks=16, **kw).llm_engine
+        return decode_read_bytes(eng.core.executor.runner.model), ModelShape.from_hf_config(eng.model_config.hf_config)
+
+    dense, shape = read(dtype="float32")
+    assert shape.decode_weight_bytes(4) <= dense <= shape.decode_weight_bytes(4) + 4 * 1024
+    assert read(dtype="bfloat16")[0] == dense // 2
+    int8, _ = read(dtype="float32", quantization="int8")
+    head = shape.embedding_params * 4  # untied: the head's float32 weight stays
+    assert head < int8 < head + (dense - head) * 0.4
+    codes_only, _ = read(dtype="float32", quantization="int8", quantize_embeddings=True)
+    assert codes_only < int8 - head * 0.6
