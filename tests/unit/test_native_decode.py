@@ -14,7 +14,7 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.models.testing import make_tiny_checkpoint
 from pagedllm.worker.input_batch import RequestState, build_batch
-from pagedllm.worker.native_decode import MAX_ROWS, load_decode_kernel
+from pagedllm.worker.native_decode import MAX_ROWS, StallGuard, load_decode_kernel
 
 pytestmark = pytest.mark.skipif(
     load_decode_kernel() is None or not load_decode_kernel().small_m_available() & 1,
@@ -116,6 +116,34 @@ def test_step_in_a_team_of_threads_gives_the_one_thread_bits(dtype, tiny_model_d
         assert all(torch.equal(a, b) for a, b in zip(one_kv, two_kv))
         assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
         assert one[2].tolist() == two[2].tolist() == one[1].argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_one_thread_steps_of_the_stall_guard_give_the_team_bits(dtype, tiny_model_dir, one_torch_thread):
+    """While the stall guard runs the step on one thread under torch's two, the hidden states, the
+    KV cache and the logits are the team's, and torch's thread count is the same after the call."""
+    _needs_bf16(dtype)
+    llm, runner = _runner(tiny_model_dir, dtype)
+    nd = runner.native_decode
+    torch.set_num_threads(2)
+    nd.guard = StallGuard(2)
+    batch = _decode_batch(runner, [5, 40, 71], seed=31)
+    args = (batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables, batch.seq_lens)
+    start = [kv.clone() for kv in runner.kv_caches]
+    results = []
+    for solo in (False, True):
+        nd.guard.solo_left = 2 * solo
+        out = []
+        for call in (lambda: nd.run(*args), lambda: nd.run_head(*args, np.arange(3), greedy=False)):
+            for kv, s in zip(runner.kv_caches, start):
+                kv.copy_(s)
+            out.append(call())
+            assert nd.model.threads == int(solo) and torch.get_num_threads() == 2
+        results.append((out, [kv.clone() for kv in runner.kv_caches]))
+    torch.set_num_threads(1)
+    (team, team_kv), (solo_out, solo_kv) = results
+    assert all(torch.equal(a, b) for a, b in zip(team_kv, solo_kv))
+    assert torch.equal(team[0], solo_out[0]) and torch.equal(team[1], solo_out[1])
 
 
 def test_generation_is_the_same_with_and_without_the_fused_step(tiny_model_dir, one_torch_thread):

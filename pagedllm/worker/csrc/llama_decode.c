@@ -21,7 +21,9 @@
  * next op reads what other threads wrote (five per layer). Every output element is computed as on
  * one thread, so the team's results are the one-thread step's to the bit. Models with quantized
  * linear layers run the step on the calling thread instead, each GEMM and quantized kernel with
- * its own team, as the torch path calls them.
+ * its own team, as the torch path calls them. The caller may cap the threads (`threads`): a team
+ * waits at each of its barriers for its slowest thread, so while another process holds a core
+ * nearly every barrier waits for a descheduled thread's next time slice, and one thread is faster.
  *
  * llama_decode_head runs the same step on to the LM head: the logits of the rows that sample and,
  * for batches that sample greedily with nothing else, their argmax.
@@ -89,6 +91,9 @@ typedef struct {
     /* The embedding's codes (linear_quant.c's layouts, embed_rows rows), or NULL: the dense embed. */
     const QuantLinear *embed_q;
     int64_t embed_rows;
+    /* Threads of the step (and of the kernels it calls): 0 for torch's thread count, else this
+     * many (the caller drops to 1 while another process holds a core; see native_decode.py). */
+    int64_t threads;
 } LlamaDecodeModel;
 
 /* The value as stored in dtype dt, read back as float32 (rounds to bf16 for dt 1). */
@@ -414,6 +419,8 @@ static int run_step(const LlamaDecodeModel *md, int64_t M, const int64_t *input_
         return 1;
     if (md->embed_q != NULL && !linears_supported(md->embed_q, 1)) return 1;
     const int64_t widest = I > qn ? (I > Hd ? I : Hd) : (qn > Hd ? qn : Hd); /* the largest input size */
+    const int torch_threads = omp_get_max_threads();
+    if (md->threads > 0 && md->threads != torch_threads) omp_set_num_threads((int)md->threads); /* until return */
     const int team = omp_get_max_threads() > 1 && all_dense(md->qkv_q, md->num_layers) &&
                      all_dense(md->o_q, md->num_layers) && all_dense(md->gate_up_q, md->num_layers) &&
                      all_dense(md->down_q, md->num_layers) && (S == 0 || md->lm_head_q == NULL);
@@ -483,6 +490,7 @@ static int run_step(const LlamaDecodeModel *md, int64_t M, const int64_t *input_
         if (c.y != (void *)logits) free(c.y);
         free(c.hs), free(c.part_idx), free(c.part_max), free(c.part_nan);
     }
+    if (omp_get_max_threads() != torch_threads) omp_set_num_threads(torch_threads);
     return 0;
 }
 
