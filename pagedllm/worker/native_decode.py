@@ -154,7 +154,7 @@ class StallGuard:
     process holds a core, nearly every barrier waits for a descheduled thread's next time slice:
     measured with one busy process beside a bfloat16 single-request step on this 2-core machine, the
     two-thread step's median went from 11.4 to 23.6 ms and its 90th percentile to 132 ms, while one
-    thread ran at 20.1 / 21.5 ms. So: when the last WINDOW team steps took on average more than
+    thread ran at 20.1 / 21.5 ms (benchmarks/bench_cpu_contention.py measures the engine). So: when the last WINDOW team steps took on average more than
     SLOW times the fastest team step of their size (stalls come in bursts: one slow step, a GC
     pause or a page fault, does not do it), the step runs on one thread for SOLO steps; then one
     team step is tried; if it takes over SLOW times too, the next one-thread stretch is twice as
@@ -175,6 +175,7 @@ class StallGuard:
         self.solo_len = self.SOLO
         self.probing = False
         self.switches = 0  # team -> one thread, for logs and tests
+        self._logged = -float("inf")
 
     def threads(self) -> int:
         """Threads for the next step: 0 (torch's) or 1."""
@@ -201,7 +202,7 @@ class StallGuard:
             else:
                 self.solo_len = self.SOLO
                 self.recent.clear()
-                logger.info("decode steps back on %d threads", self.team)
+                self._log("decode steps back on %d threads", self.team)
             return
         self.recent.append(ratio)
         if len(self.recent) == self.WINDOW and sum(self.recent) > self.SLOW * self.WINDOW:
@@ -209,8 +210,16 @@ class StallGuard:
             self.recent.clear()
             self.solo_left = self.solo_len
             self.switches += 1
-            logger.info("decode steps on one thread for a while: the last %d %d-thread steps took %.1fx their "
-                        "usual time on average (another process is using a core)", self.WINDOW, self.team, mean)
+            self._log("decode steps on one thread for a while: the last %d %d-thread steps took %.1fx their usual "
+                      "time on average (another process is using a core)", self.WINDOW, self.team, mean)
+
+    def _log(self, msg: str, *args: object) -> None:
+        """At most one INFO line a minute (a busy neighbour can flip the choice every second)."""
+        now = time.monotonic()
+        level = logging.INFO if now - self._logged >= 60.0 else logging.DEBUG
+        if level == logging.INFO:
+            self._logged = now
+        logger.log(level, msg, *args)
 
 
 class NativeDecode:
