@@ -30,6 +30,7 @@ SCHEMES = {
     "int4": {"quantization": "int4", "quantization_group_size": 32},
     "int8": {"quantization": "int8"},
     "fp8": {"quantization": "fp8"},
+    "w8a8": {"quantization": "w8a8"},
     "ffn-int4": {"quantization": "int4", "quantization_skip": "attention"},  # qkv and o stay dense
 }
 
@@ -118,13 +119,6 @@ def test_greedy_generation_is_the_same_with_and_without_the_fused_step(dtype, ti
     plain = llm.generate(prompts, params, use_tqdm=False)
     runner.native_decode = nd
     assert [o.outputs[0].token_ids for o in fused] == [o.outputs[0].token_ids for o in plain]
-
-
-def test_w8a8_runs_the_torch_path_and_says_why(tiny_model_dir, one_torch_thread, caplog):
-    with caplog.at_level("INFO", logger="pagedllm.worker.native_decode"):
-        llm, runner = _runner(tiny_model_dir, "float32", quantization="w8a8")
-    assert runner.native_decode is None
-    assert "w8a8 linear layers" in caplog.text
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
