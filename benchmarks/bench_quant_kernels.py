@@ -7,7 +7,13 @@ the float matmul runs in the same process, and every time is reported as a ratio
 of distinct 4-bit g32 weights per shape, 33 MB for gate_up: about the L3 cache), one token,
 per layer shape, on one thread and on two (``quant_set_parallel_min``), both activation modes;
 this sets the kernel's threading threshold.
-Run: flock /tmp/pagedllm-bench.lock python benchmarks/bench_quant_kernels.py [--decode-pass]
+
+``--w8a8``: w8a8's layouts per SmolLM2 layer shape, two threads: one token (30 distinct weights per
+shape) through the native kernel on the row-major codes, through the torch path (per-token
+quantization + ``torch._int_mm``), and the int8 method's tiled kernel; 256 tokens through the torch
+path on the transposed copy [K, N] and on the transpose view of the row-major codes, and the cost
+of re-laying the codes out once (a transposed copy), which a single layout would pay per call.
+Run: flock /tmp/pagedllm-bench.lock python benchmarks/bench_quant_kernels.py [--decode-pass | --w8a8]
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ def main() -> None:
     w = torch.randn(n, k) * 0.05
     q8, s8 = K.quantize_int8_per_channel(w)
     q8t = q8.t().contiguous()
+    w8sum = q8.sum(dim=1, dtype=torch.int32)
     codes, sc, zp = K.quantize_groupwise(w, 64, 4)
     p4, sz32 = K.pack_int4(codes, sc, zp, torch.float32)
     _, sz16 = K.pack_int4(codes, sc, zp, torch.bfloat16)
@@ -63,6 +70,8 @@ def main() -> None:
             "int8 _weight_int8pack_mm (bf16 x)": best_m(lambda: K.int8_weight_linear(xb, q8, s8.bfloat16())),
             "int8 dequantize + F.linear (unfused)": best_m(lambda: F.linear(x, q8.float() * s8[:, None])),
             "w8a8 quantize x + torch._int_mm": best_m(lambda: K.int8_dynamic_linear(x, q8t, s8)),
+            "w8a8 native (row-major codes; <= 16 tokens)": best_m(
+                lambda: native.w8a8_small_m_linear(x, q8, s8, w8sum)) if m <= native.SMALL_M else float("nan"),
             "int4 _weight_int4pack_mm_for_cpu (fp32 x)": best_m(lambda: K.int4_linear(x, p4, sz32, 64)),
             "int4 _weight_int4pack_mm_for_cpu (bf16 x)": best_m(lambda: K.int4_linear(xb, p4, sz16, 64)),
             **{f"int4 native (csrc/linear_quant.c), {a} x": best_m(
@@ -113,10 +122,46 @@ def decode_pass(reps: int = 15) -> None:
             lib.quant_set_parallel_min(default)
 
 
+def w8a8(reps: int = 15) -> None:
+    torch.manual_seed(0)
+    torch.set_num_threads(2)
+    shapes = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+    for name, (n, k) in shapes.items():
+        layers = []
+        for _ in range(30):
+            q, s = K.quantize_int8_per_channel(torch.randn(n, k) * 0.05)
+            layers.append((q, s, q.sum(dim=1, dtype=torch.int32), native.pack_int8_native(q, s[:, None],
+                                                                                          torch.zeros(n, 1))))
+        x1 = torch.randn(1, k).bfloat16()
+
+        def per_layer(fn) -> float:
+            return best(lambda: [fn(*lay) for lay in layers], reps) / 30
+
+        one = {
+            "native w8a8 (row-major codes)": per_layer(lambda q, s, ws, t: native.w8a8_small_m_linear(x1, q, s, ws)),
+            "torch w8a8 (_int_mm)": per_layer(lambda q, s, ws, t: K.int8_dynamic_linear(x1, q.t(), s)),
+            "native int8 (tiled codes)": per_layer(lambda q, s, ws, t: native.small_m_linear(x1, *t, 8, n)),
+        }
+        q, s, _, _ = layers[0]
+        qt = q.t().contiguous()
+        x256 = torch.randn(256, k).bfloat16()
+        batch = {
+            "_int_mm on [K, N] copy": best(lambda: K.int8_dynamic_linear(x256, qt, s), 5),
+            "_int_mm on [N, K].t() view": best(lambda: K.int8_dynamic_linear(x256, q.t(), s), 5),
+            "re-layout copy of the codes": best(lambda: q.t().contiguous(), 5),
+        }
+        print(f"{name} {n}x{k}: 1 token: " + ", ".join(f"{a} {t * 1e6:.1f} us" for a, t in one.items())
+              + "; 256 tokens: " + ", ".join(f"{a} {t * 1e6:.0f} us" for a, t in batch.items()), flush=True)
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--decode-pass", action="store_true")
-    if ap.parse_args().decode_pass:
+    ap.add_argument("--w8a8", action="store_true")
+    args = ap.parse_args()
+    if args.decode_pass:
         decode_pass()
+    elif args.w8a8:
+        w8a8()
     else:
         main()

@@ -45,7 +45,9 @@ def int8_dequant_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tens
 def int8_dynamic_linear(x: torch.Tensor, codes_t: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """W8A8: each token's activations quantized to int8 (its own scale), int8 x int8 -> int32.
 
-    ``codes_t`` is the transposed weight [K, N] (int8), ``scales`` float32 [N].
+    ``codes_t`` is the transposed weight [K, N] (int8; the transpose view of [N, K] codes runs as
+    fast), ``scales`` float32 [N]. The native kernel's decode rows (native.w8a8_small_m_linear)
+    follow this function's formula and rounding step by step.
     """
     x2 = x.reshape(-1, x.shape[-1]).float()
     x_scale = (x2.abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=1e-12)

@@ -99,17 +99,29 @@ class Int8LinearMethod(_PerChannel):
 
 
 class W8A8LinearMethod(_FromFloat):
-    """int8 weights (per channel) and int8 activations (per token, dynamic), int32 accumulation."""
+    """int8 weights (per channel) and int8 activations (per token, dynamic), int32 accumulation.
+
+    One copy of the codes, [N, K] row-major: batches run ``torch._int_mm`` on its transpose (a
+    view, as fast as a transposed copy), decode rows (at most ``native.SMALL_M``) the native kernel
+    on its rows where the CPU has it, with the same activation quantization and the same result to
+    the bit; ``wsum`` (int32 row sums of the codes, 4 bytes per output row) is the kernel's."""
 
     name = "w8a8"
 
     def quantize(self, layer: nn.Module, w: torch.Tensor) -> None:
         codes, scales = K.quantize_int8_per_channel(w)
-        _set(layer, "qweight_t", codes.t().contiguous())
+        _set(layer, "qweight", codes)
         _set(layer, "wscale", scales)
+        layer.native = native.load_quant_kernel() is not None
+        if layer.native:
+            _set(layer, "wsum", codes.sum(dim=1, dtype=torch.int32))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return _bias(K.int8_dynamic_linear(x, layer.qweight_t, layer.wscale), bias)
+        if layer.native:
+            y = native.w8a8_small_m_linear(x, layer.qweight, layer.wscale, layer.wsum)
+            if y is not None:
+                return _bias(y, bias)
+        return _bias(K.int8_dynamic_linear(x, layer.qweight.t(), layer.wscale), bias)
 
 
 class Fp8LinearMethod(_PerChannel):

@@ -56,6 +56,7 @@ def load_quant_kernel() -> ctypes.CDLL | None:
         "quant_dequant": ([i32, p, p, p, i64, i64, i64, p, i32], i32),
         "quant_gather_rows": ([i32, p, p, p, i64, i64, i64, p, i64, p, i32], i32),
         "quant_set_parallel_min": ([i64], i64),
+        "w8a8_linear": ([p, i64, p, p, p, i64, i64, p, i32], i32),
     })
 
 
@@ -129,6 +130,28 @@ def small_m_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, z
     if f(x2.data_ptr(), m, codes.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n, k, k // scales.shape[1],
          y.data_ptr(), int(out_f32), int(int8_activations())) != 0:
         raise ValueError(f"quantized kernel: group size {k // scales.shape[1]} does not fit {k} inputs")
+    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+def w8a8_small_m_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, wsum: torch.Tensor
+                        ) -> torch.Tensor | None:
+    """w8a8's x [..., K] @ (codes * scales)^T through the kernel when x has at most SMALL_M rows (else
+    None), equal to :func:`pagedllm.quantization.kernels.int8_dynamic_linear` to the bit: each row of x
+    quantized to int8 with one scale (the same formula and rounding), exact int32 sums, then the
+    same two fp32 products. ``codes`` int8 [N, K] row-major, ``scales`` float32 [N], ``wsum`` int32 [N]
+    (the codes' row sums). float32 and bfloat16 x go in as they are; float16 as float32 (exact), the
+    result rounded back, as the torch path does."""
+    k = codes.shape[1]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    if m > SMALL_M:
+        return None
+    xk = (x2 if x.dtype in (torch.float32, torch.bfloat16) else x2.float()).contiguous()
+    n = codes.shape[0]
+    y = torch.empty(m, n, dtype=xk.dtype)
+    if load_quant_kernel().w8a8_linear(xk.data_ptr(), m, codes.data_ptr(), scales.data_ptr(), wsum.data_ptr(), n, k,
+                                       y.data_ptr(), int(xk.dtype == torch.float32)) != 0:
+        raise ValueError(f"w8a8 kernel: {m} x {k} activations do not fit")
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
 

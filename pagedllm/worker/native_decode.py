@@ -10,8 +10,9 @@ samples greedily with nothing else to apply, their argmax, so that such a step r
 
 It applies to Llama-family models (Llama, Mistral, Qwen2) on one CPU rank, with a KV cache in the
 model dtype, whose linear layers are each either dense in the model dtype or quantized in a layout
-of the native quantized kernel (4-bit group codes of int4 / GGUF / AWQ / GPTQ, int8, fp8; the C
-step calls the same kernel function as the LinearMethod); every other step, and every other
+of the native quantized kernel (4-bit group codes of int4 / GGUF / AWQ / GPTQ, int8, fp8, w8a8's
+row-major int8 codes with per-token int8 activations; the C step calls the same kernel function as
+the LinearMethod); every other step, and every other
 configuration, runs the torch path. `PAGEDLLM_NATIVE_DECODE=0` turns it off.
 """
 
@@ -46,8 +47,11 @@ MAX_ROWS = 16
 
 _p = ctypes.c_void_p
 _pp = ctypes.POINTER(ctypes.c_void_p)
-# linear_quant.c's layouts (its BITS values); 0: the dense weight.
-_DENSE, _E4M3, _INT4, _INT8 = 0, 3, 4, 8
+# linear_quant.c's layouts (its BITS values; 9: w8a8's row-major int8 codes); 0: the dense weight.
+_DENSE, _E4M3, _INT4, _INT8, _W8A8 = 0, 3, 4, 8, 9
+# How a quantized layer takes its activations (llama_decode.c's ACT_*): bf16, int8 per block of 32
+# (the tiled codes' VNNI path), int8 with one scale per row (w8a8).
+_ACT_BF16, _ACT_INT8_BLOCK, _ACT_INT8_ROW = 0, 1, 2
 
 
 class _QuantLinear(ctypes.Structure):
@@ -103,11 +107,11 @@ def _linear_layout(lin: nn.Module, dtype: torch.dtype
             return f"a linear weight in {lin.weight.dtype}"
         return _DENSE, 0, lin.weight, lin.weight, lin.weight, None
     name = getattr(qm, "name", type(qm).__name__)
-    if type(qm) is W8A8LinearMethod:
-        return "w8a8 linear layers (int8 activations through torch's int8 GEMM)"
     if not getattr(lin, "native", False):
         return f"{name} linear layers without the native quantized kernel"
     k = lin.in_features
+    if type(qm) is W8A8LinearMethod:  # fp32 scales [N]; the "zeros" are the codes' int32 row sums
+        return _W8A8, k, lin.qweight, lin.wscale, lin.wsum, None
     if type(qm) is Int8LinearMethod:
         return _INT8, k, lin.qweight, lin.wscale, lin.wzero, None
     if type(qm) is Fp8LinearMethod:
@@ -249,7 +253,8 @@ class NativeDecode:
             for d, (kind, group, codes, scales, zeros, perm) in zip(descs, layouts):  # type: ignore[misc]
                 if kind != _DENSE:
                     d.kind, d.group, d.perm = kind, group, 0 if perm is None else perm.data_ptr()
-                    d.int8_act = int(int8_activations())  # the LinearMethods' choice
+                    # the LinearMethods' choice; w8a8 quantizes per row
+                    d.int8_act = _ACT_INT8_ROW if kind == _W8A8 else int(int8_activations())
                     d.codes, d.scales, d.zeros = codes.data_ptr(), scales.data_ptr(), zeros.data_ptr()
                     self._keep.extend([codes, scales, zeros, perm])
             self._keep.append(descs)

@@ -174,8 +174,7 @@ def test_declined_step_leaves_the_cache_untouched(head, tiny_model_dir, one_torc
     assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches))
 
 
-@pytest.mark.parametrize("kwargs", [{"dtype": "float16"}, {"dtype": "float32", "quantization": "w8a8"},
-                                    {"dtype": "float32", "kv_cache_dtype": "bfloat16"}])
+@pytest.mark.parametrize("kwargs", [{"dtype": "float16"}, {"dtype": "float32", "kv_cache_dtype": "bfloat16"}])
 def test_configurations_it_does_not_cover_run_the_torch_path(kwargs, tiny_model_dir, one_torch_thread):
     llm = LLM(model=tiny_model_dir, num_kv_blocks=16, **kwargs)
     assert llm.llm_engine.core.executor.runner.native_decode is None

@@ -6,7 +6,10 @@ where all four linear layers are quantized; a dense linear layer keeps the dense
 for bit up to four rows, oneDNN's sum order above). In float32 the paths differ by the order of
 sums in the norms and attention (float32 ulps), and such a difference can move an activation
 across a bf16 rounding boundary on its way into a quantized kernel: one bf16 ulp (2^-8 relative)
-of one of 64 inputs, about 1e-3 of an output at most, hence the float32 tolerance.
+of one of 64 inputs, about 1e-3 of an output at most, hence the float32 tolerance. w8a8 layers
+take the activations as they are (float32 here) and quantize each row with one scale, as its torch
+path does: there such a difference can move one input's int8 code by one step, d = max|x| / 127,
+which moves an output by d |w| of that input, inside the same tolerance on these models.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ SCHEMES = {
     "int4": {"quantization": "int4", "quantization_group_size": 32},
     "int8": {"quantization": "int8"},
     "fp8": {"quantization": "fp8"},
+    "w8a8": {"quantization": "w8a8"},
     "ffn-int4": {"quantization": "int4", "quantization_skip": "attention"},  # qkv and o stay dense
 }
 
@@ -120,13 +124,6 @@ def test_greedy_generation_is_the_same_with_and_without_the_fused_step(dtype, ti
     assert [o.outputs[0].token_ids for o in fused] == [o.outputs[0].token_ids for o in plain]
 
 
-def test_w8a8_runs_the_torch_path_and_says_why(tiny_model_dir, one_torch_thread, caplog):
-    with caplog.at_level("INFO", logger="pagedllm.worker.native_decode"):
-        llm, runner = _runner(tiny_model_dir, "float32", quantization="w8a8")
-    assert runner.native_decode is None
-    assert "w8a8 linear layers" in caplog.text
-
-
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_int8_lm_head_gives_the_torch_heads_logits(dtype, tiny_llama_dir, one_torch_thread):
     """An LM head kept as int8 codes (a GGUF whose output tensor is quantized) runs the same kernel
@@ -176,3 +173,34 @@ def test_default_gguf_keeps_its_q8_0_output_tensor_as_int8(monkeypatch, one_torc
     assert runner.native_decode.model.lm_head_q
     out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_w8a8_default_model_layers_and_fused_step(one_torch_thread):
+    """The default model under w8a8 (bfloat16): every linear layer's decode-row calls (the native
+    kernel) give torch's w8a8 result to the bit on the model's own weights and activations, and the
+    fused step (the same kernel, per-token activation mode) equals the torch path to the bit."""
+    from pagedllm.quantization.methods import W8A8LinearMethod
+
+    llm = LLM(quantization="w8a8", dtype="bfloat16", max_model_len=128, num_kv_blocks=32, block_size=16)
+    runner = llm.llm_engine.core.executor.runner
+    nd = runner.native_decode
+    assert nd is not None and nd.quantized
+    linears = [m for m in runner.model.modules() if isinstance(getattr(m, "quant_method", None), W8A8LinearMethod)]
+    assert len(linears) == 4 * len(runner.model.layers) and all(m.native for m in linears)
+    calls: list[tuple[torch.nn.Module, torch.Tensor, torch.Tensor]] = []
+    hooks = [m.register_forward_hook(lambda mod, args, out: calls.append((mod, args[0].clone(), out.clone())))
+             for m in linears]
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    runner.native_decode = None
+    plain = llm.generate(["The capital of France is"], params, use_tqdm=False)
+    for h in hooks:
+        h.remove()
+    assert len(calls) == 3 * len(linears)  # the prompt (6 rows) and two decode steps: all on the kernel
+    for mod, x, y in calls:
+        assert x.reshape(-1, x.shape[-1]).shape[0] <= 16
+        ref = K.int8_dynamic_linear(x, mod.qweight.t(), mod.wscale)
+        assert torch.equal(y, ref if mod.bias is None else ref + mod.bias)
+    runner.native_decode = nd
+    fused = llm.generate(["The capital of France is"], params, use_tqdm=False)
+    assert fused[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+    _check(runner, "bfloat16", all_quantized=True, rows_list=(1, 4))

@@ -131,3 +131,42 @@ def test_fp8_kernel_matches_the_float_reference(m: int) -> None:
     y = native.group_linear(x, w8.view(torch.uint8), scales.bfloat16()[:, None],
                             torch.zeros(40, 1, dtype=torch.bfloat16), bits=3, n=40)
     assert ((y - x @ ref_w.T).abs() <= _bound(x, ref_w.abs())).all()
+
+
+def _w8a8_exact(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """w8a8 by its definition, with the int32 sums taken in float64 (exact: |sum| < 2^53): each row of
+    x quantized with one scale d = max(max|x| / 127, 1e-12), q = round(x / d); y = (sum q c * d) * s."""
+    xf = x.reshape(-1, x.shape[-1]).float()
+    d = (xf.abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=1e-12)
+    q = torch.round(xf / d).clamp(-127, 127)
+    acc = (q.double() @ codes.double().T).float()
+    return (acc * d * scales).to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
+@pytest.mark.parametrize("n,k", [(70, 576), (33, 1536), (5, 100), (9, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_w8a8_kernel_equals_the_torch_path_to_the_bit(n: int, k: int, dtype: torch.dtype) -> None:
+    """The native w8a8 kernel (decode rows) against torch's path (kernels.int8_dynamic_linear) and the
+    definition. Tolerance: zero. Both quantize each row with the same formula (IEEE fp32 division,
+    round half to even, the same clamp), both sums are exact int32 (the kernel's +128 offset of the
+    activations comes off as 128 x the codes' row sum, exactly), and both take the two fp32 products
+    in the same order, (float(acc) * d) * s; a different order would differ by two fp32 roundings
+    (relative 2^-23) at most, this one by nothing. Odd sizes: output rows past a block of 4, inputs
+    past a block of 64; rows of zeros, of values below the 1e-12 scale floor, and of exact ties."""
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)
+    codes, scales = K.quantize_int8_per_channel(w)
+    wsum = codes.sum(dim=1, dtype=torch.int32)
+    x = torch.randn(native.SMALL_M, k, generator=g) * 4
+    x[1] = 0
+    x[2] = torch.randn(k, generator=g) * 1e-14  # max|x| / 127 below the floor
+    if k >= 4:
+        x[3] = 0.5 * torch.arange(k) % 5 - 2.0  # x / d = x: ties at ±0.5, ±1.5, 2.5
+        x[3, 0] = 127.0
+    for m in (1, 5, native.SMALL_M):
+        xm = x[:m].to(dtype)
+        y = native.w8a8_small_m_linear(xm, codes, scales, wsum)
+        assert y.dtype == dtype and torch.equal(y, _w8a8_exact(xm, codes, scales))
+        assert torch.equal(y, K.int8_dynamic_linear(xm, codes.t(), scales))
+    assert native.w8a8_small_m_linear(x.to(dtype), codes, scales, wsum) is not None
+    assert native.w8a8_small_m_linear(torch.zeros(native.SMALL_M + 1, k), codes, scales, wsum) is None

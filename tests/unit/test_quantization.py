@@ -22,6 +22,7 @@ from pagedllm.quantization.methods import (
     Int4LinearMethod,
     Int8LinearMethod,
     W8A8LinearMethod,
+    runtime_bytes,
 )
 from pagedllm.quantization import native
 from test_quant_native import _int8_act_bound
@@ -72,6 +73,21 @@ def test_w8a8_within_weight_and_activation_steps(data) -> None:
     x_step = (x.abs().amax(dim=1) / 127)[:, None].expand(M, KDIM)
     bound = x.abs() @ (w_step / 2).T + (x_step / 2) @ (w.abs() + w_step / 2).T + EPS
     assert (layer(x) - _ref(layer, x, w)).abs().le(bound).all()
+
+
+def test_w8a8_keeps_one_copy_of_the_codes_for_decode_rows_and_batches(data) -> None:
+    """Row-major int8 codes serve both paths: decode rows (the native kernel, where the CPU has it)
+    and batches (torch._int_mm on their transpose view) give torch's w8a8 result to the bit."""
+    w, _ = data
+    layer = _layer(W8A8LinearMethod(), w)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer.qweight.shape == (N, KDIM) and layer.qweight.dtype == torch.int8
+    # codes, fp32 scales, and (native) the codes' int32 row sums: no second copy of the codes
+    assert runtime_bytes(layer) == N * KDIM + 4 * N + (4 * N if layer.native else 0)
+    x = torch.randn(native.SMALL_M + 4, KDIM, generator=torch.Generator().manual_seed(1))
+    for rows in (1, native.SMALL_M, native.SMALL_M + 4):
+        ref = K.int8_dynamic_linear(x[:rows], layer.qweight.t().contiguous(), layer.wscale) + layer.bias
+        assert torch.equal(layer(x[:rows]), ref)
 
 
 def test_fp8_within_e4m3_rounding(data) -> None:

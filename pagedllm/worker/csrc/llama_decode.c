@@ -30,10 +30,11 @@
  *
  * GEMMs are the small-M kernel of pagedllm/layers/csrc/small_m_gemm.c (included below), which
  * the torch path also uses for decode rows. Each of a layer's four linear layers may instead be
- * quantized (4-bit group codes of int4 / GGUF / AWQ / GPTQ, int8 codes, fp8 e4m3): then it runs
- * the same function of pagedllm/quantization/csrc/linear_quant.c (included below) that the
- * torch path's LinearMethod calls, on the same bf16 activations, so a quantized layer's output is
- * the torch path's to the bit whenever its input is.
+ * quantized (4-bit group codes of int4 / GGUF / AWQ / GPTQ, int8 codes, fp8 e4m3, w8a8's
+ * row-major int8 codes): then it runs the same function of pagedllm/quantization/csrc/linear_quant.c
+ * (included below) that the torch path's LinearMethod calls, on the same bf16 activations (w8a8: on
+ * the activations in dt, quantized per row as the torch path does), so a quantized layer's output
+ * is the torch path's to the bit whenever its input is.
  */
 #include <math.h>
 #include <stdint.h>
@@ -59,14 +60,18 @@
 /* How one linear layer's weight is kept: LQ_DENSE reads the layer's dense weight (the per-layer
  * *_w pointers, in dtype); the others are linear_quant.c's layouts (its BITS values): 4-bit and
  * int8 codes tiled by 16 output rows, e4m3 bytes [N, K], with bf16 scales and zeros per group. */
-enum { LQ_DENSE = 0, LQ_E4M3 = 3, LQ_INT4 = 4, LQ_INT8 = 8 };
+enum { LQ_DENSE = 0, LQ_E4M3 = 3, LQ_INT4 = 4, LQ_INT8 = 8, LQ_W8A8 = 9 };
+/* How a quantized layer takes its activations (QuantLinear.int8_act): bf16, int8 per block of 32
+ * inputs (4-bit and int8 tiles), or int8 with one scale per row (w8a8's row-major codes, whose
+ * scales are fp32 [N] and whose "zeros" are the codes' int32 row sums; x goes in in dt). */
+enum { ACT_BF16 = 0, ACT_INT8_BLOCK = 1, ACT_INT8_ROW = 2 };
 
 typedef struct {
     int64_t kind;        /* LQ_* */
     int64_t group;       /* inputs per scale and zero */
     const void *codes, *scales, *zeros;
     const int64_t *perm; /* the input order the codes follow (GPTQ act-order), or NULL */
-    int64_t int8_act;    /* 4-bit and int8 codes: activations in int8 (VNNI) rather than bf16 */
+    int64_t int8_act;    /* ACT_*: 4-bit and int8 tiles: ACT_INT8_BLOCK (VNNI) or ACT_BF16; LQ_W8A8: ACT_INT8_ROW */
 } QuantLinear;
 
 typedef struct {
@@ -187,7 +192,8 @@ static int linears_supported(const QuantLinear *ql, int64_t num_layers) {
     if (ql == NULL) return 1;
     for (int64_t l = 0; l < num_layers; l++) {
         const int64_t k = ql[l].kind;
-        if (k != LQ_DENSE && (!LD_HAVE_QUANT || (k != LQ_INT4 && k != LQ_INT8 && k != LQ_E4M3))) return 0;
+        if (k != LQ_DENSE && (!LD_HAVE_QUANT || (k != LQ_INT4 && k != LQ_INT8 && k != LQ_E4M3 && k != LQ_W8A8))) return 0;
+        if ((k == LQ_W8A8) != (ql[l].int8_act == ACT_INT8_ROW)) return 0;
     }
     return 1;
 }
@@ -196,7 +202,7 @@ static int linears_supported(const QuantLinear *ql, int64_t num_layers) {
  * y[M, N] = x[M, K] W^T (+ bias) in dtype dt. Dense: the small-M GEMM, of rows [lo, hi) of y on
  * the calling thread inside the step's team, or of all rows over its own OpenMP team outside one
  * (team 0). Quantized (always outside a team, all rows): as the torch path's LinearMethod.apply,
- * x rounded to bf16 (in the layer's input order where it has one), the kernel's result in dt
+ * x rounded to bf16 (in the layer's input order where it has one; w8a8: x in dt), the kernel's result in dt
  * (float32 straight from its accumulators, or rounded to bf16), then the bias added and rounded
  * to dt. xb: scratch for M * K bf16 values.
  */
@@ -210,22 +216,26 @@ static void linear(const QuantLinear *ql, const void *x, int64_t M, const void *
         return;
     }
 #if LD_HAVE_QUANT
-    const uint16_t *xq = (const uint16_t *)x;
-    if (dt == LD_F32 || ql->perm != NULL) {
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t k = 0; k < K; k++) {
-                const int64_t src = m * K + (ql->perm != NULL ? ql->perm[k] : k);
-                xb[m * K + k] = dt == LD_F32 ? f32_to_bf16(((const float *)x)[src]) : ((const uint16_t *)x)[src];
-            }
-        xq = xb;
-    }
     const int y_f32 = dt == LD_F32;
-    if (ql->kind == LQ_INT4)
-        int4_linear_bf16(xq, M, ql->codes, ql->scales, ql->zeros, N, K, ql->group, y, y_f32, (int)ql->int8_act);
-    else if (ql->kind == LQ_INT8)
-        int8_linear_bf16(xq, M, ql->codes, ql->scales, ql->zeros, N, K, ql->group, y, y_f32, (int)ql->int8_act);
-    else
-        e4m3_linear_bf16(xq, M, ql->codes, ql->scales, ql->zeros, N, K, ql->group, y, y_f32, 0);
+    if (ql->kind == LQ_W8A8) { /* x as it is, in dt: quantized per row from there, as the torch path does */
+        w8a8_linear(x, M, ql->codes, ql->scales, ql->zeros, N, K, y, y_f32);
+    } else {
+        const uint16_t *xq = (const uint16_t *)x;
+        if (dt == LD_F32 || ql->perm != NULL) {
+            for (int64_t m = 0; m < M; m++)
+                for (int64_t k = 0; k < K; k++) {
+                    const int64_t src = m * K + (ql->perm != NULL ? ql->perm[k] : k);
+                    xb[m * K + k] = dt == LD_F32 ? f32_to_bf16(((const float *)x)[src]) : ((const uint16_t *)x)[src];
+                }
+            xq = xb;
+        }
+        if (ql->kind == LQ_INT4)
+            int4_linear_bf16(xq, M, ql->codes, ql->scales, ql->zeros, N, K, ql->group, y, y_f32, (int)ql->int8_act);
+        else if (ql->kind == LQ_INT8)
+            int8_linear_bf16(xq, M, ql->codes, ql->scales, ql->zeros, N, K, ql->group, y, y_f32, (int)ql->int8_act);
+        else
+            e4m3_linear_bf16(xq, M, ql->codes, ql->scales, ql->zeros, N, K, ql->group, y, y_f32, 0);
+    }
     if (bias != NULL)
         for (int64_t m = 0; m < M; m++)
             for (int64_t n = 0; n < N; n++) st(y, m * N + n, ld(y, m * N + n, dt) + ld(bias, n, dt), dt);
