@@ -307,7 +307,7 @@ class NativeDecode:
         if q is None:
             return None
         bits, group, codes, scales, zeros = q
-        desc = _QuantLinear(kind={3: _E4M3, 4: _INT4, 8: _INT8}[bits], group=group, codes=codes.data_ptr(),
+        desc = _QuantLinear(kind=bits, group=group, codes=codes.data_ptr(),  # the layouts' codes are their bits
                             scales=scales.data_ptr(), zeros=zeros.data_ptr(), perm=0, int8_act=int(int8_activations()))
         self._keep.extend([codes, scales, zeros, desc])
         return desc
@@ -352,12 +352,19 @@ class NativeDecode:
         M = len(input_ids)
         out = torch.empty(M, self.hidden, dtype=self.dtype)
         arrays = _step_arrays(input_ids, positions, slot_mapping, block_tables, seq_lens)
+        rc = self._guarded(2 * M, self.lib.llama_decode_step, ctypes.byref(self.model), M, *_pointers(arrays),
+                           out.data_ptr())
+        return out if rc == 0 else None
+
+    def _guarded(self, key: int, fn, *args) -> int:  # noqa: ANN001
+        """One C step on the threads the stall guard chooses, its time reported back to the guard
+        (`key`: the step's size, see StallGuard.record). Returns the C function's code."""
         threads = self.model.threads = self.guard.threads()
         t0 = time.perf_counter()
-        rc = self.lib.llama_decode_step(ctypes.byref(self.model), M, *_pointers(arrays), out.data_ptr())
+        rc = fn(*args)
         if rc == 0:
-            self.guard.record(2 * M, threads, time.perf_counter() - t0)
-        return out if rc == 0 else None
+            self.guard.record(key, threads, time.perf_counter() - t0)
+        return rc
 
     def head_applies(self, num_sample_rows: int) -> bool:
         """Whether `run_head` can end this step: the LM head is bound and the torch path would
@@ -376,14 +383,12 @@ class NativeDecode:
         S = len(rows)
         tokens = np.empty(S, dtype=np.int64) if greedy else None
         logits = None if greedy else torch.empty(S, self.vocab, dtype=torch.float32)
-        threads = self.model.threads = self.guard.threads()
-        t0 = time.perf_counter()
-        rc = self.lib.llama_decode_head(
-            ctypes.byref(self.model), len(input_ids), *_pointers(arrays), S, rows.ctypes.data,
-            None if logits is None else logits.data_ptr(), None if tokens is None else tokens.ctypes.data)
+        rc = self._guarded(
+            2 * len(input_ids) + 1, self.lib.llama_decode_head, ctypes.byref(self.model), len(input_ids),
+            *_pointers(arrays), S, rows.ctypes.data, None if logits is None else logits.data_ptr(),
+            None if tokens is None else tokens.ctypes.data)
         if rc != 0:
             return None
-        self.guard.record(2 * len(input_ids) + 1, threads, time.perf_counter() - t0)
         return tokens if greedy else logits
 
 
