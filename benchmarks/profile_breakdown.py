@@ -1,9 +1,11 @@
 """Where the wall time of the throughput workload goes, by category: the native attention kernel
-(its ctypes call timed), GEMMs, elementwise ops, dense (flash) attention, and the rest (Python,
+(its ctypes call timed), GEMMs, elementwise ops, dense (flash) attention (torch's or the native
+flash kernel), and the rest (Python,
 scheduling, sampling, detokenizing).
 
-Usage: PYTHONPATH=. .venv/bin/python benchmarks/profile_breakdown.py [DTYPE] [NUM_PROMPTS]
-(default bfloat16, 128: the `bench throughput` workload, prompts 32-512, outputs 16-256, seed 0).
+Usage: PYTHONPATH=. .venv/bin/python benchmarks/profile_breakdown.py [DTYPE] [NUM_PROMPTS] [KEY=VALUE ...]
+(default bfloat16, 128: the `bench throughput` workload, prompts 32-512, outputs 16-256, seed 0);
+KEY=VALUE pairs are more engine arguments, e.g. quantization=w8a8.
 
 torch.profiler's self times of aten ops are summed per category; the native calls are wrapped in
 `record_function` so they show up as their own rows. The profiler adds per-op overhead, so the
@@ -19,15 +21,15 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import pagedllm.attention.torch_backend as tb
-import pagedllm.layers.embedding as emb
 import pagedllm.layers.linear as lin
+import pagedllm.quantization.native as qn
 from pagedllm import LLM, SamplingParams
 from pagedllm.benchmarks.workloads import random_workload, vocab_info
 
 GEMM = ("aten::mm", "aten::addmm", "aten::linear", "aten::mkldnn_linear", "mkldnn::_linear_pointwise", "aten::bmm",
-        "aten::matmul", "pagedllm::linear_bf16_small_m")
+        "aten::matmul", "pagedllm::linear_bf16_small_m", "aten::_int_mm", "pagedllm::w8a8_linear")
 ATTN = ("pagedllm::paged_attention",)
-DENSE = ("aten::_scaled_dot_product_flash_attention_for_cpu",)
+DENSE = ("aten::_scaled_dot_product_flash_attention_for_cpu", "pagedllm::flash_prefill")
 ELEMENTWISE = ("aten::mul", "aten::add", "aten::add_", "aten::mul_", "aten::rsqrt", "aten::pow", "aten::mean",
                "aten::silu", "aten::cat", "aten::neg", "aten::index_copy_", "aten::copy_", "aten::to",
                "aten::_to_copy", "aten::index_select", "aten::rms_norm", "aten::_fused_rms_norm",
@@ -46,18 +48,23 @@ def _wrap(fn, name):
 def main() -> None:
     dtype = sys.argv[1] if len(sys.argv) > 1 else "bfloat16"
     n = int(sys.argv[2]) if len(sys.argv) > 2 else 128
-    llm = LLM(dtype=dtype)
+    extra = dict(kv.split("=", 1) for kv in sys.argv[3:])
+    llm = LLM(dtype=dtype, **extra)
     reqs = random_workload(n, (32, 512), (16, 256), vocab_info(None), seed=0)
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
     params = [SamplingParams(max_tokens=r.output_len, temperature=0, ignore_eos=True) for r in reqs]
     out_tokens = sum(r.output_len for r in reqs)
     llm.generate(prompts[:4], params[:4], use_tqdm=False)
+    llm.reset_prefix_cache()
     t0 = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
     plain = time.perf_counter() - t0
+    llm.reset_prefix_cache()  # the profiled run prefills every prompt again, as the first did
     tb.paged_attention_native = _wrap(tb.paged_attention_native, "pagedllm::paged_attention")
     lin.small_m_linear = _wrap(lin.small_m_linear, "pagedllm::linear_bf16_small_m")
-    emb.small_m_linear = _wrap(emb.small_m_linear, "pagedllm::linear_bf16_small_m")
+    tb.flash_prefill = _wrap(tb.flash_prefill, "pagedllm::flash_prefill")
+    qn.w8a8_small_m_linear = _wrap(qn.w8a8_small_m_linear, "pagedllm::w8a8_linear")
+    qn.w8a8_batch_linear = _wrap(qn.w8a8_batch_linear, "pagedllm::w8a8_batch_linear")
     t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         llm.generate(prompts, params, use_tqdm=False)

@@ -31,6 +31,12 @@ class LLM:
     def get_tokenizer(self) -> TokenizerWrapper:
         return self.llm_engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached prompt prefix, so that the next requests prefill in full (as on a
+        fresh engine); blocks of requests in flight stay theirs. Returns True, as vLLM's does."""
+        self.llm_engine.reset_prefix_cache()
+        return True
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],

@@ -104,7 +104,9 @@ class W8A8LinearMethod(_FromFloat):
     One copy of the codes, [N, K] row-major: batches run ``torch._int_mm`` on its transpose (a
     view, as fast as a transposed copy), decode rows (at most ``native.SMALL_M``) the native kernel
     on its rows where the CPU has it, with the same activation quantization and the same result to
-    the bit; ``wsum`` (int32 row sums of the codes, 4 bytes per output row) is the kernel's."""
+    the bit; ``wsum`` (int32 row sums of the codes, 4 bytes per output row) is the kernel's. Where
+    the kernel is there, batches quantize their rows and scale the int32 sums in it too (two passes
+    around ``_int_mm``); elsewhere the torch formula (kernels.int8_dynamic_linear) runs."""
 
     name = "w8a8"
 
@@ -119,8 +121,9 @@ class W8A8LinearMethod(_FromFloat):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layer.native:
             y = native.w8a8_small_m_linear(x, layer.qweight, layer.wscale, layer.wsum)
-            if y is not None:
-                return _bias(y, bias)
+            if y is None:
+                y = native.w8a8_batch_linear(x, layer.qweight, layer.wscale)
+            return _bias(y, bias)
         return _bias(K.int8_dynamic_linear(x, layer.qweight.t(), layer.wscale), bias)
 
 

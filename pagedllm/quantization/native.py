@@ -57,6 +57,8 @@ def load_quant_kernel() -> ctypes.CDLL | None:
         "quant_gather_rows": ([i32, p, p, p, i64, i64, i64, p, i64, p, i32], i32),
         "quant_set_parallel_min": ([i64], i64),
         "w8a8_linear": ([p, i64, p, p, p, i64, i64, p, i32], i32),
+        "w8a8_quantize_rows": ([p, i64, i64, i32, p, p], i32),
+        "w8a8_scale_rows": ([p, i64, i64, p, p, p, i32], i32),
     })
 
 
@@ -152,6 +154,29 @@ def w8a8_small_m_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tens
     if load_quant_kernel().w8a8_linear(xk.data_ptr(), m, codes.data_ptr(), scales.data_ptr(), wsum.data_ptr(), n, k,
                                        y.data_ptr(), int(xk.dtype == torch.float32)) != 0:
         raise ValueError(f"w8a8 kernel: {m} x {k} activations do not fit")
+    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+def w8a8_batch_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """w8a8's x [..., K] @ (codes * scales)^T for any number of rows, equal to
+    :func:`pagedllm.quantization.kernels.int8_dynamic_linear` to the bit: the kernel quantizes the
+    rows (the same formula and rounding as the decode rows' kernel), ``torch._int_mm`` (oneDNN's
+    VNNI GEMM) sums them against the codes' transpose, and the kernel applies the two fp32 products
+    (one pass each instead of the torch formula's dozen ops). Arguments as
+    :func:`w8a8_small_m_linear`."""
+    k = codes.shape[1]
+    x2 = x.reshape(-1, k)
+    m, n = x2.shape[0], codes.shape[0]
+    xk = (x2 if x.dtype in (torch.float32, torch.bfloat16) else x2.float()).contiguous()
+    f32 = int(xk.dtype == torch.float32)
+    lib = load_quant_kernel()
+    xq = torch.empty(m, k, dtype=torch.int8)
+    d = torch.empty(m, dtype=torch.float32)
+    if lib.w8a8_quantize_rows(xk.data_ptr(), m, k, f32, xq.data_ptr(), d.data_ptr()) != 0:
+        raise MemoryError(f"w8a8 kernel: no scratch for a row of {k} activations")
+    acc = torch._int_mm(xq, codes.t())
+    y = torch.empty(m, n, dtype=xk.dtype)
+    lib.w8a8_scale_rows(acc.data_ptr(), m, n, d.data_ptr(), scales.data_ptr(), y.data_ptr(), f32)
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
 

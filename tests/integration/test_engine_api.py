@@ -343,6 +343,19 @@ def test_prompt_logprobs_same_with_chunked_prefill(llm: LLM, chunked_llm: LLM) -
     assert big.outputs[0].token_ids == small.outputs[0].token_ids
 
 
+def test_reset_prefix_cache_makes_the_next_request_prefill_in_full(llm: LLM) -> None:
+    prompt = "A lighthouse keeper on a remote island kept a careful log of every ship that passed by at night"
+    params = SamplingParams(temperature=0.0, max_tokens=3)
+    (first,) = llm.generate(prompt, params, use_tqdm=False)
+    (hit,) = llm.generate(prompt, params, use_tqdm=False)
+    assert hit.num_cached_tokens >= 16  # at least one full block came from the cache
+    assert llm.reset_prefix_cache() is True
+    (fresh,) = llm.generate(prompt, params, use_tqdm=False)
+    assert fresh.num_cached_tokens == 0
+    assert fresh.outputs[0].token_ids == hit.outputs[0].token_ids == first.outputs[0].token_ids
+    assert_idle(llm)
+
+
 def test_prompt_logprobs_complete_after_prefix_cache_hit(llm: LLM) -> None:
     # A request asking for prompt logprobs bypasses the prefix cache: cached positions would be
     # skipped and have no logprobs.

@@ -146,7 +146,7 @@ def _w8a8_exact(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> t
 @pytest.mark.parametrize("n,k", [(70, 576), (33, 1536), (5, 100), (9, 3)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_w8a8_kernel_equals_the_torch_path_to_the_bit(n: int, k: int, dtype: torch.dtype) -> None:
-    """The native w8a8 kernel (decode rows) against torch's path (kernels.int8_dynamic_linear) and the
+    """The native w8a8 kernel (decode rows; batches: its passes around torch._int_mm) against torch's path (kernels.int8_dynamic_linear) and the
     definition. Tolerance: zero. Both quantize each row with the same formula (IEEE fp32 division,
     round half to even, the same clamp), both sums are exact int32 (the kernel's +128 offset of the
     activations comes off as 128 x the codes' row sum, exactly), and both take the two fp32 products
@@ -170,3 +170,12 @@ def test_w8a8_kernel_equals_the_torch_path_to_the_bit(n: int, k: int, dtype: tor
         assert torch.equal(y, K.int8_dynamic_linear(xm, codes.t(), scales))
     assert native.w8a8_small_m_linear(x.to(dtype), codes, scales, wsum) is not None
     assert native.w8a8_small_m_linear(torch.zeros(native.SMALL_M + 1, k), codes, scales, wsum) is None
+    # Batches: the kernel's row quantization and scaling around torch._int_mm, as many rows as a
+    # prefill chunk (the quantization then splits its rows over the threads).
+    xb = torch.cat([x, torch.randn(300 - native.SMALL_M, k, generator=g) * 3]).to(dtype)
+    for m in (native.SMALL_M + 1, 300):
+        y = native.w8a8_batch_linear(xb[:m], codes, scales)
+        assert y.dtype == dtype and torch.equal(y, K.int8_dynamic_linear(xb[:m], codes.t(), scales))
+        assert torch.equal(y, _w8a8_exact(xb[:m], codes, scales))
+    y3 = native.w8a8_batch_linear(xb[:300].reshape(3, 100, k), codes, scales)  # leading dims kept
+    assert y3.shape == (3, 100, n) and torch.equal(y3.reshape(300, n), y)

@@ -469,6 +469,62 @@ int w8a8_linear(const void *x, int64_t M, const int8_t *codes, const float *scal
     return 0;
 }
 
+/*
+ * w8a8 batches (more rows than the kernel above takes) run torch._int_mm (oneDNN's VNNI GEMM) between
+ * these two passes, so that the torch formula's dozen elementwise ops around it (kernels.int8_dynamic_linear)
+ * become two calls with the same numbers:
+ *   w8a8_quantize_rows: x [M, K] (bf16 or fp32) to xq [M, K] int8 (signed, _int_mm's operand) and d [M],
+ *                       each row as w8a8_quantize_row quantizes it;
+ *   w8a8_scale_rows:    acc [M, N] int32 to y [M, N] = (float(acc) * d[m]) * scales[n], each product
+ *                       rounded to fp32 as torch rounds it, stored in fp32 or rounded to bf16.
+ */
+int w8a8_quantize_rows(const void *x, int64_t M, int64_t K, int f32, int8_t *xq, float *d) {
+    if (M < 1 || K < 1) return 1;
+    const int64_t es = f32 ? 4 : 2, KP = (K + 63) / 64 * 64;
+    int bad = 0;
+#pragma omp parallel if (M * K >= (1 << 17))
+    {
+        uint8_t *row = (uint8_t *)aligned_alloc(64, (size_t)KP);
+        if (row == NULL) {
+#pragma omp atomic write
+            bad = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) {
+            if (row == NULL) continue;
+            d[m] = w8a8_quantize_row((const char *)x + m * K * es, f32, K, KP, row);
+            int8_t *q = xq + m * K;
+            for (int64_t k = 0; k < K; k += 64) { /* q + 128 back to q: flip the top bit */
+                const __mmask64 mk = K - k >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (K - k)) - 1);
+                const __m512i v = _mm512_xor_si512(_mm512_load_si512((const void *)(row + k)), _mm512_set1_epi8((char)0x80));
+                _mm512_mask_storeu_epi8(q + k, mk, v);
+            }
+        }
+        free(row);
+    }
+    return bad ? 2 : 0;
+}
+
+int w8a8_scale_rows(const int32_t *acc, int64_t M, int64_t N, const float *d, const float *scales, void *y, int f32) {
+    if (M < 1 || N < 1) return 1;
+#pragma omp parallel for schedule(static) if (M * N >= (1 << 16))
+    for (int64_t m = 0; m < M; m++) {
+        const __m512 dm = _mm512_set1_ps(d[m]);
+        for (int64_t n = 0; n < N; n += 16) {
+            const __mmask16 mk = N - n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (N - n)) - 1);
+            const __m512 a = _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(mk, acc + m * N + n));
+            const __m512 v = _mm512_mul_round_ps(_mm512_mul_round_ps(a, dm, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                                                 _mm512_maskz_loadu_ps(mk, scales + n),
+                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            if (f32)
+                _mm512_mask_storeu_ps((float *)y + m * N + n, mk, v);
+            else
+                _mm256_mask_storeu_epi16((uint16_t *)y + m * N + n, mk, (__m256i)_mm512_cvtneps_pbh(v));
+        }
+    }
+    return 0;
+}
+
 /* Weights (times 4-row blocks of x) from which a product runs on every thread; returns the
  * previous value (benchmarks set it to compare one thread with several). */
 int64_t quant_set_parallel_min(int64_t elems) {
