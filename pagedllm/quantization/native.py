@@ -167,6 +167,8 @@ def w8a8_batch_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
     k = codes.shape[1]
     x2 = x.reshape(-1, k)
     m, n = x2.shape[0], codes.shape[0]
+    if m == 0:
+        return x.new_empty(*x.shape[:-1], n)
     xk = (x2 if x.dtype in (torch.float32, torch.bfloat16) else x2.float()).contiguous()
     f32 = int(xk.dtype == torch.float32)
     lib = load_quant_kernel()

@@ -179,3 +179,4 @@ def test_w8a8_kernel_equals_the_torch_path_to_the_bit(n: int, k: int, dtype: tor
         assert torch.equal(y, _w8a8_exact(xb[:m], codes, scales))
     y3 = native.w8a8_batch_linear(xb[:300].reshape(3, 100, k), codes, scales)  # leading dims kept
     assert y3.shape == (3, 100, n) and torch.equal(y3.reshape(300, n), y)
+    assert native.w8a8_batch_linear(xb[:0], codes, scales).shape == (0, n)
