@@ -13,7 +13,7 @@ class SiluAndMul(nn.Module):
     """silu(gate) * up, where the input is the fused [gate | up] projection."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = silu_mul_bf16(x)  # bf16 on the CPU: one fused pass, same rounding points
+        y = silu_mul_bf16(x)  # bf16 and float32 on the CPU: one fused pass
         if y is not None:
             return y
         gate, up = x.chunk(2, dim=-1)

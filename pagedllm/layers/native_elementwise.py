@@ -1,9 +1,11 @@
-"""Fused bf16 RMSNorm (with the residual add before it), SiLU·mul and rotary embedding on the CPU
-(csrc/elementwise_bf16.c): one pass over the rows instead of the 5-7 torch ops (each a full pass
-and an allocation) of the reference formulas, with the same rounding points (see the C file).
+"""Fused RMSNorm (with the residual add before it), SiLU·mul and rotary embedding on the CPU
+(csrc/elementwise_bf16.c), in bfloat16 and float32: one pass over the rows instead of the 2-7 torch
+ops (each a full pass and an allocation) of the reference formulas; bf16 with the same rounding
+points, float32 with each product and sum rounded as torch rounds it (see the C file).
 
-Each function returns None when the kernel does not apply (not bf16 on the CPU, a row size that is
-not a multiple of 16, no AVX-512, no compiler); the caller then runs the torch formula.
+Each function returns None when the kernel does not apply (neither bf16 nor float32, not on the
+CPU, a row size that is not a multiple of 16, no AVX-512, no compiler); the caller then runs the
+torch formula. The function names keep their bf16 origin; they serve both dtypes.
 """
 
 from __future__ import annotations
@@ -27,33 +29,41 @@ def load_elementwise_kernel() -> ctypes.CDLL | None:
         "rms_norm_bf16": ([p, i64, p, p, p, i64, i64, ctypes.c_float, p], i32),
         "silu_mul_bf16": ([p, i64, i64, i64, p], i32),
         "rope_bf16": ([p, i64, i64, i64, i64, p, p, p, i64, p], i32),
+        "rms_norm_f32": ([p, i64, p, p, p, i64, i64, ctypes.c_float, p], i32),
+        "silu_mul_f32": ([p, i64, i64, i64, p], i32),
+        "rope_f32": ([p, i64, i64, i64, i64, p, p, p, i64, p], i32),
     })
 
 
+_FLOATS = (torch.bfloat16, torch.float32)
+
+
 def _rows_ok(x: torch.Tensor, n: int) -> bool:
-    return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1
+    return (x.dtype in _FLOATS and x.device.type == "cpu" and x.dim() == 2 and x.stride(1) == 1
             and n % 16 == 0 and not x.requires_grad)
 
 
 def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float,
                   add: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(h, y): h = x + add (x itself without `add`), y = RMSNorm(h) * weight, in bf16; or None."""
+    """(h, y): h = x + add (x itself without `add`), y = RMSNorm(h) * weight, in x's dtype (bf16 or
+    float32); or None."""
     T, N = x.shape if x.dim() == 2 else (0, 0)
-    if (not _rows_ok(x, N) or weight.dtype != torch.bfloat16 or not weight.is_contiguous()
+    if (not _rows_ok(x, N) or weight.dtype != x.dtype or not weight.is_contiguous()
             or (add is not None and (add.shape != x.shape or add.dtype != x.dtype or not add.is_contiguous()))):
         return None
     lib = load_elementwise_kernel()
     if lib is None:
         return None
-    y = torch.empty(T, N, dtype=torch.bfloat16)
-    h = x if add is None else torch.empty(T, N, dtype=torch.bfloat16)
-    rc = lib.rms_norm_bf16(x.data_ptr(), x.stride(0), 0 if add is None else add.data_ptr(),
+    y = torch.empty(T, N, dtype=x.dtype)
+    h = x if add is None else torch.empty(T, N, dtype=x.dtype)
+    fn = lib.rms_norm_bf16 if x.dtype == torch.bfloat16 else lib.rms_norm_f32
+    rc = fn(x.data_ptr(), x.stride(0), 0 if add is None else add.data_ptr(),
                            0 if add is None else h.data_ptr(), weight.data_ptr(), T, N, eps, y.data_ptr())
     return None if rc else (h, y)
 
 
 def silu_mul_bf16(x: torch.Tensor) -> torch.Tensor | None:
-    """silu(gate) * up for x = [gate | up] rows, in bf16; or None."""
+    """silu(gate) * up for x = [gate | up] rows, in x's dtype (bf16 or float32); or None."""
     if x.dim() != 2 or x.shape[1] % 2:
         return None
     T, inter = x.shape[0], x.shape[1] // 2
@@ -62,18 +72,19 @@ def silu_mul_bf16(x: torch.Tensor) -> torch.Tensor | None:
     lib = load_elementwise_kernel()
     if lib is None:
         return None
-    y = torch.empty(T, inter, dtype=torch.bfloat16)
-    return None if lib.silu_mul_bf16(x.data_ptr(), x.stride(0), T, inter, y.data_ptr()) else y
+    y = torch.empty(T, inter, dtype=x.dtype)
+    fn = lib.silu_mul_bf16 if x.dtype == torch.bfloat16 else lib.silu_mul_f32
+    return None if fn(x.data_ptr(), x.stride(0), T, inter, y.data_ptr()) else y
 
 
 def rope_bf16(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               head_dim: int) -> torch.Tensor | None:
     """Rotate-half RoPE of x [T, heads * head_dim] (rows may be strided) at `positions` [T] (int64),
-    with bf16 tables cos, sin [max_position, head_dim], in bf16; or None (also for a position
-    outside the tables: the torch path then raises)."""
+    with tables cos, sin [max_position, head_dim] of x's dtype (bf16 or float32), in that dtype; or
+    None (also for a position outside the tables: the torch path then raises)."""
     if x.dim() != 2 or not _rows_ok(x, head_dim // 2) or head_dim % 2:
         return None
-    if (cos.dtype != torch.bfloat16 or sin.dtype != torch.bfloat16 or not cos.is_contiguous()
+    if (cos.dtype != x.dtype or sin.dtype != x.dtype or not cos.is_contiguous()
             or not sin.is_contiguous() or positions.dtype != torch.int64 or not positions.is_contiguous()
             or positions.shape != (x.shape[0],) or cos.shape != sin.shape or cos.shape[1] != head_dim):
         return None
@@ -81,7 +92,8 @@ def rope_bf16(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: 
     if lib is None:
         return None
     T, W = x.shape
-    y = torch.empty(T, W, dtype=torch.bfloat16)
-    rc = lib.rope_bf16(x.data_ptr(), x.stride(0), T, W, head_dim, positions.data_ptr(), cos.data_ptr(),
+    y = torch.empty(T, W, dtype=x.dtype)
+    fn = lib.rope_bf16 if x.dtype == torch.bfloat16 else lib.rope_f32
+    rc = fn(x.data_ptr(), x.stride(0), T, W, head_dim, positions.data_ptr(), cos.data_ptr(),
                        sin.data_ptr(), cos.shape[0], y.data_ptr())
     return None if rc else y

@@ -1,5 +1,6 @@
 """RMSNorm, computed in float32 like the reference implementation (bf16 on the CPU: one fused
-native pass with the same rounding points, pagedllm/layers/native_elementwise.py)."""
+native pass with the same rounding points; the residual add and the norm in one native pass in
+bf16 and float32, pagedllm/layers/native_elementwise.py)."""
 
 from __future__ import annotations
 

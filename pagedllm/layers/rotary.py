@@ -80,7 +80,8 @@ class RotaryEmbedding(nn.Module):
 
             return rotary(positions, q, k, self.cos, self.sin, self.head_dim)
         qw = q.shape[1]
-        native = q.dtype == torch.bfloat16  # bf16: one fused native pass with the same rounding points
+        # bf16 and float32: one fused native pass (bf16 with the same rounding points)
+        native = q.dtype in (torch.bfloat16, torch.float32)
         if (q.dim() == 2 and k.dim() == 2 and q.stride() == k.stride() and q.stride(1) == 1
                 and k.data_ptr() == q.data_ptr() + qw * q.element_size()):
             # q and k side by side in one row (the fused QKV output): rotate both in one pass.

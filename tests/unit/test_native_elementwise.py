@@ -2,7 +2,9 @@
 round: their outputs equal the torch formulas' except at rare rounding ties (the kernels sum the
 squares and evaluate exp in a different order, so an intermediate sitting on a bf16 rounding
 boundary may land one ulp away, which the product with the weight can stretch to two; about 1 in
-30,000 values here)."""
+30,000 values here). The float32 kernels round each product and sum as the torch formulas do:
+RoPE and the residual add equal them to the bit; RMSNorm (another order of the sum of squares)
+and SiLU (another exp) within a few float32 ulps."""
 
 from __future__ import annotations
 
@@ -61,7 +63,8 @@ def test_fallbacks_when_the_kernel_does_not_apply():
     x = torch.randn(4, 40).bfloat16()  # 40 is not a multiple of 16
     w = torch.ones(40, dtype=torch.bfloat16)
     assert rms_norm_bf16(x, w, 1e-6) is None
-    assert silu_mul_bf16(torch.randn(4, 64)) is None  # float32
+    assert silu_mul_bf16(torch.randn(4, 64, dtype=torch.float64)) is None  # neither bf16 nor float32
+    assert rms_norm_bf16(torch.randn(4, 32), torch.ones(32, dtype=torch.bfloat16), 1e-6) is None  # mixed dtypes
     norm = RMSNorm(40, 1e-6, torch.bfloat16)
     torch.testing.assert_close(norm(x), reference_norm(x, norm.weight, 1e-6), atol=0, rtol=0)
 
@@ -86,3 +89,37 @@ def test_rope_matches_reference_rounding_on_fused_and_separate_qk():
         assert_close_ulp(out, ref)
     # A position beyond the table is left to the torch path, which rejects it.
     assert rope_bf16(q, torch.tensor([600] * 37), rope.cos, rope.sin, 64) is None
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_float32_kernels_against_the_torch_formulas(rows):
+    """Tolerances: RMSNorm's statistic sums 576 squares in another order and SiLU evaluates exp with
+    another polynomial, each a few float32 ulps (relative 2^-21 allowed); the add and RoPE are
+    exact products and sums, rounded as torch rounds them: zero."""
+    from types import SimpleNamespace
+
+    from pagedllm.layers.rotary import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=g) * 3
+    a = torch.randn(rows, 576, generator=g)
+    norm = RMSNorm(576, 1e-5, torch.float32)
+    norm.weight.data.copy_(torch.rand(576, generator=g) + 0.5)
+    h, y = norm.add_and_norm(x, a)
+    assert torch.equal(h, x + a)
+    torch.testing.assert_close(y, F.rms_norm(x + a, (576,), norm.weight, 1e-5), rtol=2.0**-21, atol=1e-30)
+    gu = torch.randn(rows, 2 * 1536, generator=g) * 4
+    gate, up = gu.chunk(2, dim=-1)
+    torch.testing.assert_close(SiluAndMul()(gu), F.silu(gate) * up, rtol=2.0**-21, atol=1e-30)
+    assert silu_mul_bf16(gu) is not None and rms_norm_bf16(x, norm.weight, 1e-5, a) is not None  # native
+    rope = RotaryEmbedding(SimpleNamespace(rope_theta=10000.0), 64, 512, torch.float32)
+    qkv = torch.randn(rows, 9 * 64 + 2 * 3 * 64, generator=g)
+    q, k, _ = qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1)
+    pos = torch.randint(0, 512, (rows,), generator=g)
+    cos, sin = rope.cos[pos].unsqueeze(1), rope.sin[pos].unsqueeze(1)
+    from pagedllm.layers.native_elementwise import rope_bf16
+
+    assert rope_bf16(q, pos, rope.cos, rope.sin, 64) is not None  # the native pass runs in float32
+    for out, ref in zip((*rope(pos, q, k), *rope(pos, q.contiguous(), k.contiguous())),
+                        [rope._rotate(t.contiguous(), cos, sin) for t in (q, k)] * 2):
+        assert torch.equal(out, ref)

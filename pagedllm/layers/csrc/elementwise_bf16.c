@@ -13,7 +13,7 @@
  * per-row functions (rms_norm_bf16_row, silu_mul_bf16_span, rope_bf16_row) inside its own team,
  * so that its bf16 results are these kernels' to the bit.
  * Layouts: x [T, N] with row stride ldx (elements); add, h_out and y [T, N] contiguous; all bf16
- * as uint16.
+ * as uint16. rms_norm_f32, silu_mul_f32 and rope_f32 at the end are the float32 ops in one pass each.
  */
 #ifndef PAGEDLLM_ELEMENTWISE_BF16_C
 #define PAGEDLLM_ELEMENTWISE_BF16_C
@@ -119,5 +119,89 @@ int rope_bf16(const uint16_t *x, int64_t ldx, int64_t T, int64_t W, int64_t hd, 
     for (int64_t t = 0; t < T; t++) rope_bf16_row(x + t * ldx, W, hd, cos + pos[t] * hd, sin + pos[t] * hd, y + t * W);
     return 0;
 }
+
+/* ---- float32: the same three ops, one pass each (the torch formulas take 2-7 passes and as many
+ * allocations). Products and sums are rounded one by one (no fused multiply-adds), as the torch
+ * formulas round them; the RMSNorm statistics and exp differ from torch's in the last bits. */
+#define RN (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+
+static inline __mmask16 tail16(int64_t n, int64_t i) {
+    return n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
+}
+
+/* h = x + add (written to h_out) when add is given, else h = x; y = w * (h * rsqrt(mean(h^2) + eps)). */
+int rms_norm_f32(const float *x, int64_t ldx, const float *add, float *h_out, const float *w, int64_t T, int64_t N,
+                 float eps, float *y) {
+#pragma omp parallel for schedule(static) if (T * N >= ELEMENTWISE_PARALLEL_MIN)
+    for (int64_t t = 0; t < T; t++) {
+        const float *xr = x + t * ldx;
+        float *hr = add ? h_out + t * N : 0, *yr = y + t * N;
+        __m512 ss = _mm512_setzero_ps();
+        for (int64_t i = 0; i < N; i += 16) {
+            const __mmask16 k = tail16(N, i);
+            __m512 h = _mm512_maskz_loadu_ps(k, xr + i);
+            if (add) {
+                h = _mm512_add_round_ps(h, _mm512_maskz_loadu_ps(k, add + t * N + i), RN);
+                _mm512_mask_storeu_ps(hr + i, k, h);
+            }
+            ss = _mm512_fmadd_ps(h, h, ss);
+        }
+        const __m512 inv = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(ss) / (float)N + eps));
+        const float *src = add ? hr : xr;
+        for (int64_t i = 0; i < N; i += 16) {
+            const __mmask16 k = tail16(N, i);
+            const __m512 n = _mm512_mul_round_ps(_mm512_maskz_loadu_ps(k, src + i), inv, RN);
+            _mm512_mask_storeu_ps(yr + i, k, _mm512_mul_round_ps(_mm512_maskz_loadu_ps(k, w + i), n, RN));
+        }
+    }
+    return 0;
+}
+
+/* x [T, 2I] rows [gate | up] with row stride ldx; y [T, I] = silu(gate) * up. */
+int silu_mul_f32(const float *x, int64_t ldx, int64_t T, int64_t I, float *y) {
+#pragma omp parallel for schedule(static) if (T * I >= ELEMENTWISE_PARALLEL_MIN)
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = x + t * ldx, *u = g + I;
+        for (int64_t i = 0; i < I; i += 16) {
+            const __mmask16 k = tail16(I, i);
+            const __m512 gv = _mm512_maskz_loadu_ps(k, g + i);
+            const __m512 sv = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f),
+                                                              exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+            _mm512_mask_storeu_ps(y + t * I + i, k, _mm512_mul_round_ps(sv, _mm512_maskz_loadu_ps(k, u + i), RN));
+        }
+    }
+    return 0;
+}
+
+/* Rotate-half RoPE as rope_bf16, in float32: y = x * cos + r * sin, r = [-x2, x1]; (hd / 2) % 16 == 0.
+ * Returns 2, writing nothing, when a position is outside the tables. */
+int rope_f32(const float *x, int64_t ldx, int64_t T, int64_t W, int64_t hd, const int64_t *pos, const float *cos,
+             const float *sin, int64_t max_pos, float *y) {
+    const int64_t half = hd / 2;
+    if (hd % 2 || half % 16 || W % hd) return 1;
+    for (int64_t t = 0; t < T; t++)
+        if (pos[t] < 0 || pos[t] >= max_pos) return 2;
+#pragma omp parallel for schedule(static) if (T * W >= ELEMENTWISE_PARALLEL_MIN)
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos + pos[t] * hd, *s = sin + pos[t] * hd;
+        for (int64_t h0 = 0; h0 < W; h0 += hd) {
+            const float *xr = x + t * ldx + h0;
+            float *yr = y + t * W + h0;
+            for (int64_t i = 0; i < half; i += 16) {
+                const __m512 x1 = _mm512_loadu_ps(xr + i), x2 = _mm512_loadu_ps(xr + half + i);
+                const __m512 lo = _mm512_add_round_ps(
+                    _mm512_mul_round_ps(x1, _mm512_loadu_ps(c + i), RN),
+                    _mm512_mul_round_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), _mm512_loadu_ps(s + i), RN), RN);
+                const __m512 hi = _mm512_add_round_ps(
+                    _mm512_mul_round_ps(x2, _mm512_loadu_ps(c + half + i), RN),
+                    _mm512_mul_round_ps(x1, _mm512_loadu_ps(s + half + i), RN), RN);
+                _mm512_storeu_ps(yr + i, lo);
+                _mm512_storeu_ps(yr + half + i, hi);
+            }
+        }
+    }
+    return 0;
+}
+#undef RN
 #endif
 #endif
