@@ -116,7 +116,34 @@ def load_kernel() -> ctypes.CDLL | None:
     i32, i64, p, f32 = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     f.argtypes = [p, i32, p, p, i32, p, p, i64, p, p, p, i64, p, i64, i64, i64, i64, f32, f32, i64]
     f.restype = None
+    w = lib.kv_cache_write
+    w.argtypes, w.restype = [p, p, p, i64, p, i64, p, i64, i64, i64], i32
     return lib
+
+
+def kv_cache_write(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+    """k, v [T, kv_heads, head_dim] (each token's heads contiguous, tokens at any stride) written to
+    their slots of kv_cache [2, num_blocks, block_size, kv_heads, head_dim] in one native call, with
+    index_copy_'s result; False (nothing written) where the kernel does not apply (other dtypes or
+    layouts, no kernel) and the caller copies with torch. An out-of-range slot raises IndexError."""
+    lib = load_kernel()
+    if (lib is None or k.dtype != kv_cache.dtype or v.dtype != kv_cache.dtype or kv_cache.device.type != "cpu"
+            or not kv_cache.is_contiguous() or slot_mapping.dtype != torch.int64 or not slot_mapping.is_contiguous()
+            or k.dim() != 3 or v.shape != k.shape or k.shape[1:] != kv_cache.shape[3:]
+            or slot_mapping.shape != (k.shape[0],)):
+        return False
+    kvh, d = k.shape[1:]
+    if any(t.stride(2) != 1 or t.stride(1) != d for t in (k, v)):
+        return False
+    es = k.element_size()
+    nb, bs = kv_cache.shape[1:3]
+    half = nb * bs * kvh * d * es
+    base = kv_cache.data_ptr()
+    rc = lib.kv_cache_write(base, base + half, k.data_ptr(), k.stride(0) * es, v.data_ptr(), v.stride(0) * es,
+                            slot_mapping.data_ptr(), k.shape[0], kvh * d * es, nb * bs)
+    if rc == 2:
+        raise IndexError(f"KV cache write: a slot outside [0, {nb * bs})")
+    return True
 
 
 # The flash kernel's entry point for each query and cache element type (flash_attention.c); the

@@ -15,7 +15,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention.cpu_kernel import FP8_DTYPES, flash_prefill, flash_supported, paged_attention_native
+from pagedllm.attention.cpu_kernel import (
+    FP8_DTYPES,
+    flash_prefill,
+    flash_supported,
+    kv_cache_write,
+    paged_attention_native,
+)
 from pagedllm.attention.metadata import AttentionMetadata, DenseAttention
 
 
@@ -43,6 +49,8 @@ def write_kv(
             0, slot_mapping, to_cache_dtype(k, dt, k_scale).view(torch.uint8))
         kv_cache[1].view(torch.uint8).view(nb * bs, kvh, d).index_copy_(
             0, slot_mapping, to_cache_dtype(v, dt, v_scale).view(torch.uint8))
+        return
+    if kv_cache_write(kv_cache, k, v, slot_mapping):  # same dtype on the CPU: one native call
         return
     kv_cache[0].view(nb * bs, kvh, d).index_copy_(0, slot_mapping, k.to(dt))
     kv_cache[1].view(nb * bs, kvh, d).index_copy_(0, slot_mapping, v.to(dt))

@@ -230,3 +230,34 @@ def test_decode_path_at_model_shapes_matches_dense_fp32(heads, kv_heads, head_di
             qi = q[int(qsl[r]) : int(qsl[r + 1])].float().transpose(0, 1)
             refs.append(F.scaled_dot_product_attention(qi, keys, vals, attn_mask=mask).transpose(0, 1).reshape(ql, -1))
         torch.testing.assert_close(out.float(), torch.cat(refs), **DECODE_TOL[q_dtype])
+
+
+@pytest.mark.skipif(load_kernel() is None, reason="no C compiler")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens", [1, 37, 2048])
+def test_native_kv_write_equals_index_copy(dtype, tokens):
+    """The native KV write (one call for K and V) against index_copy_: equal to the bit, for K/V
+    rows read in place from fused q|k|v rows; a slot out of range raises and writes nothing."""
+    from pagedllm.attention.cpu_kernel import kv_cache_write
+    from pagedllm.attention.torch_backend import write_kv
+
+    g = torch.Generator().manual_seed(tokens)
+    nb, bs, kvh, d = 160, 16, 3, 64
+    cache = torch.randn(2, nb, bs, kvh, d, generator=g).to(dtype)
+    ref = cache.clone()
+    qkv = torch.randn(tokens, (9 + 2 * kvh) * d, generator=g).to(dtype)
+    k = qkv[:, 9 * d:(9 + kvh) * d].view(tokens, kvh, d)
+    v = qkv[:, (9 + kvh) * d:].view(tokens, kvh, d)
+    slots = torch.randperm(nb * bs, generator=g)[:tokens]
+    assert kv_cache_write(cache, k, v, slots)  # the native path takes these strided rows
+    ref[0].view(nb * bs, kvh, d).index_copy_(0, slots, k)
+    ref[1].view(nb * bs, kvh, d).index_copy_(0, slots, v)
+    assert torch.equal(cache, ref)
+    write_kv(cache, k, v, slots)  # the backend's entry point takes it too
+    assert torch.equal(cache, ref)
+    bad = slots.clone()
+    bad[-1] = nb * bs
+    with pytest.raises(IndexError):
+        write_kv(cache, k, v, bad)
+    assert torch.equal(cache, ref)  # nothing written
+    assert not kv_cache_write(cache, k.float() if dtype != torch.float32 else k.double(), v, slots)

@@ -444,3 +444,21 @@ void paged_attention_items(const void *q, int q_dt, const void *k_cache, const v
     for (int64_t i = lo; i < hi; i++)
         attend_item(ATTEND_ARGS, i / KVH, i % KVH, out, H, KVH, D, BS, scale, v_scale, window);
 }
+
+/*
+ * The KV cache write of a step: T rows of K and of V (row_bytes each, row strides ldk and ldv in
+ * bytes) copied to their slots of the cache halves kc and vc (num_slots rows of row_bytes), as
+ * index_copy_ does, in one call instead of two. Returns 2, writing nothing, when a slot is outside
+ * [0, num_slots).
+ */
+int kv_cache_write(void *kc, void *vc, const void *k, int64_t ldk, const void *v, int64_t ldv, const int64_t *slots,
+                   int64_t T, int64_t row_bytes, int64_t num_slots) {
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] < 0 || slots[t] >= num_slots) return 2;
+#pragma omp parallel for schedule(static) if (T * row_bytes >= (1 << 20))
+    for (int64_t t = 0; t < T; t++) {
+        memcpy((char *)kc + slots[t] * row_bytes, (const char *)k + t * ldk, (size_t)row_bytes);
+        memcpy((char *)vc + slots[t] * row_bytes, (const char *)v + t * ldv, (size_t)row_bytes);
+    }
+    return 0;
+}
