@@ -135,6 +135,13 @@ def small_m_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, z
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
+def _w8a8_rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x's rows [M, K] as the w8a8 kernels read them: float32 and bfloat16 as they are, float16 as
+    float32 (exact), contiguous."""
+    x2 = x.reshape(-1, k)
+    return (x2 if x.dtype in (torch.float32, torch.bfloat16) else x2.float()).contiguous()
+
+
 def w8a8_small_m_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, wsum: torch.Tensor
                         ) -> torch.Tensor | None:
     """w8a8's x [..., K] @ (codes * scales)^T through the kernel when x has at most SMALL_M rows (else
@@ -144,11 +151,10 @@ def w8a8_small_m_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tens
     (the codes' row sums). float32 and bfloat16 x go in as they are; float16 as float32 (exact), the
     result rounded back, as the torch path does."""
     k = codes.shape[1]
-    x2 = x.reshape(-1, k)
-    m = x2.shape[0]
+    m = x.numel() // k
     if m > SMALL_M:
         return None
-    xk = (x2 if x.dtype in (torch.float32, torch.bfloat16) else x2.float()).contiguous()
+    xk = _w8a8_rows(x, k)
     n = codes.shape[0]
     y = torch.empty(m, n, dtype=xk.dtype)
     if load_quant_kernel().w8a8_linear(xk.data_ptr(), m, codes.data_ptr(), scales.data_ptr(), wsum.data_ptr(), n, k,
@@ -164,12 +170,11 @@ def w8a8_batch_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
     VNNI GEMM) sums them against the codes' transpose, and the kernel applies the two fp32 products
     (one pass each instead of the torch formula's dozen ops). Arguments as
     :func:`w8a8_small_m_linear`."""
-    k = codes.shape[1]
-    x2 = x.reshape(-1, k)
-    m, n = x2.shape[0], codes.shape[0]
+    n, k = codes.shape
+    m = x.numel() // k
     if m == 0:
         return x.new_empty(*x.shape[:-1], n)
-    xk = (x2 if x.dtype in (torch.float32, torch.bfloat16) else x2.float()).contiguous()
+    xk = _w8a8_rows(x, k)
     f32 = int(xk.dtype == torch.float32)
     lib = load_quant_kernel()
     xq = torch.empty(m, k, dtype=torch.int8)

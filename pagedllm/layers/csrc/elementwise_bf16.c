@@ -11,7 +11,7 @@
  * Rows are split over the OpenMP team only when there are enough of them to pay for waking it.
  * The fused decode step (pagedllm/worker/csrc/llama_decode.c) includes this file and calls the
  * per-row functions (rms_norm_bf16_row, silu_mul_bf16_span, rope_bf16_row) inside its own team,
- * so that its bf16 results are these kernels' to the bit.
+ * so that its bf16 results are these kernels' to the bit (and silu_mul_f32_span for float32).
  * Layouts: x [T, N] with row stride ldx (elements); add, h_out and y [T, N] contiguous; all bf16
  * as uint16. rms_norm_f32, silu_mul_f32 and rope_f32 at the end are the float32 ops in one pass each.
  */
@@ -157,19 +157,22 @@ int rms_norm_f32(const float *x, int64_t ldx, const float *add, float *h_out, co
     return 0;
 }
 
+/* y[i] = silu(g[i]) * u[i] for i in [lo, hi), any range (the last lanes masked); the fused decode
+ * step calls it on its threads' shares of the gate rows. */
+static inline void silu_mul_f32_span(const float *g, const float *u, int64_t lo, int64_t hi, float *y) {
+    for (int64_t i = lo; i < hi; i += 16) {
+        const __mmask16 k = tail16(hi, i);
+        const __m512 gv = _mm512_maskz_loadu_ps(k, g + i);
+        const __m512 sv = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f),
+                                                          exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+        _mm512_mask_storeu_ps(y + i, k, _mm512_mul_round_ps(sv, _mm512_maskz_loadu_ps(k, u + i), RN));
+    }
+}
+
 /* x [T, 2I] rows [gate | up] with row stride ldx; y [T, I] = silu(gate) * up. */
 int silu_mul_f32(const float *x, int64_t ldx, int64_t T, int64_t I, float *y) {
 #pragma omp parallel for schedule(static) if (T * I >= ELEMENTWISE_PARALLEL_MIN)
-    for (int64_t t = 0; t < T; t++) {
-        const float *g = x + t * ldx, *u = g + I;
-        for (int64_t i = 0; i < I; i += 16) {
-            const __mmask16 k = tail16(I, i);
-            const __m512 gv = _mm512_maskz_loadu_ps(k, g + i);
-            const __m512 sv = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f),
-                                                              exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-            _mm512_mask_storeu_ps(y + t * I + i, k, _mm512_mul_round_ps(sv, _mm512_maskz_loadu_ps(k, u + i), RN));
-        }
-    }
+    for (int64_t t = 0; t < T; t++) silu_mul_f32_span(x + t * ldx, x + t * ldx + I, 0, I, y + t * I);
     return 0;
 }
 

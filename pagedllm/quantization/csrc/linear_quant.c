@@ -416,6 +416,17 @@ static inline __attribute__((always_inline)) void w8a8_block(
     for (int m = 0; m < MR; m++) out[m] = hsum4_epi32(acc[m][0], acc[m][1], acc[m][2], acc[m][3]);
 }
 
+/* Up to 16 outputs of one row: y[i..] = (acc * d) * s, each product rounded to fp32 as torch rounds
+ * it (kept as written under -ffast-math), stored in fp32 or rounded to bf16; lanes past mk untouched. */
+static inline void w8a8_store_scaled(__m512 acc, float d, __m512 s, void *y, int64_t i, __mmask16 mk, int f32) {
+    const __m512 v = _mm512_mul_round_ps(_mm512_mul_round_ps(acc, _mm512_set1_ps(d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                                         s, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    if (f32)
+        _mm512_mask_storeu_ps((float *)y + i, mk, v);
+    else
+        _mm256_mask_storeu_epi16((uint16_t *)y + i, mk, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
 /*
  * w8a8 (int8 weights, one fp32 scale per output row; int8 activations, one scale per row of x, dynamic):
  * y = x W^T as the torch path computes it (per-row quantization, torch._int_mm, then
@@ -453,17 +464,9 @@ int w8a8_linear(const void *x, int64_t M, const int8_t *codes, const float *scal
         const __mmask16 rows = (__mmask16)((1u << nr) - 1);
         const __m512 s = _mm512_maskz_loadu_ps(rows, scales + n0);
         const __m512i off = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(rows, wsum + n0), 7);
-        for (int m = 0; m < mr; m++) {
-            const __m512 acc = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_zextsi128_si512(sums[m]), off));
-            const __m512 v = _mm512_mul_round_ps(
-                _mm512_mul_round_ps(acc, _mm512_set1_ps(d[m0 + m]), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), s,
-                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            const int64_t i = (m0 + m) * N + n0;
-            if (f32)
-                _mm512_mask_storeu_ps((float *)y + i, rows, v);
-            else
-                _mm256_mask_storeu_epi16((uint16_t *)y + i, rows, (__m256i)_mm512_cvtneps_pbh(v));
-        }
+        for (int m = 0; m < mr; m++)
+            w8a8_store_scaled(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_zextsi128_si512(sums[m]), off)), d[m0 + m], s, y,
+                              (m0 + m) * N + n0, rows, f32);
     }
     free(xq), free(d);
     return 0;
@@ -508,20 +511,12 @@ int w8a8_quantize_rows(const void *x, int64_t M, int64_t K, int f32, int8_t *xq,
 int w8a8_scale_rows(const int32_t *acc, int64_t M, int64_t N, const float *d, const float *scales, void *y, int f32) {
     if (M < 1 || N < 1) return 1;
 #pragma omp parallel for schedule(static) if (M * N >= (1 << 16))
-    for (int64_t m = 0; m < M; m++) {
-        const __m512 dm = _mm512_set1_ps(d[m]);
+    for (int64_t m = 0; m < M; m++)
         for (int64_t n = 0; n < N; n += 16) {
             const __mmask16 mk = N - n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (N - n)) - 1);
-            const __m512 a = _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(mk, acc + m * N + n));
-            const __m512 v = _mm512_mul_round_ps(_mm512_mul_round_ps(a, dm, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
-                                                 _mm512_maskz_loadu_ps(mk, scales + n),
-                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            if (f32)
-                _mm512_mask_storeu_ps((float *)y + m * N + n, mk, v);
-            else
-                _mm256_mask_storeu_epi16((uint16_t *)y + m * N + n, mk, (__m256i)_mm512_cvtneps_pbh(v));
+            w8a8_store_scaled(_mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(mk, acc + m * N + n)), d[m],
+                              _mm512_maskz_loadu_ps(mk, scales + n), y, m * N + n, mk, f32);
         }
-    }
     return 0;
 }
 

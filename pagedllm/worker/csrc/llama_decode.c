@@ -142,17 +142,10 @@ static void silu_mul(const void *gu, int64_t M, int64_t I, void *out, int dt, in
         }
         return;
     }
-    if (dt == LD_F32) { /* 16 lanes at a time, the same for every element whatever the range */
+    if (dt == LD_F32) { /* the torch path's kernel (elementwise_bf16.c) */
         for (int64_t m = 0; m < M; m++) {
-            const float *g = (const float *)gu + m * 2 * I, *u = g + I;
-            float *y = (float *)out + m * I;
-            for (int64_t i = lo; i < hi; i += 16) {
-                const __mmask16 k = hi - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (hi - i)) - 1u);
-                const __m512 gv = _mm512_maskz_loadu_ps(k, g + i);
-                const __m512 sv = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f),
-                                                                  exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-                _mm512_mask_storeu_ps(y + i, k, _mm512_mul_ps(sv, _mm512_maskz_loadu_ps(k, u + i)));
-            }
+            const float *g = (const float *)gu + m * 2 * I;
+            silu_mul_f32_span(g, g + I, lo, hi, (float *)out + m * I);
         }
         return;
     }
