@@ -129,31 +129,35 @@ static inline __mmask16 tail16(int64_t n, int64_t i) {
     return n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
 }
 
+/* One row of N: h = xr + add (written to hr) when add is given, else h = xr;
+ * yr = w * (h * rsqrt(mean(h^2) + eps)). The fused decode step calls it on its rows too. */
+static inline void rms_norm_f32_row(const float *xr, const float *add, float *hr, const float *w, int64_t N,
+                                    float eps, float *yr) {
+    __m512 ss = _mm512_setzero_ps();
+    for (int64_t i = 0; i < N; i += 16) {
+        const __mmask16 k = tail16(N, i);
+        __m512 h = _mm512_maskz_loadu_ps(k, xr + i);
+        if (add) {
+            h = _mm512_add_round_ps(h, _mm512_maskz_loadu_ps(k, add + i), RN);
+            _mm512_mask_storeu_ps(hr + i, k, h);
+        }
+        ss = _mm512_fmadd_ps(h, h, ss);
+    }
+    const __m512 inv = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(ss) / (float)N + eps));
+    const float *src = add ? hr : xr;
+    for (int64_t i = 0; i < N; i += 16) {
+        const __mmask16 k = tail16(N, i);
+        const __m512 n = _mm512_mul_round_ps(_mm512_maskz_loadu_ps(k, src + i), inv, RN);
+        _mm512_mask_storeu_ps(yr + i, k, _mm512_mul_round_ps(_mm512_maskz_loadu_ps(k, w + i), n, RN));
+    }
+}
+
 /* h = x + add (written to h_out) when add is given, else h = x; y = w * (h * rsqrt(mean(h^2) + eps)). */
 int rms_norm_f32(const float *x, int64_t ldx, const float *add, float *h_out, const float *w, int64_t T, int64_t N,
                  float eps, float *y) {
 #pragma omp parallel for schedule(static) if (T * N >= ELEMENTWISE_PARALLEL_MIN)
-    for (int64_t t = 0; t < T; t++) {
-        const float *xr = x + t * ldx;
-        float *hr = add ? h_out + t * N : 0, *yr = y + t * N;
-        __m512 ss = _mm512_setzero_ps();
-        for (int64_t i = 0; i < N; i += 16) {
-            const __mmask16 k = tail16(N, i);
-            __m512 h = _mm512_maskz_loadu_ps(k, xr + i);
-            if (add) {
-                h = _mm512_add_round_ps(h, _mm512_maskz_loadu_ps(k, add + t * N + i), RN);
-                _mm512_mask_storeu_ps(hr + i, k, h);
-            }
-            ss = _mm512_fmadd_ps(h, h, ss);
-        }
-        const __m512 inv = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(ss) / (float)N + eps));
-        const float *src = add ? hr : xr;
-        for (int64_t i = 0; i < N; i += 16) {
-            const __mmask16 k = tail16(N, i);
-            const __m512 n = _mm512_mul_round_ps(_mm512_maskz_loadu_ps(k, src + i), inv, RN);
-            _mm512_mask_storeu_ps(yr + i, k, _mm512_mul_round_ps(_mm512_maskz_loadu_ps(k, w + i), n, RN));
-        }
-    }
+    for (int64_t t = 0; t < T; t++)
+        rms_norm_f32_row(x + t * ldx, add ? add + t * N : 0, add ? h_out + t * N : 0, w, N, eps, y + t * N);
     return 0;
 }
 
@@ -176,33 +180,38 @@ int silu_mul_f32(const float *x, int64_t ldx, int64_t T, int64_t I, float *y) {
     return 0;
 }
 
-/* Rotate-half RoPE as rope_bf16, in float32: y = x * cos + r * sin, r = [-x2, x1]; (hd / 2) % 16 == 0.
+/* One row's W / hd heads of rotate-half RoPE in float32, read from xr and written to yr (may be
+ * xr): y = x * cos + r * sin, r = [-x2, x1], each product rounded before the sum; c and s are
+ * the position's table rows; (hd / 2) % 16 == 0. The fused decode step calls it on its rows too. */
+static inline void rope_f32_row(const float *xr0, int64_t W, int64_t hd, const float *c, const float *s,
+                                float *yr0) {
+    const int64_t half = hd / 2;
+    for (int64_t h0 = 0; h0 < W; h0 += hd) {
+        const float *xr = xr0 + h0;
+        float *yr = yr0 + h0;
+        for (int64_t i = 0; i < half; i += 16) {
+            const __m512 x1 = _mm512_loadu_ps(xr + i), x2 = _mm512_loadu_ps(xr + half + i);
+            const __m512 lo = _mm512_add_round_ps(
+                _mm512_mul_round_ps(x1, _mm512_loadu_ps(c + i), RN),
+                _mm512_mul_round_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), _mm512_loadu_ps(s + i), RN), RN);
+            const __m512 hi = _mm512_add_round_ps(
+                _mm512_mul_round_ps(x2, _mm512_loadu_ps(c + half + i), RN),
+                _mm512_mul_round_ps(x1, _mm512_loadu_ps(s + half + i), RN), RN);
+            _mm512_storeu_ps(yr + i, lo);
+            _mm512_storeu_ps(yr + half + i, hi);
+        }
+    }
+}
+
+/* Rotate-half RoPE as rope_bf16, in float32 (rope_f32_row per row); (hd / 2) % 16 == 0.
  * Returns 2, writing nothing, when a position is outside the tables. */
 int rope_f32(const float *x, int64_t ldx, int64_t T, int64_t W, int64_t hd, const int64_t *pos, const float *cos,
              const float *sin, int64_t max_pos, float *y) {
-    const int64_t half = hd / 2;
-    if (hd % 2 || half % 16 || W % hd) return 1;
+    if (hd % 2 || (hd / 2) % 16 || W % hd) return 1;
     for (int64_t t = 0; t < T; t++)
         if (pos[t] < 0 || pos[t] >= max_pos) return 2;
 #pragma omp parallel for schedule(static) if (T * W >= ELEMENTWISE_PARALLEL_MIN)
-    for (int64_t t = 0; t < T; t++) {
-        const float *c = cos + pos[t] * hd, *s = sin + pos[t] * hd;
-        for (int64_t h0 = 0; h0 < W; h0 += hd) {
-            const float *xr = x + t * ldx + h0;
-            float *yr = y + t * W + h0;
-            for (int64_t i = 0; i < half; i += 16) {
-                const __m512 x1 = _mm512_loadu_ps(xr + i), x2 = _mm512_loadu_ps(xr + half + i);
-                const __m512 lo = _mm512_add_round_ps(
-                    _mm512_mul_round_ps(x1, _mm512_loadu_ps(c + i), RN),
-                    _mm512_mul_round_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), _mm512_loadu_ps(s + i), RN), RN);
-                const __m512 hi = _mm512_add_round_ps(
-                    _mm512_mul_round_ps(x2, _mm512_loadu_ps(c + half + i), RN),
-                    _mm512_mul_round_ps(x1, _mm512_loadu_ps(s + half + i), RN), RN);
-                _mm512_storeu_ps(yr + i, lo);
-                _mm512_storeu_ps(yr + half + i, hi);
-            }
-        }
-    }
+    for (int64_t t = 0; t < T; t++) rope_f32_row(x + t * ldx, W, hd, cos + pos[t] * hd, sin + pos[t] * hd, y + t * W);
     return 0;
 }
 #undef RN

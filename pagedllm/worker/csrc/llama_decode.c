@@ -113,6 +113,11 @@ static void rms_norm(const void *x, int64_t M, int64_t H, const void *weight, fl
             rms_norm_bf16_row((const uint16_t *)x + m * H, NULL, NULL, weight, H, eps, (uint16_t *)out + m * H);
         return;
     }
+    if (dt == LD_F32) { /* the torch path's kernel */
+        for (int64_t m = 0; m < M; m++)
+            rms_norm_f32_row((const float *)x + m * H, NULL, NULL, weight, H, eps, (float *)out + m * H);
+        return;
+    }
 #endif
     for (int64_t m = 0; m < M; m++) {
         float ss = 0.0f;
@@ -166,6 +171,11 @@ static void rope_row(const void *src, int64_t src_off, void *dst, int64_t dst_of
     if (dt == LD_BF16 && half % 16 == 0) { /* the torch path's kernel */
         rope_bf16_row((const uint16_t *)src + src_off, heads * D, D, (const uint16_t *)cos + pos * D,
                       (const uint16_t *)sin + pos * D, (uint16_t *)dst + dst_off);
+        return;
+    }
+    if (dt == LD_F32 && half % 16 == 0) { /* the torch path's kernel */
+        rope_f32_row((const float *)src + src_off, heads * D, D, (const float *)cos + pos * D,
+                     (const float *)sin + pos * D, (float *)dst + dst_off);
         return;
     }
 #endif
