@@ -152,13 +152,8 @@ class AsyncLLMEngine:
         """Starts delivering engine-core messages to the running event loop (idempotent)."""
         if self._loop is not None:
             return
-        loop = self._loop = asyncio.get_running_loop()
-
-        def deliver(kind: MsgKind, payload: Any) -> None:  # any thread
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(self._on_message, kind, payload)
-
-        self.client.start(deliver)
+        self._loop = asyncio.get_running_loop()
+        self.client.start(self._loop, self._on_message)
 
     def shutdown(self) -> None:
         self._stopped = True
