@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from pagedllm.benchmarks.env import git_commit
+
 ROOT = Path(__file__).resolve().parents[1]
 CHAOS = "tests/integration/test_server_chaos.py"
 
@@ -65,7 +67,7 @@ def main() -> None:
         return
     command = "nice -n 10 python benchmarks/chaos_runs.py " + " ".join(sys.argv[1:])
     result = {"command": command.strip(), "time": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "runs": runs, "storm": storm, "load_avg_at_end": [round(x, 1) for x in os.getloadavg()]}
+              "commit": git_commit(), "runs": runs, "storm": storm, "load_avg_at_end": [round(x, 1) for x in os.getloadavg()]}
     out = ROOT / "benchmarks" / "results"
     (out / "chaos_runs.json").write_text(json.dumps(result, indent=1) + "\n")
     seeds = [r["seed"] for r in runs]
@@ -78,9 +80,9 @@ def main() -> None:
         f"The server chaos tests ({CHAOS}: a storm of 300 clients leaving at random moments of their "
         "requests' lives mixed with /metrics and /health polls, the engine core killed mid-stream, the "
         "server killed under the engine core) ran {n} times in a row with seeds {a}..{b}: "
-        "**{p}/{n} passed**, {lo:.0f}-{hi:.0f} s per run ({tot:.0f} s in all), run {t}.".format(
+        "**{p}/{n} passed**, {lo:.0f}-{hi:.0f} s per run ({tot:.0f} s in all), run {t}, commit {c}.".format(
             n=len(runs), a=seeds[0] if seeds else "-", b=seeds[-1] if seeds else "-", p=passed,
-            lo=min(secs, default=0), hi=max(secs, default=0), tot=sum(secs), t=result["time"]),
+            lo=min(secs, default=0), hi=max(secs, default=0), tot=sum(secs), t=result["time"], c=result["commit"]),
     ]
     failed = [str(r["seed"]) for r in runs if not r["passed"]]
     if failed:
