@@ -218,7 +218,8 @@ def offline_block(r: dict[str, Any]) -> str:
             f"process, {off['dtype']}, engine flags: `{off['engine_flags'] or 'defaults'}`): "
             f"{off['output_tokens_per_s']:.1f} output tok/s ({off['output_tokens']} tokens in "
             f"{off['elapsed_s']:.1f} s). Server over offline:\n\n"
-            + table(["rate/s", "server/offline output tok/s", "same token count"], rows))
+            + table(["rate/s", "server/offline output tok/s", "same token count"], rows)
+            + (f"\n{r['note']}\n" if r.get("note") else ""))
 
 
 def latency_matrix_table(m: dict[str, Any]) -> str:

@@ -157,9 +157,9 @@ class MultiProcessClient:
 
     def start(self, loop: asyncio.AbstractEventLoop, deliver: Sink) -> None:
         """Reads the engine's output socket on `loop` itself: the loop wakes on the socket's file
-        descriptor and `deliver` runs there, with no thread or hand-over in between (one wake-up
-        per message fewer; on 2 cores each one took time from the engine's step). The process's
-        sentinel wakes it too: an engine that dies without a word is reported once."""
+        descriptor and `deliver` runs there, with no receiver thread handing messages over (one
+        thread and one wake-up per message fewer). The process's sentinel wakes it too: an engine
+        that dies without a word is reported once."""
         self._loop, self._deliver = loop, deliver
         self._fds = [self.output.getsockopt(zmq.FD), self.proc.sentinel]
         loop.add_reader(self._fds[0], self._drain)
@@ -174,23 +174,29 @@ class MultiProcessClient:
             for fd in self._fds:
                 loop.remove_reader(fd)
 
-    def _drain(self) -> None:
-        """Delivers what the output socket holds (a batch per turn, then yields to the loop)."""
-        for _ in range(self.DRAIN_BATCH):
-            if self._loop is None:
-                return
-            try:
-                raw = self.output.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return  # drained: the descriptor signals the next message
-            except zmq.ZMQError:
-                if self._stopping:
-                    return
-                raise
-            kind, payload = self.codec.decode(raw)
-            if kind == MsgKind.DEAD:
+    def _deliver_next(self) -> bool:
+        """Receives and delivers one message; False when the socket holds none. The engine's
+        death (its own word, or a failed socket) ends the watching."""
+        try:
+            raw = self.output.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as e:
+            if not self._stopping and self._loop is not None:
                 self._stop_watching()
-            self._deliver(kind, payload)
+                self._deliver(MsgKind.DEAD, f"the engine core's output socket failed: {e}")
+            return False
+        kind, payload = self.codec.decode(raw)
+        if kind == MsgKind.DEAD:
+            self._stop_watching()
+        self._deliver(kind, payload)
+        return True
+
+    def _drain(self) -> None:
+        """Delivers what the output socket holds, a batch per turn of the loop."""
+        for _ in range(self.DRAIN_BATCH):
+            if self._loop is None or not self._deliver_next():
+                return  # drained: the descriptor signals the next message
         if self._loop is not None:
             self._loop.call_soon(self._drain)  # more may be waiting, and no new edge comes for them
 
@@ -199,15 +205,8 @@ class MultiProcessClient:
         if self._loop is None or self._stopping:
             return
         self.output.poll(100)  # its last words may still be in flight on the socket
-        while self._loop is not None:
-            try:
-                raw = self.output.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            kind, payload = self.codec.decode(raw)
-            if kind == MsgKind.DEAD:
-                self._stop_watching()
-            self._deliver(kind, payload)
+        while self._loop is not None and self._deliver_next():
+            pass
         if self._loop is not None:
             self._stop_watching()
             self.proc.join(timeout=1)
