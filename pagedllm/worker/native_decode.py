@@ -86,7 +86,25 @@ def load_decode_kernel() -> ctypes.CDLL | None:
         "small_m_available": ([], ctypes.c_int),
         "llama_decode_step": ([ctypes.POINTER(_Model), i64, _p, _p, _p, _p, i64, _p, _p], ctypes.c_int),
         "llama_decode_head": ([ctypes.POINTER(_Model), i64, _p, _p, _p, _p, i64, _p, i64, _p, _p, _p], ctypes.c_int),
+        "argmax_rows": ([_p, i64, i64, i64, ctypes.c_int, _p], ctypes.c_int),
     }, includes=(ATTENTION_SRC, ELEMENTWISE_SRC, SMALL_M_SRC, QUANT_SRC))
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """x.argmax(dim=-1) of [S, V] float32 or bfloat16 rows on the CPU (int64 [S]; the first index on
+    ties, the first NaN where a row has one, as torch), one vectorized pass per row with the rows
+    spread over the threads; None where the kernel does not apply (the caller runs torch's, which
+    is scalar here: 4.2 ms against about 0.3 for 128 rows of SmolLM2's 49,152 logits)."""
+    if (x.dim() != 2 or x.dtype not in _DTYPE_CODES or x.device.type != "cpu" or x.stride(1) != 1
+            or x.shape[1] < 1 or x.requires_grad):
+        return None
+    lib = load_decode_kernel()
+    if lib is None:
+        return None
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    if lib.argmax_rows(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], _DTYPE_CODES[x.dtype], out.data_ptr()):
+        return None
+    return out
 
 
 def _linear_layout(lin: nn.Module, dtype: torch.dtype

@@ -14,7 +14,7 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.models.testing import make_tiny_checkpoint
 from pagedllm.worker.input_batch import RequestState, build_batch
-from pagedllm.worker.native_decode import MAX_ROWS, StallGuard, load_decode_kernel
+from pagedllm.worker.native_decode import MAX_ROWS, StallGuard, argmax_rows, load_decode_kernel
 
 pytestmark = pytest.mark.skipif(
     load_decode_kernel() is None or not load_decode_kernel().small_m_available() & 1,
@@ -312,3 +312,29 @@ def test_native_argmax_takes_the_first_of_tied_logits_and_a_nan_as_torch_does(dt
         head[200] = float("nan")  # NaN logits from 200 on: torch's argmax picks the first NaN
         tokens, ref = tokens_and_ref()
         assert tokens == ref == [200, 200, 200]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_gives_torch_argmax(dtype, threads, one_torch_thread):
+    """The sampler's native argmax of wide batches: ties (first index), a NaN (the first one), rows
+    of -inf, +inf, signed zeros, widths that are not a multiple of 16 and rows of a wider tensor."""
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(11)
+    for width in (1, 5, 16, 17, 49, 1000, 4099):
+        x = torch.randn(40, width + 7, generator=g).to(dtype)[:, 3:3 + width]  # strided rows
+        x[1] = 0.0
+        x[2] = float("-inf")
+        if width > 4:
+            x[3, 4] = float("nan")
+            x[3, width - 1] = float("nan")
+            x[4, width // 2] = float("inf")
+            x[5] = torch.round(x[5])  # many ties
+            x[6] = -0.0
+            x[6, width - 1] = 0.0
+            x[7, -2:] = x[7].max() + 1  # a tie in the last block
+        got = argmax_rows(x)
+        assert got is not None and got.dtype == torch.int64
+        assert torch.equal(got, x.argmax(dim=-1)), width
+    assert argmax_rows(torch.zeros(3, 8, dtype=torch.float16)) is None  # other dtypes: torch's
+    assert argmax_rows(torch.zeros(0, 8)).shape == (0,)

@@ -346,7 +346,46 @@ static void step_layers(const Step *c, int tid, int nth) {
  * torch.argmax does), its value in *max and whether it is a NaN in *nan. One vectorizable pass
  * finds the maximum and whether there is a NaN (from the bits: the kernels build with
  * -ffast-math, under which isnan() may fold to false); a second pass finds where it first occurs. */
+#if HAVE_AVX512
+/* 16 elements of v from i (lanes past hi hold -inf), widened to float32. */
+static inline __m512 argmax_load(const void *v, int64_t i, int64_t hi, int dt) {
+    const __mmask16 k = hi - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (hi - i)) - 1u);
+    const __m512i neg_inf = _mm512_set1_epi32((int)0xff800000u);
+    if (dt == LD_F32)
+        return _mm512_castsi512_ps(_mm512_mask_loadu_epi32(neg_inf, k, (const uint32_t *)v + i));
+    const __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, (const uint16_t *)v + i)), 16);
+    return _mm512_castsi512_ps(_mm512_mask_mov_epi32(neg_inf, k, w));
+}
+
+/* The lanes of x that hold a NaN, from the bits (-ffast-math may fold a float compare). */
+static inline __mmask16 argmax_nans(__m512 x) {
+    const __m512i a = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7fffffff));
+    return _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x7f800000));
+}
+#endif
+
 static int64_t argmax_range(const void *v, int64_t lo, int64_t hi, int dt, float *max, int *nan_out) {
+#if HAVE_AVX512
+    if (hi > lo) { /* the same answer 16 lanes at a time */
+        __m512 vm = argmax_load(v, lo, hi, dt);
+        __mmask16 nans = 0;
+        for (int64_t i = lo; i < hi; i += 16) {
+            const __m512 x = argmax_load(v, i, hi, dt);
+            nans |= argmax_nans(x);
+            vm = _mm512_max_ps(vm, x);
+        }
+        const float m = _mm512_reduce_max_ps(vm);
+        *max = m;
+        *nan_out = nans != 0;
+        const __m512 mv = _mm512_set1_ps(m);
+        for (int64_t i = lo; i < hi; i += 16) {
+            const __m512 x = argmax_load(v, i, hi, dt);
+            const __mmask16 hit = nans ? argmax_nans(x) : _mm512_cmp_ps_mask(x, mv, _CMP_EQ_OQ);
+            if (hit) return i + __builtin_ctz((unsigned)hit);
+        }
+        return lo;
+    }
+#endif
     const uint32_t *u32 = (const uint32_t *)v;
     const uint16_t *u16 = (const uint16_t *)v;
     int nan = 0;
@@ -371,6 +410,21 @@ static int64_t argmax_range(const void *v, int64_t lo, int64_t hi, int dt, float
         if (nan ? is_nan : ld(v, i, dt) == m) return i;
     }
     return lo;
+}
+
+/* out[s] = the argmax of row s of x [S, V] (rows ldx elements apart, dtype dt), with torch.argmax's
+ * answer (argmax_range); the sampler's greedy rows of batches the fused step does not take. Rows
+ * spread over the OpenMP team. Returns 1, writing nothing, for an empty row or another dtype. */
+int argmax_rows(const void *x, int64_t ldx, int64_t S, int64_t V, int dt, int64_t *out) {
+    if (V < 1 || (dt != LD_F32 && dt != LD_BF16)) return 1;
+    const int64_t es = dt == LD_F32 ? 4 : 2;
+#pragma omp parallel for schedule(static) if (S * V >= (1 << 16))
+    for (int64_t s = 0; s < S; s++) {
+        float m;
+        int nan;
+        out[s] = argmax_range((const char *)x + s * ldx * es, 0, V, dt, &m, &nan);
+    }
+    return 0;
 }
 
 /* The step for thread tid of nth: the layers, then either the final norm of its rows into out
