@@ -407,11 +407,11 @@ class Sampler(torch.nn.Module):
         assert logits.dim() == 2 and logits.shape[1] == md.vocab_size, (tuple(logits.shape), md.vocab_size)
         processed = self.process_logits(logits, md)
         if md.all_greedy:
-            sampled = greedy(processed)
+            sampled = row_argmax(processed)
         else:
             sampled = self._sample_random(processed, md)
             if md.greedy_mask is not None:
-                sampled = torch.where(md.greedy_mask, greedy(processed), sampled)
+                sampled = torch.where(md.greedy_mask, row_argmax(processed), sampled)
         if md.max_num_logprobs is None:
             return SamplerOutput(sampled, None, None, None)
         ids, logprobs, ranks = compute_topk_logprobs(logits, sampled, md.max_num_logprobs)
@@ -446,14 +446,14 @@ class Sampler(torch.nn.Module):
         return exponential_race(probs, md.generators)
 
 
-def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """The argmax of each row (torch.argmax's answer): on the CPU one native pass per row, where
-    torch's reduction runs scalar (pagedllm/worker/native_decode.py `argmax_rows`)."""
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """The argmax of each row of [S, V] (torch.argmax's answer): on the CPU one native pass per row,
+    where torch's reduction runs scalar (pagedllm/worker/native_decode.py `argmax_rows`)."""
     from pagedllm.worker.native_decode import argmax_rows
 
-    if logits.device.type == "cpu" and (ids := argmax_rows(logits)) is not None:
+    if x.device.type == "cpu" and (ids := argmax_rows(x)) is not None:
         return ids
-    return logits.argmax(dim=-1)
+    return x.argmax(dim=-1)
 
 
 def _token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -518,7 +518,7 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
         q.exponential_()
     for row, generator in generators.items():
         q[row].exponential_(generator=generator)
-    return (probs / q.clamp_min_(_TINY)).argmax(dim=-1)
+    return row_argmax(probs / q.clamp_min_(_TINY))
 
 
 def compute_topk_logprobs(
