@@ -94,7 +94,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
     """x.argmax(dim=-1) of [S, V] float32 or bfloat16 rows on the CPU (int64 [S]; the first index on
     ties, the first NaN where a row has one, as torch), one vectorized pass per row with the rows
     spread over the threads; None where the kernel does not apply (the caller runs torch's, which
-    is scalar here: 4.2 ms against about 0.3 for 128 rows of SmolLM2's 49,152 logits)."""
+    is scalar here: 3.7 ms against 0.4 for 128 rows of SmolLM2's 49,152 float32 logits)."""
     if (x.dim() != 2 or x.dtype not in _DTYPE_CODES or x.device.type != "cpu" or x.stride(1) != 1
             or x.shape[1] < 1 or x.requires_grad):
         return None

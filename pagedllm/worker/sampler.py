@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from pagedllm.sampling_params import SamplingParams, SamplingType
+from pagedllm.worker.native_decode import argmax_rows
 
 if TYPE_CHECKING:
     from pagedllm.worker.input_batch import InputBatch
@@ -449,11 +450,8 @@ class Sampler(torch.nn.Module):
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
     """The argmax of each row of [S, V] (torch.argmax's answer): on the CPU one native pass per row,
     where torch's reduction runs scalar (pagedllm/worker/native_decode.py `argmax_rows`)."""
-    from pagedllm.worker.native_decode import argmax_rows
-
-    if x.device.type == "cpu" and (ids := argmax_rows(x)) is not None:
-        return ids
-    return x.argmax(dim=-1)
+    ids = argmax_rows(x)
+    return x.argmax(dim=-1) if ids is None else ids
 
 
 def _token_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -342,14 +342,10 @@ static void step_layers(const Step *c, int tid, int nth) {
     }
 }
 
-/* Index of the largest of v[lo, hi) (the first one on ties; the first NaN if there is one, as
- * torch.argmax does), its value in *max and whether it is a NaN in *nan. One vectorizable pass
- * finds the maximum and whether there is a NaN (from the bits: the kernels build with
- * -ffast-math, under which isnan() may fold to false); a second pass finds where it first occurs. */
 #if HAVE_AVX512
 /* 16 elements of v from i (lanes past hi hold -inf), widened to float32. */
 static inline __m512 argmax_load(const void *v, int64_t i, int64_t hi, int dt) {
-    const __mmask16 k = hi - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (hi - i)) - 1u);
+    const __mmask16 k = tail16(hi, i);
     const __m512i neg_inf = _mm512_set1_epi32((int)0xff800000u);
     if (dt == LD_F32)
         return _mm512_castsi512_ps(_mm512_mask_loadu_epi32(neg_inf, k, (const uint32_t *)v + i));
@@ -364,6 +360,10 @@ static inline __mmask16 argmax_nans(__m512 x) {
 }
 #endif
 
+/* Index of the largest of v[lo, hi) (the first one on ties; the first NaN if there is one, as
+ * torch.argmax does), its value in *max and whether it is a NaN in *nan. One vectorizable pass
+ * finds the maximum and whether there is a NaN (from the bits: the kernels build with
+ * -ffast-math, under which isnan() may fold to false); a second pass finds where it first occurs. */
 static int64_t argmax_range(const void *v, int64_t lo, int64_t hi, int dt, float *max, int *nan_out) {
 #if HAVE_AVX512
     if (hi > lo) { /* the same answer 16 lanes at a time */
@@ -413,8 +413,9 @@ static int64_t argmax_range(const void *v, int64_t lo, int64_t hi, int dt, float
 }
 
 /* out[s] = the argmax of row s of x [S, V] (rows ldx elements apart, dtype dt), with torch.argmax's
- * answer (argmax_range); the sampler's greedy rows of batches the fused step does not take. Rows
- * spread over the OpenMP team. Returns 1, writing nothing, for an empty row or another dtype. */
+ * answer (argmax_range): the sampler's argmax (greedy rows, the exponential race) of batches the
+ * fused step does not end. Rows spread over the OpenMP team. Returns 1, writing nothing, for an
+ * empty row or another dtype. */
 int argmax_rows(const void *x, int64_t ldx, int64_t S, int64_t V, int dt, int64_t *out) {
     if (V < 1 || (dt != LD_F32 && dt != LD_BF16)) return 1;
     const int64_t es = dt == LD_F32 ? 4 : 2;
