@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import aiohttp
 import httpx
 from tqdm.auto import tqdm
 
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 
 # ---- one request ----------------------------------------------------------------------------
 
-async def send_request(client: httpx.AsyncClient, url: str, model: str | None, req: BenchRequest,
+async def send_request(client: aiohttp.ClientSession, url: str, model: str | None, req: BenchRequest,
                        headers: dict[str, str]) -> RequestResult:
     body: dict[str, Any] = {
         "prompt": req.prompt_token_ids,
@@ -55,16 +56,16 @@ async def send_request(client: httpx.AsyncClient, url: str, model: str | None, r
     start = time.perf_counter()
     last = start
     try:
-        async with client.stream("POST", url, json=body, headers=headers) as resp:
-            if resp.status_code != 200:
-                text = (await resp.aread()).decode("utf-8", "replace")
-                result.error = f"HTTP {resp.status_code}: {text[:200]}"
+        async with client.post(url, json=body, headers=headers) as resp:
+            if resp.status != 200:
+                text = (await resp.read()).decode("utf-8", "replace")
+                result.error = f"HTTP {resp.status}: {text[:200]}"
                 return result
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
+            async for raw in resp.content:  # one line at a time, split by aiohttp's C parser
+                if not raw.startswith(b"data:"):
                     continue
-                data = line[5:].strip()
-                if data == "[DONE]":
+                data = raw[5:].strip()
+                if data == b"[DONE]":
                     break
                 msg = json.loads(data)
                 if msg.get("error"):
@@ -81,7 +82,7 @@ async def send_request(client: httpx.AsyncClient, url: str, model: str | None, r
                     result.itl.append(now - last)
                 last = now
                 chunks += 1
-    except (httpx.HTTPError, json.JSONDecodeError, OSError) as exc:
+    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, UnicodeDecodeError, OSError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"[:200]
         return result
     result.latency = last - start
@@ -109,11 +110,13 @@ async def run_load(base_url: str, model: str | None, reqs: list[BenchRequest], r
                    request_timeout: float, desc: str) -> tuple[list[RequestResult], float]:
     url = base_url.rstrip("/") + "/v1/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=max_concurrency or len(reqs))
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     bar = tqdm(total=len(reqs), desc=desc, dynamic_ncols=True)
-
-    async with httpx.AsyncClient(timeout=httpx.Timeout(request_timeout, connect=30.0), limits=limits) as client:
+    # aiohttp (as vLLM's serving benchmark uses) parses the streams in C: the client takes less of
+    # the CPU the server under test runs on. `request_timeout` bounds each read, as a stall guard.
+    connector = aiohttp.TCPConnector(limit=max_concurrency or len(reqs))
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30.0, sock_read=request_timeout)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
         async def one(req: BenchRequest) -> RequestResult:
             if sem is None:
                 r = await send_request(client, url, model, req, headers)

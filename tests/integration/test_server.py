@@ -111,7 +111,8 @@ def test_models_version_health(server: Server, client: openai.OpenAI) -> None:
     assert httpx.get(server.url + "/health").status_code == 200
     assert httpx.get(server.url + "/version").json()["version"]
     out = server.output()
-    assert f"Serving {MODEL} at {server.url} (OpenAI-compatible: /v1/completions, /v1/chat/completions)" in out
+    assert (f"Serving {MODEL} at {server.url} (OpenAI-compatible: /v1/completions, /v1/chat/completions; "
+            "HTTP parser httptools, event loop uvloop)") in out
     assert "KV cache:" in out and "maximum concurrency" in out
 
 

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import hmac
+import importlib.util
 import json
 import logging
 import os
@@ -21,7 +22,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -375,22 +375,25 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-class HeaderTimeoutProtocol(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol with a bound on reading a request's headers: a connection that
-    has not sent complete headers `header_read_timeout` seconds after it opened, or after the first
-    bytes of its next request, is closed, so that slow-header clients cannot hold connections open
-    forever. Between a response and the next request's first bytes the connection is idle, and
-    uvicorn's keep-alive timeout (--timeout-keep-alive) bounds it instead."""
+class HeaderTimeoutMixin:
+    """A bound on reading a request's headers, for uvicorn's HTTP/1.1 protocols (h11 and httptools):
+    a connection that has not sent complete headers `header_read_timeout` seconds after it opened,
+    or after the first bytes of its next request, is closed, so that slow-header clients cannot
+    hold connections open forever. Between a response and the next request's first bytes the
+    connection is idle, and uvicorn's keep-alive timeout (--timeout-keep-alive) bounds it instead."""
 
     header_read_timeout = 10.0
+    cycle: Any
+    loop: asyncio.AbstractEventLoop
+    transport: asyncio.Transport
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
         self._idle = False
         self._arm_header_timer()
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
+        super().on_response_complete()  # type: ignore[misc]
         self._idle = True
 
     def data_received(self, data: bytes) -> None:
@@ -399,7 +402,7 @@ class HeaderTimeoutProtocol(H11Protocol):
         if self._idle and (self.cycle is None or self.cycle.response_complete):
             self._arm_header_timer()
         self._idle = False
-        super().data_received(data)
+        super().data_received(data)  # type: ignore[misc]
 
     def _arm_header_timer(self) -> None:
         cycle = self.cycle  # a new request replaces it as soon as its headers are in
@@ -409,6 +412,33 @@ class HeaderTimeoutProtocol(H11Protocol):
                 self.transport.close()
 
         self.loop.call_later(self.header_read_timeout, expire)
+
+
+def resolve_http_impl(impl: str) -> str:
+    """`auto` is httptools (a C parser, the lighter per streamed event) when it is installed, else h11."""
+    if impl == "auto":
+        return "httptools" if importlib.util.find_spec("httptools") is not None else "h11"
+    if impl not in ("h11", "httptools"):
+        raise ValueError(f"--uvicorn-http must be auto, h11 or httptools, got {impl!r}")
+    return impl
+
+
+def resolve_loop(loop: str) -> str:
+    """`auto` is uvloop when it is installed, else asyncio's own loop (as uvicorn decides)."""
+    if loop == "auto":
+        return "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
+    if loop not in ("asyncio", "uvloop"):
+        raise ValueError(f"--uvicorn-loop must be auto, asyncio or uvloop, got {loop!r}")
+    return loop
+
+
+def http_protocol(impl: str, header_read_timeout: float) -> type:
+    """uvicorn's HTTP/1.1 protocol class for `impl` (h11 or httptools) with the header-read bound."""
+    if impl == "httptools":
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+    else:
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base  # type: ignore[assignment]
+    return type(f"HeaderTimeout{base.__name__}", (HeaderTimeoutMixin, base), {"header_read_timeout": header_read_timeout})
 
 
 class _Server(uvicorn.Server):
@@ -440,6 +470,8 @@ def run_server(args: argparse.Namespace) -> int:
         raise ValueError(f"--header-read-timeout must be positive, got {args.header_read_timeout}")
     if not args.timeout_keep_alive > 0:
         raise ValueError(f"--timeout-keep-alive must be positive, got {args.timeout_keep_alive}")
+    resolve_http_impl(args.uvicorn_http)
+    resolve_loop(args.uvicorn_loop)
     chat_template = load_chat_template(args.chat_template)
     api_keys = list(args.api_key or [])
     if not api_keys and os.environ.get("PAGEDLLM_API_KEY"):
@@ -489,6 +521,7 @@ def _serve(
     )
     if not api_keys and args.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s without --api-key: anyone who can reach it can use it", args.host)
+    http_impl, loop_impl = resolve_http_impl(args.uvicorn_http), resolve_loop(args.uvicorn_loop)
     config = uvicorn.Config(
         app,
         log_config=None,
@@ -496,7 +529,8 @@ def _serve(
         access_log=not args.disable_uvicorn_access_log,
         timeout_graceful_shutdown=5,
         timeout_keep_alive=args.timeout_keep_alive,
-        http=type("Protocol", (HeaderTimeoutProtocol,), {"header_read_timeout": args.header_read_timeout}),
+        http=http_protocol(http_impl, args.header_read_timeout),
+        loop=loop_impl,
     )
     server = _Server(config, app.state.server_state)
     exit_code = 0
@@ -511,7 +545,8 @@ def _serve(
     async_engine.on_dead.append(on_engine_dead)
     shown = f"[{host}]" if ":" in host else host
     logger.info(
-        "Serving %s at http://%s:%d (OpenAI-compatible: /v1/completions, /v1/chat/completions)", names[0], shown, port
+        "Serving %s at http://%s:%d (OpenAI-compatible: /v1/completions, /v1/chat/completions; HTTP parser %s, "
+        "event loop %s)", names[0], shown, port, http_impl, loop_impl,
     )
     # uvicorn re-raises the signal that stopped it after its graceful shutdown, to the handlers
     # in place before it started: make those no-ops so SIGINT/SIGTERM end with exit code 0.

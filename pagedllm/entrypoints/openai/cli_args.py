@@ -42,6 +42,10 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput log line")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug", "trace"))
+    g.add_argument("--uvicorn-http", default="auto", choices=("auto", "h11", "httptools"),
+                   help="uvicorn's HTTP/1.1 implementation (default auto: httptools when installed, else h11)")
+    g.add_argument("--uvicorn-loop", default="auto", choices=("auto", "asyncio", "uvloop"),
+                   help="the server's event loop (default auto: uvloop when installed, else asyncio)")
     g.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request")
     p.set_defaults(func=_serve)
     return p
