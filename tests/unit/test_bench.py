@@ -278,3 +278,55 @@ def test_decode_read_bytes_follow_the_model_storage(tiny_model_dir) -> None:
     assert head < int8 < head + (dense - head) * 0.4
     codes_only, _ = read(dtype="float32", quantization="int8", quantize_embeddings=True)
     assert codes_only < int8 - head * 0.6
+
+
+def test_repeat_rounds_report_each_ratio_and_the_median(tiny_model_dir, tmp_path, capsys) -> None:
+    """`--repeat 2 --offline-baseline`: two rounds, each with its own server run and offline run,
+    and the median of the server/offline ratios in the summary."""
+    import statistics
+
+    from pagedllm.entrypoints.cli import main
+
+    out = tmp_path / "r.json"
+    rc = main(["bench", "serve", "--launch", "pagedllm", "--model", tiny_model_dir, "--repeat", "2",
+               "--offline-baseline", "--num-prompts", "3", "--input-len-range", "4:8", "--output-len-range", "2:4",
+               "--server-args", "--num-kv-blocks 64", "--output-json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["repeat"] == 2 and len(report["rounds"]) == 2
+    ratios = []
+    for rnd in report["rounds"]:
+        (server,) = rnd["servers"]
+        assert server["runs"][0]["completed"] == 3 and server["offline"]["num_requests"] == 3
+        (x,) = server["offline_ratio"]
+        assert x["exact_tokens"]
+        ratios.append(x["output_throughput"])
+    (summary,) = report["summary"]["offline_ratio"]
+    assert summary["per_round"] == ratios and summary["median"] == pytest.approx(statistics.median(ratios), abs=1e-3)
+    assert "over 2 rounds" in capsys.readouterr().out
+
+
+def test_repeat_summary_of_two_servers() -> None:
+    from pagedllm.benchmarks.serve import repeat_summary
+
+    def report(name: str, tok_s: float, ttft: float) -> dict:
+        run = {"request_rate": "inf", "output_throughput": tok_s, "ttft_ms": {"mean": ttft}, "tpot_ms": {"mean": 10.0},
+               "itl_ms": {"median": 9.0}, "goodput": None}
+        return {"server": name, "runs": [run], "server_peak_rss_bytes": 100}
+
+    rounds = [[report("a", 300, 100), report("b", 200, 200)], [report("a", 330, 90), report("b", 300, 100)],
+              [report("a", 120, 50), report("b", 100, 100)]]
+    (row,) = repeat_summary(rounds)["ratios"]
+    assert row["servers"] == "a/b" and row["output_throughput"]["per_round"] == [1.5, 1.1, 1.2]
+    assert row["output_throughput"]["median"] == 1.2 and row["mean_ttft"]["median"] == 0.5
+    assert row["goodput"] == {"per_round": [None, None, None], "median": None}
+    assert repeat_summary(rounds)["offline_ratio"] == []
+
+
+def test_repeat_needs_launch(capsys) -> None:
+    from pagedllm.entrypoints.cli import main
+
+    assert main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--repeat", "2"]) == 2
+    assert "--repeat relaunches" in capsys.readouterr().err
+    assert main(["bench", "serve", "--launch", "pagedllm", "--repeat", "0"]) == 2
+    assert "--repeat must be at least 1, got 0" in capsys.readouterr().err

@@ -51,3 +51,30 @@ def test_serve_section_shows_the_server_over_offline_ratio(tmp_path):
     text = doc.read_text()
     assert "100.0 output tok/s" in text and "`--max-num-seqs 64`" in text
     assert "| inf | 0.96 | yes |" in text and "| 1.0 | 0.45 | yes |" in text
+
+
+def test_serve_section_shows_repeated_rounds_and_their_median(tmp_path):
+    from pagedllm.benchmarks.serve import offline_ratios, repeat_summary
+
+    rounds = []
+    for tps, off in ((80.0, 100.0), (95.0, 100.0), (60.0, 100.0)):
+        report = {"benchmark": "serve", "server": "pagedllm", "base_url": "http://127.0.0.1:1", "served_model": "m",
+                  "workload": {"num_requests": 4, "input_len_range": [32, 512], "output_len_range": [16, 256]},
+                  "runs": [_serve_run("inf", tps, 400)],
+                  "offline": {"dtype": "bfloat16", "elapsed_s": 4.0, "output_tokens": 400,
+                              "output_tokens_per_s": off, "engine_flags": ""}}
+        report["offline_ratio"] = offline_ratios(report)
+        rounds.append([report])
+    data = {"benchmark": "serve", "repeat": 3, "summary": repeat_summary(rounds),
+            "rounds": [{"servers": r, "ratios": []} for r in rounds]}
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "serve-offline.json").write_text(json.dumps(data))
+    doc = tmp_path / "benchmarks.md"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "make_report.py"), "--results", str(results),
+                           "--doc", str(doc)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text = doc.read_text()
+    assert "### 3 rounds of `pagedllm`" in text
+    assert "| inf | 0.80, 0.95, 0.60 | **0.80** |" in text
+    assert "| inf | 0.60 | yes |" in text  # the last round in full
