@@ -208,14 +208,14 @@ def serve_section(reports: list[dict[str, Any]], img: Path, ratios: list[dict[st
 
 
 def repeat_section(s: dict[str, Any]) -> str:
-    """A `bench serve --repeat N` run: each round's ratios and their medians (its last round is shown
-    in full above)."""
+    """A `bench serve --repeat N` run: each round's figures and ratios, and their medians."""
     summary = s["summary"]
     first = s["rounds"][0]["servers"][0]
-    parts = [f"\n### {summary['rounds']} rounds of `{first.get('server', '')}`\n\n",
+    names = " and ".join(f"`{r.get('server', '')}`" for r in s["rounds"][0]["servers"])
+    parts = [f"\n### {summary['rounds']} rounds of {names}\n\n",
              run_block(first.get("meta")),
-             f"\nEach round launches the server(s) afresh on the same workload (later rounds alternate the order), "
-             f"then the offline engine where asked; the last round is the one shown in full above.\n\n"]
+             "\nEach round launches the server(s) afresh on the same workload (later rounds alternate the order), "
+             "then the offline engine where asked.\n\n"]
     if summary["offline_ratio"]:
         offline = [r["servers"][0]["offline"].get("output_tokens_per_s") for r in s["rounds"]]
         served = [r["servers"][0]["runs"][-1]["output_throughput"] for r in s["rounds"]]
@@ -225,12 +225,19 @@ def repeat_section(s: dict[str, Any]) -> str:
         parts.append("\nServer / offline output tok/s per round (last rate): "
                      + ", ".join(f"{a:.1f} / {fmt(b, '.1f')}" for a, b in zip(served, offline)) + ".\n")
     if summary["ratios"]:
+        for rate_i, x in enumerate(summary["ratios"]):
+            cells = [" / ".join(fmt(srv["runs"][rate_i]["output_throughput"] if len(srv.get("runs", [])) > rate_i
+                                    else None, ".1f") for srv in r["servers"]) for r in s["rounds"]]
+            parts.append(f"\nOutput tok/s ({x['servers']}) at rate {x['request_rate']}, per round: "
+                         + ", ".join(cells) + ".\n")
         keys = (("output_throughput", "out tok/s"), ("mean_ttft", "mean TTFT"), ("mean_tpot", "mean TPOT"))
         parts.append(f"\n{summary['ratios'][0]['servers']} per round (median):\n\n")
         parts.append(table(["rate/s", *(k[1] for k in keys)],
                            [[str(x["request_rate"]), *(", ".join(fmt(v, ".2f") for v in x[k]["per_round"])
                                                        + f" (**{fmt(x[k]['median'], '.2f')}**)" for k, _ in keys)]
                             for x in summary["ratios"]]))
+    if s.get("note"):
+        parts.append(f"\n{s['note']}\n")
     return "".join(parts)
 
 
@@ -414,6 +421,8 @@ The commands (`pagedllm bench <name> --help` for every flag):
 - `pagedllm bench serve --launch pagedllm,vllm | --base-url URL`: streamed /v1/completions at Poisson
   arrivals (`--request-rate 0.5,1,2,inf`), each launched server in turn on the same workload with the
   ratios of the first to the second, or against any OpenAI-compatible server (llama.cpp's too).
+  `--repeat N` runs N rounds (relaunching, alternating the order) and reports each round's ratios
+  and their median, since one run on this host's drifting speed says little.
 - guidellm (a separate benchmarking client, pinned `guidellm==0.8.1` in its own environment so it
   cannot disturb pagedllm's: `python -m venv .venv-guidellm && .venv-guidellm/bin/pip install
   torch==2.13.0 && .venv-guidellm/bin/pip install guidellm==0.8.1 -c <(echo torch==2.13.0)`), a
@@ -560,15 +569,17 @@ def main() -> None:
         parts.append(later_throughput_section(later, t))
     loaded = [s for p in sorted(res.glob("serve*.json")) if (s := load(p)) is not None]
     # A run of `--launch pagedllm,vllm` holds both servers' reports and their ratios; one of
-    # `--repeat N` holds its rounds (the last is shown in full) and their medians.
-    shown = [s["rounds"][-1] if "rounds" in s else s for s in loaded]
-    serve = [r for s in shown for r in (s["servers"] if "servers" in s else [s])]
-    ratios = next((s["ratios"] for s in shown if s.get("ratios")), None)
+    # `--repeat N` holds its rounds and their medians, and gets a section of its own.
+    single = [s for s in loaded if "rounds" not in s]
+    serve = [r for s in single for r in (s["servers"] if "servers" in s else [s])]
+    ratios = next((s["ratios"] for s in single if s.get("ratios")), None)
     if serve:
         parts.append(serve_section(serve, img_dir / "bench-serve-latency.png", ratios))
-        parts += [repeat_section(s) for s in loaded if "rounds" in s]
+    elif len(single) < len(loaded):
+        parts.append("## Online serving\n")
     else:
         missing.append("serve*.json")
+    parts += [repeat_section(s) for s in loaded if "rounds" in s]
     for name, fn in (("latency.json", latency_section), ("native_decode.json", native_decode_section),
                      ("scheduler.json", scheduler_section)):
         if (d := load(res / name)) is not None:

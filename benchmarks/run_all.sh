@@ -4,7 +4,7 @@
 # OMP_NUM_THREADS unset every engine uses all cores. `make peers` first for the vLLM rows.
 # usage: benchmarks/run_all.sh [throughput] [serve] [latency] [nativedecode] [prefill] [kvquality] [scheduler] [memory]
 #        (default: all)
-# Approximate times on 2 cores: throughput 40-60 min (hf ~25, vllm ~15 incl. start-up), serve ~30 min,
+# Approximate times on 2 cores: throughput 40-60 min (hf ~25, vllm ~15 incl. start-up), serve ~60 min,
 # latency 3 min, nativedecode 2 min, prefill 5 min, kvquality 3 min, scheduler 2 min, memory 10 s.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,7 +22,14 @@ for step in "${steps[@]}"; do
     serve)
       # Both servers on their default dtype, one after the other on the same workload, in one run.
       $PB bench serve --launch pagedllm,vllm --num-prompts 48 --input-len-range 32:512 --output-len-range 16:256 \
-        --request-rate 0.5,1,2,inf --slo-ttft 5000 --slo-tpot 500 --output-json "$R/serve.json" || true ;;
+        --request-rate 0.5,1,2,inf --slo-ttft 5000 --slo-tpot 500 --output-json "$R/serve.json" || true
+      # The targets' rates again, 3 rounds in alternating order (about 22 min), and the server against
+      # the offline engine, 5 rounds (about 6 min): medians that one run on a drifting host cannot give.
+      $PB bench serve --launch pagedllm,vllm --num-prompts 48 --input-len-range 32:512 --output-len-range 16:256 \
+        --request-rate 0.5,inf --repeat 3 --slo-ttft 5000 --slo-tpot 500 --output-json "$R/serve-vllm-rounds.json" || true
+      $PB bench serve --launch pagedllm --label 'pagedllm server vs offline engine' --offline-baseline --repeat 5 \
+        --num-prompts 48 --input-len-range 32:512 --output-len-range 16:256 --request-rate inf \
+        --output-json "$R/serve-offline.json" || true ;;
     latency)
       $PB bench latency --input-len 32 --output-len 128 --num-iters 3 --dtype float32,bfloat16 \
         --compare llama.cpp,hf --output-json "$R/latency.json" ;;

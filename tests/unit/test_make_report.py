@@ -75,6 +75,6 @@ def test_serve_section_shows_repeated_rounds_and_their_median(tmp_path):
                            "--doc", str(doc)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     text = doc.read_text()
-    assert "### 3 rounds of `pagedllm`" in text
+    assert "## Online serving" in text and "### 3 rounds of `pagedllm`" in text
     assert "| inf | 0.80, 0.95, 0.60 | **0.80** |" in text
-    assert "| inf | 0.60 | yes |" in text  # the last round in full
+    assert "Server / offline output tok/s per round (last rate): 80.0 / 100.0, 95.0 / 100.0, 60.0 / 100.0." in text
