@@ -4,6 +4,7 @@ process over ZeroMQ. Both deliver (kind, payload) messages on the front end's ev
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import multiprocessing
 import os
@@ -123,6 +124,9 @@ class MultiProcessClient:
             daemon=False,
         )
         self.proc.start()
+        # The engine core is not daemonic, and multiprocessing joins such children at exit: a program
+        # that ends without shutdown() (an exception, say) stops the engine core first, not hangs.
+        atexit.register(self.shutdown)
         self.num_blocks = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._fds: list[int] = []
@@ -223,6 +227,7 @@ class MultiProcessClient:
         if self._stopping:
             return
         self._stopping = True
+        atexit.unregister(self.shutdown)
         if self.proc.is_alive():
             try:
                 self.input.send(self.codec.encode(MsgKind.SHUTDOWN), zmq.NOBLOCK)

@@ -277,3 +277,67 @@ def test_finished_requests_leave_nothing_behind(engine: LLMEngine, ae: AsyncLLME
         assert not ae.errored
 
     asyncio.run(run())
+
+
+def test_a_failing_stat_logger_is_turned_off_and_serving_goes_on(engine: LLMEngine) -> None:
+    """A stat logger that raises loses its own figures; requests, and the other loggers, go on."""
+
+    class Broken:
+        def record(self, scheduler_stats, iteration_stats) -> None:
+            raise KeyError("injected")
+
+        def log(self) -> None: ...
+
+    class Counting:
+        steps = 0
+
+        def record(self, scheduler_stats, iteration_stats) -> None:
+            self.steps += 1
+
+        def log(self) -> None: ...
+
+    broken, counting = Broken(), Counting()
+    front = AsyncLLMEngine.from_llm_engine(engine, stat_loggers=[broken, counting])
+    try:
+        async def run() -> list[str]:
+            return await asyncio.gather(*(collect(front, f"r{i}", f"text {i}", max_tokens=6) for i in range(3)))
+
+        assert all(len(t) > 0 for t in asyncio.run(run()))
+        assert not front.errored and front.stat_loggers == [counting] and counting.steps >= 6
+    finally:
+        front.shutdown()
+    idle_and_clean(engine)
+
+
+EXITS_WITHOUT_SHUTDOWN = """
+import asyncio, sys
+from pagedllm import SamplingParams
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.async_engine import AsyncLLMEngine
+
+async def main():
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=sys.argv[1], num_kv_blocks=64))
+    print(engine.client.pid, flush=True)
+    async for _ in engine.generate("hello", SamplingParams(max_tokens=2), "r"):
+        pass
+    raise RuntimeError("the program ends without shutdown()")
+
+if __name__ == "__main__":
+    asyncio.run(main())
+"""
+
+
+def test_a_program_that_never_calls_shutdown_still_exits(tiny_model_dir: str, tmp_path) -> None:
+    """The engine-core process is not daemonic and multiprocessing joins such children at exit:
+    without a stop of its own at exit, a program that ends on an exception would hang there."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "no_shutdown.py"
+    script.write_text(EXITS_WITHOUT_SHUTDOWN)
+    proc = subprocess.run([sys.executable, str(script), tiny_model_dir], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "the program ends without shutdown()" in proc.stderr, proc.stderr[-2000:]
+    pid = int(proc.stdout.split()[0])
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
