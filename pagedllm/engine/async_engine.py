@@ -251,13 +251,13 @@ class AsyncLLMEngine:
         if result.failed_seq_ids:
             self.client.abort(result.failed_seq_ids)
         scheduler_stats = step.scheduler
-        for sl in list(self.stat_loggers):
+        for sl in self.stat_loggers:
             try:
                 sl.record(scheduler_stats, stats)
                 sl.log()
             except Exception:  # a stats sink's fault costs its own figures, never the serving
                 logger.exception("stat logger %s failed; it is turned off", type(sl).__name__)
-                self.stat_loggers.remove(sl)
+                self.stat_loggers = [x for x in self.stat_loggers if x is not sl]  # this loop goes on over the old list
 
     def _die(self, reason: str) -> None:
         logger.error("the engine has failed: %s", reason)

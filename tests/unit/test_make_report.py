@@ -31,6 +31,18 @@ def _serve_run(rate: object, out_tps: float, out_tokens: int) -> dict:
             "ttft_ms": q, "tpot_ms": q, "itl_ms": q, "e2el_ms": q}
 
 
+def _render(tmp_path: Path, name: str, data: dict) -> str:
+    """docs/benchmarks.md as make_report.py renders it from one results file `name` holding `data`."""
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / name).write_text(json.dumps(data))
+    doc = tmp_path / "benchmarks.md"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "make_report.py"), "--results", str(results),
+                           "--doc", str(doc)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return doc.read_text()
+
+
 def test_serve_section_shows_the_server_over_offline_ratio(tmp_path):
     from pagedllm.benchmarks.serve import offline_ratios
 
@@ -41,14 +53,7 @@ def test_serve_section_shows_the_server_over_offline_ratio(tmp_path):
                           "output_tokens_per_s": 100.0, "engine_flags": "--max-num-seqs 64"}}
     report["offline_ratio"] = offline_ratios(report)
     assert [r["output_throughput"] for r in report["offline_ratio"]] == [0.45, 0.96]
-    results = tmp_path / "results"
-    results.mkdir()
-    (results / "serve.json").write_text(json.dumps(report))
-    doc = tmp_path / "benchmarks.md"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "make_report.py"), "--results", str(results),
-                           "--doc", str(doc)], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    text = doc.read_text()
+    text = _render(tmp_path, "serve.json", report)
     assert "100.0 output tok/s" in text and "`--max-num-seqs 64`" in text
     assert "| inf | 0.96 | yes |" in text and "| 1.0 | 0.45 | yes |" in text
 
@@ -67,14 +72,7 @@ def test_serve_section_shows_repeated_rounds_and_their_median(tmp_path):
         rounds.append([report])
     data = {"benchmark": "serve", "repeat": 3, "summary": repeat_summary(rounds),
             "rounds": [{"servers": r, "ratios": []} for r in rounds]}
-    results = tmp_path / "results"
-    results.mkdir()
-    (results / "serve-offline.json").write_text(json.dumps(data))
-    doc = tmp_path / "benchmarks.md"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "make_report.py"), "--results", str(results),
-                           "--doc", str(doc)], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    text = doc.read_text()
+    text = _render(tmp_path, "serve-offline.json", data)
     assert "## Online serving" in text and "### 3 rounds of `pagedllm`" in text
     assert "| inf | 0.80, 0.95, 0.60 | **0.80** |" in text
     assert "Server / offline output tok/s per round (last rate): 80.0 / 100.0, 95.0 / 100.0, 60.0 / 100.0." in text

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import hmac
 import importlib.util
 import json
@@ -414,22 +415,17 @@ class HeaderTimeoutMixin:
         self.loop.call_later(self.header_read_timeout, expire)
 
 
-def resolve_http_impl(impl: str) -> str:
-    """`auto` is httptools (a C parser, the lighter per streamed event) when it is installed, else h11."""
-    if impl == "auto":
-        return "httptools" if importlib.util.find_spec("httptools") is not None else "h11"
-    if impl not in ("h11", "httptools"):
-        raise ValueError(f"--uvicorn-http must be auto, h11 or httptools, got {impl!r}")
-    return impl
+def _resolve(flag: str, value: str, fast: str, fallback: str) -> str:
+    """`auto` is `fast` (a C implementation) when it is installed, else `fallback` (as uvicorn decides)."""
+    if value == "auto":
+        return fast if importlib.util.find_spec(fast) is not None else fallback
+    if value not in (fallback, fast):
+        raise ValueError(f"{flag} must be auto, {fallback} or {fast}, got {value!r}")
+    return value
 
 
-def resolve_loop(loop: str) -> str:
-    """`auto` is uvloop when it is installed, else asyncio's own loop (as uvicorn decides)."""
-    if loop == "auto":
-        return "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
-    if loop not in ("asyncio", "uvloop"):
-        raise ValueError(f"--uvicorn-loop must be auto, asyncio or uvloop, got {loop!r}")
-    return loop
+resolve_http_impl = functools.partial(_resolve, "--uvicorn-http", fast="httptools", fallback="h11")
+resolve_loop = functools.partial(_resolve, "--uvicorn-loop", fast="uvloop", fallback="asyncio")
 
 
 def http_protocol(impl: str, header_read_timeout: float) -> type:
@@ -470,8 +466,8 @@ def run_server(args: argparse.Namespace) -> int:
         raise ValueError(f"--header-read-timeout must be positive, got {args.header_read_timeout}")
     if not args.timeout_keep_alive > 0:
         raise ValueError(f"--timeout-keep-alive must be positive, got {args.timeout_keep_alive}")
-    resolve_http_impl(args.uvicorn_http)
-    resolve_loop(args.uvicorn_loop)
+    # Decided once, before the model loads: _serve and its start-up line use the names chosen here.
+    args.uvicorn_http, args.uvicorn_loop = resolve_http_impl(args.uvicorn_http), resolve_loop(args.uvicorn_loop)
     chat_template = load_chat_template(args.chat_template)
     api_keys = list(args.api_key or [])
     if not api_keys and os.environ.get("PAGEDLLM_API_KEY"):
@@ -521,7 +517,6 @@ def _serve(
     )
     if not api_keys and args.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s without --api-key: anyone who can reach it can use it", args.host)
-    http_impl, loop_impl = resolve_http_impl(args.uvicorn_http), resolve_loop(args.uvicorn_loop)
     config = uvicorn.Config(
         app,
         log_config=None,
@@ -529,8 +524,8 @@ def _serve(
         access_log=not args.disable_uvicorn_access_log,
         timeout_graceful_shutdown=5,
         timeout_keep_alive=args.timeout_keep_alive,
-        http=http_protocol(http_impl, args.header_read_timeout),
-        loop=loop_impl,
+        http=http_protocol(args.uvicorn_http, args.header_read_timeout),
+        loop=args.uvicorn_loop,
     )
     server = _Server(config, app.state.server_state)
     exit_code = 0
@@ -546,7 +541,7 @@ def _serve(
     shown = f"[{host}]" if ":" in host else host
     logger.info(
         "Serving %s at http://%s:%d (OpenAI-compatible: /v1/completions, /v1/chat/completions; HTTP parser %s, "
-        "event loop %s)", names[0], shown, port, http_impl, loop_impl,
+        "event loop %s)", names[0], shown, port, args.uvicorn_http, args.uvicorn_loop,
     )
     # uvicorn re-raises the signal that stopped it after its graceful shutdown, to the handlers
     # in place before it started: make those no-ops so SIGINT/SIGTERM end with exit code 0.
