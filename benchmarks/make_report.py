@@ -275,6 +275,13 @@ def latency_matrix_table(m: dict[str, Any]) -> str:
                          if p.get("decode_weight_fraction_of_peak_bw") is not None else "-",
                          f"{p['pagedllm_prefill_speedup']:.2f}x / {fmt(p.get('pagedllm_decode_speedup'), '.2f')}x"])
     first = m["runs"][0]["pagedllm"]
+    rounds = ""
+    if m.get("repeat", 1) > 1:
+        from pagedllm.benchmarks.latency import speedup_round_lines
+
+        rounds = (f"\n{m['repeat']} rounds, pagedllm first in the odd rounds and last in the even ones: each engine's "
+                  "row is its median round (by decode time), each speed-up the median of the per-round ratios, "
+                  "which were:\n\n" + "".join(f"- {line}\n" for line in speedup_round_lines(m)))
     return (run_block(first.get("meta")) +
             f"\nOne request, prompt {m['input_len']} tokens, output {m['output_len']} tokens, median of "
             f"{m['num_iters']} runs; copy peak {first['peak_copy_bytes_per_s'] / 1e9:.1f} GB/s, matmul peak per dtype "
@@ -282,7 +289,8 @@ def latency_matrix_table(m: dict[str, Any]) -> str:
             + ". Weight roofline = bytes of weights one decode step reads / copy peak. Speed-up = peer time / "
             "pagedllm time (prefill / decode); '-' where the peer's decode was too short to time.\n\n"
             + table(["dtype", "engine", "prefill (TTFT) ms", "prefill % of the dtype's matmul peak", "decode tok/s",
-                     "of weight roofline", "pagedllm speed-up"], rows))
+                     "of weight roofline", "pagedllm speed-up"], rows) + rounds
+            + (f"\n{m['note']}\n" if m.get("note") else ""))
 
 
 def kv_quality_section(q: dict[str, Any]) -> str:

@@ -5,7 +5,7 @@
 # usage: benchmarks/run_all.sh [throughput] [serve] [latency] [nativedecode] [prefill] [kvquality] [scheduler] [memory]
 #        (default: all)
 # Approximate times on 2 cores: throughput 40-60 min (hf ~25, vllm ~15 incl. start-up), serve ~60 min,
-# latency 3 min, nativedecode 2 min, prefill 5 min, kvquality 3 min, scheduler 2 min, memory 10 s.
+# latency 4 min, nativedecode 2 min, prefill 5 min, kvquality 3 min, scheduler 2 min, memory 10 s.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PB=.venv/bin/pagedllm
@@ -32,7 +32,7 @@ for step in "${steps[@]}"; do
         --output-json "$R/serve-offline.json" || true ;;
     latency)
       $PB bench latency --input-len 32 --output-len 128 --num-iters 3 --dtype float32,bfloat16 \
-        --compare llama.cpp,hf --output-json "$R/latency.json" ;;
+        --compare llama.cpp --repeat 5 --output-json "$R/latency.json" ;;
     nativedecode)
       .venv/bin/python benchmarks/bench_native_decode.py --out "$R/native_decode.json" ;;
     prefill)

@@ -339,13 +339,16 @@ def _cmd_latency(args: argparse.Namespace) -> int:
 
     dtypes = _dtype_list(args)
     model, kwargs = _engine_kwargs(args)
-    if len(dtypes) == 1 and not args.compare:
+    if args.repeat < 1:
+        raise ValueError(f"--repeat must be at least 1, got {args.repeat}")
+    if len(dtypes) == 1 and not args.compare and args.repeat == 1:
         report = run_latency(model, kwargs, args.input_len, args.output_len, args.num_iters,
                              args.num_iters_warmup, args.workload_seed)
         print(format_latency(report))
     else:
         report = run_latency_matrix(model, kwargs, dtypes, args.compare or [], args.input_len, args.output_len,
-                                    args.num_iters, args.num_iters_warmup, args.workload_seed, args.peers_venv)
+                                    args.num_iters, args.num_iters_warmup, args.workload_seed, args.peers_venv,
+                                    args.repeat)
         print(format_latency_matrix(report))
     _write_json(report, args.output_json)
     return 0
@@ -366,6 +369,9 @@ def _add_latency(sub: Any) -> None:
                    help="peers to time on the same weights, prompt, dtype and threads (llama.cpp: the GGUF "
                         "model rewritten unquantized in each dtype; hf: transformers on its HF folder)")
     p.add_argument("--peers-venv", default=None, help="virtual environment with llama-cpp-python (default .venv-peers)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds of the whole comparison, alternating which engine runs first; each engine's "
+                        "median round and the median of the per-round speed-ups are reported")
     p.add_argument("--output-json", default=None, help="write the results here")
     EngineArgs.add_cli_args(p)
     _make_dtype_a_list(p, "dtypes to time, e.g. float32,bfloat16 (auto: the engine's choice)")

@@ -226,39 +226,103 @@ def run_hf_latency(model: str | None, dtype: str, input_len: int, output_len: in
 
 def run_latency_matrix(model: str | None, engine_kwargs: dict[str, Any], dtypes: list[str], compare: list[str],
                        input_len: int, output_len: int, num_iters: int, num_warmup: int, seed: int = 0,
-                       peers_venv: str | None = None) -> dict[str, Any]:
-    """pagedllm in each dtype, and each peer in `compare` (llama.cpp, hf) in the same dtype, one run."""
+                       peers_venv: str | None = None, repeat: int = 1) -> dict[str, Any]:
+    """pagedllm in each dtype, and each peer in `compare` (llama.cpp, hf) in the same dtype, in one
+    run; with repeat > 1, `repeat` rounds, pagedllm first in the odd rounds and last in the even ones,
+    summarized by `summarize_rounds` (single-stream decode swings by 20 % between minutes here)."""
+    from pagedllm.hardware import resolve_dtype
+
+    if repeat < 1:
+        raise ValueError(f"repeat must be at least 1, got {repeat}")
+    resolved = [(requested, resolve_dtype(requested)) for requested in dtypes]
+    rounds = []
+    for r in range(repeat):
+        rows = []
+        for requested, dtype in resolved:
+            ours_first = r % 2 == 0
+            peers: dict[str, Any] = {} if ours_first else _time_peers(model, dtype, compare, input_len, output_len,
+                                                                       num_iters, num_warmup, seed, peers_venv)
+            ours = run_latency(model, {**engine_kwargs, "dtype": dtype}, input_len, output_len, num_iters,
+                               num_warmup, seed)
+            if ours_first:
+                peers = _time_peers(model, dtype, compare, input_len, output_len, num_iters, num_warmup, seed,
+                                    peers_venv)
+            rows.append({"dtype": dtype, "dtype_requested": requested, "pagedllm": ours,
+                         **{peer: _against(p, ours) for peer, p in peers.items()}})
+        rounds.append(rows)
+    report = {"benchmark": "latency_matrix", "input_len": input_len, "output_len": output_len,
+              "num_iters": num_iters, "repeat": repeat}
+    if repeat == 1:
+        return report | {"runs": rounds[0]}
+    return report | {"runs": summarize_rounds(rounds), "rounds": rounds}
+
+
+def _time_peers(model: str | None, dtype: str, compare: list[str], input_len: int, output_len: int, num_iters: int,
+                num_warmup: int, seed: int, peers_venv: str | None) -> dict[str, Any]:
+    """Each peer's timing in `dtype`: its result, or {"ok": False, "reason": ...} where it cannot run."""
     import torch
 
     from pagedllm.benchmarks.throughput import BackendUnavailable
-    from pagedllm.hardware import resolve_dtype
 
-    runs = []
-    for requested in dtypes:
-        dtype = resolve_dtype(requested)
-        r = run_latency(model, {**engine_kwargs, "dtype": dtype}, input_len, output_len, num_iters, num_warmup, seed)
-        row: dict[str, Any] = {"dtype": dtype, "dtype_requested": requested, "pagedllm": r}
-        for peer in compare:
-            try:
-                if peer == "llama.cpp":
-                    p = run_llamacpp_latency(model, dtype, input_len, output_len, num_iters, num_warmup, seed,
-                                             peers_venv, torch.get_num_threads())
-                elif peer == "hf":
-                    p = run_hf_latency(model, dtype, input_len, output_len, num_iters, num_warmup, seed)
-                else:
-                    raise BackendUnavailable(f"unknown peer {peer!r} (latency compares with llama.cpp, hf)")
-                measured = p["decode_ms_per_token"] is not None
-                p["decode_weight_fraction_of_peak_bw"] = (
-                    r["model"]["decode_weight_bytes"] / (p["decode_ms_per_token"] / 1000) / r["peak_copy_bytes_per_s"]
-                    if measured else None)
-                p["pagedllm_decode_speedup"] = p["decode_ms_per_token"] / r["decode_ms_per_token"] if measured else None
-                p["pagedllm_prefill_speedup"] = p["prefill_ms"] / r["prefill_ms"]
-                row[peer] = {"ok": True, **p}
-            except BackendUnavailable as exc:
-                row[peer] = {"ok": False, "reason": str(exc)}
-        runs.append(row)
-    return {"benchmark": "latency_matrix", "input_len": input_len, "output_len": output_len,
-            "num_iters": num_iters, "runs": runs}
+    out: dict[str, Any] = {}
+    for peer in compare:
+        try:
+            if peer == "llama.cpp":
+                p = run_llamacpp_latency(model, dtype, input_len, output_len, num_iters, num_warmup, seed,
+                                         peers_venv, torch.get_num_threads())
+            elif peer == "hf":
+                p = run_hf_latency(model, dtype, input_len, output_len, num_iters, num_warmup, seed)
+            else:
+                raise BackendUnavailable(f"unknown peer {peer!r} (latency compares with llama.cpp, hf)")
+            out[peer] = {"ok": True, **p}
+        except BackendUnavailable as exc:
+            out[peer] = {"ok": False, "reason": str(exc)}
+    return out
+
+
+def _against(p: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
+    """A peer's timing with its roofline fraction and pagedllm's speed-ups over it (same round)."""
+    if not p["ok"]:
+        return p
+    measured = p["decode_ms_per_token"] is not None
+    return p | {
+        "decode_weight_fraction_of_peak_bw": (
+            ours["model"]["decode_weight_bytes"] / (p["decode_ms_per_token"] / 1000) / ours["peak_copy_bytes_per_s"]
+            if measured else None),
+        "pagedllm_decode_speedup": p["decode_ms_per_token"] / ours["decode_ms_per_token"] if measured else None,
+        "pagedllm_prefill_speedup": p["prefill_ms"] / ours["prefill_ms"],
+    }
+
+
+def summarize_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per dtype from several rounds: each engine's figures from its median round (by decode
+    time; the lower middle for an even count), and each peer's speed-ups as the median of the
+    per-round ratios (each round's pagedllm against the same round's peer), listed under
+    `*_speedup_rounds`. A peer that failed in any round keeps that round's failure."""
+    def median_round(results: list[dict[str, Any]]) -> dict[str, Any]:
+        ranked = sorted(results, key=lambda x: x["decode_ms_per_token"] if x.get("decode_ms_per_token") else 0.0)
+        return ranked[(len(ranked) - 1) // 2]
+
+    summary = []
+    for i, first in enumerate(rounds[0]):
+        per_round = [rows[i] for rows in rounds]
+        row: dict[str, Any] = {"dtype": first["dtype"], "dtype_requested": first["dtype_requested"],
+                               "pagedllm": median_round([r["pagedllm"] for r in per_round])}
+        for peer in first:
+            if peer in ("dtype", "dtype_requested", "pagedllm"):
+                continue
+            results = [r[peer] for r in per_round]
+            if not all(p["ok"] for p in results):
+                row[peer] = next(p for p in results if not p["ok"])
+                continue
+            row[peer] = dict(median_round(results))
+            for kind in ("decode", "prefill"):
+                ratios = [p[f"pagedllm_{kind}_speedup"] for p in results]
+                row[peer][f"pagedllm_{kind}_speedup_rounds"] = ratios
+                known = [x for x in ratios if x is not None]
+                row[peer][f"pagedllm_{kind}_speedup"] = statistics.median(known) if known else None
+        summary.append(row)
+    return summary
 
 
 def format_latency_matrix(m: dict[str, Any]) -> str:
@@ -285,4 +349,19 @@ def format_latency_matrix(m: dict[str, Any]) -> str:
             lines.append(f"{row['dtype']:10s} {peer:10s} {p['prefill_ms']:11.1f} {p['decode_tokens_per_s']:13.1f} "
                          f"{100 * p['decode_weight_fraction_of_peak_bw']:15.0f}% "
                          f"{p['pagedllm_decode_speedup']:17.2f}x, {p['pagedllm_prefill_speedup']:.2f}x")
+    if m.get("repeat", 1) > 1:
+        lines.append(f"\n{m['repeat']} rounds (pagedllm first in odd rounds, last in even ones); each engine's row is "
+                     "its median round, each speed-up the median of the per-round ratios:")
+        lines.extend(speedup_round_lines(m))
     return "\n".join(lines)
+
+
+def speedup_round_lines(m: dict[str, Any]) -> list[str]:
+    """'float32 llama.cpp: decode 1.02x, 1.15x, 1.08x; prefill ...' for each measured peer row."""
+    def cells(xs: list[float | None]) -> str:
+        return ", ".join("-" if x is None else f"{x:.2f}x" for x in xs)
+
+    return [f"{row['dtype']} {peer}: decode {cells(p['pagedllm_decode_speedup_rounds'])}; "
+            f"prefill {cells(p['pagedllm_prefill_speedup_rounds'])}"
+            for row in m["runs"] for peer, p in row.items()
+            if isinstance(p, dict) and p.get("pagedllm_decode_speedup_rounds") is not None]

@@ -311,11 +311,13 @@ class ModelRunner:
         return flops, copy
 
     def _zeroed(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """A zero tensor on anonymous memory: instant to create, pages committed on first write."""
+        """A zero tensor on private anonymous memory: instant to create, pages committed on first
+        write. Private, not shared: a block's first write faults its pages in, and into shared
+        anonymous memory (shmem) that costs about 1.5 times as much."""
         if self.is_cuda:
             return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         nbytes = math.prod(shape) * torch.empty(0, dtype=self.kv_dtype).element_size()
-        buf = mmap.mmap(-1, nbytes)
+        buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self._kv_buffers.append(buf)
         # frombuffer has no fp8 path: map the bytes, then reinterpret them.
         return torch.frombuffer(buf, dtype=torch.uint8).view(self.kv_dtype).view(shape)

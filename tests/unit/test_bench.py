@@ -204,10 +204,14 @@ def test_bench_latency_per_dtype_with_peers(tiny_model_dir, tmp_path, capsys) ->
     out = tmp_path / "l.json"
     rc = main(["bench", "latency", "--model", tiny_model_dir, "--input-len", "8", "--output-len", "4",
                "--num-iters", "1", "--num-iters-warmup", "0", "--dtype", "float32,bfloat16",
-               "--compare", "hf,llama.cpp", "--num-kv-blocks", "16", "--output-json", str(out)])
+               "--compare", "hf,llama.cpp", "--num-kv-blocks", "16", "--repeat", "2", "--output-json", str(out)])
     assert rc == 0
     report = json.loads(out.read_text())
     assert [r["dtype"] for r in report["runs"]] == ["float32", "bfloat16"]
+    assert report["repeat"] == 2 and [[r["dtype"] for r in rows] for rows in report["rounds"]] == [
+        ["float32", "bfloat16"]] * 2
+    for row in report["runs"]:
+        assert len(row["hf"]["pagedllm_prefill_speedup_rounds"]) == 2
     for row in report["runs"]:
         assert row["pagedllm"]["model"]["dtype"] == row["dtype"]
         assert 0 < row["pagedllm"]["decode_weight_fraction_of_peak_bw"]
@@ -216,7 +220,39 @@ def test_bench_latency_per_dtype_with_peers(tiny_model_dir, tmp_path, capsys) ->
         assert row["hf"]["pagedllm_decode_speedup"] is None or row["hf"]["pagedllm_decode_speedup"] > 0
         # llama.cpp runs GGUF files only: a Hugging Face folder is skipped with the reason.
         assert not row["llama.cpp"]["ok"] and "GGUF" in row["llama.cpp"]["reason"]
-    assert "weight roofline" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "weight roofline" in printed and "float32 hf: decode" in printed and "2 rounds" in printed
+    assert main(["bench", "latency", "--model", tiny_model_dir, "--repeat", "0"]) == 2
+    assert "--repeat must be at least 1, got 0" in capsys.readouterr().err
+
+
+def _latency_result(decode_ms: float, prefill_ms: float = 10.0) -> dict:
+    return {"ok": True, "decode_ms_per_token": decode_ms, "prefill_ms": prefill_ms, "model": {"decode_weight_bytes": 8},
+            "peak_copy_bytes_per_s": 1000.0}
+
+
+def test_latency_rounds_pair_each_round_and_take_medians() -> None:
+    """Speed-ups over rounds are the median of the same-round ratios (not a ratio of medians), each
+    engine's row is its median round, and a peer that failed in one round reports that failure."""
+    from pagedllm.benchmarks.latency import _against, summarize_rounds
+
+    def row(ours_ms: float, peer_ms: float, peer_ok: bool = True) -> dict:
+        ours = _latency_result(ours_ms)
+        peer = _against(_latency_result(peer_ms) if peer_ok else {"ok": False, "reason": "gone"}, ours)
+        return {"dtype": "float32", "dtype_requested": "float32", "pagedllm": ours, "llama.cpp": peer}
+
+    # round by round: pagedllm 10, 20, 12 ms; peer 11, 30, 11 ms -> ratios 1.1, 1.5, 0.9167
+    summary = summarize_rounds([[row(10, 11)], [row(20, 30)], [row(12, 11)]])
+    (s,) = summary
+    assert s["pagedllm"]["decode_ms_per_token"] == 12  # the median round of 10, 20, 12
+    assert s["llama.cpp"]["decode_ms_per_token"] == 11
+    assert s["llama.cpp"]["pagedllm_decode_speedup_rounds"] == pytest.approx([1.1, 1.5, 11 / 12])
+    assert s["llama.cpp"]["pagedllm_decode_speedup"] == pytest.approx(1.1)  # not 11 / 12, the ratio of medians
+    assert s["llama.cpp"]["pagedllm_prefill_speedup"] == pytest.approx(1.0)
+    # even count: the lower middle round
+    assert summarize_rounds([[row(10, 11)], [row(20, 30)]])[0]["pagedllm"]["decode_ms_per_token"] == 10
+    failed = summarize_rounds([[row(10, 11)], [row(20, 30, peer_ok=False)]])[0]["llama.cpp"]
+    assert failed == {"ok": False, "reason": "gone"}
 
 
 def test_offline_baseline_runs_the_servers_engine_flags_on_the_workload(tiny_model_dir) -> None:

@@ -449,13 +449,14 @@ void paged_attention_items(const void *q, int q_dt, const void *k_cache, const v
  * The KV cache write of a step: T rows of K and of V (row_bytes each, row strides ldk and ldv in
  * bytes) copied to their slots of the cache halves kc and vc (num_slots rows of row_bytes), as
  * index_copy_ does, in one call instead of two. Returns 2, writing nothing, when a slot is outside
- * [0, num_slots).
+ * [0, num_slots). Split over the threads from 64 KiB on: a block's first write faults its pages in,
+ * which costs far more than the copy, and both threads fault in parallel.
  */
 int kv_cache_write(void *kc, void *vc, const void *k, int64_t ldk, const void *v, int64_t ldv, const int64_t *slots,
                    int64_t T, int64_t row_bytes, int64_t num_slots) {
     for (int64_t t = 0; t < T; t++)
         if (slots[t] < 0 || slots[t] >= num_slots) return 2;
-#pragma omp parallel for schedule(static) if (T * row_bytes >= (1 << 20))
+#pragma omp parallel for schedule(static) if (T * row_bytes >= (1 << 16))
     for (int64_t t = 0; t < T; t++) {
         memcpy((char *)kc + slots[t] * row_bytes, (const char *)k + t * ldk, (size_t)row_bytes);
         memcpy((char *)vc + slots[t] * row_bytes, (const char *)v + t * ldv, (size_t)row_bytes);
