@@ -420,7 +420,9 @@ Peers: Hugging Face transformers `generate` (static left-padded batches) and vLL
 fp32 Hugging Face folder (`pagedllm.models.loader.default_hf_folder()`). vLLM's CPU build binds its
 worker's OpenMP threads itself (on 2 cores it reserves one core for its front end and runs the model
 on the other, as its start-up log says); it is run with its defaults, and its start-up includes
-torch.compile warm-up (cached under ~/.cache/vllm after the first run).
+torch.compile warm-up (cached under ~/.cache/vllm after the first run). For single-request latency,
+llama.cpp (llama-cpp-python 0.3.36, built from source by `make peers` into the same environment) runs
+the model's GGUF rewritten unquantized in each dtype, with the same number of threads.
 
 The commands (`pagedllm bench <name> --help` for every flag):
 
