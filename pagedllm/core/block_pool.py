@@ -51,7 +51,8 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        # Free blocks in eviction order: the front is the least recently freed.
+        # Free blocks in the order they are taken: freed blocks without a cached prefix first,
+        # then never-used ones, then cached ones, least recently freed first (see free_blocks).
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[bytes, KVBlock] = {}
         self.num_evictions = 0
@@ -91,7 +92,10 @@ class BlockPool:
             block.ref_cnt += 1
 
     def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
-        """Drops one reference per block; blocks reaching 0 join the back of the free queue.
+        """Drops one reference per block. A block reaching 0 that holds a cached prefix joins the
+        back of the free queue (evicted last); one that holds none joins the front, to be taken
+        next: its content is worth nothing, and its pages are already in memory, where a block
+        never used before costs its first write's page faults.
 
         Callers pass a request's blocks tail first, so its tail is evicted before its head.
         """
@@ -99,6 +103,8 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free[block.block_id] = None
+                if block.block_hash is None:
+                    self._free.move_to_end(block.block_id, last=False)
 
     def cache_block(self, block: KVBlock, block_hash: bytes) -> None:
         """Registers a full block under its key (the first block with a key keeps it)."""

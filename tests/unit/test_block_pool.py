@@ -76,19 +76,43 @@ def test_touch_and_free_count_references() -> None:
     pool.check_integrity({})
 
 
-def test_free_appends_to_back_in_given_order() -> None:
+def test_free_appends_cached_blocks_to_back_in_given_order() -> None:
     pool = BlockPool(5)
     blocks = pool.get_new_blocks(3)  # 0, 1, 2; free queue now [3, 4]
+    for i, b in enumerate(blocks):
+        pool.cache_block(b, bytes([i]) * 32)
     pool.free_blocks([blocks[2], blocks[0], blocks[1]])
     assert drain_order(pool) == [3, 4, 2, 0, 1]
 
 
-def test_manager_free_returns_blocks_tail_first() -> None:
+def test_free_puts_blocks_without_a_cached_prefix_first() -> None:
+    """A freed block with no cached content is taken before never-used blocks (its pages are in
+    memory already) and before blocks holding a cached prefix (nothing is evicted for it)."""
+    pool = BlockPool(6)
+    blocks = pool.get_new_blocks(4)  # 0..3; free queue now [4, 5]
+    pool.cache_block(blocks[0], b"\x01" * 32)
+    pool.free_blocks([blocks[0], blocks[1]])  # 0 cached -> back; 1 uncached -> front
+    pool.free_blocks([blocks[3], blocks[2]])  # uncached, tail first: 3 then 2 to the front
+    assert drain_order(pool) == [2, 3, 1, 4, 5, 0]
+    assert pool.num_evictions == 1  # only block 0 lost a cached prefix, and last
+
+
+def test_without_caching_a_finished_request_blocks_are_reused_before_unused_ones() -> None:
     kv = KVCacheManager(6, 4, enable_caching=False)
-    a, b = make_req("a", list(range(8))), make_req("b", list(range(10, 18)))
+    a = make_req("a", list(range(8)))
     assert ids(kv.allocate_slots(a, 8)) == [0, 1]
-    assert ids(kv.allocate_slots(b, 8)) == [2, 3]
-    kv.free(a)  # queue: [4, 5] + a's blocks tail first
+    kv.free(a)
+    kv.check_integrity()
+    b = make_req("b", list(range(10, 18)))
+    assert ids(kv.allocate_slots(b, 8)) == [0, 1]  # a's blocks again, not 2 and 3
+
+
+def test_manager_free_returns_blocks_tail_first() -> None:
+    kv = KVCacheManager(6, 4)
+    a, b = make_req("a", list(range(8))), make_req("b", list(range(10, 18)))
+    assert ids(run_tokens(kv, a, 8)) == [0, 1]  # two full blocks, computed: cached
+    assert ids(run_tokens(kv, b, 8)) == [2, 3]
+    kv.free(a)  # queue: [4, 5] + a's cached blocks tail first
     kv.free(b)
     kv.check_integrity()
     assert drain_order(kv.pool) == [4, 5, 1, 0, 3, 2]
@@ -465,8 +489,10 @@ def test_swap_out_and_in_move_exact_blocks() -> None:
     # The device copies of its full blocks stay in the prefix cache until evicted.
     assert kv.get_computed_blocks(make_req("probe", prompt))[1] == 8
     x = make_req("x", list(range(16)))
-    run_tokens(kv, x, 16)  # takes 4 blocks from the free queue [3, 4, 5, 2, 1, 0]: a's tail first
-    assert kv.get_block_ids("x") == [3, 4, 5, 2]
+    # takes 4 blocks from the free queue [2, 3, 4, 5, 1, 0]: a's partial block (no cached prefix)
+    # first, then the never-used ones, then a's keyed blocks tail first
+    run_tokens(kv, x, 16)
+    assert kv.get_block_ids("x") == [2, 3, 4, 5]
     a.append_output_token(7)  # its pending token: position 10
     assert kv.can_swap_in(a, 1) is False  # needs 3 blocks, 2 free
     assert kv.swap_in(a, 1) is None and "a" in kv.swapped_blocks

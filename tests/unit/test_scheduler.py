@@ -616,8 +616,9 @@ def test_preemption_by_swap_keeps_computed_tokens_and_resumes_first() -> None:
     sched.add_request(make_req("d", 4, max_tokens=2, arrival=-1))
     while not d.history[-1].new_reqs:
         so, _ = d.step()
-    assert [(n.req_id, n.num_computed_tokens, n.block_ids) for n in so.new_reqs] == [("c", 8, [5, 3, 0]), ("d", 0, [2])]
-    assert so.blocks_to_swap_in == [(0, 5), (1, 3)]
+    # a's and b's blocks, freed without a cached prefix, are taken first (the most recently freed first)
+    assert [(n.req_id, n.num_computed_tokens, n.block_ids) for n in so.new_reqs] == [("c", 8, [1, 4, 5]), ("d", 0, [0])]
+    assert so.blocks_to_swap_in == [(0, 1), (1, 4)]
     assert so.num_scheduled_tokens["c"] == 1  # only its pending token: nothing is recomputed
     d.run()
     assert {k: len(v) for k, v in d.outputs.items()} == {"a": 8, "b": 8, "c": 8, "d": 2}
