@@ -258,15 +258,15 @@ def offline_block(r: dict[str, Any]) -> str:
 
 def latency_matrix_table(m: dict[str, Any]) -> str:
     """pagedllm and its peers per dtype: prefill (time to first token), decode tok/s, roofline."""
+    from pagedllm.benchmarks.latency import peers_of, speedup_round_lines
+
     rows = []
     for run in m["runs"]:
         r = run["pagedllm"]
         rows.append([run["dtype"], "pagedllm", f"{r['prefill_ms']:.1f}",
                      f"{100 * r['prefill_fraction_of_peak_flops']:.0f}%", f"{r['decode_tokens_per_s']:.1f}",
                      f"{100 * r['decode_weight_fraction_of_peak_bw']:.0f}%", "1.00x / 1.00x"])
-        for peer, p in run.items():
-            if peer in ("dtype", "dtype_requested", "pagedllm"):
-                continue
+        for peer, p in peers_of(run):
             if not p["ok"]:
                 rows.append([run["dtype"], peer, "skipped: " + p["reason"].replace("|", "/"), "", "", "", ""])
                 continue
@@ -277,8 +277,6 @@ def latency_matrix_table(m: dict[str, Any]) -> str:
     first = m["runs"][0]["pagedllm"]
     rounds = ""
     if m.get("repeat", 1) > 1:
-        from pagedllm.benchmarks.latency import speedup_round_lines
-
         rounds = (f"\n{m['repeat']} rounds, pagedllm first in the odd rounds and last in the even ones: each engine's "
                   "row is its median round (by decode time), each speed-up the median of the per-round ratios, "
                   "which were:\n\n" + "".join(f"- {line}\n" for line in speedup_round_lines(m)))

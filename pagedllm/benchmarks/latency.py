@@ -239,16 +239,22 @@ def run_latency_matrix(model: str | None, engine_kwargs: dict[str, Any], dtypes:
     for r in range(repeat):
         rows = []
         for requested, dtype in resolved:
-            ours_first = r % 2 == 0
-            peers: dict[str, Any] = {} if ours_first else _time_peers(model, dtype, compare, input_len, output_len,
-                                                                       num_iters, num_warmup, seed, peers_venv)
-            ours = run_latency(model, {**engine_kwargs, "dtype": dtype}, input_len, output_len, num_iters,
-                               num_warmup, seed)
-            if ours_first:
-                peers = _time_peers(model, dtype, compare, input_len, output_len, num_iters, num_warmup, seed,
-                                    peers_venv)
-            rows.append({"dtype": dtype, "dtype_requested": requested, "pagedllm": ours,
-                         **{peer: _against(p, ours) for peer, p in peers.items()}})
+            def ours() -> dict[str, Any]:
+                return run_latency(model, {**engine_kwargs, "dtype": dtype}, input_len, output_len, num_iters,
+                                   num_warmup, seed)
+
+            def peers() -> dict[str, Any]:
+                return _time_peers(model, dtype, compare, input_len, output_len, num_iters, num_warmup, seed,
+                                   peers_venv)
+
+            if r % 2 == 0:
+                mine = ours()
+                theirs = peers()
+            else:
+                theirs = peers()
+                mine = ours()
+            rows.append({"dtype": dtype, "dtype_requested": requested, "pagedllm": mine,
+                         **{peer: _against(p, mine) for peer, p in theirs.items()}})
         rounds.append(rows)
     report = {"benchmark": "latency_matrix", "input_len": input_len, "output_len": output_len,
               "num_iters": num_iters, "repeat": repeat}
@@ -280,6 +286,11 @@ def _time_peers(model: str | None, dtype: str, compare: list[str], input_len: in
     return out
 
 
+def peers_of(row: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The (peer, its result) pairs of a latency-matrix row, in the order they ran."""
+    return [(k, v) for k, v in row.items() if k not in ("dtype", "dtype_requested", "pagedllm")]
+
+
 def _against(p: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
     """A peer's timing with its roofline fraction and pagedllm's speed-ups over it (same round)."""
     if not p["ok"]:
@@ -308,9 +319,7 @@ def summarize_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]
         per_round = [rows[i] for rows in rounds]
         row: dict[str, Any] = {"dtype": first["dtype"], "dtype_requested": first["dtype_requested"],
                                "pagedllm": median_round([r["pagedllm"] for r in per_round])}
-        for peer in first:
-            if peer in ("dtype", "dtype_requested", "pagedllm"):
-                continue
+        for peer, _ in peers_of(first):
             results = [r[peer] for r in per_round]
             if not all(p["ok"] for p in results):
                 row[peer] = next(p for p in results if not p["ok"])
@@ -336,9 +345,7 @@ def format_latency_matrix(m: dict[str, Any]) -> str:
         r = row["pagedllm"]
         lines.append(f"{row['dtype']:10s} {'pagedllm':10s} {r['prefill_ms']:11.1f} {r['decode_tokens_per_s']:13.1f} "
                      f"{100 * r['decode_weight_fraction_of_peak_bw']:15.0f}% {'':>36s}")
-        for peer, p in row.items():
-            if peer in ("dtype", "dtype_requested", "pagedllm"):
-                continue
+        for peer, p in peers_of(row):
             if not p["ok"]:
                 lines.append(f"{row['dtype']:10s} {peer:10s} skipped: {p['reason']}")
                 continue
@@ -363,5 +370,4 @@ def speedup_round_lines(m: dict[str, Any]) -> list[str]:
 
     return [f"{row['dtype']} {peer}: decode {cells(p['pagedllm_decode_speedup_rounds'])}; "
             f"prefill {cells(p['pagedllm_prefill_speedup_rounds'])}"
-            for row in m["runs"] for peer, p in row.items()
-            if isinstance(p, dict) and p.get("pagedllm_decode_speedup_rounds") is not None]
+            for row in m["runs"] for peer, p in peers_of(row) if p.get("pagedllm_decode_speedup_rounds") is not None]

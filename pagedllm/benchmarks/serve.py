@@ -335,6 +335,10 @@ def format_serve_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# The figures serve_ratios compares, in its order.
+RATIO_KEYS = ("output_throughput", "mean_ttft", "mean_tpot", "median_itl", "goodput", "peak_rss")
+
+
 def serve_ratios(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The first server's figures over the second's, rate by rate (e.g. output tok/s 1.5 = 50% more)."""
     if len(reports) != 2 or any("error" in r for r in reports):
@@ -437,18 +441,18 @@ def repeat_summary(rounds: list[list[dict[str, Any]]]) -> dict[str, Any]:
         for r in reports:
             for x in r.get("offline_ratio") or []:
                 offline.setdefault(x["request_rate"], []).append(x["output_throughput"])
-    keys = ("output_throughput", "mean_ttft", "mean_tpot", "median_itl", "goodput", "peak_rss")
     pair: dict[Any, dict[str, Any]] = {}
     for reports in rounds:
         for x in serve_ratios(reports):
-            row = pair.setdefault(x["request_rate"], {"servers": x["servers"], **{k: [] for k in keys}})
-            for k in keys:
+            row = pair.setdefault(x["request_rate"], {"servers": x["servers"], **{k: [] for k in RATIO_KEYS}})
+            for k in RATIO_KEYS:
                 row[k].append(x[k])
     return {
         "rounds": len(rounds),
         "offline_ratio": [{"request_rate": rate, "per_round": xs, "median": med(xs)} for rate, xs in offline.items()],
         "ratios": [{"request_rate": rate, "servers": row["servers"],
-                    **{k: {"per_round": row[k], "median": med(row[k])} for k in keys}} for rate, row in pair.items()],
+                    **{k: {"per_round": row[k], "median": med(row[k])} for k in RATIO_KEYS}}
+                   for rate, row in pair.items()],
     }
 
 
@@ -471,10 +475,9 @@ def format_repeat_summary(summary: dict[str, Any]) -> str:
 
 
 def format_serve_ratios(ratios: list[dict[str, Any]]) -> str:
-    keys = ("output_throughput", "mean_ttft", "mean_tpot", "median_itl", "goodput", "peak_rss")
     lines = [f"ratios {ratios[0]['servers']} (throughput and goodput: higher is better; latency, RSS: lower)",
-             f"{'rate/s':>7} " + " ".join(f"{k:>17}" for k in keys)]
+             f"{'rate/s':>7} " + " ".join(f"{k:>17}" for k in RATIO_KEYS)]
     for r in ratios:
         lines.append(f"{str(r['request_rate']):>7} " + " ".join(
-            f"{'-' if r[k] is None else format(r[k], '.2f'):>17}" for k in keys))
+            f"{'-' if r[k] is None else format(r[k], '.2f'):>17}" for k in RATIO_KEYS))
     return "\n".join(lines)
