@@ -1,12 +1,12 @@
 """Decode step time of the fused native step against the torch path, by batch rows and dtype.
 
-Usage: .venv/bin/python benchmarks/bench_native_decode.py [--dtype float32,bfloat16] [--rows 1,2,4,8,12,16]
+Usage: .venv/bin/python benchmarks/bench_native_decode.py [--dtype float32,bfloat16] [--rows 1,2,4,8,16,24,32,48,64]
     [--context 256] [--out benchmarks/results/native_decode.json]
 
 Both paths run the same ModelRunner on the default model (same weights, same KV cache, each row a
 request with `--context` tokens of cached context); each time is the fastest of 15 calls after a
 warm-up, with torch's threads; `fused+head` is the same call on to the LM head and a greedy argmax
-of every row (what a greedy decode step runs). This is what chooses the fused step's row limit (MAX_ROWS in
+of every row (what a greedy decode step runs). This is what chooses the fused step's row limits (DTYPE_ROWS in
 pagedllm/worker/native_decode.py): the largest batch at which it is still faster.
 """
 
@@ -36,7 +36,7 @@ def _best_ms(fn, reps: int = 15) -> float:
 
 
 def measure(dtype: str, rows: list[int], context: int) -> list[dict]:
-    llm = LLM(dtype=dtype, kv_cache_memory="512MiB")
+    llm = LLM(dtype=dtype, kv_cache_memory="1536MiB")  # 64 rows of 256 tokens in float32
     runner = llm.llm_engine.core.executor.runner
     nd = runner.native_decode
     if nd is None:
@@ -77,7 +77,7 @@ def measure(dtype: str, rows: list[int], context: int) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="float32,bfloat16")
-    ap.add_argument("--rows", default="1,2,4,8,12,16")
+    ap.add_argument("--rows", default="1,2,4,8,16,24,32,48,64")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()

@@ -17,9 +17,13 @@ import torch
 from pagedllm.attention.cpu_kernel import load_native
 
 SMALL_M_SRC = Path(__file__).parent / "csrc" / "small_m_gemm.c"
-# Most rows of x sent to the kernel: up to here it reads the weights once with every row's
-# accumulators in registers.
-SMALL_M = 4
+# Most rows of x sent to the kernel, per dtype: up to where it stops beating torch's GEMM on the
+# default model's shapes with the weights streamed from memory (benchmarks/bench_small_m_gemm.py,
+# 2-core AVX-512 machine, the four GEMMs of 30 layers): bf16 8 rows 6.8 ms against oneDNN's 10.3,
+# 16 rows 8.5 against 12.4, 32 rows 15.2 against 16.1, 40 rows 0.94x. float32: oneDNN takes over
+# from 16 rows (layers/linear.py); below that torch's GEMM is MKL's sgemm, 2.2-3x slower (8 rows
+# 14.9 against 34.4 ms).
+SMALL_M = {torch.float32: 15, torch.bfloat16: 32}
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _K_STEP = {torch.float32: 16, torch.bfloat16: 32}
 
@@ -43,11 +47,16 @@ def kernel_dtypes() -> frozenset[torch.dtype]:
     return frozenset(d for d, bit in ((torch.float32, 1), (torch.bfloat16, 2)) if bits & bit)
 
 
+def small_m_rows(dtype: torch.dtype) -> int:
+    """The most rows of x the kernel takes in `dtype` (0: none)."""
+    return SMALL_M.get(dtype, 0)
+
+
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """x W^T + b through the kernel when it applies (float32 or bf16 on the CPU, <= SMALL_M rows,
-    K a multiple of 16 / 32, contiguous weight), else None."""
+    """x W^T + b through the kernel when it applies (float32 or bf16 on the CPU, at most
+    small_m_rows(dtype) rows, K a multiple of 16 / 32, contiguous weight), else None."""
     dt = x.dtype
-    if (dt not in _DTYPE_CODES or weight.dtype != dt or x.dim() != 2 or x.shape[0] > SMALL_M
+    if (dt not in _DTYPE_CODES or weight.dtype != dt or x.dim() != 2 or x.shape[0] > small_m_rows(dt)
             or x.shape[1] % _K_STEP[dt] or x.device.type != "cpu" or not weight.is_contiguous()
             or dt not in kernel_dtypes()):
         return None

@@ -4,8 +4,8 @@ A decode step of a small batch reads every weight once for a handful of rows; ru
 its time is mostly per-op dispatch (about 80 ops per layer), not the weight reads. This runs the
 whole decoder stack for such a step in one C call over the model's own parameters and KV cache,
 in float32 or bfloat16, with the same paged attention kernel as every other step. Where the
-step's sampled rows are few (at most SMALL_M, where the torch path's LM head is the same small-M
-GEMM), the call goes on through the LM head: it returns those rows' logits, or, when every row
+step's sampled rows are few enough that the torch path's LM head is the same small-M GEMM (see
+small_m_rows), the call goes on through the LM head: it returns those rows' logits, or, when every row
 samples greedily with nothing else to apply, their argmax, so that such a step runs no torch op.
 
 It applies to Llama-family models (Llama, Mistral, Qwen2) on one CPU rank, with a KV cache in the
@@ -32,18 +32,26 @@ from torch import nn
 from pagedllm.attention.cpu_kernel import ATTENTION_SRC, load_native
 from pagedllm.layers.linear import UnquantizedLinearMethod
 from pagedllm.layers.native_elementwise import ELEMENTWISE_SRC
-from pagedllm.layers.native_linear import SMALL_M, SMALL_M_SRC
+from pagedllm.layers.native_linear import SMALL_M_SRC, small_m_rows
 from pagedllm.quantization.native import QUANT_SRC, int8_activations
 
 logger = logging.getLogger(__name__)
 
 _SRC = Path(__file__).parent / "csrc" / "llama_decode.c"
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-# Most rows one call takes (the C side's limit). Measured on the 2-core AVX-512 machine
-# (benchmarks/bench_native_decode.py): the fused step is 1.1-1.8x faster than torch ops at every
-# row count from 1 to 16 in float32 and bfloat16; larger batches amortize per-op costs over their
-# rows and keep oneDNN's GEMMs.
-MAX_ROWS = 16
+# Most rows one call takes (the C side's limit).
+MAX_ROWS = 64
+# Most rows of a step the fused call takes, per dtype: up to where it stops beating the torch path
+# (benchmarks/bench_native_decode.py, 2-core AVX-512 machine, 256 tokens of context per row): bf16
+# 1.2-1.9x at 16 to 64 rows, float32 1.5x at 16 rows, 1.13x at 32. Larger batches amortize per-op
+# costs over their rows and keep oneDNN's GEMMs. With quantized layers, 16: the quantized kernels'
+# decode rows (pagedllm.quantization.native.SMALL_M), beyond which the torch path takes their batch
+# paths.
+DTYPE_ROWS = {torch.float32: 32, torch.bfloat16: MAX_ROWS}
+QUANTIZED_ROWS = 16
+# The quantized LM head's decode rows the step ends with (where the torch path's head runs the same
+# kernel call).
+QUANTIZED_HEAD_ROWS = 4
 
 _p = ctypes.c_void_p
 _pp = ctypes.POINTER(ctypes.c_void_p)
@@ -318,6 +326,9 @@ class NativeDecode:
                 self.model.lm_head_q = ctypes.pointer(head_q)
         # Everything the struct points at must stay alive and in place.
         self._keep.extend([model, kv_caches, rotary.cos, rotary.sin])
+        self.max_rows = QUANTIZED_ROWS if self.quantized else DTYPE_ROWS[dtype]
+        head_rows = QUANTIZED_HEAD_ROWS if self.has_head and self.model.lm_head_q else small_m_rows(dtype)
+        self.max_head_rows = min(self.max_rows, head_rows)
 
     def _codes(self, mod: nn.Module) -> _QuantLinear | None:
         """The descriptor of a vocabulary module's codes (embedding or LM head), or None (dense)."""
@@ -355,13 +366,13 @@ class NativeDecode:
         if nd.quantized and not avail & 2:  # the quantized kernels need AVX-512 BF16
             logger.info("decode steps run as torch ops: the CPU has no AVX-512 BF16 for quantized linear layers")
             return None
-        logger.info("decode steps of up to %d rows run as one native call per step%s", MAX_ROWS,
+        logger.info("decode steps of up to %d rows run as one native call per step%s", nd.max_rows,
                     " (quantized linear layers through the native quantized kernel)" if nd.quantized else "")
         return nd
 
     def applies(self, num_tokens: int, num_reqs: int, has_dense: bool) -> bool:
-        """A decode-only step (one token per request) of at most MAX_ROWS rows."""
-        return num_tokens == num_reqs and 0 < num_reqs <= MAX_ROWS and not has_dense
+        """A decode-only step (one token per request) of at most max_rows rows."""
+        return num_tokens == num_reqs and 0 < num_reqs <= self.max_rows and not has_dense
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
             block_tables: np.ndarray, seq_lens: np.ndarray) -> torch.Tensor | None:
@@ -386,8 +397,8 @@ class NativeDecode:
 
     def head_applies(self, num_sample_rows: int) -> bool:
         """Whether `run_head` can end this step: the LM head is bound and the torch path would
-        compute these rows' logits with the same GEMM (at most SMALL_M rows)."""
-        return self.has_head and 0 < num_sample_rows <= SMALL_M
+        compute these rows' logits with the same GEMM (at most max_head_rows rows)."""
+        return self.has_head and 0 < num_sample_rows <= self.max_head_rows
 
     def run_head(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
                  block_tables: np.ndarray, seq_lens: np.ndarray, sample_rows: np.ndarray,

@@ -1,8 +1,9 @@
 """The fused native decode step against the torch path of the same model runner.
 
 Both read the same weights and KV cache; bf16 follows the torch path's rounding points and uses
-the same small-M GEMM blocking, so up to four rows it agrees to the bit. float32 differs only in
-the order of GEMM sums (MKL's against the kernel's), a few float32 ulps per layer.
+the same small-M GEMM blocking, so up to small_m_rows(bfloat16) rows it agrees to the bit. float32
+differs only in the order of GEMM sums (MKL's or oneDNN's against the kernel's), a few float32 ulps
+per layer.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.models.testing import make_tiny_checkpoint
 from pagedllm.worker.input_batch import RequestState, build_batch
-from pagedllm.worker.native_decode import MAX_ROWS, StallGuard, argmax_rows, load_decode_kernel
+from pagedllm.layers.native_linear import small_m_rows
+from pagedllm.worker.native_decode import StallGuard, argmax_rows, load_decode_kernel
 
 pytestmark = pytest.mark.skipif(
     load_decode_kernel() is None or not load_decode_kernel().small_m_available() & 1,
@@ -32,7 +34,7 @@ def _needs_bf16(dtype: str) -> None:
 
 
 def _runner(model_dir: str, dtype: str):
-    llm = LLM(model=model_dir, dtype=dtype, num_kv_blocks=64, block_size=16)
+    llm = LLM(model=model_dir, dtype=dtype, num_kv_blocks=512, block_size=16)
     return llm, llm.llm_engine.core.executor.runner
 
 
@@ -71,18 +73,20 @@ def test_fused_step_matches_torch_path(arch, dtype, tiny_model_dir, tiny_llama_d
     _needs_bf16(dtype)
     llm, runner = _runner(tiny_model_dir if arch == "qwen2" else tiny_llama_dir, dtype)
     assert runner.native_decode is not None
-    for rows in (1, 3, 4, MAX_ROWS):
+    max_rows = runner.native_decode.max_rows
+    assert max_rows == {"float32": 32, "bfloat16": 64}[dtype]
+    for rows in sorted({1, 3, 4, small_m_rows(runner.dtype), small_m_rows(runner.dtype) + 1, max_rows}):
         batch = _decode_batch(runner, [5 + 29 * i % 90 for i in range(rows)], seed=rows)
         (ref, ref_kv), (out, out_kv) = _both_paths(runner, batch)
         assert out is not None and out.dtype == ref.dtype and out.shape == ref.shape
         for a, b in zip(out_kv, ref_kv):  # the step's K (after RoPE) and V went to the same slots
             torch.testing.assert_close(a.float(), b.float(), rtol=1e-5, atol=1e-5)
-        if dtype == "bfloat16" and rows <= 4:
+        if dtype == "bfloat16" and rows <= small_m_rows(runner.dtype):
             # Same kernel blocking and rounding points: bit for bit.
             assert torch.equal(out, ref)
         elif dtype == "bfloat16":
-            # oneDNN's GEMM sums in another order above four rows: bf16 outputs then differ by an
-            # ulp here and there (2^-8 relative), and a few such differences add up over the layers.
+            # oneDNN's GEMM sums in another order above the kernel's rows: bf16 outputs then differ
+            # by an ulp here and there (2^-8 relative), and a few such differences add up over the layers.
             torch.testing.assert_close(out.float(), ref.float(), rtol=2**-5, atol=2**-5)
         else:
             torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
@@ -96,7 +100,7 @@ def test_step_in_a_team_of_threads_gives_the_one_thread_bits(dtype, tiny_model_d
     _needs_bf16(dtype)
     llm, runner = _runner(tiny_model_dir, dtype)
     nd = runner.native_decode
-    for rows in (1, 3, MAX_ROWS):
+    for rows in (1, 3, nd.max_rows):
         batch = _decode_batch(runner, [4 + 37 * i % 80 for i in range(rows)], seed=20 + rows)
         args = (batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables, batch.seq_lens)
         sample = np.arange(rows)[::-1].copy()

@@ -3,7 +3,7 @@
 Each quantized linear layer runs the same kernel function (linear_quant.c) in both paths on the
 same bf16 activations, so in bfloat16 the step equals the torch path to the bit at every row count
 where all four linear layers are quantized; a dense linear layer keeps the dense step's rule (bit
-for bit up to four rows, oneDNN's sum order above). In float32 the paths differ by the order of
+for bit up to the small-M kernel's rows, oneDNN's sum order above). In float32 the paths differ by the order of
 sums in the norms and attention (float32 ulps), and such a difference can move an activation
 across a bf16 rounding boundary on its way into a quantized kernel: one bf16 ulp (2^-8 relative)
 of one of 64 inputs, about 1e-3 of an output at most, hence the float32 tolerance. w8a8 layers
@@ -21,7 +21,8 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.quantization import kernels as K
 from pagedllm.quantization.methods import GroupCodesLinearMethod, finish_group_codes
 from pagedllm.quantization.native import load_quant_kernel
-from pagedllm.worker.native_decode import MAX_ROWS, NativeDecode, load_decode_kernel
+from pagedllm.layers.native_linear import small_m_rows
+from pagedllm.worker.native_decode import QUANTIZED_ROWS, NativeDecode, load_decode_kernel
 from test_native_decode import _both_paths, _decode_batch, head_three_ways, tiny_llama_dir  # noqa: F401 (a fixture)
 from test_quant_native import _int8_act_bound
 
@@ -43,12 +44,13 @@ def _runner(model_dir: str, dtype: str, **kwargs):
     return llm, llm.llm_engine.core.executor.runner
 
 
-def _check(runner, dtype: str, all_quantized: bool, rows_list=(1, 3, MAX_ROWS)) -> None:
+def _check(runner, dtype: str, all_quantized: bool, rows_list=(1, 3, QUANTIZED_ROWS)) -> None:
+    assert runner.native_decode.max_rows == QUANTIZED_ROWS
     for rows in rows_list:
         batch = _decode_batch(runner, [5 + 29 * i % 90 for i in range(rows)], seed=rows)
         (ref, ref_kv), (out, out_kv) = _both_paths(runner, batch)
         assert out is not None and out.dtype == ref.dtype and out.shape == ref.shape
-        if dtype == "bfloat16" and (all_quantized or rows <= 4):
+        if dtype == "bfloat16" and (all_quantized or rows <= small_m_rows(runner.dtype)):
             assert torch.equal(out, ref), rows
             assert all(torch.equal(a, b) for a, b in zip(out_kv, ref_kv))
         elif dtype == "bfloat16":  # dense layers above four rows: see test_native_decode.py

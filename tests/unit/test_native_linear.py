@@ -7,17 +7,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.layers.native_linear import kernel_dtypes, load_linear_kernel, small_m_linear
+from pagedllm.layers.native_linear import kernel_dtypes, load_linear_kernel, small_m_linear, small_m_rows
 
 pytestmark = pytest.mark.skipif(load_linear_kernel() is None, reason="CPU without AVX-512 or no compiler")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("M", [1, 2, 3, 4])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 9, 15, 32])
 @pytest.mark.parametrize("N,K,with_bias", [(960, 576, False), (7, 64, True), (130, 1536, True)])
 def test_small_m_linear_matches_fp32(dtype, M, N, K, with_bias):
+    """Row counts past one tile of x (4 rows: later tiles reread the W block the first one
+    prefetched), N with a short last block, up to the dtype's row limit."""
     if dtype not in kernel_dtypes():
         pytest.skip(f"no {dtype} kernel on this CPU")
+    if M > small_m_rows(dtype):
+        pytest.skip(f"{dtype} takes at most {small_m_rows(dtype)} rows")
     g = torch.Generator().manual_seed(M * N)
     x = torch.randn(M, K, generator=g).to(dtype)
     w = (torch.randn(N, K, generator=g) / K**0.5).to(dtype)
@@ -35,9 +39,11 @@ def test_small_m_linear_matches_fp32(dtype, M, N, K, with_bias):
 
 
 def test_kernel_declines_what_it_does_not_cover():
-    x = torch.randn(5, 64).bfloat16()
     w = torch.randn(8, 64).bfloat16()
-    assert small_m_linear(x, w, None) is None  # more rows than its blocking: torch's GEMM
+    for dtype in (torch.bfloat16, torch.float32):  # more rows than it beats torch's GEMM at
+        x = torch.randn(small_m_rows(dtype) + 1, 64).to(dtype)
+        assert small_m_linear(x, w.to(dtype), None) is None
+    x = torch.randn(1, 64).bfloat16()
     assert small_m_linear(x[:1].half(), w.half(), None) is None  # float16
     assert small_m_linear(x[:1].float(), w, None) is None  # mixed dtypes
     assert small_m_linear(torch.randn(1, 48).bfloat16(), torch.randn(8, 48).bfloat16(), None) is None  # K % 32

@@ -1,0 +1,74 @@
+"""The small-M GEMM kernel (pagedllm/layers/csrc/small_m_gemm.c) against torch's GEMM, by rows.
+
+Usage: PYTHONPATH=. .venv/bin/python benchmarks/bench_small_m_gemm.py [--dtype bfloat16] [--rows 1,4,8,16,32,48,64]
+
+The four linear layers of the default model's shapes (qkv 576->960, o 576->576, gate|up 576->3072,
+down 1536->576), 30 layers of random weights (212 MB in bf16), so that each pass streams its weights
+from memory as a decode step does. Per row count: the median of 7 passes over all 30 layers through
+the kernel and through torch (`dense_linear`'s choice without the kernel: oneDNN or MKL), and the
+ratio. This is what sets SMALL_M in pagedllm/layers/native_linear.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from pagedllm.layers.linear import _ONEDNN_LINEAR, takes_onednn
+from pagedllm.layers.native_linear import _DTYPE_CODES, load_linear_kernel
+
+SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (K, N)
+LAYERS = 30
+
+
+def _median_s(fn, reps: int = 7) -> float:
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return sorted(ts)[reps // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--rows", default="1,4,8,16,32,48,64")
+    a = ap.parse_args()
+    dt = getattr(torch, a.dtype)
+    lib = load_linear_kernel()
+    if lib is None:
+        raise SystemExit("the small-M kernel does not run here (no AVX-512)")
+    torch.manual_seed(0)
+    weights = [[torch.randn(n, k).to(dt) for k, n in SHAPES] for _ in range(LAYERS)]
+    flops_per_row = 2 * LAYERS * sum(k * n for k, n in SHAPES)
+    print(f"{a.dtype}, {torch.get_num_threads()} threads, {LAYERS} layers of {SHAPES} (K, N)")
+    print("| rows | kernel ms | GFLOP/s | torch ms | GFLOP/s | kernel speed-up |\n|---|---|---|---|---|---|")
+    for m in (int(r) for r in a.rows.split(",")):
+        xs = {k: torch.randn(m, k).to(dt) for k, _ in SHAPES}
+        ys = {n: torch.empty(m, n, dtype=dt) for _, n in SHAPES}
+
+        def kernel() -> None:
+            for layer in weights:
+                for (k, n), w in zip(SHAPES, layer):
+                    lib.small_m_linear(xs[k].data_ptr(), m, w.data_ptr(), None, n, k, ys[n].data_ptr(), _DTYPE_CODES[dt])
+
+        def torch_gemm() -> None:
+            for layer in weights:
+                for (k, _), w in zip(SHAPES, layer):
+                    if takes_onednn(w, m):
+                        _ONEDNN_LINEAR(xs[k], w, None, "none", [], "")
+                    else:
+                        torch.nn.functional.linear(xs[k], w)
+
+        with torch.inference_mode():
+            tk, tt = _median_s(kernel), _median_s(torch_gemm)
+        gf = flops_per_row * m / 1e9
+        print(f"| {m} | {1e3 * tk:.2f} | {gf / tk:.0f} | {1e3 * tt:.2f} | {gf / tt:.0f} | {tt / tk:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
