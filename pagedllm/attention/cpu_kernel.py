@@ -114,7 +114,7 @@ def load_kernel() -> ctypes.CDLL | None:
         return None
     f = lib.paged_attention
     i32, i64, p, f32 = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-    f.argtypes = [p, i32, p, p, i32, p, p, i64, p, p, p, i64, p, i64, i64, i64, i64, f32, f32, i64]
+    f.argtypes = [p, i32, i64, p, p, i32, p, p, i64, p, p, p, i64, p, i64, i64, i64, i64, f32, f32, i64]
     f.restype = None
     w = lib.kv_cache_write
     w.argtypes, w.restype = [p, p, p, i64, p, i64, p, i64, i64, i64], i32
@@ -238,16 +238,19 @@ def paged_attention_native(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """q: [T, H, D] contiguous (float32/bfloat16/float16); kv_cache: [2, num_blocks, block_size,
+    """q: [T, H, D] (float32/bfloat16/float16; each token's heads contiguous, tokens at any stride:
+    a view into a fused projection's rows is read in place); kv_cache: [2, num_blocks, block_size,
     KVH, D] in one of those or an fp8 dtype, holding K / k_scale and V / v_scale. -> [T, H * D]."""
-    q = q.contiguous()  # rows of q may be strided views of a fused projection
     T, H, D = q.shape
+    if q.stride(2) != 1 or q.stride(1) != D or (T > 1 and q.stride(0) < H * D):
+        q = q.contiguous()
     _, _, bs, kvh, _ = kv_cache.shape
     out = torch.empty(T, H * D, dtype=q.dtype)
     table = fp8_table(kv_cache.dtype)
     lib.paged_attention(
         q.data_ptr(),
         _QUERY_CODES[q.dtype],
+        q.stride(0) if T > 1 else H * D,
         kv_cache[0].data_ptr(),
         kv_cache[1].data_ptr(),
         _KV_CODES[kv_cache.dtype],

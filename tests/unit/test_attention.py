@@ -232,6 +232,35 @@ def test_decode_path_at_model_shapes_matches_dense_fp32(heads, kv_heads, head_di
         torch.testing.assert_close(out.float(), torch.cat(refs), **DECODE_TOL[q_dtype])
 
 
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+def test_native_kernel_reads_q_in_place_from_fused_rows(q_dtype):
+    """q as the model hands it over, a view into the fused QKV rows (tokens ldq > H * D elements
+    apart), gives the bits of the same q copied contiguous: decodes and a prompt chunk (the
+    transposed-tile path) alike."""
+    from pagedllm.attention.cpu_kernel import paged_attention_native
+
+    native = load_kernel()
+    if native is None:
+        pytest.skip("no C compiler for the native kernel")
+    bs, heads, kv_heads, hd, g = 16, 9, 3, 64, torch.Generator().manual_seed(7)
+    lens, qlens = [40, 5, 90], [1, 5, 24]  # a decode, a whole 5-token prompt, a 24-token chunk
+    nblk = [-(-n // bs) for n in lens]
+    kv = torch.randn(2, sum(nblk), bs, kv_heads, hd, generator=g).to(q_dtype)
+    bt = torch.zeros(len(lens), max(nblk), dtype=torch.int64)
+    start = 0
+    for r, n in enumerate(nblk):
+        bt[r, :n] = torch.arange(start, start + n)
+        start += n
+    qsl = torch.tensor([0] + qlens).cumsum(0)
+    work = torch.tensor([[r, 0, n] for r, n in enumerate(qlens)])
+    T = int(qsl[-1])
+    qkv = torch.randn(T, (heads + 2 * kv_heads) * hd, generator=g).to(q_dtype)
+    q = qkv[:, : heads * hd].view(T, heads, hd)
+    assert not q.is_contiguous() and q.stride(0) == (heads + 2 * kv_heads) * hd
+    args = (kv, bt, qsl, torch.tensor(lens), work, hd**-0.5, 0)
+    assert torch.equal(paged_attention_native(native, q, *args), paged_attention_native(native, q.contiguous(), *args))
+
+
 @pytest.mark.skipif(load_kernel() is None, reason="no C compiler")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("tokens", [1, 37, 2048])

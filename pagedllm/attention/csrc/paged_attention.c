@@ -29,7 +29,8 @@
  * serve every row with fp32 FMAs. A batch of decodes reads its KV blocks from memory, scattered
  * over the cache: the next run's K and V rows are prefetched while the current run's PV sums run.
  *
- * Layouts: q, out [T, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D];
+ * Layouts: q [T, H, D] with ldq elements between tokens (>= H * D: q may be a view into a fused
+ * projection's rows), out [T, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D];
  * block_tables [R, bt_stride]; query_start_loc [R + 1]; seq_lens [R]; work [W, 3].
  */
 #include <math.h>
@@ -297,7 +298,7 @@ static void decode_dispatch(int R, int64_t D, int mode, const float *qf, const u
 #endif
 
 /* Work item w of the call (arguments as paged_attention below) for KV head kh, on the calling thread. */
-static void attend_item(const void *q, int q_dt, const void *k_cache, const void *v_cache, int kv_dt,
+static void attend_item(const void *q, int q_dt, int64_t ldq, const void *k_cache, const void *v_cache, int kv_dt,
                         const float *fp8_table, const int64_t *block_tables, int64_t bt_stride,
                         const int64_t *query_start_loc, const int64_t *seq_lens, const int64_t *work, int64_t w,
                         int64_t kh, void *out, int64_t H, int64_t KVH, int64_t D, int64_t BS, float scale,
@@ -317,7 +318,7 @@ static void attend_item(const void *q, int q_dt, const void *k_cache, const void
         for (int64_t g = 0; g < G; g++) {
             const int64_t row = i * G + g;
             /* Scaled once here, so scores come out of the FMAs ready for the softmax. */
-            load_f32(qf + row * D, q, ((qs + t0 + i) * H + kh * G + g) * D, 1, D, q_dt, NULL);
+            load_f32(qf + row * D, q, (qs + t0 + i) * ldq + (kh * G + g) * D, 1, D, q_dt, NULL);
             for (int64_t d = 0; d < D; d++) qf[row * D + d] *= scale;
             pos[row] = ctx0 + t0 + i;
             m[row] = -INFINITY;
@@ -338,7 +339,7 @@ static void attend_item(const void *q, int q_dt, const void *k_cache, const void
         if (kv_dt == DT_BF16 && q_dt == DT_BF16) {
             mode = KM_BF16DP;
             for (int64_t row = 0; row < rows; row++)
-                memcpy(qb + row * D, (const uint16_t *)q + ((qs + t0 + row / G) * H + kh * G + row % G) * D,
+                memcpy(qb + row * D, (const uint16_t *)q + (qs + t0 + row / G) * ldq + (kh * G + row % G) * D,
                        sizeof(uint16_t) * D);
         }
 #endif
@@ -415,10 +416,10 @@ static void attend_item(const void *q, int q_dt, const void *k_cache, const void
     }
 }
 
-#define ATTEND_ARGS q, q_dt, k_cache, v_cache, kv_dt, fp8_table, block_tables, bt_stride, query_start_loc, seq_lens, \
+#define ATTEND_ARGS q, q_dt, ldq, k_cache, v_cache, kv_dt, fp8_table, block_tables, bt_stride, query_start_loc, seq_lens, \
                     work
 
-void paged_attention(const void *q, int q_dt, const void *k_cache, const void *v_cache, int kv_dt,
+void paged_attention(const void *q, int q_dt, int64_t ldq, const void *k_cache, const void *v_cache, int kv_dt,
                      const float *fp8_table, const int64_t *block_tables, int64_t bt_stride,
                      const int64_t *query_start_loc, const int64_t *seq_lens, const int64_t *work, int64_t num_work,
                      void *out, int64_t H, int64_t KVH, int64_t D, int64_t BS, float scale, float v_scale,
@@ -436,7 +437,7 @@ void paged_attention(const void *q, int q_dt, const void *k_cache, const void *v
 
 /* Work items x KV heads [lo, hi) of the call (item w, KV head kh is number w * KVH + kh), on the
  * calling thread: for callers that split the items over their own OpenMP team. */
-void paged_attention_items(const void *q, int q_dt, const void *k_cache, const void *v_cache, int kv_dt,
+void paged_attention_items(const void *q, int q_dt, int64_t ldq, const void *k_cache, const void *v_cache, int kv_dt,
                            const float *fp8_table, const int64_t *block_tables, int64_t bt_stride,
                            const int64_t *query_start_loc, const int64_t *seq_lens, const int64_t *work, int64_t lo,
                            int64_t hi, void *out, int64_t H, int64_t KVH, int64_t D, int64_t BS, float scale,

@@ -312,11 +312,11 @@ static void step_layers(const Step *c, int tid, int nth) {
             memcpy((char *)md->v_cache[l] + dst * es, (const char *)c->qkv + (src + kvn) * es, (size_t)(D * es));
         }
         if (team)
-            paged_attention_items(c->q, qdt, md->k_cache[l], md->v_cache[l], qdt, NULL, c->block_tables, c->bt_stride,
+            paged_attention_items(c->q, qdt, qn, md->k_cache[l], md->v_cache[l], qdt, NULL, c->block_tables, c->bt_stride,
                                   c->qsl, c->seq_lens, c->work, lo, hi, c->attn, H, KVH, D, md->block_size,
                                   md->attn_scale, 1.0f, md->sliding_window);
         else
-            paged_attention(c->q, qdt, md->k_cache[l], md->v_cache[l], qdt, NULL, c->block_tables, c->bt_stride,
+            paged_attention(c->q, qdt, qn, md->k_cache[l], md->v_cache[l], qdt, NULL, c->block_tables, c->bt_stride,
                             c->qsl, c->seq_lens, c->work, M, c->attn, H, KVH, D, md->block_size, md->attn_scale, 1.0f,
                             md->sliding_window);
         team_sync(team);
