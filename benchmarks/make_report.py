@@ -586,6 +586,7 @@ def main() -> None:
     ratios = next((s["ratios"] for s in single if s.get("ratios")), None)
     if serve:
         parts.append(serve_section(serve, img_dir / "bench-serve-latency.png", ratios))
+        parts.extend(f"\n{s['note']}\n" for s in single if s.get("note"))
     elif len(single) < len(loaded):
         parts.append("## Online serving\n")
     else:
