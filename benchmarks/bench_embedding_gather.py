@@ -8,23 +8,17 @@ Run: flock /tmp/pagedllm-bench.lock python benchmarks/bench_embedding_gather.py 
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
 
+from pagedllm.benchmarks.env import call_times
 from pagedllm.quantization import native
 from pagedllm.quantization.vocab import quantize_rows
 
 
 def best_us(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times) * 1e6
+    return min(call_times(fn, reps)) * 1e6
 
 
 def main() -> None:

@@ -14,25 +14,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from pagedllm import LLM
-from pagedllm.benchmarks.env import measure_copy_bandwidth, run_metadata
+from pagedllm.benchmarks.env import call_times, measure_copy_bandwidth, run_metadata
 from pagedllm.worker.input_batch import RequestState, build_batch
 
 
 def _best_ms(fn, reps: int = 15) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return 1000 * best
+    return 1000 * min(call_times(fn, reps))
 
 
 def measure(dtype: str, rows: list[int], context: int) -> list[dict]:

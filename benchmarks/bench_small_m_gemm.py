@@ -12,10 +12,11 @@ ratio. This is what sets SMALL_M in pagedllm/layers/native_linear.py.
 from __future__ import annotations
 
 import argparse
-import time
+import statistics
 
 import torch
 
+from pagedllm.benchmarks.env import call_times
 from pagedllm.layers.linear import _ONEDNN_LINEAR, takes_onednn
 from pagedllm.layers.native_linear import _DTYPE_CODES, load_linear_kernel
 
@@ -24,13 +25,7 @@ LAYERS = 30
 
 
 def _median_s(fn, reps: int = 7) -> float:
-    fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return sorted(ts)[reps // 2]
+    return statistics.median(call_times(fn, reps))
 
 
 def main() -> None:

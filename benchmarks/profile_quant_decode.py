@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.benchmarks.env import call_times
 from pagedllm.quantization import kernels as K
 from pagedllm.quantization import native
 
@@ -29,12 +30,7 @@ from bench_quantization import SCHEMES, scheme_model  # noqa: E402
 def _median_ms(fn, iters: int) -> tuple[float, float]:
     """(median, fastest) of `iters` calls after one warm-up, in ms: on a loaded machine the fastest
     call is the one least disturbed by other work."""
-    fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
+    times = call_times(fn, iters)
     return statistics.median(times) * 1e3, min(times) * 1e3
 
 

@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import psutil
 
@@ -78,6 +78,17 @@ def run_metadata(extra_versions: dict[str, str | None] | None = None) -> dict[st
 
 
 # ---- machine peaks --------------------------------------------------------------------------
+
+def call_times(fn: Callable[[], object], reps: int) -> list[float]:
+    """Seconds of each of `reps` calls of fn, after one untimed warm-up call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
 
 def measure_matmul_peak(n: int = 1024, seconds: float = 2.0, dtype: str = "float32") -> float:
     """FLOP/s of a large square matmul in `dtype` (2 n^3 FLOPs each), with torch's current threads:
