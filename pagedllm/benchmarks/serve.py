@@ -162,6 +162,21 @@ class LaunchError(Exception):
     """The server could not be started; the message says why."""
 
 
+
+def _group_gone(pgid: int, timeout: float) -> bool:
+    """Whether every process of group pgid has exited within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # a process of the group that is no longer ours to signal
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
 class LaunchedServer:
     """Starts a server process on a free loopback port and stops it (its whole process group)."""
 
@@ -240,18 +255,29 @@ class LaunchedServer:
         return self
 
     def stop(self) -> None:
+        """Stops the server's whole process group and returns once every process of it is gone, so
+        that a server still shutting down (vLLM's engine core outlives its API process) does not
+        share the cores with the next one's start-up and runs."""
         if self.monitor is not None:
             self.monitor.__exit__(None, None, None)
-        if self.proc is None or self.proc.poll() is not None:
+        if self.proc is None:
             return
+        pgid = self.proc.pid  # start_new_session: the server leads its own group
         try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+            os.killpg(pgid, signal.SIGTERM)
         except ProcessLookupError:
             pass
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+        if not _group_gone(pgid, timeout=30):
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+            _group_gone(pgid, timeout=10)
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
         self.stop()

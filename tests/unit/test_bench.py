@@ -366,3 +366,25 @@ def test_repeat_needs_launch(capsys) -> None:
     assert "--repeat relaunches" in capsys.readouterr().err
     assert main(["bench", "serve", "--launch", "pagedllm", "--repeat", "0"]) == 2
     assert "--repeat must be at least 1, got 0" in capsys.readouterr().err
+
+
+def test_launched_server_stop_waits_for_its_whole_process_group(tmp_path):
+    """A launched server's stop() returns only once every process of its group is gone: a child that
+    outlives the server's main process (as vLLM's engine core does while it shuts down) would
+    otherwise share the cores with the next server's start-up."""
+    import subprocess
+
+    from pagedllm.benchmarks.serve import LaunchedServer, _group_gone
+
+    marker = tmp_path / "child-done"
+    # The leader exits at once on SIGTERM; its child ignores SIGTERM and lives on for 1.5 s.
+    script = f"(trap '' TERM; sleep 1.5; touch {marker}) & trap 'exit 0' TERM; while :; do sleep 0.05; done"
+    proc = subprocess.Popen(["sh", "-c", script], start_new_session=True)
+    time.sleep(0.3)
+    assert not _group_gone(proc.pid, timeout=0.1)
+    server = LaunchedServer.__new__(LaunchedServer)
+    server.monitor, server.proc = None, proc
+    t0 = time.monotonic()
+    server.stop()
+    assert proc.poll() is not None and _group_gone(proc.pid, timeout=0)
+    assert marker.exists() and time.monotonic() - t0 >= 1.0  # it waited for the child, not just the leader
