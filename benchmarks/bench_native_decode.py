@@ -58,10 +58,11 @@ def measure(dtype: str, rows: list[int], context: int) -> list[dict]:
 
         with torch.inference_mode():
             t_fused, t_torch = _best_ms(fused), _best_ms(torch_path)
-            t_head = _best_ms(fused_head) if nd.head_applies(m) else float("nan")
+            t_head = _best_ms(fused_head) if nd.head_applies(m) else None  # the LM head outside the step
         out.append({"dtype": dtype, "rows": m, "fused_ms": t_fused, "fused_head_ms": t_head, "torch_ms": t_torch,
                     "speedup": t_torch / t_fused, "fused_weight_gb_s": weight_bytes / t_fused / 1e6})
-        print(f"{dtype:9s} rows {m:3d}: fused {t_fused:7.2f} ms   fused+head {t_head:7.2f} ms   torch ops {t_torch:7.2f} ms   "
+        head_ms = "-" if t_head is None else f"{t_head:.2f}"
+        print(f"{dtype:9s} rows {m:3d}: fused {t_fused:7.2f} ms   fused+head {head_ms:>7s} ms   torch ops {t_torch:7.2f} ms   "
               f"{t_torch / t_fused:5.2f}x   weights read at {weight_bytes / t_fused / 1e6:5.1f} GB/s", flush=True)
     del llm
     return out

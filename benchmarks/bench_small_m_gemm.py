@@ -17,7 +17,7 @@ import statistics
 import torch
 
 from pagedllm.benchmarks.env import call_times
-from pagedllm.layers.linear import _ONEDNN_LINEAR, takes_onednn
+from pagedllm.layers.linear import torch_linear
 from pagedllm.layers.native_linear import _DTYPE_CODES, load_linear_kernel
 
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (K, N)
@@ -54,10 +54,7 @@ def main() -> None:
         def torch_gemm() -> None:
             for layer in weights:
                 for (k, _), w in zip(SHAPES, layer):
-                    if takes_onednn(w, m):
-                        _ONEDNN_LINEAR(xs[k], w, None, "none", [], "")
-                    else:
-                        torch.nn.functional.linear(xs[k], w)
+                    torch_linear(xs[k], w)
 
         with torch.inference_mode():
             tk, tt = _median_s(kernel), _median_s(torch_gemm)

@@ -336,14 +336,10 @@ _NATIVE_DECODE_TEAM = (
 
 def native_decode_section(r: dict[str, Any]) -> str:
     head = all("fused_head_ms" in x for x in r["results"])  # runs before the column existed have none
-    rows = [[x["dtype"], str(x["rows"]), f"{x['fused_ms']:.2f}", *([fmt(x["fused_head_ms"] if x["fused_head_ms"] == x["fused_head_ms"] else None, ".2f")] if head else []),
+    rows = [[x["dtype"], str(x["rows"]), f"{x['fused_ms']:.2f}", *([fmt(x["fused_head_ms"], ".2f")] if head else []),
              f"{x['torch_ms']:.2f}", f"{x['speedup']:.2f}x", f"{x['fused_weight_gb_s']:.1f}"] for x in r["results"]]
-    meta = dict(r.get("meta") or {})
-    meta["command"] = (".venv/bin/python benchmarks/bench_native_decode.py --rows "
-                       + ",".join(dict.fromkeys(str(x["rows"]) for x in r["results"]))
-                       + " --out benchmarks/results/native_decode.json")
     return (
-        "## Decode steps as one native call\n\n" + run_block(meta) + "\n"
+        "## Decode steps as one native call\n\n" + run_block(r.get("meta")) + "\n"
         "A decode-only step of a few rows runs the whole decoder stack in one C call "
         "(pagedllm/worker/csrc/llama_decode.c) instead of about 80 torch ops per layer. "
         f"{_NATIVE_DECODE_TEAM}Step time of each path on "

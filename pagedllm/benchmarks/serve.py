@@ -162,7 +162,6 @@ class LaunchError(Exception):
     """The server could not be started; the message says why."""
 
 
-
 def _group_gone(pgid: int, timeout: float) -> bool:
     """Whether every process of group pgid has exited within `timeout` seconds."""
     deadline = time.monotonic() + timeout
@@ -176,6 +175,7 @@ def _group_gone(pgid: int, timeout: float) -> bool:
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.05)
+
 
 class LaunchedServer:
     """Starts a server process on a free loopback port and stops it (its whole process group)."""

@@ -47,14 +47,19 @@ def takes_onednn(weight: torch.Tensor, rows: int) -> bool:
             and rows >= MKLDNN_MIN_ROWS)
 
 
-def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T + b for a dense weight (linear layers and the LM head): see takes_onednn; decode rows
-    through the small-M kernel, everything else through F.linear."""
+def torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b through torch's GEMMs: oneDNN where takes_onednn says so, else F.linear."""
     if x.dim() == 2 and takes_onednn(weight, x.shape[0]):
         y = _ONEDNN_LINEAR(x.contiguous(), weight, None, "none", [], "")
         return y if bias is None else y.add_(bias)
+    return F.linear(x, weight, bias)
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b for a dense weight (linear layers and the LM head): decode rows through the small-M
+    kernel (its float32 rows stop below oneDNN's, MKLDNN_MIN_ROWS), everything else torch_linear."""
     y = small_m_linear(x, weight, bias)  # decode rows: one pass over the weights
-    return y if y is not None else F.linear(x, weight, bias)
+    return y if y is not None else torch_linear(x, weight, bias)
 
 
 class UnquantizedLinearMethod:

@@ -56,7 +56,7 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """x W^T + b through the kernel when it applies (float32 or bf16 on the CPU, at most
     small_m_rows(dtype) rows, K a multiple of 16 / 32, contiguous weight), else None."""
     dt = x.dtype
-    if (dt not in _DTYPE_CODES or weight.dtype != dt or x.dim() != 2 or x.shape[0] > small_m_rows(dt)
+    if (dt not in _DTYPE_CODES or weight.dtype != dt or x.dim() != 2 or x.shape[0] > SMALL_M[dt]
             or x.shape[1] % _K_STEP[dt] or x.device.type != "cpu" or not weight.is_contiguous()
             or dt not in kernel_dtypes()):
         return None
