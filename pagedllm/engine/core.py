@@ -21,6 +21,7 @@ from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import EngineCoreOutput
 from pagedllm.engine.core_io import EngineCoreRequest, StepStats
 from pagedllm.executor import create_executor
+from pagedllm.utils import HEAP_TOP_PAD
 
 logger = logging.getLogger(__name__)
 
@@ -61,14 +62,15 @@ class MemoryBound:
 def step_workspace_bytes(config: EngineConfig) -> int:
     """A generous estimate of one step's float32 working memory: per scheduled token the hidden
     states, attention and MLP activations (and their temporaries); per sampled row a few copies
-    of the logits (processed logits, probabilities, noise)."""
+    of the logits (processed logits, probabilities, noise); plus the pad the tuned C heap maps
+    beyond what it needs (utils.tune_heap)."""
     hf = config.model_config.hf_config
     hidden = int(getattr(hf, "hidden_size", 0) or 0)
     inter = int(getattr(hf, "intermediate_size", 0) or 4 * hidden)
     sc = config.scheduler_config
     per_token = 2 * (8 * hidden + 3 * inter) * 4
     per_row = 4 * config.model_config.vocab_size * 4
-    return sc.max_num_batched_tokens * per_token + sc.max_num_seqs * per_row
+    return sc.max_num_batched_tokens * per_token + sc.max_num_seqs * per_row + HEAP_TOP_PAD
 
 
 class EngineCore:

@@ -25,8 +25,10 @@ from pagedllm.layers.linear import dense_linear
 from pagedllm.models.loader import ModelSource, iterate_weights
 from pagedllm.models.registry import get_model_class
 from pagedllm.quantization import QuantizationSetup, process_model
+from pagedllm.utils import trim_heap, tune_heap
 from pagedllm.worker import device as dev
 from pagedllm.worker.cuda_graph import CudaGraphRunner
+from pagedllm.worker.host_memory import anonymous_zeros, move_weights_to_huge_pages
 from pagedllm.worker.input_batch import BatchArrays, InputBatch
 from pagedllm.worker.native_decode import NativeDecode
 from pagedllm.worker.sampler import (
@@ -93,6 +95,8 @@ class ModelRunner:
         self.device_config = device_config or DeviceConfig()
         self.device = torch.device(self.device_config.device)
         self.is_cuda = self.device.type == "cuda"
+        if not self.is_cuda:
+            tune_heap()
         self.cuda_graphs: CudaGraphRunner | None = None
         # Small decode-only steps as one native call (CPU; set once the KV cache exists).
         self.native_decode: NativeDecode | None = None
@@ -109,6 +113,7 @@ class ModelRunner:
         # Host pool for swapped-out blocks: per layer, the same layout with num_swap_blocks blocks.
         self.swap_caches: list[torch.Tensor] = []
         self._kv_buffers: list[mmap.mmap] = []
+        self._weight_arena: mmap.mmap | None = None
         self.num_blocks = 0
         self.num_swap_blocks = 0
         # Chosen once; bound with this runner's forward context to every attention layer. Triton
@@ -155,6 +160,9 @@ class ModelRunner:
             source = ModelSource(kind=mc.kind, path=mc.path, name=mc.served_model_name)  # type: ignore[arg-type]
             model.load_weights(iterate_weights(source, quant))
         process_model(model, self.dtype, f"{mc.quantization.method} quantization" if quant else "", quant)
+        if not self.is_cuda:
+            self._weight_arena = move_weights_to_huge_pages(model)
+            trim_heap()  # the loaded copies' pages, freed into a heap that keeps its free pages
         model.eval()
         for layer in self._attention_layers(model):
             layer.context, layer.backend = self.forward_context, self.attn_backend
@@ -311,16 +319,12 @@ class ModelRunner:
         return flops, copy
 
     def _zeroed(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """A zero tensor on private anonymous memory: instant to create, pages committed on first
-        write. Private, not shared: a block's first write faults its pages in, and into shared
-        anonymous memory (shmem) that costs about 1.5 times as much."""
+        """A zero tensor, its pages committed on first write (host_memory.anonymous_zeros on the CPU)."""
         if self.is_cuda:
             return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-        nbytes = math.prod(shape) * torch.empty(0, dtype=self.kv_dtype).element_size()
-        buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        t, buf = anonymous_zeros(shape, self.kv_dtype)
         self._kv_buffers.append(buf)
-        # frombuffer has no fp8 path: map the bytes, then reinterpret them.
-        return torch.frombuffer(buf, dtype=torch.uint8).view(self.kv_dtype).view(shape)
+        return t
 
     # ---- per step -------------------------------------------------------------------------
     @property
