@@ -130,6 +130,7 @@ def throughput_section(r: dict[str, Any], img: Path) -> str:
         + "\nRatios in parentheses are to pagedllm. Start-up = process spawn to model ready (imports, weights, "
           "KV cache, warm-up). Peak RSS: the backend's process tree, polled every 0.1 s. "
         + (f"MFU = model FLOPs / generation time / {peak_text}; {r['flops_formula']}.\n" if peak or peaks else "\n")
+        + (f"\n{r['note']}\n" if r.get("note") else "")
         + probe + f"\n![throughput](img/{img.name})\n"
     )
 

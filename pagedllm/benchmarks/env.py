@@ -139,6 +139,26 @@ def measure_copy_bandwidth(nbytes: int = 256 << 20, seconds: float = 1.0) -> flo
             return best
 
 
+
+def temporaries_faults(steps: int, tensors: int = 6, mib: int = 24) -> list[int]:
+    """Minor page faults of each of `steps` rounds of a step's temporaries (`tensors` float32
+    tensors of `mib` MiB, written, then freed), after one untimed round: how many of their pages
+    the C heap hands back between steps."""
+    import resource
+
+    import torch
+
+    def one() -> int:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        ts = [torch.empty(mib << 18, dtype=torch.float32) for _ in range(tensors)]
+        for t in ts:
+            t.fill_(1.0)
+        del ts
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+    one()
+    return [one() for _ in range(steps)]
+
 # ---- peak RSS -------------------------------------------------------------------------------
 
 def tree_rss(pid: int) -> int:

@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 import platform
-import resource
 
 import pytest
 import torch
 from torch import nn
 
+from pagedllm.benchmarks.env import temporaries_faults
 from pagedllm.utils import tune_heap
 from pagedllm.worker import host_memory
 from pagedllm.worker.host_memory import HUGE_PAGE, anonymous_zeros, huge_pages_available, move_weights_to_huge_pages
@@ -111,16 +111,6 @@ def test_tuned_heap_keeps_step_temporaries_mapped() -> None:
     pages in again. 144 MiB in 24 MiB tensors: with glibc's defaults each is mapped afresh or the
     heap's free top is handed back, and most steps fault in all 36,864 pages again."""
     assert tune_heap()
-
-    def step() -> int:
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        ts = [torch.empty(6 << 20, dtype=torch.float32) for _ in range(6)]
-        for t in ts:
-            t.fill_(1.0)
-        del ts
-        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-
-    step()
-    faults = [step() for _ in range(5)]
+    faults = temporaries_faults(5)
     # Not 0: this VM reclaims idle pages now and then (a step of another test may find some gone).
     assert sum(faults) < 36_864, faults
