@@ -139,7 +139,6 @@ def measure_copy_bandwidth(nbytes: int = 256 << 20, seconds: float = 1.0) -> flo
             return best
 
 
-
 def temporaries_faults(steps: int, tensors: int = 6, mib: int = 24) -> list[int]:
     """Minor page faults of each of `steps` rounds of a step's temporaries (`tensors` float32
     tensors of `mib` MiB, written, then freed), after one untimed round: how many of their pages
@@ -158,6 +157,7 @@ def temporaries_faults(steps: int, tensors: int = 6, mib: int = 24) -> list[int]
 
     one()
     return [one() for _ in range(steps)]
+
 
 # ---- peak RSS -------------------------------------------------------------------------------
 

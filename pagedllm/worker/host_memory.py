@@ -12,6 +12,7 @@ kernel offers them (THP "always" or "madvise").
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 from pathlib import Path
 
@@ -51,18 +52,18 @@ def _anonymous_map(nbytes: int, huge: bool) -> tuple[mmap.mmap, int]:
     return buf, offset
 
 
-def anonymous_zeros(shape: tuple[int, ...], dtype: torch.dtype, huge: bool | None = None) -> tuple[torch.Tensor, mmap.mmap]:
+def anonymous_zeros(shape: tuple[int, ...], dtype: torch.dtype,
+                    huge: bool | None = None) -> tuple[torch.Tensor, mmap.mmap]:
     """A zero tensor on private anonymous memory, instant to create, its pages committed on first
     write, and the map that holds it (keep it while the tensor lives). Private, not shared: a first
     write into shared anonymous memory (shmem) costs about 1.5 times as much."""
     huge = huge_pages_available() if huge is None else huge
-    nbytes = 1
-    for d in shape:
-        nbytes *= d
-    nbytes *= torch.empty(0, dtype=dtype).element_size()
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
     buf, offset = _anonymous_map(nbytes, huge)
     # frombuffer has no fp8 path: map the bytes, then reinterpret them.
-    t = torch.frombuffer(buf, dtype=torch.uint8, offset=offset, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
+    if not nbytes:
+        return torch.empty(shape, dtype=dtype), buf
+    t = torch.frombuffer(buf, dtype=torch.uint8, offset=offset, count=nbytes)
     return t.view(dtype).view(shape), buf
 
 
