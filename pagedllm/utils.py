@@ -23,6 +23,8 @@ _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 _MMAP_THRESHOLD_MAX = 32 << 20
 HEAP_TOP_PAD = 64 << 20
 """Extra bytes the tuned heap maps each time it grows (so that growing is rare)."""
+HEAP_KEEP = 1 << 30
+"""Free bytes at the tuned heap's top that stay mapped for the next step."""
 
 
 def _load_libc() -> Any:
@@ -37,19 +39,19 @@ def _load_libc() -> Any:
     return _libc
 
 
-def tune_heap(keep_bytes: int = 1 << 30) -> bool:
+def tune_heap() -> bool:
     """Keeps a step's temporaries in the C heap between steps instead of mapping and unmapping them
     each time; False where there is no glibc. By default glibc serves blocks of a few MB and more with
     a fresh mmap and unmaps them on free, and trims the heap's top as soon as it is free, so every
     step faults in (and zeroes) its activations' pages again: about 1.5 us a 4 KiB page here, some
     hundreds of thousands of faults on the 128-request workload. Blocks up to 32 MiB (glibc's
-    largest threshold) now come from the heap, and up to ``keep_bytes`` of free heap top stays
+    largest threshold) now come from the heap, and up to HEAP_KEEP of free heap top stays
     mapped; an idle engine core still hands it all back with trim_heap."""
     libc = _load_libc()
     if not libc:
         return False
     libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
-    libc.mallopt(_M_TRIM_THRESHOLD, keep_bytes)
+    libc.mallopt(_M_TRIM_THRESHOLD, HEAP_KEEP)
     libc.mallopt(_M_TOP_PAD, HEAP_TOP_PAD)
     return True
 

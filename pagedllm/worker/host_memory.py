@@ -60,9 +60,9 @@ def anonymous_zeros(shape: tuple[int, ...], dtype: torch.dtype,
     huge = huge_pages_available() if huge is None else huge
     nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
     buf, offset = _anonymous_map(nbytes, huge)
-    # frombuffer has no fp8 path: map the bytes, then reinterpret them.
     if not nbytes:
         return torch.empty(shape, dtype=dtype), buf
+    # frombuffer has no fp8 path: map the bytes, then reinterpret them.
     t = torch.frombuffer(buf, dtype=torch.uint8, offset=offset, count=nbytes)
     return t.view(dtype).view(shape), buf
 
@@ -89,26 +89,25 @@ def move_weights_to_huge_pages(model: nn.Module) -> mmap.mmap | None:
     if not huge_pages_available():
         return None
     slots = [s for s in _tensor_slots(model) if s[2].device.type == "cpu" and s[2].numel() > 0]
-    storages: dict[int, torch.UntypedStorage] = {}
-    for _, _, t, _ in slots:
-        storages.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage())
-    if not storages:
+    if not slots:
         return None
-    starts: dict[int, int] = {}
+    # Each distinct storage once, at its byte offset in the arena (64-byte aligned).
+    placed: dict[int, tuple[torch.UntypedStorage, int]] = {}
     total = 0
-    for ptr, st in storages.items():
-        starts[ptr] = total
-        total += -(-st.nbytes() // _ALIGN) * _ALIGN
+    for _, _, t, _ in slots:
+        st = t.untyped_storage()
+        if st.data_ptr() not in placed:
+            placed[st.data_ptr()] = (st, total)
+            total += -(-st.nbytes() // _ALIGN) * _ALIGN
     buf, offset = _anonymous_map(total, huge=True)
     arena = torch.frombuffer(buf, dtype=torch.uint8, offset=offset, count=total)
-    for ptr, st in storages.items():
-        arena[starts[ptr]:starts[ptr] + st.nbytes()].copy_(torch.empty(0, dtype=torch.uint8).set_(st))
+    for st, start in placed.values():
+        arena[start:start + st.nbytes()].copy_(torch.empty(0, dtype=torch.uint8).set_(st))
     storage, base = arena.untyped_storage(), arena.storage_offset()
     views: dict[int, torch.Tensor] = {}  # one new tensor per tensor object: shared buffers stay one object
     for _, _, t, _ in slots:
         if id(t) not in views:
-            # The tensor's storage starts this many elements into the arena (each slot 64-byte aligned).
-            first = (base + starts[t.untyped_storage().data_ptr()]) // t.element_size()
+            first = (base + placed[t.untyped_storage().data_ptr()][1]) // t.element_size()
             views[id(t)] = torch.empty(0, dtype=t.dtype).set_(storage, first + t.storage_offset(), t.size(), t.stride())
     for mod, name, t, is_param in slots:
         if is_param:

@@ -113,7 +113,7 @@ class ModelRunner:
         # Host pool for swapped-out blocks: per layer, the same layout with num_swap_blocks blocks.
         self.swap_caches: list[torch.Tensor] = []
         self._kv_buffers: list[mmap.mmap] = []
-        self._weight_arena: mmap.mmap | None = None
+        self._weight_arena: mmap.mmap | None = None  # holds the weights where huge pages are offered
         self.num_blocks = 0
         self.num_swap_blocks = 0
         # Chosen once; bound with this runner's forward context to every attention layer. Triton
