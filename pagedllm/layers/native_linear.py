@@ -19,11 +19,12 @@ from pagedllm.attention.cpu_kernel import load_native
 SMALL_M_SRC = Path(__file__).parent / "csrc" / "small_m_gemm.c"
 # Most rows of x sent to the kernel, per dtype: up to where it stops beating torch's GEMM on the
 # default model's shapes with the weights streamed from memory (benchmarks/bench_small_m_gemm.py,
-# 2-core AVX-512 machine, the four GEMMs of 30 layers): bf16 8 rows 6.8 ms against oneDNN's 10.3,
-# 16 rows 8.5 against 12.4, 32 rows 15.2 against 16.1, 40 rows 0.94x. float32: oneDNN takes over
-# from 16 rows (layers/linear.py); below that torch's GEMM is MKL's sgemm, 2.2-3x slower (8 rows
-# 14.9 against 34.4 ms).
-SMALL_M = {torch.float32: 15, torch.bfloat16: 32}
+# 2-core AVX-512 machine, the four GEMMs of 30 layers): bf16 16 rows 7.3 ms against oneDNN's 13.5,
+# 32 rows 11.4 against 17.7, 48 rows 15.9 against 23.9, 64 rows 21.9-25.9 against 26.2-28.9, 80
+# rows 1.10-1.19x, 96 rows 0.97-1.03x. float32: oneDNN takes over from 16 rows (layers/linear.py);
+# below that torch's GEMM is MKL's sgemm, 2.4-2.7x slower (8 rows 12.8 against 35.1 ms), and the
+# kernel stops beating oneDNN from 24 rows (0.94-0.96x).
+SMALL_M = {torch.float32: 15, torch.bfloat16: 64}
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _K_STEP = {torch.float32: 16, torch.bfloat16: 32}
 

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(load_linear_kernel() is None, reason="CPU withou
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 9, 15, 32])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 9, 15, 32, 47, 64])
 @pytest.mark.parametrize("N,K,with_bias", [(960, 576, False), (7, 64, True), (130, 1536, True)])
 def test_small_m_linear_matches_fp32(dtype, M, N, K, with_bias):
     """Row counts past one tile of x (4 rows: later tiles reread the W block the first one
@@ -48,3 +48,23 @@ def test_kernel_declines_what_it_does_not_cover():
     assert small_m_linear(x[:1].float(), w, None) is None  # mixed dtypes
     assert small_m_linear(torch.randn(1, 48).bfloat16(), torch.randn(8, 48).bfloat16(), None) is None  # K % 32
     assert small_m_linear(torch.randn(1, 40), torch.randn(8, 40), None) is None  # K % 16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_a_rows_result_does_not_depend_on_its_place_in_the_batch(dtype, with_bias):
+    """Whole 4 x 4 tiles sum their 16 accumulators in one shuffle tree, partial tiles each alone:
+    the two pair the lanes alike, so a row gives the same bits as the only row, as a row of a
+    whole tile and as the odd row of a partial one, in every column (whole and short W blocks)."""
+    if dtype not in kernel_dtypes():
+        pytest.skip(f"no {dtype} kernel on this CPU")
+    g = torch.Generator().manual_seed(7)
+    N, K = 13, 576  # three whole W blocks and a short one
+    rows = min(small_m_rows(dtype), 9)
+    x = torch.randn(rows, K, generator=g).to(dtype)
+    w = torch.randn(N, K, generator=g).to(dtype)
+    b = torch.randn(N, generator=g).to(dtype) if with_bias else None
+    batch = small_m_linear(x, w, b)
+    for i in range(rows):
+        alone = small_m_linear(x[i:i + 1].contiguous(), w, b)
+        assert torch.equal(batch[i], alone[0]), i
