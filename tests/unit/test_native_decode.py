@@ -74,14 +74,18 @@ def test_fused_step_matches_torch_path(arch, dtype, tiny_model_dir, tiny_llama_d
     llm, runner = _runner(tiny_model_dir if arch == "qwen2" else tiny_llama_dir, dtype)
     assert runner.native_decode is not None
     max_rows = runner.native_decode.max_rows
-    assert max_rows == {"float32": 32, "bfloat16": 64}[dtype]
+    assert max_rows == {"float32": 32, "bfloat16": 128}[dtype]
     # Past the kernel's rows (float32) the torch path runs oneDNN's GEMMs, the fused step its own.
     for rows in sorted({1, 3, 4, small_m_rows(runner.dtype), min(small_m_rows(runner.dtype) + 1, max_rows), max_rows}):
         batch = _decode_batch(runner, [5 + 29 * i % 90 for i in range(rows)], seed=rows)
         (ref, ref_kv), (out, out_kv) = _both_paths(runner, batch)
         assert out is not None and out.dtype == ref.dtype and out.shape == ref.shape
+        same_gemm = dtype == "float32" or rows <= small_m_rows(runner.dtype)
         for a, b in zip(out_kv, ref_kv):  # the step's K (after RoPE) and V went to the same slots
-            torch.testing.assert_close(a.float(), b.float(), rtol=1e-5, atol=1e-5)
+            if same_gemm:
+                torch.testing.assert_close(a.float(), b.float(), rtol=1e-5, atol=1e-5)
+            else:  # oneDNN's QKV sums in another order: an ulp (2^-8) here and there, through RoPE
+                torch.testing.assert_close(a.float(), b.float(), rtol=2**-6, atol=2**-8)
         if dtype == "bfloat16" and rows <= small_m_rows(runner.dtype):
             # Same kernel blocking and rounding points: bit for bit.
             assert torch.equal(out, ref)

@@ -55,7 +55,7 @@
 #define LD_HAVE_QUANT 0
 #endif
 
-#define MAX_ROWS 64
+#define MAX_ROWS 128
 
 /* How one linear layer's weight is kept: LQ_DENSE reads the layer's dense weight (the per-layer
  * *_w pointers, in dtype); the others are linear_quant.c's layouts (its BITS values): 4-bit and
