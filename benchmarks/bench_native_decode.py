@@ -29,7 +29,7 @@ def _best_ms(fn, reps: int = 15) -> float:
 
 
 def measure(dtype: str, rows: list[int], context: int) -> list[dict]:
-    llm = LLM(dtype=dtype, kv_cache_memory="1536MiB")  # 64 rows of 256 tokens in float32
+    llm = LLM(dtype=dtype, kv_cache_memory="3GiB")  # 128 rows of 256 tokens in float32
     runner = llm.llm_engine.core.executor.runner
     nd = runner.native_decode
     if nd is None:

@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 _SRC = Path(__file__).parent / "csrc" / "llama_decode.c"
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 # Most rows one call takes (the C side's limit).
-MAX_ROWS = 128
+MAX_ROWS = 256
 # Most rows of a step the fused call takes, per dtype: up to where it stops beating the torch path
 # (benchmarks/bench_native_decode.py, 2-core AVX-512 machine, 256 tokens of context per row, the
 # table in docs/benchmarks.md): bf16 1.4-1.6x at 16 rows, 1.0-1.3x at 32-64, 1.1-1.5x at 80-128

@@ -17,7 +17,8 @@
  * Threads: the step runs in one OpenMP parallel region (a team of torch's thread count), not one per
  * kernel: each thread normalizes the residual stream for itself, computes an equal share of every
  * GEMM's output rows (equal weight bytes), RoPE, KV writes and attention for its share of the
- * (row, KV head) items, and SiLU*mul of the gate rows it computed; a barrier stands only where the
+ * (row, KV head) items (shares of equal keys, attention_split), and SiLU*mul of the gate rows it
+ * computed; a barrier stands only where the
  * next op reads what other threads wrote (five per layer). Every output element is computed as on
  * one thread, so the team's results are the one-thread step's to the bit. Models with quantized
  * linear layers run the step on the calling thread instead, each GEMM and quantized kernel with
@@ -55,7 +56,7 @@
 #define LD_HAVE_QUANT 0
 #endif
 
-#define MAX_ROWS 128
+#define MAX_ROWS 256
 
 /* How one linear layer's weight is kept: LQ_DENSE reads the layer's dense weight (the per-layer
  * *_w pointers, in dtype); the others are linear_quant.c's layouts (its BITS values): 4-bit and
@@ -257,6 +258,27 @@ static inline void team_sync(int team) {
     }
 }
 
+/* Item (row, KV head) work of the attention split, besides one unit per key: its RoPE and KV write. */
+#define ITEM_COST 16
+
+/* The first item of thread t's share of the step's M * KVH (row, KV head) items: contiguous shares
+ * of about equal work (each item's keys, seq_lens[m], plus ITEM_COST), so that a batch of mixed
+ * context lengths does not leave one thread waiting at the barrier after attention. Every thread
+ * computes the same boundaries. */
+static int64_t attention_split(const int64_t *seq_lens, int64_t M, int64_t KVH, int t, int nth) {
+    if (t <= 0) return 0;
+    if (t >= nth) return M * KVH;
+    int64_t total = 0;
+    for (int64_t m = 0; m < M; m++) total += (seq_lens[m] + ITEM_COST) * KVH;
+    const int64_t target = total * t / nth;
+    int64_t done = 0;
+    for (int64_t it = 0; it < M * KVH; it++) {
+        if (done >= target) return it;
+        done += seq_lens[it / KVH] + ITEM_COST;
+    }
+    return M * KVH;
+}
+
 /* One step's arguments and scratch, shared by the threads that run it. */
 typedef struct {
     const LlamaDecodeModel *md;
@@ -285,7 +307,8 @@ typedef struct {
  * the norms are computed by every thread for itself (no barrier before the GEMM that reads them);
  * each GEMM's output rows are split into equal row blocks (equal weight bytes per thread), gate and
  * up by the same rows so that each thread's SiLU*mul reads only its own results, the residual add
- * by the columns each thread just computed; RoPE, the KV write and attention by (row, KV head).
+ * by the columns each thread just computed; RoPE, the KV write and attention by (row, KV head),
+ * in shares of about equal keys.
  * Barriers: after QKV, after attention, after O + residual, after SiLU*mul, after down + residual.
  */
 static void step_layers(const Step *c, int tid, int nth) {
@@ -297,13 +320,15 @@ static void step_layers(const Step *c, int tid, int nth) {
     const int qdt = dt == LD_F32 ? DT_F32 : DT_BF16;
     void *xn = (char *)c->xn + tid * M * Hd * es;
     int64_t lo, hi;
+    const int64_t att_lo = attention_split(c->seq_lens, M, KVH, tid, nth),
+                  att_hi = attention_split(c->seq_lens, M, KVH, tid + 1, nth);
     for (int64_t l = 0; l < md->num_layers; l++) {
         rms_norm(c->x, M, Hd, md->input_norm[l], md->eps, xn, dt);
         team_share(qkvn, NR, tid, nth, &lo, &hi);
         linear(qlin(md->qkv_q, l), xn, M, md->qkv_w[l], md->qkv_b[l], qkvn, Hd, c->qkv, dt, c->xb, team, lo, hi);
         team_sync(team);
         /* q rotated into its own rows; k rotated and v copied straight into their cache slots. */
-        team_share(M * KVH, 1, tid, nth, &lo, &hi);
+        lo = att_lo, hi = att_hi;
         for (int64_t it = lo; it < hi; it++) {
             const int64_t m = it / KVH, kh = it % KVH, slot = c->slot_mapping[m], pos = c->positions[m];
             const int64_t src = m * qkvn + qn + kh * D, dst = slot * kvn + kh * D;
