@@ -1,6 +1,6 @@
 """Decode step time of the fused native step against the torch path, by batch rows and dtype.
 
-Usage: .venv/bin/python benchmarks/bench_native_decode.py [--dtype float32,bfloat16] [--rows 1,2,4,8,16,24,32,48,64]
+Usage: .venv/bin/python benchmarks/bench_native_decode.py [--dtype float32,bfloat16] [--rows 1,2,4,8,16,24,32,48,64,96,128,192,256]
     [--context 256] [--out benchmarks/results/native_decode.json]
 
 Both paths run the same ModelRunner on the default model (same weights, same KV cache, each row a
@@ -29,7 +29,7 @@ def _best_ms(fn, reps: int = 15) -> float:
 
 
 def measure(dtype: str, rows: list[int], context: int) -> list[dict]:
-    llm = LLM(dtype=dtype, kv_cache_memory="3GiB")  # 128 rows of 256 tokens in float32
+    llm = LLM(dtype=dtype, kv_cache_memory="4GiB")  # 256 rows of 256 tokens in float32
     runner = llm.llm_engine.core.executor.runner
     nd = runner.native_decode
     if nd is None:
@@ -71,7 +71,7 @@ def measure(dtype: str, rows: list[int], context: int) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="float32,bfloat16")
-    ap.add_argument("--rows", default="1,2,4,8,16,24,32,48,64")
+    ap.add_argument("--rows", default="1,2,4,8,16,24,32,48,64,96,128,192,256")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()

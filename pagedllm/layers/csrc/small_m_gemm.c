@@ -7,17 +7,18 @@
  * BF16 dot products, vdpbf16ps: 32 products into 16 float32 lanes per instruction); further rows
  * reuse the same W block from L1. A whole 4 x 4 tile's 16 dot products are summed across their
  * lanes together, as one transpose-and-add tree over the 16 accumulators that yields one vector of
- * 16 results (a sixth of the instructions of 16 separate horizontal sums, which at K = 576 cost
- * nearly half as many instructions as the dot products themselves: 64 rows of the default model's
- * layers 24.1 -> 20.1 ms, benchmarks/bench_small_m_gemm.py). Partial tiles sum each accumulator
- * alone with the same pairing of lanes, so that a row's result does not depend on where it sits in
- * the batch. While the first rows of x run over a W block, the next block's
- * lines are prefetched, one per W row per step of K: with more than a row or two of x the tile's
- * arithmetic otherwise hides too few of its loads from the hardware prefetcher, and the pass over
- * W falls well below the memory's rate (bf16, 8 rows, this model's 30 layers streamed from
- * memory: 11.6 ms without, 6.5 ms with; 16 rows 14.0 -> 8.2 ms; 1 row 5.8 -> 5.6 ms). W row blocks
- * are split between the OpenMP threads; small GEMMs run on one thread (waking the team costs more
- * than reading a few hundred KB).
+ * 16 results (a quarter of the instructions of 16 separate horizontal sums, which at K = 576 cost
+ * nearly half as many instructions as the dot products themselves). Partial tiles sum each
+ * accumulator alone with the same pairing of lanes, so that a row's result does not depend on
+ * where it sits in the batch. While the rows of x run over a W block, the next block's lines are
+ * prefetched, one per W row per step of K, each tile of x rows taking its share of the steps:
+ * with more than a row or two of x the tile's arithmetic otherwise hides too few of its loads from
+ * the hardware prefetcher, and the pass over W falls well below the memory's rate (bf16, 8 rows,
+ * this model's 30 layers streamed from memory: 11.6 ms without, 6.5 ms with; 16 rows 14.0 -> 8.2
+ * ms), while all of a block's prefetches in its first tile outrun the core's miss buffers (32 rows
+ * 16.0 -> 11.4 ms, 64 rows 31.3 -> 22.0 ms with the tile sums, benchmarks/bench_small_m_gemm.py).
+ * W row blocks are split between the OpenMP threads; small GEMMs run on one thread (waking the
+ * team costs more than reading a few hundred KB).
  *
  * Layouts: x [M, K], w [N, K], bias [N] or NULL, y [M, N], all of element type dt (0 float32,
  * 1 bf16 as uint16); K % 16 == 0 for float32, K % 32 == 0 for bf16. Also included by the fused
@@ -122,7 +123,7 @@ static inline __attribute__((always_inline)) void store_tile(const __m512 acc[4]
 
 /* Rows n0 .. n0 + nr - 1 of y for x rows m0 .. m0 + mr - 1 (mr <= MR, nr <= NR); K % 16 == 0 for
  * float32, K % 32 == 0 for bf16 (the callers check). pf: the next W block's first row (NR rows of
- * K), prefetched line by line as this one is read, or NULL. */
+ * K), or NULL; its lines are prefetched at steps pf_phase, pf_phase + pf_every, ... of K. */
 static inline __attribute__((always_inline)) void gemm_tile_f32(const float *x, int64_t m0, int64_t mr, const float *w, int64_t n0, int64_t nr,
                                  int64_t N, int64_t K, const float *bias, float *y, const float *pf, int64_t pf_phase, int64_t pf_every) {
     __m512 acc[MR][NR];
