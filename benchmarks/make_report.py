@@ -329,8 +329,8 @@ def latency_section(r: dict[str, Any]) -> str:
 
 
 _NATIVE_DECODE_TEAM = (
-    "The call runs in one OpenMP team: each thread takes an equal share of every GEMM's rows (equal weight bytes), "
-    "of the (row, KV head) attention items and of SiLU*mul, normalizes the residual stream for itself, and waits at "
+    "The call runs in one OpenMP team: each thread takes an equal share of every GEMM's rows (equal weight bytes) "
+    "and of SiLU*mul, a share of about equal keys of the (row, KV head) attention items, normalizes the residual stream for itself, and waits at "
     "a barrier only where the next op reads what other threads wrote (five per layer, one before the greedy "
     "argmax); with quantized layers the step runs on the calling thread and each kernel opens its own team. ")
 
@@ -351,6 +351,7 @@ def native_decode_section(r: dict[str, Any]) -> str:
         "head included, which the step reads only for its embedding rows).\n\n"
         + table(["dtype", "rows", "fused ms", *(["fused + LM head ms"] if head else []), "torch ops ms", "speedup",
                  "weights GB/s (fused)"], rows)
+        + (f"\n{r['note']}\n" if r.get("note") else "")
     )
 
 
