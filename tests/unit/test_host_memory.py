@@ -3,14 +3,15 @@
 
 from __future__ import annotations
 
+import ast
 import platform
+import subprocess
+import sys
 
 import pytest
 import torch
 from torch import nn
 
-from pagedllm.benchmarks.env import temporaries_faults
-from pagedllm.utils import tune_heap
 from pagedllm.worker import host_memory
 from pagedllm.worker.host_memory import HUGE_PAGE, anonymous_zeros, huge_pages_available, move_weights_to_huge_pages
 
@@ -107,10 +108,16 @@ def test_no_move_without_huge_pages(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.skipif(not GLIBC, reason="glibc's mallopt")
 def test_tuned_heap_keeps_step_temporaries_mapped() -> None:
-    """A step's temporaries, freed at its end, are reused by the next step without faulting their
-    pages in again. 144 MiB in 24 MiB tensors: with glibc's defaults each is mapped afresh or the
-    heap's free top is handed back, and most steps fault in all 36,864 pages again."""
-    assert tune_heap()
-    faults = temporaries_faults(5)
-    # Not 0: this VM reclaims idle pages now and then (a step of another test may find some gone).
-    assert sum(faults) < 36_864, faults
+    """A step's temporaries, freed at its end, are reused by the next steps without faulting their
+    pages in again. 144 MiB in 24 MiB tensors, in a fresh interpreter: in the test process an
+    engine core left idle by an earlier test hands its free heap back now and then (trim_heap).
+    The heap grows to its working size over the first two or three steps; from then on no step
+    faults in more than a few pages, where glibc's defaults keep mapping and unmapping 24 MiB
+    blocks (bench_host_memory.py: most steps fault in all 36,864 pages again)."""
+    code = ("from pagedllm.utils import tune_heap; from pagedllm.benchmarks.env import temporaries_faults; "
+            "assert tune_heap(); print(temporaries_faults(8))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    faults = ast.literal_eval(out.stdout.strip().splitlines()[-1])
+    # The last four steps together, under one 24 MiB tensor's pages (this VM reclaims an idle page
+    # now and then).
+    assert sum(faults[4:]) < 6_144, faults
