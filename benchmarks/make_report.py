@@ -330,9 +330,10 @@ def latency_section(r: dict[str, Any]) -> str:
 
 _NATIVE_DECODE_TEAM = (
     "The call runs in one OpenMP team: each thread takes an equal share of every GEMM's rows (equal weight bytes) "
-    "and of SiLU*mul, a share of about equal keys of the (row, KV head) attention items, normalizes the residual stream for itself, and waits at "
-    "a barrier only where the next op reads what other threads wrote (five per layer, one before the greedy "
-    "argmax); with quantized layers the step runs on the calling thread and each kernel opens its own team. ")
+    "and of SiLU*mul, a share of about equal keys of the (row, KV head) attention items, normalizes the residual "
+    "stream for itself, and waits at a barrier only where the next op reads what other threads wrote (five per "
+    "layer, one before the greedy argmax); with quantized layers the step runs on the calling thread and each "
+    "kernel opens its own team. ")
 
 
 def native_decode_section(r: dict[str, Any]) -> str:

@@ -43,10 +43,11 @@ _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_ROWS = 256
 # Most rows of a step the fused call takes, per dtype: up to where it stops beating the torch path
 # (benchmarks/bench_native_decode.py, 2-core AVX-512 machine, 256 tokens of context per row, the
-# table in docs/benchmarks.md): bf16 1.4-1.6x at 16 rows, 1.0-1.3x at 32-64, 1.1-1.5x at 80-128
-# (the small-M kernel's whole-tile sums; two runs); float32 1.4x at 16, 1.02x at 32, 0.97x at 48.
-# Larger batches amortize per-op costs over their rows and keep oneDNN's GEMMs (bf16 128 rows:
-# 0.85-0.92x the kernel's GEMM time). With quantized layers, 16: the quantized kernels'
+# table in docs/benchmarks.md): bf16 1.4-1.6x at 16 rows, 1.0-1.3x at 32-64, 1.1-1.5x at 80-128,
+# 1.1-1.2x at 160-256 (0.95x at 192 in one run of three); float32 1.4x at 16, 1.02-1.08x at 32,
+# 0.97-1.01x at 48, 0.84x at 64. From about 96 rows the kernel's GEMMs are slower than oneDNN's
+# (0.85-0.92x its speed at 128 rows), which the one call's saved per-op dispatch and elementwise
+# passes make up for up to 256 rows in bf16. With quantized layers, 16: the quantized kernels'
 # decode rows (pagedllm.quantization.native.SMALL_M), beyond which the torch path takes their batch
 # paths.
 DTYPE_ROWS = {torch.float32: 32, torch.bfloat16: MAX_ROWS}
