@@ -25,19 +25,6 @@
 #define ELEMENTWISE_PARALLEL_MIN (1 << 18)
 
 #if defined(__AVX512F__)
-/* bf16 value of v, back in float32. */
-static inline __m512 round_bf16(__m512 v) {
-    __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    u = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
-    return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xffff0000u)));
-}
-
-/* float32 -> bf16 with round to nearest even (NaN-free inputs), 16 lanes. */
-static inline __m256i rnd(__m512 v) {
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round_bf16(v)), 16));
-}
-
 /* One row: h = bf16(x + add) into hr when add is given (else h = x), y = bf16(w * bf16(h * inv)). */
 static inline void rms_norm_bf16_row(const uint16_t *xr, const uint16_t *add, uint16_t *hr, const uint16_t *w,
                                      int64_t N, float eps, uint16_t *yr) {
@@ -45,7 +32,7 @@ static inline void rms_norm_bf16_row(const uint16_t *xr, const uint16_t *add, ui
     for (int64_t i = 0; i < N; i += 16) {
         __m512 h = bf16x16_load(xr + i);
         if (add) {
-            const __m256i hb = rnd(_mm512_add_ps(h, bf16x16_load(add + i)));
+            const __m256i hb = bf16x16_from_f32(_mm512_add_ps(h, bf16x16_load(add + i)));
             _mm256_storeu_si256((__m256i *)(hr + i), hb);
             h = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hb), 16));
         }
@@ -55,7 +42,7 @@ static inline void rms_norm_bf16_row(const uint16_t *xr, const uint16_t *add, ui
     const uint16_t *src = add ? hr : xr;
     for (int64_t i = 0; i < N; i += 16) {
         const __m512 n = round_bf16(_mm512_mul_ps(bf16x16_load(src + i), inv));
-        _mm256_storeu_si256((__m256i *)(yr + i), rnd(_mm512_mul_ps(bf16x16_load(w + i), n)));
+        _mm256_storeu_si256((__m256i *)(yr + i), bf16x16_from_f32(_mm512_mul_ps(bf16x16_load(w + i), n)));
     }
 }
 
@@ -75,7 +62,7 @@ static inline void silu_mul_bf16_span(const uint16_t *g, const uint16_t *u, int6
         const __m512 gv = bf16x16_load(g + i);
         const __m512 s = round_bf16(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f),
                                                                     exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv)))));
-        _mm256_storeu_si256((__m256i *)(y + i), rnd(_mm512_mul_ps(s, bf16x16_load(u + i))));
+        _mm256_storeu_si256((__m256i *)(y + i), bf16x16_from_f32(_mm512_mul_ps(s, bf16x16_load(u + i))));
     }
 }
 
@@ -101,8 +88,8 @@ static inline void rope_bf16_row(const uint16_t *xr0, int64_t W, int64_t hd, con
                                             round_bf16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), bf16x16_load(s + i))));
             const __m512 hi = _mm512_add_ps(round_bf16(_mm512_mul_ps(x2, bf16x16_load(c + half + i))),
                                             round_bf16(_mm512_mul_ps(x1, bf16x16_load(s + half + i))));
-            _mm256_storeu_si256((__m256i *)(yr + i), rnd(lo));
-            _mm256_storeu_si256((__m256i *)(yr + half + i), rnd(hi));
+            _mm256_storeu_si256((__m256i *)(yr + i), bf16x16_from_f32(lo));
+            _mm256_storeu_si256((__m256i *)(yr + half + i), bf16x16_from_f32(hi));
         }
     }
 }

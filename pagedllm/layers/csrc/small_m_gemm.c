@@ -46,6 +46,7 @@
 
 #define NR 4
 #define MR 4
+_Static_assert(MR * NR == 16, "a whole tile's sums are one lane_sums16");
 /* GEMMs with fewer weight elements than this run on one thread. */
 #define GEMM_PARALLEL_MIN (1 << 16)
 
@@ -63,36 +64,6 @@ static inline void st(void *p, int64_t i, float v, int dt) {
 }
 
 #if HAVE_AVX512
-/* The sum of a's 16 lanes, pairing them as lane_sums16 does: lanes i and i + 8, then i and i + 4 of
- * those sums, then i and i + 2, then the last two (the pairing of GCC's _mm512_reduce_add_ps,
- * written out so that -ffast-math cannot regroup it differently at different call sites). */
-static inline __attribute__((always_inline)) float lane_sum(__m512 a) {
-    const __m256 s = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
-    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-    const __m128 r = _mm_add_ps(q, _mm_movehl_ps(q, q));
-    return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
-}
-
-/* The lane sums of 16 accumulators at once: result lane t = lane_sum(a[t]), to the bit (the same
- * pairs added in the same order), by a tree of 128-bit and in-lane shuffles: 31 instructions
- * where 16 separate sums take about 130. */
-static inline __attribute__((always_inline)) __m512 lane_sums16(const __m512 a[16]) {
-    __m512 s[8], q[4], r[2];
-    for (int p = 0; p < 8; p++) /* lanes i + i+8: a[2p] in lanes 0-7, a[2p+1] in 8-15 */
-        s[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    for (int p = 0; p < 4; p++) /* + 4: 128-bit quarter u holds a[4p + u]'s four sums */
-        q[p] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * p], s[2 * p + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                             _mm512_shuffle_f32x4(s[2 * p], s[2 * p + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-    for (int p = 0; p < 2; p++) /* + 2, within each quarter */
-        r[p] = _mm512_add_ps(_mm512_shuffle_ps(q[2 * p], q[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(q[2 * p], q[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    /* + 1: lane 4u + e holds a[4e + u]'s sum; the permutation puts a[t]'s in lane t */
-    const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(r[0], r[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                   _mm512_shuffle_ps(r[0], r[1], _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), f);
-}
-
 /* y rows m0 .. m0 + 3, columns n0 .. n0 + 3 from the sums of a whole tile's accumulators
  * (acc[m][r] for x row m0 + m and W row n0 + r), the bias added in float32, stored in dtype dt. */
 static inline __attribute__((always_inline)) void store_tile(const __m512 acc[4][4], int64_t m0, int64_t n0, int64_t N,
@@ -109,11 +80,7 @@ static inline __attribute__((always_inline)) void store_tile(const __m512 acc[4]
             _mm_storeu_ps((float *)y + (m0 + m) * N + n0, _mm512_extractf32x4_ps(v, m));
         return;
     }
-    /* f32_to_bf16 on 16 lanes: round to nearest even, keep the top half */
-    __m512i u = _mm512_castps_si512(v);
-    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
-                                             _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
-    const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
+    const __m256i h = bf16x16_from_f32(v);
     const __m128i lo = _mm256_castsi256_si128(h), hi = _mm256_extracti128_si256(h, 1);
     _mm_storel_epi64((__m128i *)((uint16_t *)y + m0 * N + n0), lo);
     _mm_storel_epi64((__m128i *)((uint16_t *)y + (m0 + 1) * N + n0), _mm_unpackhi_epi64(lo, lo));
@@ -141,7 +108,7 @@ static inline __attribute__((always_inline)) void gemm_tile_f32(const float *x, 
             for (int r = 0; r < NR; r++) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
         }
     }
-    if (MR == 4 && mr == 4 && nr == NR) {
+    if (mr == MR && nr == NR) {
         store_tile((const __m512(*)[NR])acc, m0, n0, N, bias, y, LD_F32);
         return;
     }
@@ -170,7 +137,7 @@ static inline __attribute__((always_inline)) void gemm_tile_bf16(const uint16_t 
             for (int r = 0; r < NR; r++) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
         }
     }
-    if (MR == 4 && mr == 4 && nr == NR) {
+    if (mr == MR && nr == NR) {
         store_tile((const __m512(*)[NR])acc, m0, n0, N, bias, y, LD_BF16);
         return;
     }
@@ -188,19 +155,18 @@ static inline __attribute__((always_inline)) void gemm_tile_bf16(const uint16_t 
  * a GEMM split into row ranges gives the bits of the whole one. */
 static void gemm_rows(const void *x, int64_t M, const void *w, const void *bias, int64_t N, int64_t K, void *y, int dt,
                       int64_t n_lo, int64_t n_hi) {
+    const int64_t tiles = (M + MR - 1) / MR;
     for (int64_t n0 = n_lo; n0 < n_hi; n0 += NR) {
         const int64_t nr = n_hi - n0 < NR ? n_hi - n0 : NR;
-        /* The next block of this range: a whole one (a short last block is not prefetched). */
+        /* The next block of this range: a whole one (a short last block is not prefetched). Every
+         * tile of x rows takes its share of its lines: one K step in `tiles`, from step m0 / MR on. */
         const int64_t next = n0 + NR + NR <= n_hi ? n0 + NR : -1;
         for (int64_t m0 = 0; m0 < M; m0 += MR) {
             const int64_t mr = M - m0 < MR ? M - m0 : MR;
-            /* Every tile of x rows takes its share of the next block's lines: one K step in
-             * `tiles`, from step m0 / MR on (later rows find this block in L1). */
-            const int64_t pf = next, tiles = (M + MR - 1) / MR, phase = m0 / MR;
 /* A constant row count per call site, so that the accumulators stay in registers. */
 #define TILE(fn, T, MR_)                                                                                   \
     fn((const T *)x, m0, MR_, (const T *)w, n0, nr, N, K, (const T *)bias, (T *)y,                       \
-       pf < 0 ? NULL : (const T *)w + pf * K, phase, tiles)
+       next < 0 ? NULL : (const T *)w + next * K, m0 / MR, tiles)
 #define TILES(fn, T)                                                                                       \
     switch (mr) {                                                                                          \
     case 1: TILE(fn, T, 1); break;                                                                         \
