@@ -98,9 +98,11 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
     kv_space = args.vllm_kv_cache_space
     if kv_space is None:
         kv_space = max(1, round(engine_args.kv_cache_memory / (1 << 30))) if engine_args.kv_cache_memory else 4
+    sampling = _bench_sampling(args)
     reqs, info = build_workload(args, engine_args.model)
     opts = {
         "backends": backends,
+        "sampling": sampling,
         "dtypes": dtypes,
         "model": engine_args.model,
         "engine_args": engine_kwargs,
@@ -116,6 +118,22 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
     _write_json(report, args.output_json)
     # A peer that cannot run is reported and skipped (exit 0); pagedllm itself failing is an error.
     return 1 if any(r["backend"] == "pagedllm" and not r["ok"] for r in report["results"]) else 0
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature of every request, in every engine (default 0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="top-p of every request (default 1.0: off)")
+    p.add_argument("--top-k", type=int, default=0, help="top-k of every request (default 0: off)")
+
+
+def _bench_sampling(args: argparse.Namespace) -> dict[str, Any]:
+    """The sampling settings every backend's requests use (checked as pagedllm's SamplingParams checks them)."""
+    from pagedllm.sampling_params import SamplingParams
+
+    sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+    SamplingParams(**sampling)  # ValueError naming a bad value, before any backend starts
+    return sampling
 
 
 def _add_throughput(sub: Any) -> None:
@@ -135,6 +153,7 @@ def _add_throughput(sub: Any) -> None:
                    help="vllm: VLLM_CPU_KVCACHE_SPACE in GiB (default: --kv-cache-memory, else 4 = pagedllm's cap)")
     p.add_argument("--timeout", type=float, default=None, help="seconds one backend may take before it is skipped")
     p.add_argument("--output-json", default=None, help="write the results here")
+    _add_sampling_args(p)
     _add_workload_args(p, None)
     EngineArgs.add_cli_args(p)
     _make_dtype_a_list(p, "dtypes to run every backend in, e.g. float32,bfloat16 (auto: each engine's own "
@@ -187,8 +206,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     server_args = shlex.split(args.server_args or "")
     if args.offline_baseline:
         server_engine_args(args.model, server_args)  # a bad flag fails now, not after the server's runs
+    sampling = _bench_sampling(args)
     reqs, info = build_workload(args, args.model)
     opts = {
+        "sampling": sampling,
         "model_name": args.served_model_name,
         "request_rates": args.request_rate,
         "max_concurrency": args.max_concurrency,
@@ -258,7 +279,7 @@ def _serve_one(kind: str, args: argparse.Namespace, server_args: list[str], reqs
         return {"benchmark": "serve", "server": kind, "error": str(exc), "runs": []}
     if kind == "pagedllm" and args.offline_baseline:  # after the server has stopped
         try:
-            report["offline"] = run_offline_baseline(reqs, args.model, server_args)
+            report["offline"] = run_offline_baseline(reqs, args.model, server_args, sampling=opts["sampling"])
         except BackendUnavailable as exc:
             print(f"pagedllm bench serve: the offline baseline failed: {exc}", file=sys.stderr)
             report["offline"] = {"error": str(exc)}
@@ -298,6 +319,7 @@ def _add_serve(sub: Any) -> None:
                         "alternating the order, and report each round's ratios and their median")
     p.add_argument("--peers-venv", default=None, help="virtual environment with vllm-cpu (default .venv-peers)")
     p.add_argument("--output-json", default=None, help="write the results here")
+    _add_sampling_args(p)
     _add_workload_args(p, 64)
     p.set_defaults(func=_cmd_serve)
 

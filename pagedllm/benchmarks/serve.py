@@ -38,12 +38,23 @@ if TYPE_CHECKING:
 
 # ---- one request ----------------------------------------------------------------------------
 
+def sampling_fields(sampling: dict[str, Any] | None) -> dict[str, Any]:
+    """The request body's sampling fields: greedy by default; top_p and top_k only where they cut."""
+    sp = sampling or {"temperature": 0.0}
+    fields: dict[str, Any] = {"temperature": sp.get("temperature", 0.0)}
+    if sp.get("top_p", 1.0) < 1.0:
+        fields["top_p"] = sp["top_p"]
+    if sp.get("top_k", 0) > 0:
+        fields["top_k"] = sp["top_k"]
+    return fields
+
+
 async def send_request(client: aiohttp.ClientSession, url: str, model: str | None, req: BenchRequest,
-                       headers: dict[str, str]) -> RequestResult:
+                       headers: dict[str, str], sampling: dict[str, Any] | None = None) -> RequestResult:
     body: dict[str, Any] = {
         "prompt": req.prompt_token_ids,
         "max_tokens": req.output_len,
-        "temperature": 0.0,
+        **sampling_fields(sampling),
         "stream": True,
         "ignore_eos": True,
         "stream_options": {"include_usage": True},
@@ -107,7 +118,8 @@ def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
 
 async def run_load(base_url: str, model: str | None, reqs: list[BenchRequest], rate: float,
                    max_concurrency: int | None, seed: int, api_key: str | None,
-                   request_timeout: float, desc: str) -> tuple[list[RequestResult], float]:
+                   request_timeout: float, desc: str,
+                   sampling: dict[str, Any] | None = None) -> tuple[list[RequestResult], float]:
     url = base_url.rstrip("/") + "/v1/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
@@ -119,10 +131,10 @@ async def run_load(base_url: str, model: str | None, reqs: list[BenchRequest], r
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
         async def one(req: BenchRequest) -> RequestResult:
             if sem is None:
-                r = await send_request(client, url, model, req, headers)
+                r = await send_request(client, url, model, req, headers, sampling)
             else:
                 async with sem:
-                    r = await send_request(client, url, model, req, headers)
+                    r = await send_request(client, url, model, req, headers, sampling)
             bar.update(1)
             return r
 
@@ -316,7 +328,7 @@ def run_serve_bench(base_url: str, reqs: list[BenchRequest], workload_info: dict
     for i, rate in enumerate(opts["request_rates"]):
         results, duration = asyncio.run(run_load(
             base_url, model, rate_variant(reqs, i), rate, opts.get("max_concurrency"), opts["seed"], opts.get("api_key"),
-            opts["request_timeout"], f"rate {rate:g}/s"))
+            opts["request_timeout"], f"rate {rate:g}/s", opts.get("sampling")))
         m = compute_metrics(results, duration, opts.get("slo_ttft_ms"), opts.get("slo_tpot_ms"))
         m["request_rate"] = rate if rate != float("inf") else "inf"
         m["max_concurrency"] = opts.get("max_concurrency")
@@ -329,6 +341,7 @@ def run_serve_bench(base_url: str, reqs: list[BenchRequest], workload_info: dict
         "served_model": model,
         "server": opts.get("server_label") or (server.kind if server else "external"),
         "workload": workload_info | workload_summary(reqs),
+        "sampling": sampling_fields(opts.get("sampling")),
         "runs": runs,
     }
     if server is not None:
@@ -342,7 +355,9 @@ def format_serve_table(report: dict[str, Any]) -> str:
     head = (f"{'rate/s':>7} {'conc':>5} {'ok':>5} {'fail':>4} {'req/s':>7} {'out tok/s':>9} "
             f"{'TTFT ms mean/med/p90/p99':>28} {'TPOT ms mean/med/p90/p99':>28} {'ITL ms med/p99':>16} "
             f"{'E2E s med/p99':>14} {'goodput':>8}")
-    lines = [f"server: {report['server']} at {report['base_url']} (model {report['served_model']})", head]
+    sampling = ", ".join(f"{k} {v:g}" for k, v in report.get("sampling", {}).items()) or "temperature 0"
+    lines = [f"server: {report['server']} at {report['base_url']} (model {report['served_model']}; "
+             f"requests at {sampling})", head]
 
     def q(d: dict[str, float | None], keys=("mean", "median", "p90", "p99"), scale: float = 1.0) -> str:
         return "/".join("-" if d[k] is None else f"{d[k] * scale:.0f}" if scale == 1.0 else f"{d[k] * scale:.1f}"
@@ -409,10 +424,11 @@ def server_engine_args(model: str | None, server_args: list[str]) -> EngineArgs:
 
 
 def run_offline_baseline(reqs: list[BenchRequest], model: str | None, server_args: list[str],
-                         timeout: float | None = None) -> dict[str, Any]:
-    """`LLM.generate` on exactly `reqs` (greedy, ignore_eos, the same output lengths, detokenized as
-    the server does) in a fresh process with the server's engine flags; the child's timing covers
-    the generate call alone. Raises BackendUnavailable if it fails."""
+                         timeout: float | None = None, sampling: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`LLM.generate` on exactly `reqs` (the requests' sampling settings, greedy by default,
+    ignore_eos, the same output lengths, detokenized as the server does) in a fresh process with the
+    server's engine flags; the child's timing covers the generate call alone. Raises
+    BackendUnavailable if it fails."""
     import dataclasses
 
     from pagedllm.benchmarks.throughput import run_backend
@@ -420,7 +436,7 @@ def run_offline_baseline(reqs: list[BenchRequest], model: str | None, server_arg
 
     ea = server_engine_args(model, server_args)
     engine_kwargs = {f.name: getattr(ea, f.name) for f in dataclasses.fields(ea) if f.name != "model"}
-    opts = {"model": ea.model, "engine_args": engine_kwargs, "seed": ea.seed, "timeout": timeout}
+    opts = {"model": ea.model, "engine_args": engine_kwargs, "seed": ea.seed, "timeout": timeout, "sampling": sampling}
     with tempfile.TemporaryDirectory(prefix="pagedllm-bench-offline-") as workdir:
         wl_path = str(Path(workdir) / "workload.json")
         dump_workload(reqs, wl_path)

@@ -135,7 +135,8 @@ def run_backend(backend: str, opts: dict[str, Any], workload_path: str, workdir:
                 dtype: str = "auto") -> dict[str, Any]:
     """One backend in one dtype ("auto": each engine's own default; hf: pagedllm's choice)."""
     env = dict(os.environ)
-    spec: dict[str, Any] = {"backend": backend, "workload": workload_path, "seed": opts["seed"], "dtype": dtype}
+    spec: dict[str, Any] = {"backend": backend, "workload": workload_path, "seed": opts["seed"], "dtype": dtype,
+                            "sampling": opts.get("sampling") or GREEDY}
     if backend == "pagedllm":
         cmd = [sys.executable, "-m", "pagedllm.benchmarks.worker"]
         spec.update(model=opts["model"], engine_args={**opts["engine_args"], "dtype": dtype})
@@ -229,6 +230,7 @@ def run_throughput(reqs: list[BenchRequest], workload_info: dict[str, Any], opts
         "benchmark": "throughput",
         "meta": meta,
         "workload": workload_info | workload_summary(reqs),
+        "sampling": opts.get("sampling") or GREEDY,
         "model": {"name": opts["model"] or "smollm2-135m-instruct", "decoder_params": shape.decoder_params,
                   "total_params": shape.total_params, "flops_per_output_token_ctx0": shape.token_flops(0)},
         "peak_matmul_flops_per_s": peak,
@@ -239,6 +241,9 @@ def run_throughput(reqs: list[BenchRequest], workload_info: dict[str, Any], opts
         "results": rows,
     }
 
+
+# Every request of every backend decodes greedily unless the run asks for sampling.
+GREEDY = {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
 
 HF_SELECTION = (
     "each candidate batch size runs the first K requests of the workload (K = lcm of the candidates, "
@@ -279,10 +284,12 @@ def format_table(report: dict[str, Any]) -> str:
     for row in lines:
         out.append("  ".join(c.ljust(w) for c, w in zip(row, widths)) if len(row) > 2 else f"{row[0]:<{widths[0]}}  {row[1]}")
     wl = report["workload"]
-    peak = report.get("peak_matmul_flops_per_s")
+    sp = report.get("sampling") or GREEDY
+    sampling = ("greedy" if sp["temperature"] == 0.0 else
+                f"sampled at temperature {sp['temperature']:g}, top-p {sp['top_p']:g}, top-k {sp['top_k'] or 'off'}")
     out.append(
         f"workload: {wl['kind']}, {wl['num_requests']} requests, {wl['prompt_tokens']} prompt + {wl['output_tokens']} "
-        f"output tokens; ratios (Nx) are to pagedllm in the same requested dtype"
+        f"output tokens, {sampling}; ratios (Nx) are to pagedllm in the same requested dtype"
         + ("; MFU against the measured matmul peak of the dtype: " + ", ".join(
             f"{d} {p / 1e9:.1f} GFLOP/s" for d, p in report.get("peak_matmul_flops_per_s_by_dtype", {}).items())
            if report.get("peak_matmul_flops_per_s_by_dtype") else "")

@@ -34,8 +34,8 @@ def run_pagedllm(spec: dict[str, Any]) -> dict[str, Any]:
     ready = time.time()
     reqs = _load_workload(spec["workload"])
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
-    params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True, detokenize=True)
-              for r in reqs]
+    sampling = spec.get("sampling") or {"temperature": 0.0}
+    params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True, detokenize=True, **sampling) for r in reqs]
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - t0
@@ -51,7 +51,17 @@ def run_pagedllm(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _hf_batches(model, reqs: list[BenchRequest], batch_size: int, pad_id: int, bar: tqdm) -> tuple[float, int, int]:
+def _hf_sampling(sampling: dict[str, Any] | None) -> dict[str, Any]:
+    """generate() arguments for the run's sampling settings: greedy, or sampling with exactly these
+    (top_k 0 and top_p 1.0 switch HF's own defaults off)."""
+    if not sampling or sampling.get("temperature", 0.0) == 0.0:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": sampling["temperature"], "top_p": sampling.get("top_p", 1.0),
+            "top_k": sampling.get("top_k", 0)}
+
+
+def _hf_batches(model, reqs: list[BenchRequest], batch_size: int, pad_id: int, bar: tqdm,
+                sampling: dict[str, Any] | None = None) -> tuple[float, int, int]:
     """Runs `reqs` in order in static, left-padded batches; each batch generates exactly its
     longest requested output. Returns (seconds, requested output tokens, generated tokens)."""
     import torch
@@ -68,8 +78,8 @@ def _hf_batches(model, reqs: list[BenchRequest], batch_size: int, pad_id: int, b
             mask[i, width - r.prompt_len :] = 1
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
-                                 min_new_tokens=new, pad_token_id=pad_id)
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                 pad_token_id=pad_id, **_hf_sampling(sampling))
         elapsed += time.perf_counter() - t0
         assert out.shape[1] - width == new, "HF generate stopped before min_new_tokens"
         requested += sum(r.output_len for r in batch)
@@ -105,12 +115,13 @@ def run_hf(spec: dict[str, Any]) -> dict[str, Any]:
     bar = tqdm(total=len(probe) * len(sizes) + len(rest), desc="HF generate (probe + rest)", dynamic_ncols=True)
     trials = []
     for b in sizes:
-        secs, requested, generated = _hf_batches(model, probe, b, pad_id, bar)
+        secs, requested, generated = _hf_batches(model, probe, b, pad_id, bar, spec.get("sampling"))
         trials.append({"batch_size": b, "num_requests": len(probe), "elapsed_s": secs,
                        "output_tokens": requested, "generated_tokens": generated,
                        "output_tokens_per_s": requested / secs})
     best = max(trials, key=lambda t: t["output_tokens_per_s"])
-    secs, requested, generated = _hf_batches(model, rest, best["batch_size"], pad_id, bar) if rest else (0.0, 0, 0)
+    secs, requested, generated = (_hf_batches(model, rest, best["batch_size"], pad_id, bar, spec.get("sampling"))
+                                  if rest else (0.0, 0, 0))
     bar.close()
     return {
         "ready_time": ready,

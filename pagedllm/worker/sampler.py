@@ -8,8 +8,9 @@ The model runner gathers the S rows that sample a token this step, builds a
 2. blocks EOS and stop token ids while a row has fewer than `min_tokens` outputs;
 3. applies repetition, presence and frequency penalties;
 4. greedy rows take the argmax; random rows divide by their temperature, keep
-   top-k, then top-p, then min-p, and draw with the exponential race
-   (`argmax(probs / q)`, `q ~ Exp(1)`), seeded rows from their own generator;
+   top-k, then top-p, then min-p, and draw by inverse CDF (one uniform number a
+   row against the running sum of its probabilities), seeded rows from their own
+   generator;
 5. optionally returns logprobs of the sampled token and the top-k alternatives,
    computed from the raw logits (before any of the steps above).
 
@@ -25,25 +26,63 @@ ones had never been in the batch. An error no single row explains is re-raised
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from pagedllm.attention.cpu_kernel import load_native
 from pagedllm.sampling_params import SamplingParams, SamplingType
 from pagedllm.worker.native_decode import argmax_rows
 
 if TYPE_CHECKING:
     from pagedllm.worker.input_batch import InputBatch
 
-# Floor for the exponential noise: `probs / q` must never be 0 / 0 (NaN), since argmax treats NaN as the largest
-# value and would pick a token outside the allowed set.
-_TINY = torch.finfo(torch.float32).tiny
 _NEG_INF = float("-inf")
+# Top-k (and top-p beside it) find each row's cut among its TOP_CANDIDATES largest logits (one
+# torch.topk); a row whose cut lies beyond them takes the native kernel's top-p cut, or where that
+# does not run a sort of its whole row. A full sort of the vocabulary costs about 2 ms a row here
+# (49,152 tokens), a topk of 256 about 0.1 ms.
+TOP_CANDIDATES = 256
+# Random rows are sampled this many at a time (Sampler._sample_random).
+SAMPLE_ROWS = 32
+
+_SAMPLING_SRC = Path(__file__).parent / "csrc" / "sampling.c"
+
+
+@lru_cache(maxsize=1)
+def _sampling_kernel() -> ctypes.CDLL | None:
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    return load_native(_SAMPLING_SRC, "PAGEDLLM_NATIVE_SAMPLING",
+                       {"top_p_cuts": ([p, i64, i64, i64, p, p], ctypes.c_int)})
+
+
+def top_p_cuts_apply(logits: torch.Tensor) -> bool:
+    """Whether top_p_cuts runs on these logits: float32 CPU rows, and the kernel builds here."""
+    return (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
+            and logits.stride(1) == 1 and logits.shape[1] >= 1 and _sampling_kernel() is not None)
+
+
+def top_p_cuts(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None:
+    """Each row's top-p cut [S, 1] (the logit of the last token its nucleus keeps; -inf: the whole
+    row) in O(V) a row by the native kernel (pagedllm/worker/csrc/sampling.c); None where it does
+    not apply (top_p_cuts_apply; the caller sorts)."""
+    if not top_p_cuts_apply(logits):
+        return None
+    lib = _sampling_kernel()
+    p = top_p.to(torch.float32).contiguous()
+    cut = torch.empty(logits.shape[0], 1, dtype=torch.float32)
+    if lib.top_p_cuts(logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1], p.data_ptr(),
+                      cut.data_ptr()):
+        return None
+    return cut
 
 logger = logging.getLogger(__name__)
 
@@ -436,15 +475,88 @@ class Sampler(torch.nn.Module):
         return logits
 
     def _sample_random(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """Temperature, top-k, top-p, min-p, then one exponential-race draw per row."""
+        """Temperature, top-k, top-p, min-p, then one inverse-CDF draw per row, SAMPLE_ROWS rows at
+        a time (each pass over a chunk's [rows, V] temporaries stays in the cache, and none of them
+        outgrows the heap that keeps them mapped between steps: 256 rows of 49,152 float32 logits
+        are 50 MB, faulted in afresh by every op that makes one)."""
         assert md.temperature is not None
-        logits = logits / md.temperature.unsqueeze(1)
-        if md.top_k is not None or md.top_p is not None:
-            logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
-        probs = logits.softmax(dim=-1)
-        if md.min_p is not None:
-            probs = apply_min_p(probs, md.min_p)
-        return exponential_race(probs, md.generators)
+        u = draw_uniforms(logits.shape[0], md.generators, logits.device)
+        if logits.shape[0] <= SAMPLE_ROWS:
+            return _sample_rows(logits, md.temperature, md.top_k, md.top_p, md.min_p, u)
+        out = []
+        for a in range(0, logits.shape[0], SAMPLE_ROWS):
+            rows = slice(a, a + SAMPLE_ROWS)
+            out.append(_sample_rows(logits[rows], md.temperature[rows], _rows(md.top_k, rows), _rows(md.top_p, rows),
+                                    _rows(md.min_p, rows), u[rows]))
+        return torch.cat(out)
+
+
+def _rows(t: torch.Tensor | None, rows: slice | torch.Tensor) -> torch.Tensor | None:
+    return None if t is None else t[rows]
+
+
+def _sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None,
+                 top_p: torch.Tensor | None, min_p: torch.Tensor | None, u: torch.Tensor) -> torch.Tensor:
+    """Random rows' tokens (see Sampler._sample_random), each drawn with its uniform number u [S, 1].
+
+    Each row takes one of three ways, chosen from its own settings and logits alone, so that a
+    seeded row draws the same tokens in any batch:
+    - no top-k and no top-p: its whole row;
+    - top-p without top-k, where the native kernel runs: its whole row cut at `top_p_cuts` (one pass
+      a row whatever the size of the nucleus: a model unsure of its next token can spread 0.95 of
+      its mass over thousands of tokens);
+    - otherwise its largest logits (`top_candidates`) when its cut lies among them, else its whole
+      row cut by `apply_top_k_top_p`.
+    """
+    logits = logits / temperature.unsqueeze(1)
+    S, V = logits.shape
+    none = torch.zeros(S, dtype=torch.bool, device=logits.device)
+    k_on = none if top_k is None else top_k < V
+    p_on = none if top_p is None else top_p < 1.0
+    native = bool(p_on.any()) and top_p_cuts_apply(logits)
+    ways = (~k_on & ~p_on, ~k_on & p_on if native else none)
+    ways = (*ways, ~(ways[0] | ways[1]))
+    tokens = torch.empty(S, dtype=torch.int64, device=logits.device)
+    for way, rows_mask in enumerate(ways):
+        if not bool(rows_mask.any()):
+            continue
+        every = bool(rows_mask.all())
+        rows = slice(None) if every else rows_mask.nonzero().squeeze(1)
+        x, mp, ur = (logits, min_p, u) if every else (logits[rows], _rows(min_p, rows), u[rows])
+        if way == 0:
+            tokens[rows] = pick_from_probs(_truncated_probs(x, mp), ur)
+        elif way == 1:
+            cut = top_p_cuts(x, top_p[rows])
+            tokens[rows] = pick_from_probs(_truncated_probs(x.masked_fill(x < cut, _NEG_INF), mp), ur)
+        else:
+            tokens[rows] = _sample_candidates(x, _rows(top_k, rows), _rows(top_p, rows), mp, ur)
+    return tokens
+
+
+def _sample_candidates(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                       min_p: torch.Tensor | None, u: torch.Tensor) -> torch.Tensor:
+    """Rows drawn from their largest logits where their cut lies among them, else from their whole
+    row cut by apply_top_k_top_p."""
+    vals, ids, inside = top_candidates(logits, top_k, top_p)
+    if bool(inside.all()):
+        return ids.gather(1, pick_from_probs(_truncated_probs(vals, min_p), u).unsqueeze(1)).squeeze(1)
+    tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    for rows, in_candidates in ((inside.nonzero().squeeze(1), True), ((~inside).nonzero().squeeze(1), False)):
+        if rows.numel() == 0:
+            continue
+        if in_candidates:
+            picked = pick_from_probs(_truncated_probs(vals[rows], _rows(min_p, rows)), u[rows])
+            tokens[rows] = ids[rows].gather(1, picked.unsqueeze(1)).squeeze(1)
+        else:
+            cut = apply_top_k_top_p(logits[rows], _rows(top_k, rows), _rows(top_p, rows))
+            tokens[rows] = pick_from_probs(_truncated_probs(cut, _rows(min_p, rows)), u[rows])
+    return tokens
+
+
+def _truncated_probs(logits: torch.Tensor, min_p: torch.Tensor | None) -> torch.Tensor:
+    """softmax of each row (-inf logits: probability 0), then min-p."""
+    probs = logits.softmax(dim=-1)
+    return probs if min_p is None else apply_min_p(probs, min_p)
 
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:
@@ -479,12 +591,102 @@ def apply_penalties(logits: torch.Tensor, p: PenaltyMetadata) -> torch.Tensor:
     return logits - p.presence_penalties.unsqueeze(1) * output_seen
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    """Sets logits outside each row's top-k, then outside its top-p nucleus, to -inf (one sort for both)."""
+def top_candidates(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's largest logits and its top-k / top-p cut among them.
+
+    A row's candidates are its k + 1 largest logits with a top-k, at least TOP_CANDIDATES of them
+    with a top-p: a number set by the row alone, so that whether its cut lies among them does not
+    depend on the other rows of the batch. Returns (vals, ids, inside): the batch's largest logits
+    in descending order [S, C] (C the most any row needs), -inf below each row's cut, their token
+    ids [S, C], and whether the row keeps nothing outside its own candidates [S] (its cut is above
+    the last of them, or they are the whole vocabulary). A row that is not inside keeps tokens
+    beyond them (no cut, a nucleus wider than they are, or ties with the cut outside them):
+    `apply_top_k_top_p` on its whole row. The cut is apply_top_k_top_p's: top-k keeps the k largest
+    logits and ties with the k-th; top-p the smallest run of largest logits whose probability after
+    top-k reaches top_p, and ties with the last of them.
+    """
+    S, V = logits.shape
+    none = torch.zeros(S, dtype=torch.bool, device=logits.device)
+    k_on = none if top_k is None else top_k < V  # rows with a top-k (k = V: off)
+    p_on = none if top_p is None else top_p < 1.0
+    # One candidate past k: a top-k cut above it keeps nothing outside the candidates.
+    own = (torch.where(k_on, top_k + 1, 1) if top_k is not None
+           else torch.ones(S, dtype=torch.int64, device=logits.device))
+    own = torch.where(p_on, own.clamp(min=TOP_CANDIDATES), own).clamp(max=V)
+    kc = int(own.max())
+    vals, ids = logits.topk(kc, dim=-1)  # descending
+    cut = torch.full((S, 1), _NEG_INF, device=logits.device)
+    if top_k is not None:
+        # Column k - 1 holds the k-th largest logit: top_k [2, 5] -> columns [1, 4].
+        cut = vals.gather(1, (top_k.clamp(max=kc) - 1).unsqueeze(1)).masked_fill(~k_on.unsqueeze(1), _NEG_INF)
+        vals = vals.masked_fill(vals < cut, _NEG_INF)
+    if top_p is not None:
+        # Probabilities of the candidates under the row's softmax after top-k (over the candidates for
+        # top-k rows, whose kept tokens they hold when the row is inside), their running sum in
+        # descending order, and the first position where it reaches top_p: the last token kept.
+        lse = vals.logsumexp(dim=-1, keepdim=True)
+        if not bool(k_on.all()):
+            lse = torch.where(k_on.unsqueeze(1), lse, logits.logsumexp(dim=-1, keepdim=True))
+        last = ((vals - lse).exp().cumsum(dim=-1) < top_p.unsqueeze(1)).sum(dim=-1, keepdim=True)
+        p_cut = vals.gather(1, last.clamp(max=kc - 1)).masked_fill(~p_on.unsqueeze(1), _NEG_INF)
+        # A nucleus past the row's own candidates: no cut among them (the row is not inside).
+        p_cut = p_cut.masked_fill((last >= own.unsqueeze(1)) & p_on.unsqueeze(1), float("nan"))
+        cut = torch.maximum(cut, p_cut)  # NaN stays NaN
+        vals = vals.masked_fill(vals < cut, _NEG_INF)
+    # The row's last candidate, masked above when below the cut (equal to it: ties may lie outside).
+    last_own = vals.gather(1, (own - 1).unsqueeze(1)).squeeze(1)
+    inside = (cut.squeeze(1) > last_own) | (own >= V)
+    return vals, ids, inside
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                      candidates: int | None = None) -> torch.Tensor:
+    """Sets logits outside each row's top-k, then outside its top-p nucleus, to -inf.
+
+    top-k keeps the k largest logits and every logit equal to the k-th (never fewer than k). top-p
+    keeps the smallest run of largest logits whose probability (after top-k) reaches top_p, and
+    every logit equal to the last of them; a row always keeps its largest logit, and rows with top_p
+    1.0 keep everything. top-k: the k-th of torch.topk. top-p: the native kernel's cut
+    (`top_p_cuts`, one pass a row); where it does not run, among the row's `candidates` (default
+    TOP_CANDIDATES) or k largest logits, rows whose nucleus reaches further trying 16 times as many,
+    and sorted whole (`_top_k_top_p_sorted`) once that is a quarter of the vocabulary.
+    """
+    V = logits.shape[1]
+    k_on = None if top_k is None else top_k < V  # rows with a top-k (k = V: off)
+    k_need = int(top_k[k_on].max()) if k_on is not None and bool(k_on.any()) else 0
+    candidates = candidates or TOP_CANDIDATES
+    kc = min(V, max(k_need, candidates if top_p is not None else 1))
+    if kc >= V or (top_p is not None and candidates > V // 4):
+        return _top_k_top_p_sorted(logits, top_k, top_p)
+    vals = logits.topk(kc, dim=-1).values  # descending
+    if top_k is not None:
+        kth = vals.gather(1, (top_k.clamp(max=kc) - 1).unsqueeze(1)).masked_fill(~k_on.unsqueeze(1), _NEG_INF)
+        logits = logits.masked_fill(logits < kth, _NEG_INF)
+        vals = vals.masked_fill(vals < kth, _NEG_INF)
+    if top_p is None:
+        return logits
+    cut = top_p_cuts(logits, top_p)
+    if cut is not None:
+        return logits.masked_fill(logits < cut, _NEG_INF)
+    # As in top_candidates, with the row's softmax over the whole row after top-k.
+    probs = (vals - logits.logsumexp(dim=-1, keepdim=True)).exp()
+    last = (probs.cumsum(dim=-1) < top_p.unsqueeze(1)).sum(dim=-1)
+    off = top_p >= 1.0
+    beyond = (last >= kc) & ~off  # the nucleus reaches past the candidates
+    cut = vals.gather(1, last.clamp(max=kc - 1).unsqueeze(1)).masked_fill(off.unsqueeze(1), _NEG_INF)
+    out = logits.masked_fill(logits < cut, _NEG_INF)
+    if bool(beyond.any()):
+        rows = beyond.nonzero().squeeze(1)
+        out[rows] = apply_top_k_top_p(logits[rows], None, top_p[rows], 16 * candidates)
+    return out
+
+
+def _top_k_top_p_sorted(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """apply_top_k_top_p by sorting every row whole (rows whose cut lies beyond the candidates)."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     if top_k is not None:
-        # Column k - 1 of the descending sort holds the k-th largest logit: top_k [2, 5] -> columns [1, 4].
-        # Everything strictly below it goes; ties with it stay (never fewer than k tokens).
         kth = sorted_logits.gather(1, (top_k - 1).unsqueeze(1))
         sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, _NEG_INF)
     if top_p is not None:
@@ -494,7 +696,9 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
         mass_before = probs.cumsum(dim=-1) - probs
         # Rows with top_p 1.0 keep everything, even if rounding pushes the running sum to 1.0 early.
         drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
-        sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
+        # Ties with the last token kept stay, as in the candidates' path.
+        cut = sorted_logits.masked_fill(drop, float("inf")).amin(dim=-1, keepdim=True)
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < cut, _NEG_INF)
     # Undo the sort: sorted position j of row r came from column order[r, j].
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
@@ -505,18 +709,38 @@ def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return probs.masked_fill(probs < threshold, 0.0)
 
 
-def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """Draws one token per row with probability proportional to `probs` via argmax(probs / q), q ~ Exp(1).
-
-    Unseeded rows draw q in one batched call from the default generator; each seeded row then redraws its own
-    row from its generator, so its samples depend neither on the other rows nor on its position in the batch.
-    """
-    q = torch.empty_like(probs)
-    if len(generators) < probs.shape[0]:
-        q.exponential_()
+def draw_uniforms(rows: int, generators: dict[int, torch.Generator], device: torch.device) -> torch.Tensor:
+    """One uniform number in [0, 1) per row [rows, 1] (float64): unseeded rows in one batched call
+    from the default generator, then each seeded row its own from its generator, so that its samples
+    depend neither on the other rows nor on its position in the batch."""
+    u = torch.empty(rows, 1, dtype=torch.float64, device=device)
+    if len(generators) < rows:
+        u.uniform_()
     for row, generator in generators.items():
-        q[row].exponential_(generator=generator)
-    return row_argmax(probs / q.clamp_min_(_TINY))
+        u[row].uniform_(generator=generator)
+    return u
+
+
+def pick_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Column of each row of `probs` ([S, C], rows need not sum to 1) drawn by inverse CDF with the
+    row's uniform u [S, 1]: the first column whose running sum exceeds u times the row's total, so
+    a column of probability 0 is never drawn. One running sum a row, not a random number per token:
+    the exponential race (argmax(probs / q), q ~ Exp(1)) draws S * C numbers, 130 ms for 128 rows of
+    49,152 here.
+    """
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    # Below the total by at least one step of float32 (u * total may round up to it): the first
+    # running sum above the target then always belongs to a column of non-zero probability.
+    target = torch.minimum((u * total.double()).to(cdf.dtype), torch.nextafter(total, torch.zeros_like(total)))
+    # A row with nothing to draw (all zero or NaN) gets its last column rather than one past the end.
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+
+
+def sample_from_probs(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """One token per row of `probs` [S, V] (not necessarily normalized), drawn by inverse CDF with
+    each row's own uniform number (`draw_uniforms`, `pick_from_probs`)."""
+    return pick_from_probs(probs, draw_uniforms(probs.shape[0], generators, probs.device))
 
 
 def compute_topk_logprobs(

@@ -49,8 +49,10 @@ def test_generate_answers_and_reports_throughput() -> None:
         (["generate", "Hi", "--model", "/nonexistent"], "/nonexistent"),
         (["generate", "Hi", "--max-tokens", "abc"], "abc"),
         (["chat", "--top-p", "0"], "top_p"),
+        (["bench", "throughput", "--top-p", "1.5"], "top_p"),
     ],
-    ids=["unknown-flag", "negative-temperature", "missing-model", "non-integer-max-tokens", "chat-top-p"],
+    ids=["unknown-flag", "negative-temperature", "missing-model", "non-integer-max-tokens", "chat-top-p",
+         "bench-top-p"],
 )
 def test_bad_arguments_exit_2_with_one_line(args: list[str], fragment: str) -> None:
     res = run_cli(*args, timeout=60)

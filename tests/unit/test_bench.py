@@ -106,6 +106,9 @@ def test_poisson_arrivals() -> None:
     assert a[-1] / (len(a) - 1) == pytest.approx(0.25, rel=0.1)
 
 
+STUB_BODIES: list[dict] = []  # the request bodies the stub server received
+
+
 @pytest.fixture
 def stub_server():
     """A tiny OpenAI-style streaming /v1/completions server: one chunk per token, usage at the end."""
@@ -119,6 +122,7 @@ def stub_server():
 
     async def completions(request):
         body = await request.json()
+        STUB_BODIES.append(body)
         n = body["max_tokens"]
         if body.get("model") != "stub-model" or not body.get("ignore_eos"):
             return JSONResponse({"error": {"message": "bad request"}}, status_code=400)
@@ -163,6 +167,23 @@ def test_serve_client_against_stub(stub_server) -> None:
     assert [r["request_rate"] for r in report["runs"]] == [50.0, "inf"]
 
 
+def test_serve_client_sends_the_sampling_settings(stub_server) -> None:
+    from pagedllm.benchmarks.serve import run_serve_bench
+
+    reqs = random_workload(3, (4, 8), (2, 3), VOCAB, seed=0)
+    opts = {"request_rates": [float("inf")], "seed": 0, "request_timeout": 30, "num_warmup": 0}
+    for sampling, fields in (
+        (None, {"temperature": 0.0}),
+        ({"temperature": 0.8, "top_p": 0.9, "top_k": 20}, {"temperature": 0.8, "top_p": 0.9, "top_k": 20}),
+        ({"temperature": 1.0, "top_p": 1.0, "top_k": 0}, {"temperature": 1.0}),  # no cut: not sent
+    ):
+        STUB_BODIES.clear()
+        report = run_serve_bench(stub_server, reqs, {"kind": "random"}, opts | {"sampling": sampling})
+        assert report["sampling"] == fields and report["runs"][0]["completed"] == 3
+        for body in STUB_BODIES:
+            assert {k: body[k] for k in ("temperature", "top_p", "top_k") if k in body} == fields
+
+
 def test_bench_throughput_pagedllm_end_to_end(tiny_model_dir, tmp_path, capsys) -> None:
     from pagedllm.entrypoints.cli import main
 
@@ -181,6 +202,22 @@ def test_bench_throughput_pagedllm_end_to_end(tiny_model_dir, tmp_path, capsys) 
         assert row["startup_s"] > 0 and row["vs_pagedllm"]["output_tokens_per_s"] == pytest.approx(1.0)
     assert set(report["peak_matmul_flops_per_s_by_dtype"]) == {"float32", "bfloat16"}
     assert "bfloat16" in capsys.readouterr().out
+
+
+def test_bench_throughput_sampled_in_every_backend(tiny_model_dir, tmp_path, capsys) -> None:
+    from pagedllm.entrypoints.cli import main
+
+    out = tmp_path / "s.json"
+    rc = main(["bench", "throughput", "--backend", "pagedllm", "--compare", "hf", "--model", tiny_model_dir,
+               "--num-prompts", "4", "--input-len-range", "8:16", "--output-len-range", "4:8", "--hf-batch-sizes",
+               "2", "--temperature", "0.8", "--top-p", "0.9", "--top-k", "20", "--output-json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["sampling"] == {"temperature": 0.8, "top_p": 0.9, "top_k": 20}
+    assert [(r["backend"], r["ok"]) for r in report["results"]] == [("pagedllm", True), ("hf", True)]
+    for row in report["results"]:  # ignore_eos / min_new_tokens: exact lengths while sampling too
+        assert row["output_tokens"] == report["workload"]["output_tokens"] and "warning" not in row
+    assert "sampled at temperature 0.8, top-p 0.9, top-k 20" in capsys.readouterr().out
 
 
 def test_bench_throughput_vllm_without_peers_venv(tiny_model_dir, tmp_path, capsys) -> None:

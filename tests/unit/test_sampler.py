@@ -15,8 +15,11 @@ from pagedllm.worker.sampler import (
     SamplingFaultInjected,
     SamplingMetadata,
     SamplingRow,
+    _top_k_top_p_sorted,
+    apply_top_k_top_p,
     compute_topk_logprobs,
     parse_sampler_fault,
+    sample_from_probs,
     sample_isolating_faults,
 )
 
@@ -202,22 +205,137 @@ def test_temperature_scaling_chi_square() -> None:
     assert total_variation(expected, reference_probs(logits[0])) > 0.05
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native-cut", "torch-cut"])
+def test_candidate_cuts_equal_whole_row_sorts(monkeypatch: pytest.MonkeyPatch, native: bool) -> None:
+    """Top-k / top-p cut among the candidates keep exactly what sorting each whole row keeps, for
+    rows whose nucleus lies within the candidates and rows cut by the native kernel (or, without
+    it, by 16 times as many candidates and then a sort) because it does not."""
+    if native:
+        assert sampler_module._sampling_kernel() is not None  # the kernel builds here
+    else:
+        monkeypatch.setattr(sampler_module, "top_p_cuts", lambda logits, top_p: None)
+    monkeypatch.setattr(sampler_module, "TOP_CANDIDATES", 32)  # then 512, then the whole row
+    vocab, rows = 4000, 96
+    g = torch.Generator().manual_seed(7)
+    scales = torch.tensor([0.05, 1.0, 4.0, 9.0]).repeat(rows // 4).unsqueeze(1)  # flat .. peaked rows
+    logits = torch.randn(rows, vocab, generator=g) * scales
+    top_k = torch.tensor([vocab, 1, 5, 20, 32, vocab, 3, 17]).repeat(rows // 8)
+    top_p = torch.tensor([1.0, 0.5, 0.9, 0.95, 1e-6, 0.99]).repeat(rows // 6)
+    nucleus = torch.isfinite(_top_k_top_p_sorted(logits, None, top_p)).sum(dim=1)
+    for lo, hi in ((1, 32), (33, 512), (513, vocab)):  # every stage ran
+        assert bool(((nucleus >= lo) & (nucleus <= hi)).any()), (lo, hi)
+    for k, p in ((top_k, None), (None, top_p), (top_k, top_p)):
+        fast, ref = apply_top_k_top_p(logits, k, p), _top_k_top_p_sorted(logits, k, p)
+        kept = torch.isfinite(ref)
+        assert torch.equal(torch.isfinite(fast), kept), (k is None, p is None)
+        assert torch.equal(fast[kept], logits[kept])  # kept logits unchanged
+        assert bool((kept.sum(dim=1) >= 1).all())
+
+
+def _walk_cut(row: torch.Tensor, top_p: float) -> float:
+    """The top-p cut by definition, in float64: values in descending order, equal ones together,
+    the first at which the running probability reaches top_p."""
+    probs = torch.softmax(row.double(), dim=0)
+    values, mass = sorted(set(row.tolist()), reverse=True), 0.0
+    for v in values:
+        mass += float(probs[row == v].sum())
+        if mass >= top_p:
+            return v
+    return values[-1]
+
+
+def test_native_top_p_cuts_match_the_definition() -> None:
+    g = torch.Generator().manual_seed(11)
+    rows = torch.randn(12, 3000, generator=g) * torch.tensor([0.02, 0.5, 1, 2, 4, 8] * 2).unsqueeze(1)
+    rows[1, ::3] = float("-inf")  # masked by top-k or allowed tokens
+    rows[2, :40] = rows[2, :40].max()  # a tie at the top, spanning the cut for a small top_p
+    rows[3] = torch.round(rows[3] * 4) / 4  # many ties everywhere
+    top_p = torch.tensor([0.9, 0.5, 0.01, 0.95, 0.99, 0.3, 0.999, 0.7, 0.8, 0.6, 0.9, 1.0])
+    cut = sampler_module.top_p_cuts(rows, top_p)
+    assert cut is not None
+    for i in range(12):
+        expected = float("-inf") if top_p[i] >= 1.0 else _walk_cut(rows[i], float(top_p[i]))
+        assert float(cut[i]) == expected, (i, float(cut[i]), expected)
+    nan_row = rows[:1].clone()
+    nan_row[0, 5] = float("nan")
+    assert float(sampler_module.top_p_cuts(nan_row, top_p[:1])[0]) == float("-inf")  # keeps the row as it is
+
+
+def test_ties_with_the_last_kept_token_stay() -> None:
+    logits = torch.full((1, 300), -5.0)
+    logits[0, :3] = torch.tensor([4.0, 2.0, 2.0])
+    # p(4.0) = 0.76, each 2.0 0.10: top_p 0.8 stops at the first 2.0, and its tie stays with it.
+    for fn in (apply_top_k_top_p, _top_k_top_p_sorted):
+        assert torch.isfinite(fn(logits, None, torch.tensor([0.8]))).nonzero()[:, 1].tolist() == [0, 1, 2]
+        assert torch.isfinite(fn(logits, torch.tensor([2]), None)).nonzero()[:, 1].tolist() == [0, 1, 2]
+        assert torch.isfinite(fn(logits, None, torch.tensor([0.5]))).nonzero()[:, 1].tolist() == [0]
+
+
+def test_sampled_rows_keep_ties_beyond_their_candidates() -> None:
+    logits = torch.full((1, 300), -5.0)
+    logits[0, :4] = torch.tensor([4.0, 2.0, 2.0, 2.0])
+    for params in (SamplingParams(top_k=2), SamplingParams(top_p=0.8), SamplingParams(top_k=1, seed=3)):
+        tokens = sample([make_row(params) for _ in range(3000)], logits.expand(3000, 300), 300).sampled_token_ids
+        expected = {0} if params.top_k == 1 else {0, 1, 2, 3}  # the 2.0s stay together (ties with the cut)
+        assert set(tokens.tolist()) == expected, params
+
+
+def test_candidate_and_sorted_rows_sample_their_distributions(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sampler_module, "TOP_CANDIDATES", 16)
+    vocab, draws = 400, 8000
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(3, vocab, generator=g) * torch.tensor([[6.0], [1.0], [6.0]])
+    configs = [dict(top_p=0.9), dict(top_p=0.3), dict(top_k=40, top_p=0.95, temperature=0.7)]
+    rows = [make_row(SamplingParams(**cfg)) for cfg in configs for _ in range(draws)]
+    tokens = sample(rows, base.repeat_interleave(draws, dim=0), vocab).sampled_token_ids.view(3, draws)
+    for i, cfg in enumerate(configs):
+        expected = reference_probs(base[i], **cfg)
+        assert set(tokens[i].tolist()) <= {t for t, p in enumerate(expected) if p > 0}, cfg
+        assert total_variation(empirical(tokens[i], vocab), expected) < 0.05, cfg
+
+
+def test_inverse_cdf_draws_never_pick_zero_probability_tokens() -> None:
+    probs = torch.tensor([[0.0, 2.0, 0.0, 2.0, 0.0], [0.0, 0.0, 0.0, 0.0, 3e-38], [0.0] * 5])
+    tokens = sample_from_probs(probs.repeat(4000, 1), {}).view(4000, 3)
+    assert set(tokens[:, 0].tolist()) == {1, 3}  # unnormalized rows, both halves drawn
+    assert abs(float((tokens[:, 0] == 1).double().mean()) - 0.5) < 0.05
+    assert set(tokens[:, 1].tolist()) == {4}  # a tiny last token is still the only one
+    assert set(tokens[:, 2].tolist()) <= set(range(5))  # nothing to draw: an index, not an error
+
+
 # ------------------------------------------------------------------------------------------------ seeds
 
 
-def _seeded_run(seed: int | None, position: int, others: list[SamplingParams], steps: int = 8) -> list[int]:
+def _seeded_run(seed: int | None, position: int, others: list[SamplingParams], steps: int = 8,
+                vocab: int = V, **target_params: object) -> list[int]:
     """Samples `steps` tokens for one row whose logits per step are fixed, placed among `others`."""
     logits_gen = torch.Generator().manual_seed(77)
-    target_logits = [torch.randn(V, generator=logits_gen) for _ in range(steps)]
-    target = make_row(SamplingParams(temperature=0.9, top_p=0.95, seed=seed))
+    target_logits = [torch.randn(vocab, generator=logits_gen) * 3 for _ in range(steps)]
+    target = make_row(SamplingParams(seed=seed, **(target_params or dict(temperature=0.9, top_p=0.95))))
     other_rows = [make_row(p) for p in others]
     tokens = []
     for step in range(steps):
         rows = other_rows[:position] + [target] + other_rows[position:]
-        logits = torch.randn(len(rows), V)
+        logits = torch.randn(len(rows), vocab)
         logits[position] = target_logits[step]
-        tokens.append(int(sample(rows, logits).sampled_token_ids[position]))
+        tokens.append(int(sample(rows, logits, vocab).sampled_token_ids[position]))
     return tokens
+
+
+@pytest.mark.parametrize("target", [dict(top_p=0.9), dict(top_k=20, top_p=0.9), dict(top_k=300), dict(min_p=0.02)],
+                         ids=["top-p", "top-k-top-p", "wide-top-k", "min-p"])
+def test_seeded_rows_take_the_same_way_in_any_batch(target: dict) -> None:
+    """Over a vocabulary larger than the candidates: whichever rows share the batch (other top-k
+    sizes, other ways through the sampler, more rows than one chunk), a seeded row draws the same."""
+    vocab = 3000
+    alone = _seeded_run(5, 0, [], vocab=vocab, **target)
+    mixes = [
+        (1, [SamplingParams(top_k=1000), SamplingParams(temperature=0.0)]),
+        (0, [SamplingParams(top_p=0.5), SamplingParams(top_k=2, top_p=0.3, seed=1)]),
+        (40, [SamplingParams(temperature=1.3)] * 70),
+    ]
+    for position, others in mixes:
+        assert _seeded_run(5, position, others, vocab=vocab, **target) == alone, (position, len(others))
 
 
 def test_seed_is_independent_of_batch_and_position() -> None:

@@ -437,7 +437,7 @@ static int64_t argmax_range(const void *v, int64_t lo, int64_t hi, int dt, float
 }
 
 /* out[s] = the argmax of row s of x [S, V] (rows ldx elements apart, dtype dt), with torch.argmax's
- * answer (argmax_range): the sampler's argmax (greedy rows, the exponential race) of batches the
+ * answer (argmax_range): the sampler's argmax (greedy rows) of batches the
  * fused step does not end. Rows spread over the OpenMP team. Returns 1, writing nothing, for an
  * empty row or another dtype. */
 int argmax_rows(const void *x, int64_t ldx, int64_t S, int64_t V, int dt, int64_t *out) {

@@ -1,0 +1,125 @@
+/*
+ * The sampler's top-p cut of whole rows in O(V) a row, where sorting a row of the vocabulary
+ * costs about 2 ms here (49,152 tokens) and a nucleus of a flat distribution (a model unsure of its
+ * next token, at temperature near 1) can hold thousands of them.
+ *
+ * For each row of logits x (already divided by the temperature; -inf where top-k or a mask took a
+ * token out), the cut is the logit of the last token the nucleus keeps: walking the row's values in
+ * descending order, equal values together, the first value at which the running probability reaches
+ * top_p. The sampler keeps the logits at or above it (ties with the last token kept stay).
+ *
+ * One pass finds the row's maximum m; a second computes e_i = exp(x_i - m) (16 lanes at a time)
+ * and their total; a third adds each e_i into a histogram bin keyed by the top 16 bits of its
+ * float32 pattern (sign 0, so the keys order as the values do: 8 exponent and 7 mantissa bits, at
+ * most 0x3f80 for e <= 1). Scanning the bins from the top finds the bin where the running mass
+ * reaches top_p times the total; only that bin's tokens (those within a factor of 1 + 2^-7 of each
+ * other) are sorted, to find the value inside it. Sums are in double; the result can differ from a
+ * float32 cumsum over a sorted row only where the running mass lands within rounding of top_p.
+ *
+ * Layout: x [S, V] float32, rows ldx floats apart; top_p [S]; cut [S] out (-inf: keep the whole
+ * row, for top_p >= 1, a row with a NaN, or nothing to keep). Rows spread over the OpenMP team.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../../attention/csrc/bf16.h"
+
+#define KEY_MAX 0x3f81 /* one past the key of 1.0f (and of e_i a rounding step above it) */
+
+typedef struct {
+    float x, e;
+} Token;
+
+static uint32_t f32_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+static int by_value_desc(const void *a, const void *b) {
+    const float u = ((const Token *)a)->x, v = ((const Token *)b)->x;
+    return (u < v) - (u > v);
+}
+
+/* The cut of one row (see the file's comment); e: V floats, hist: KEY_MAX doubles, bin: V tokens. */
+static float row_cut(const float *x, int64_t V, float top_p, float *e, double *hist, Token *bin) {
+    const float neg_inf = -INFINITY;
+    if (!(top_p < 1.0f)) return neg_inf;
+    /* The maximum and whether there is a NaN, from the bits (-ffast-math may fold isnan). */
+    float m = neg_inf;
+    for (int64_t i = 0; i < V; i++) {
+        if ((f32_bits(x[i]) & 0x7fffffffu) > 0x7f800000u) return neg_inf;
+        m = x[i] > m ? x[i] : m;
+    }
+    if (f32_bits(m) == 0xff800000u) return neg_inf; /* everything masked */
+    double total = 0.0;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    const __m512 mv = _mm512_set1_ps(m);
+    for (; i + 16 <= V; i += 16) {
+        const __m512 v = _mm512_loadu_ps(x + i);
+        /* -inf lanes (masked tokens) are 0, not exp(-87) */
+        const __mmask16 live = _mm512_cmpneq_epi32_mask(_mm512_castps_si512(v), _mm512_set1_epi32((int)0xff800000u));
+        const __m512 ev = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(v, mv)));
+        _mm512_storeu_ps(e + i, ev);
+    }
+#endif
+    for (; i < V; i++) e[i] = f32_bits(x[i]) == 0xff800000u ? 0.0f : expf(x[i] - m);
+    memset(hist, 0, KEY_MAX * sizeof(double));
+    for (i = 0; i < V; i++) {
+        uint32_t key = f32_bits(e[i]) >> 16;
+        key = key < KEY_MAX ? key : KEY_MAX - 1;
+        hist[key] += e[i];
+        total += e[i];
+    }
+    const double target = (double)top_p * total;
+    double above = 0.0; /* mass of the bins above the current one */
+    int64_t kb = -1;
+    for (int64_t key = KEY_MAX - 1; key > 0; key--) {
+        if (above + hist[key] >= target && hist[key] > 0.0) {
+            kb = key;
+            break;
+        }
+        above += hist[key];
+    }
+    if (kb < 0) return neg_inf; /* rounding left the target above every bin: keep everything */
+    int64_t n = 0;
+    for (i = 0; i < V; i++) {
+        uint32_t key = f32_bits(e[i]) >> 16;
+        key = key < KEY_MAX ? key : KEY_MAX - 1;
+        if ((int64_t)key == kb) bin[n++] = (Token){x[i], e[i]};
+    }
+    qsort(bin, (size_t)n, sizeof(Token), by_value_desc);
+    for (int64_t a = 0; a < n;) {
+        int64_t b = a;
+        while (b < n && bin[b].x == bin[a].x) above += bin[b++].e; /* a group of equal values */
+        if (above >= target) return bin[a].x;
+        a = b;
+    }
+    return bin[n - 1].x; /* rounding: the bin's mass fell just short of its histogram sum */
+}
+
+/* The top-p cut of each row: 0, or 1 (nothing written) for an empty row. */
+int top_p_cuts(const float *x, int64_t ldx, int64_t S, int64_t V, const float *top_p, float *cut) {
+    if (V < 1 || S < 0) return 1;
+    int failed = 0;
+#pragma omp parallel if (S > 1 && S * V >= (1 << 16))
+    {
+        float *e = malloc((size_t)V * sizeof(float));
+        double *hist = malloc(KEY_MAX * sizeof(double));
+        Token *bin = malloc((size_t)V * sizeof(Token));
+        if (e == NULL || hist == NULL || bin == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+#pragma omp for schedule(dynamic, 4)
+            for (int64_t s = 0; s < S; s++) cut[s] = row_cut(x + s * ldx, V, top_p[s], e, hist, bin);
+        }
+        free(e), free(hist), free(bin);
+    }
+    return failed;
+}
