@@ -60,14 +60,34 @@ _SAMPLING_SRC = Path(__file__).parent / "csrc" / "sampling.c"
 @lru_cache(maxsize=1)
 def _sampling_kernel() -> ctypes.CDLL | None:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    return load_native(_SAMPLING_SRC, "PAGEDLLM_NATIVE_SAMPLING",
-                       {"top_p_cuts": ([p, i64, i64, i64, p, p], ctypes.c_int)})
+    return load_native(_SAMPLING_SRC, "PAGEDLLM_NATIVE_SAMPLING", {
+        "top_p_cuts": ([p, i64, i64, i64, p, p], ctypes.c_int),
+        "sample_rows": ([p, i64, i64, i64, p, p, p, p, p], ctypes.c_int),
+    })
 
 
 def top_p_cuts_apply(logits: torch.Tensor) -> bool:
     """Whether top_p_cuts runs on these logits: float32 CPU rows, and the kernel builds here."""
     return (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
             and logits.stride(1) == 1 and logits.shape[1] >= 1 and _sampling_kernel() is not None)
+
+
+def sample_rows_native(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+                       min_p: torch.Tensor | None, u: torch.Tensor) -> torch.Tensor | None:
+    """One token per row of raw logits [S, V] (no top-k), in one native call (sampling.c
+    `sample_rows`): divided by the row's temperature, cut at its top_p (top_p_cuts' cut) and then
+    at min_p times its largest probability, drawn by inverse CDF in vocabulary order with its
+    uniform number u [S, 1] (pick_from_probs' rule). None where it does not apply."""
+    if not top_p_cuts_apply(logits):
+        return None
+    S = logits.shape[0]
+    f32 = [t.to(torch.float32).contiguous() for t in (temperature, top_p, torch.zeros(S) if min_p is None else min_p)]
+    uu = u.reshape(S).to(torch.float64).contiguous()
+    tokens = torch.empty(S, dtype=torch.int64)
+    if _sampling_kernel().sample_rows(logits.data_ptr(), logits.stride(0), S, logits.shape[1], f32[0].data_ptr(),
+                                      f32[1].data_ptr(), f32[2].data_ptr(), uu.data_ptr(), tokens.data_ptr()):
+        return None
+    return tokens
 
 
 def top_p_cuts(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None:
@@ -502,13 +522,12 @@ def _sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
     Each row takes one of three ways, chosen from its own settings and logits alone, so that a
     seeded row draws the same tokens in any batch:
     - no top-k and no top-p: its whole row;
-    - top-p without top-k, where the native kernel runs: its whole row cut at `top_p_cuts` (one pass
-      a row whatever the size of the nucleus: a model unsure of its next token can spread 0.95 of
-      its mass over thousands of tokens);
+    - top-p without top-k, where the native kernel runs: the whole draw in one native call
+      (`sample_rows_native`: its row cut at top_p in one pass whatever the size of the nucleus, a
+      model unsure of its next token spreading 0.95 of its mass over thousands of tokens);
     - otherwise its largest logits (`top_candidates`) when its cut lies among them, else its whole
       row cut by `apply_top_k_top_p`.
     """
-    logits = logits / temperature.unsqueeze(1)
     S, V = logits.shape
     none = torch.zeros(S, dtype=torch.bool, device=logits.device)
     k_on = none if top_k is None else top_k < V
@@ -522,13 +541,15 @@ def _sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
             continue
         every = bool(rows_mask.all())
         rows = slice(None) if every else rows_mask.nonzero().squeeze(1)
-        x, mp, ur = (logits, min_p, u) if every else (logits[rows], _rows(min_p, rows), u[rows])
+        x, t, mp, ur = (logits, temperature, min_p, u) if every else (
+            logits[rows], temperature[rows], _rows(min_p, rows), u[rows])
+        if way == 1 and (drawn := sample_rows_native(x, t, top_p[rows], mp, ur)) is not None:
+            tokens[rows] = drawn
+            continue
+        x = x / t.unsqueeze(1)
         if way == 0:
             tokens[rows] = pick_from_probs(_truncated_probs(x, mp), ur)
-        elif way == 1:
-            cut = top_p_cuts(x, top_p[rows])
-            tokens[rows] = pick_from_probs(_truncated_probs(x.masked_fill(x < cut, _NEG_INF), mp), ur)
-        else:
+        else:  # way 2, or way 1 where the native call could not run
             tokens[rows] = _sample_candidates(x, _rows(top_k, rows), _rows(top_p, rows), mp, ur)
     return tokens
 

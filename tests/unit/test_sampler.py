@@ -285,13 +285,29 @@ def test_candidate_and_sorted_rows_sample_their_distributions(monkeypatch: pytes
     vocab, draws = 400, 8000
     g = torch.Generator().manual_seed(3)
     base = torch.randn(3, vocab, generator=g) * torch.tensor([[6.0], [1.0], [6.0]])
-    configs = [dict(top_p=0.9), dict(top_p=0.3), dict(top_k=40, top_p=0.95, temperature=0.7)]
+    configs = [dict(top_p=0.9), dict(top_p=0.3, min_p=0.2), dict(top_k=40, top_p=0.95, temperature=0.7)]
     rows = [make_row(SamplingParams(**cfg)) for cfg in configs for _ in range(draws)]
     tokens = sample(rows, base.repeat_interleave(draws, dim=0), vocab).sampled_token_ids.view(3, draws)
     for i, cfg in enumerate(configs):
         expected = reference_probs(base[i], **cfg)
         assert set(tokens[i].tolist()) <= {t for t, p in enumerate(expected) if p > 0}, cfg
         assert total_variation(empirical(tokens[i], vocab), expected) < 0.05, cfg
+
+
+def test_native_draws_of_odd_rows() -> None:
+    """The native draw (top-p rows without top-k): the first NaN of a row that has one, the last
+    token of a row with nothing to draw, the only token left of a row masked down to one."""
+    logits = torch.randn(4, 300)
+    logits[0, [7, 9]] = float("nan")
+    logits[1] = float("-inf")
+    logits[2, :] = float("-inf")
+    logits[2, 123] = 0.0
+    u = torch.rand(4, 1, dtype=torch.float64)
+    for temperature in (0.5, 1.0):
+        tokens = sampler_module.sample_rows_native(logits, torch.full((4,), temperature), torch.full((4,), 0.9),
+                                                   None, u)
+        assert tokens is not None and tokens[:3].tolist() == [7, 299, 123]
+        assert 0 <= int(tokens[3]) < 300
 
 
 def test_inverse_cdf_draws_never_pick_zero_probability_tokens() -> None:

@@ -1,23 +1,24 @@
 /*
- * The sampler's top-p cut of whole rows in O(V) a row, where sorting a row of the vocabulary
- * costs about 2 ms here (49,152 tokens) and a nucleus of a flat distribution (a model unsure of its
- * next token, at temperature near 1) can hold thousands of them.
+ * The sampler's native parts: the top-p cut of whole rows in O(V) a row, where sorting a row of the
+ * vocabulary costs about 2 ms here (49,152 tokens) and a nucleus of a flat distribution (a model
+ * unsure of its next token, at temperature near 1) can hold thousands of them; and the whole draw of
+ * a row that has no top-k (temperature, top-p, min-p, inverse CDF) in a few passes over it.
  *
- * For each row of logits x (already divided by the temperature; -inf where top-k or a mask took a
- * token out), the cut is the logit of the last token the nucleus keeps: walking the row's values in
- * descending order, equal values together, the first value at which the running probability reaches
- * top_p. The sampler keeps the logits at or above it (ties with the last token kept stay).
+ * For a row of logits x (divided by the temperature; -inf where top-k or a mask took a token out),
+ * the cut is the logit of the last token the nucleus keeps: walking the row's values in descending
+ * order, equal values together, the first value at which the running probability reaches top_p.
+ * The sampler keeps the logits at or above it (ties with the last token kept stay).
  *
- * One pass finds the row's maximum m; a second computes e_i = exp(x_i - m) (16 lanes at a time)
- * and their total; a third adds each e_i into a histogram bin keyed by the top 16 bits of its
- * float32 pattern (sign 0, so the keys order as the values do: 8 exponent and 7 mantissa bits, at
- * most 0x3f80 for e <= 1). Scanning the bins from the top finds the bin where the running mass
- * reaches top_p times the total; only that bin's tokens (those within a factor of 1 + 2^-7 of each
- * other) are sorted, to find the value inside it. Sums are in double; the result can differ from a
- * float32 cumsum over a sorted row only where the running mass lands within rounding of top_p.
+ * One pass finds the row's maximum m; a second computes e_i = exp(x_i - m) (16 lanes at a time); a
+ * third adds each e_i into a histogram bin keyed by the top 16 bits of its float32 pattern (sign 0,
+ * so the keys order as the values do: 8 exponent and 7 mantissa bits, at most 0x3f80 for e <= 1)
+ * and sums them. Scanning the bins from the top finds the bin where the running mass reaches top_p
+ * times the total; only that bin's tokens (those within a factor of 1 + 2^-7 of each other) are
+ * sorted, to find the value inside it. Sums are in double; the result can differ from a float32
+ * cumsum over a sorted row only where the running mass lands within rounding of top_p.
  *
- * Layout: x [S, V] float32, rows ldx floats apart; top_p [S]; cut [S] out (-inf: keep the whole
- * row, for top_p >= 1, a row with a NaN, or nothing to keep). Rows spread over the OpenMP team.
+ * Layouts: x [S, V] float32, rows ldx floats apart; per-row settings [S]. Rows spread over the
+ * OpenMP team, each with its own scratch.
  */
 #include <math.h>
 #include <stdint.h>
@@ -43,32 +44,42 @@ static int by_value_desc(const void *a, const void *b) {
     return (u < v) - (u > v);
 }
 
-/* The cut of one row (see the file's comment); e: V floats, hist: KEY_MAX doubles, bin: V tokens. */
-static float row_cut(const float *x, int64_t V, float top_p, float *e, double *hist, Token *bin) {
-    const float neg_inf = -INFINITY;
-    if (!(top_p < 1.0f)) return neg_inf;
-    /* The maximum and whether there is a NaN, from the bits (-ffast-math may fold isnan). */
-    float m = neg_inf;
-    for (int64_t i = 0; i < V; i++) {
-        if ((f32_bits(x[i]) & 0x7fffffffu) > 0x7f800000u) return neg_inf;
-        m = x[i] > m ? x[i] : m;
-    }
-    if (f32_bits(m) == 0xff800000u) return neg_inf; /* everything masked */
-    double total = 0.0;
+/* e[i] = exp(y[i] - m) for a row y of V values whose maximum is m (0 for -inf: tokens masked). */
+static void row_exp(const float *y, int64_t V, float m, float *e) {
     int64_t i = 0;
 #if defined(__AVX512F__)
     const __m512 mv = _mm512_set1_ps(m);
     for (; i + 16 <= V; i += 16) {
-        const __m512 v = _mm512_loadu_ps(x + i);
+        const __m512 v = _mm512_loadu_ps(y + i);
         /* -inf lanes (masked tokens) are 0, not exp(-87) */
         const __mmask16 live = _mm512_cmpneq_epi32_mask(_mm512_castps_si512(v), _mm512_set1_epi32((int)0xff800000u));
-        const __m512 ev = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(v, mv)));
-        _mm512_storeu_ps(e + i, ev);
+        _mm512_storeu_ps(e + i, _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(v, mv))));
     }
 #endif
-    for (; i < V; i++) e[i] = f32_bits(x[i]) == 0xff800000u ? 0.0f : expf(x[i] - m);
+    for (; i < V; i++) e[i] = f32_bits(y[i]) == 0xff800000u ? 0.0f : expf(y[i] - m);
+}
+
+/* Whether v is a NaN, from the bits (-ffast-math may fold isnan and v != v). */
+static int is_nan(float v) { return (f32_bits(v) & 0x7fffffffu) > 0x7f800000u; }
+
+/* The row's maximum, or NaN where it holds a NaN. */
+static float row_max(const float *y, int64_t V) {
+    float m = -INFINITY;
+    for (int64_t i = 0; i < V; i++) {
+        if (is_nan(y[i])) return NAN;
+        m = y[i] > m ? y[i] : m;
+    }
+    return m;
+}
+
+/* The top-p cut (see the file's comment) of a row y whose e[i] = exp(y[i] - max) are given;
+ * hist: KEY_MAX doubles, bin: V tokens of scratch. -inf: keep the whole row. */
+static float cut_from_probs(const float *y, const float *e, int64_t V, float top_p, double *hist, Token *bin) {
+    const float neg_inf = -INFINITY;
+    if (!(top_p < 1.0f)) return neg_inf;
+    double total = 0.0;
     memset(hist, 0, KEY_MAX * sizeof(double));
-    for (i = 0; i < V; i++) {
+    for (int64_t i = 0; i < V; i++) {
         uint32_t key = f32_bits(e[i]) >> 16;
         key = key < KEY_MAX ? key : KEY_MAX - 1;
         hist[key] += e[i];
@@ -86,10 +97,10 @@ static float row_cut(const float *x, int64_t V, float top_p, float *e, double *h
     }
     if (kb < 0) return neg_inf; /* rounding left the target above every bin: keep everything */
     int64_t n = 0;
-    for (i = 0; i < V; i++) {
+    for (int64_t i = 0; i < V; i++) {
         uint32_t key = f32_bits(e[i]) >> 16;
         key = key < KEY_MAX ? key : KEY_MAX - 1;
-        if ((int64_t)key == kb) bin[n++] = (Token){x[i], e[i]};
+        if ((int64_t)key == kb) bin[n++] = (Token){y[i], e[i]};
     }
     qsort(bin, (size_t)n, sizeof(Token), by_value_desc);
     for (int64_t a = 0; a < n;) {
@@ -99,6 +110,44 @@ static float row_cut(const float *x, int64_t V, float top_p, float *e, double *h
         a = b;
     }
     return bin[n - 1].x; /* rounding: the bin's mass fell just short of its histogram sum */
+}
+
+/* The cut of one row x; e: V floats, hist: KEY_MAX doubles, bin: V tokens of scratch. */
+static float row_cut(const float *x, int64_t V, float top_p, float *e, double *hist, Token *bin) {
+    if (!(top_p < 1.0f)) return -INFINITY;
+    const float m = row_max(x, V);
+    if (f32_bits(m) == 0xff800000u || is_nan(m)) return -INFINITY; /* everything masked, or a NaN */
+    row_exp(x, V, m, e);
+    return cut_from_probs(x, e, V, top_p, hist, bin);
+}
+
+/* One token of row x divided by temperature t, cut at top_p, then at min_p times the largest
+ * probability, drawn with u in [0, 1): the first token in vocabulary order whose running sum of
+ * kept probabilities exceeds u times their total. y, e: V floats, hist, bin: scratch. A row with a
+ * NaN gives the first NaN's index. */
+static int64_t row_sample(const float *x, int64_t V, float t, float top_p, float min_p, double u, float *y, float *e,
+                          double *hist, Token *bin) {
+    for (int64_t i = 0; i < V; i++) y[i] = x[i] / t;
+    const float m = row_max(y, V);
+    if (is_nan(m)) {
+        for (int64_t i = 0; i < V; i++)
+            if (is_nan(y[i])) return i;
+    }
+    if (f32_bits(m) == 0xff800000u) return V - 1; /* nothing to draw, as pick_from_probs */
+    row_exp(y, V, m, e);
+    const float cut = cut_from_probs(y, e, V, top_p, hist, bin);
+    double total = 0.0;
+    for (int64_t i = 0; i < V; i++) total += (y[i] >= cut && e[i] >= min_p) ? e[i] : 0.0;
+    const double target = u * total;
+    double acc = 0.0;
+    int64_t last = V - 1;
+    for (int64_t i = 0; i < V; i++) {
+        if (!(y[i] >= cut && e[i] >= min_p) || e[i] <= 0.0f) continue;
+        acc += e[i];
+        last = i;
+        if (acc > target) return i;
+    }
+    return last; /* rounding: the running sum ended at the target */
 }
 
 /* The top-p cut of each row: 0, or 1 (nothing written) for an empty row. */
@@ -120,6 +169,32 @@ int top_p_cuts(const float *x, int64_t ldx, int64_t S, int64_t V, const float *t
             for (int64_t s = 0; s < S; s++) cut[s] = row_cut(x + s * ldx, V, top_p[s], e, hist, bin);
         }
         free(e), free(hist), free(bin);
+    }
+    return failed;
+}
+
+/* tokens[s] for each row of x [S, V] (rows ldx apart), divided by temperature[s], cut at top_p[s]
+ * (1: none) and min_p[s] (0: none), drawn with u[s] (row_sample): 0, or 1 (nothing written). */
+int sample_rows(const float *x, int64_t ldx, int64_t S, int64_t V, const float *temperature, const float *top_p,
+                const float *min_p, const double *u, int64_t *tokens) {
+    if (V < 1 || S < 0) return 1;
+    int failed = 0;
+#pragma omp parallel if (S > 1 && S * V >= (1 << 16))
+    {
+        float *y = malloc((size_t)V * sizeof(float)), *e = malloc((size_t)V * sizeof(float));
+        double *hist = malloc(KEY_MAX * sizeof(double));
+        Token *bin = malloc((size_t)V * sizeof(Token));
+        if (y == NULL || e == NULL || hist == NULL || bin == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+#pragma omp for schedule(dynamic, 4)
+            for (int64_t s = 0; s < S; s++)
+                tokens[s] = row_sample(x + s * ldx, V, temperature[s], top_p[s], min_p[s], u[s], y, e, hist, bin);
+        }
+        free(y), free(e), free(hist), free(bin);
     }
     return failed;
 }
