@@ -26,8 +26,7 @@ def run(spec: dict) -> dict:
     with open(spec["workload"]) as f:
         reqs = json.load(f)
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs]
-    sampling = spec.get("sampling") or {"temperature": 0.0}
-    params = [SamplingParams(max_tokens=r["output_len"], ignore_eos=True, **sampling) for r in reqs]
+    params = [SamplingParams(max_tokens=r["output_len"], ignore_eos=True, **spec["sampling"]) for r in reqs]
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - t0

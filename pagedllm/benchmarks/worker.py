@@ -34,8 +34,8 @@ def run_pagedllm(spec: dict[str, Any]) -> dict[str, Any]:
     ready = time.time()
     reqs = _load_workload(spec["workload"])
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
-    sampling = spec.get("sampling") or {"temperature": 0.0}
-    params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True, detokenize=True, **sampling) for r in reqs]
+    params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True, detokenize=True, **spec["sampling"])
+              for r in reqs]
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - t0
@@ -51,17 +51,16 @@ def run_pagedllm(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _hf_sampling(sampling: dict[str, Any] | None) -> dict[str, Any]:
-    """generate() arguments for the run's sampling settings: greedy, or sampling with exactly these
-    (top_k 0 and top_p 1.0 switch HF's own defaults off)."""
-    if not sampling or sampling.get("temperature", 0.0) == 0.0:
+def _hf_sampling(sampling: dict[str, Any]) -> dict[str, Any]:
+    """generate() arguments for the run's sampling settings: greedy at temperature 0, else sampling
+    with exactly these (top_k 0 and top_p 1.0 switch HF's own defaults off)."""
+    if sampling["temperature"] == 0.0:
         return {"do_sample": False}
-    return {"do_sample": True, "temperature": sampling["temperature"], "top_p": sampling.get("top_p", 1.0),
-            "top_k": sampling.get("top_k", 0)}
+    return {"do_sample": True, **sampling}
 
 
 def _hf_batches(model, reqs: list[BenchRequest], batch_size: int, pad_id: int, bar: tqdm,
-                sampling: dict[str, Any] | None = None) -> tuple[float, int, int]:
+                sampling: dict[str, Any]) -> tuple[float, int, int]:
     """Runs `reqs` in order in static, left-padded batches; each batch generates exactly its
     longest requested output. Returns (seconds, requested output tokens, generated tokens)."""
     import torch
@@ -115,12 +114,12 @@ def run_hf(spec: dict[str, Any]) -> dict[str, Any]:
     bar = tqdm(total=len(probe) * len(sizes) + len(rest), desc="HF generate (probe + rest)", dynamic_ncols=True)
     trials = []
     for b in sizes:
-        secs, requested, generated = _hf_batches(model, probe, b, pad_id, bar, spec.get("sampling"))
+        secs, requested, generated = _hf_batches(model, probe, b, pad_id, bar, spec["sampling"])
         trials.append({"batch_size": b, "num_requests": len(probe), "elapsed_s": secs,
                        "output_tokens": requested, "generated_tokens": generated,
                        "output_tokens_per_s": requested / secs})
     best = max(trials, key=lambda t: t["output_tokens_per_s"])
-    secs, requested, generated = (_hf_batches(model, rest, best["batch_size"], pad_id, bar, spec.get("sampling"))
+    secs, requested, generated = (_hf_batches(model, rest, best["batch_size"], pad_id, bar, spec["sampling"])
                                   if rest else (0.0, 0, 0))
     bar.close()
     return {

@@ -640,8 +640,7 @@ def top_candidates(
     vals, ids = logits.topk(kc, dim=-1)  # descending
     cut = torch.full((S, 1), _NEG_INF, device=logits.device)
     if top_k is not None:
-        # Column k - 1 holds the k-th largest logit: top_k [2, 5] -> columns [1, 4].
-        cut = vals.gather(1, (top_k.clamp(max=kc) - 1).unsqueeze(1)).masked_fill(~k_on.unsqueeze(1), _NEG_INF)
+        cut = _kth(vals, top_k, k_on)
         vals = vals.masked_fill(vals < cut, _NEG_INF)
     if top_p is not None:
         # Probabilities of the candidates under the row's softmax after top-k (over the candidates for
@@ -662,50 +661,35 @@ def top_candidates(
     return vals, ids, inside
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
-                      candidates: int | None = None) -> torch.Tensor:
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
     """Sets logits outside each row's top-k, then outside its top-p nucleus, to -inf.
 
     top-k keeps the k largest logits and every logit equal to the k-th (never fewer than k). top-p
     keeps the smallest run of largest logits whose probability (after top-k) reaches top_p, and
     every logit equal to the last of them; a row always keeps its largest logit, and rows with top_p
     1.0 keep everything. top-k: the k-th of torch.topk. top-p: the native kernel's cut
-    (`top_p_cuts`, one pass a row); where it does not run, among the row's `candidates` (default
-    TOP_CANDIDATES) or k largest logits, rows whose nucleus reaches further trying 16 times as many,
-    and sorted whole (`_top_k_top_p_sorted`) once that is a quarter of the vocabulary.
+    (`top_p_cuts`, one pass a row), or where it does not run a sort of each whole row
+    (`_top_k_top_p_sorted`). The sampler calls it for the rows whose cut its candidates do not hold.
     """
     V = logits.shape[1]
-    k_on = None if top_k is None else top_k < V  # rows with a top-k (k = V: off)
-    k_need = int(top_k[k_on].max()) if k_on is not None and bool(k_on.any()) else 0
-    candidates = candidates or TOP_CANDIDATES
-    kc = min(V, max(k_need, candidates if top_p is not None else 1))
-    if kc >= V or (top_p is not None and candidates > V // 4):
-        return _top_k_top_p_sorted(logits, top_k, top_p)
-    vals = logits.topk(kc, dim=-1).values  # descending
-    if top_k is not None:
-        kth = vals.gather(1, (top_k.clamp(max=kc) - 1).unsqueeze(1)).masked_fill(~k_on.unsqueeze(1), _NEG_INF)
-        logits = logits.masked_fill(logits < kth, _NEG_INF)
-        vals = vals.masked_fill(vals < kth, _NEG_INF)
+    if top_k is not None and bool((k_on := top_k < V).any()):
+        vals = logits.topk(int(top_k[k_on].max()), dim=-1).values
+        logits = logits.masked_fill(logits < _kth(vals, top_k, k_on), _NEG_INF)
     if top_p is None:
         return logits
     cut = top_p_cuts(logits, top_p)
-    if cut is not None:
-        return logits.masked_fill(logits < cut, _NEG_INF)
-    # As in top_candidates, with the row's softmax over the whole row after top-k.
-    probs = (vals - logits.logsumexp(dim=-1, keepdim=True)).exp()
-    last = (probs.cumsum(dim=-1) < top_p.unsqueeze(1)).sum(dim=-1)
-    off = top_p >= 1.0
-    beyond = (last >= kc) & ~off  # the nucleus reaches past the candidates
-    cut = vals.gather(1, last.clamp(max=kc - 1).unsqueeze(1)).masked_fill(off.unsqueeze(1), _NEG_INF)
-    out = logits.masked_fill(logits < cut, _NEG_INF)
-    if bool(beyond.any()):
-        rows = beyond.nonzero().squeeze(1)
-        out[rows] = apply_top_k_top_p(logits[rows], None, top_p[rows], 16 * candidates)
-    return out
+    return _top_k_top_p_sorted(logits, None, top_p) if cut is None else logits.masked_fill(logits < cut, _NEG_INF)
+
+
+def _kth(vals: torch.Tensor, top_k: torch.Tensor, k_on: torch.Tensor) -> torch.Tensor:
+    """Each row's k-th largest logit [S, 1] from its largest ones in descending order, vals [S, C]
+    (C at least every k of the rows in k_on), -inf where top-k is off. Column k - 1 holds it:
+    top_k [2, 5] -> columns [1, 4]."""
+    return vals.gather(1, (top_k.clamp(max=vals.shape[1]) - 1).unsqueeze(1)).masked_fill(~k_on.unsqueeze(1), _NEG_INF)
 
 
 def _top_k_top_p_sorted(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    """apply_top_k_top_p by sorting every row whole (rows whose cut lies beyond the candidates)."""
+    """apply_top_k_top_p by sorting every row whole (where the native cut does not run)."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     if top_k is not None:
         kth = sorted_logits.gather(1, (top_k - 1).unsqueeze(1))
@@ -756,12 +740,6 @@ def pick_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     target = torch.minimum((u * total.double()).to(cdf.dtype), torch.nextafter(total, torch.zeros_like(total)))
     # A row with nothing to draw (all zero or NaN) gets its last column rather than one past the end.
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
-
-
-def sample_from_probs(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """One token per row of `probs` [S, V] (not necessarily normalized), drawn by inverse CDF with
-    each row's own uniform number (`draw_uniforms`, `pick_from_probs`)."""
-    return pick_from_probs(probs, draw_uniforms(probs.shape[0], generators, probs.device))
 
 
 def compute_topk_logprobs(

@@ -18,9 +18,11 @@ from pagedllm.worker.sampler import (
     _top_k_top_p_sorted,
     apply_top_k_top_p,
     compute_topk_logprobs,
+    draw_uniforms,
     parse_sampler_fault,
-    sample_from_probs,
+    pick_from_probs,
     sample_isolating_faults,
+    top_candidates,
 )
 
 V = 50
@@ -207,14 +209,14 @@ def test_temperature_scaling_chi_square() -> None:
 
 @pytest.mark.parametrize("native", [True, False], ids=["native-cut", "torch-cut"])
 def test_candidate_cuts_equal_whole_row_sorts(monkeypatch: pytest.MonkeyPatch, native: bool) -> None:
-    """Top-k / top-p cut among the candidates keep exactly what sorting each whole row keeps, for
-    rows whose nucleus lies within the candidates and rows cut by the native kernel (or, without
-    it, by 16 times as many candidates and then a sort) because it does not."""
+    """Top-k / top-p cuts keep exactly what sorting each whole row keeps: among the candidates for
+    the rows whose cut they hold (`top_candidates`), and over the whole row for the others, by the
+    native kernel (or, without it, a sort: `apply_top_k_top_p`)."""
     if native:
         assert sampler_module._sampling_kernel() is not None  # the kernel builds here
     else:
         monkeypatch.setattr(sampler_module, "top_p_cuts", lambda logits, top_p: None)
-    monkeypatch.setattr(sampler_module, "TOP_CANDIDATES", 32)  # then 512, then the whole row
+    monkeypatch.setattr(sampler_module, "TOP_CANDIDATES", 32)
     vocab, rows = 4000, 96
     g = torch.Generator().manual_seed(7)
     scales = torch.tensor([0.05, 1.0, 4.0, 9.0]).repeat(rows // 4).unsqueeze(1)  # flat .. peaked rows
@@ -222,7 +224,7 @@ def test_candidate_cuts_equal_whole_row_sorts(monkeypatch: pytest.MonkeyPatch, n
     top_k = torch.tensor([vocab, 1, 5, 20, 32, vocab, 3, 17]).repeat(rows // 8)
     top_p = torch.tensor([1.0, 0.5, 0.9, 0.95, 1e-6, 0.99]).repeat(rows // 6)
     nucleus = torch.isfinite(_top_k_top_p_sorted(logits, None, top_p)).sum(dim=1)
-    for lo, hi in ((1, 32), (33, 512), (513, vocab)):  # every stage ran
+    for lo, hi in ((1, 32), (33, 512), (513, vocab)):  # nuclei within the candidates and beyond
         assert bool(((nucleus >= lo) & (nucleus <= hi)).any()), (lo, hi)
     for k, p in ((top_k, None), (None, top_p), (top_k, top_p)):
         fast, ref = apply_top_k_top_p(logits, k, p), _top_k_top_p_sorted(logits, k, p)
@@ -230,6 +232,9 @@ def test_candidate_cuts_equal_whole_row_sorts(monkeypatch: pytest.MonkeyPatch, n
         assert torch.equal(torch.isfinite(fast), kept), (k is None, p is None)
         assert torch.equal(fast[kept], logits[kept])  # kept logits unchanged
         assert bool((kept.sum(dim=1) >= 1).all())
+        vals, ids, inside = top_candidates(logits, k, p)
+        held = torch.zeros_like(kept).scatter_(1, ids, torch.isfinite(vals))
+        assert bool(inside.any()) and torch.equal(held[inside], kept[inside])
 
 
 def _walk_cut(row: torch.Tensor, top_p: float) -> float:
@@ -312,7 +317,7 @@ def test_native_draws_of_odd_rows() -> None:
 
 def test_inverse_cdf_draws_never_pick_zero_probability_tokens() -> None:
     probs = torch.tensor([[0.0, 2.0, 0.0, 2.0, 0.0], [0.0, 0.0, 0.0, 0.0, 3e-38], [0.0] * 5])
-    tokens = sample_from_probs(probs.repeat(4000, 1), {}).view(4000, 3)
+    tokens = pick_from_probs(probs.repeat(4000, 1), draw_uniforms(12000, {}, CPU)).view(4000, 3)
     assert set(tokens[:, 0].tolist()) == {1, 3}  # unnormalized rows, both halves drawn
     assert abs(float((tokens[:, 0] == 1).double().mean()) - 0.5) < 0.05
     assert set(tokens[:, 1].tolist()) == {4}  # a tiny last token is still the only one

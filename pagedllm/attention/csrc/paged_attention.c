@@ -25,8 +25,8 @@
  * vdpbf16ps when q and the cache are both bfloat16: products of two bf16 are exact in fp32) stay
  * 16-lane vectors, and the 16 keys of a run are summed together by one shuffle-and-add tree
  * (lane_sums16 in bf16.h: 31 instructions for 16 scores, instead of 16 horizontal sums). The
- * exponentials run on the 16-lane score vector, and V rows are loaded (bf16: widened in registers) once per key and
- * serve every row with fp32 FMAs. A batch of decodes reads its KV blocks from memory, scattered
+ * exponentials run on the 16-lane score vector, and V rows are loaded (bf16: widened in registers)
+ * once per key and serve every row with fp32 FMAs. A batch of decodes reads its KV blocks from memory, scattered
  * over the cache: the next run's K and V rows are prefetched while the current run's PV sums run.
  *
  * Layouts: q [T, H, D] with ldq elements between tokens (>= H * D: q may be a view into a fused

@@ -18,8 +18,9 @@
  * kernel: each thread normalizes the residual stream for itself, computes an equal share of every
  * GEMM's output rows (equal weight bytes), RoPE, KV writes and attention for its share of the
  * (row, KV head) items (shares of equal keys, attention_split), and SiLU*mul of the gate rows it
- * computed; a barrier stands only where the next op reads what other threads wrote (five per layer). Every output element is computed as on
- * one thread, so the team's results are the one-thread step's to the bit. Models with quantized
+ * computed; a barrier stands only where the next op reads what other threads wrote (five per
+ * layer). Every output element is computed as on one thread, so the team's results are the
+ * one-thread step's to the bit. Models with quantized
  * linear layers run the step on the calling thread instead, each GEMM and quantized kernel with
  * its own team, as the torch path calls them. The caller may cap the threads (`threads`): a team
  * waits at each of its barriers for its slowest thread, so while another process holds a core

@@ -112,37 +112,50 @@ static float cut_from_probs(const float *y, const float *e, int64_t V, float top
     return bin[n - 1].x; /* rounding: the bin's mass fell just short of its histogram sum */
 }
 
-/* The cut of one row x; e: V floats, hist: KEY_MAX doubles, bin: V tokens of scratch. */
-static float row_cut(const float *x, int64_t V, float top_p, float *e, double *hist, Token *bin) {
-    if (!(top_p < 1.0f)) return -INFINITY;
-    const float m = row_max(x, V);
-    if (f32_bits(m) == 0xff800000u || is_nan(m)) return -INFINITY; /* everything masked, or a NaN */
-    row_exp(x, V, m, e);
-    return cut_from_probs(x, e, V, top_p, hist, bin);
+/* A thread's scratch for one row: y, e V floats, hist KEY_MAX doubles, bin V tokens. */
+typedef struct {
+    float *y, *e;
+    double *hist;
+    Token *bin;
+} Scratch;
+
+/* e = exp(y - max) of row y: 1, or 0 (e untouched) for a row with a NaN or nothing but -inf. */
+static int row_probs(const float *y, int64_t V, float *e) {
+    const float m = row_max(y, V);
+    if (is_nan(m) || f32_bits(m) == 0xff800000u) return 0;
+    row_exp(y, V, m, e);
+    return 1;
+}
+
+/* The top-p cut of row x (-inf: keep the whole row, also for a NaN or a fully masked row). */
+static float row_cut(const float *x, int64_t V, float top_p, Scratch *w) {
+    if (!(top_p < 1.0f) || !row_probs(x, V, w->e)) return -INFINITY;
+    return cut_from_probs(x, w->e, V, top_p, w->hist, w->bin);
 }
 
 /* One token of row x divided by temperature t, cut at top_p, then at min_p times the largest
  * probability, drawn with u in [0, 1): the first token in vocabulary order whose running sum of
- * kept probabilities exceeds u times their total. y, e: V floats, hist, bin: scratch. A row with a
- * NaN gives the first NaN's index. */
-static int64_t row_sample(const float *x, int64_t V, float t, float top_p, float min_p, double u, float *y, float *e,
-                          double *hist, Token *bin) {
+ * kept probabilities exceeds u times their total. A row with a NaN gives the first NaN's index, a
+ * row with nothing to draw its last token (as pick_from_probs). */
+static int64_t row_sample(const float *x, int64_t V, float t, float top_p, float min_p, double u, Scratch *w) {
+    float *y = w->y, *e = w->e;
     for (int64_t i = 0; i < V; i++) y[i] = x[i] / t;
-    const float m = row_max(y, V);
-    if (is_nan(m)) {
+    if (!row_probs(y, V, e)) {
         for (int64_t i = 0; i < V; i++)
             if (is_nan(y[i])) return i;
+        return V - 1;
     }
-    if (f32_bits(m) == 0xff800000u) return V - 1; /* nothing to draw, as pick_from_probs */
-    row_exp(y, V, m, e);
-    const float cut = cut_from_probs(y, e, V, top_p, hist, bin);
+    const float cut = cut_from_probs(y, e, V, top_p, w->hist, w->bin);
     double total = 0.0;
-    for (int64_t i = 0; i < V; i++) total += (y[i] >= cut && e[i] >= min_p) ? e[i] : 0.0;
+    for (int64_t i = 0; i < V; i++) {
+        if (!(y[i] >= cut && e[i] >= min_p)) e[i] = 0.0f; /* cut off */
+        total += e[i];
+    }
     const double target = u * total;
     double acc = 0.0;
     int64_t last = V - 1;
     for (int64_t i = 0; i < V; i++) {
-        if (!(y[i] >= cut && e[i] >= min_p) || e[i] <= 0.0f) continue;
+        if (e[i] <= 0.0f) continue;
         acc += e[i];
         last = i;
         if (acc > target) return i;
@@ -150,51 +163,59 @@ static int64_t row_sample(const float *x, int64_t V, float t, float top_p, float
     return last; /* rounding: the running sum ended at the target */
 }
 
-/* The top-p cut of each row: 0, or 1 (nothing written) for an empty row. */
-int top_p_cuts(const float *x, int64_t ldx, int64_t S, int64_t V, const float *top_p, float *cut) {
+/* row(s, scratch, args) for every s in [0, S), rows spread over the OpenMP team, each thread with
+ * its own scratch for rows of V: 0, or 1 (nothing done) for an empty row or scratch not allocated. */
+static int over_rows(int64_t S, int64_t V, void (*row)(int64_t, Scratch *, const void *), const void *args) {
     if (V < 1 || S < 0) return 1;
     int failed = 0;
 #pragma omp parallel if (S > 1 && S * V >= (1 << 16))
     {
-        float *e = malloc((size_t)V * sizeof(float));
-        double *hist = malloc(KEY_MAX * sizeof(double));
-        Token *bin = malloc((size_t)V * sizeof(Token));
-        if (e == NULL || hist == NULL || bin == NULL) {
+        Scratch w = {malloc((size_t)V * sizeof(float)), malloc((size_t)V * sizeof(float)),
+                     malloc(KEY_MAX * sizeof(double)), malloc((size_t)V * sizeof(Token))};
+        if (w.y == NULL || w.e == NULL || w.hist == NULL || w.bin == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp barrier
         if (!failed) {
 #pragma omp for schedule(dynamic, 4)
-            for (int64_t s = 0; s < S; s++) cut[s] = row_cut(x + s * ldx, V, top_p[s], e, hist, bin);
+            for (int64_t s = 0; s < S; s++) row(s, &w, args);
         }
-        free(e), free(hist), free(bin);
+        free(w.y), free(w.e), free(w.hist), free(w.bin);
     }
     return failed;
+}
+
+typedef struct {
+    const float *x;
+    int64_t ldx, V;
+    const float *temperature, *top_p, *min_p;
+    const double *u;
+    float *cut;
+    int64_t *tokens;
+} Rows;
+
+static void cut_row(int64_t s, Scratch *w, const void *args) {
+    const Rows *r = args;
+    r->cut[s] = row_cut(r->x + s * r->ldx, r->V, r->top_p[s], w);
+}
+
+static void sample_row(int64_t s, Scratch *w, const void *args) {
+    const Rows *r = args;
+    r->tokens[s] = row_sample(r->x + s * r->ldx, r->V, r->temperature[s], r->top_p[s], r->min_p[s], r->u[s], w);
+}
+
+/* The top-p cut of each row of x [S, V] (rows ldx apart): 0, or 1 (nothing written). */
+int top_p_cuts(const float *x, int64_t ldx, int64_t S, int64_t V, const float *top_p, float *cut) {
+    const Rows r = {.x = x, .ldx = ldx, .V = V, .top_p = top_p, .cut = cut};
+    return over_rows(S, V, cut_row, &r);
 }
 
 /* tokens[s] for each row of x [S, V] (rows ldx apart), divided by temperature[s], cut at top_p[s]
  * (1: none) and min_p[s] (0: none), drawn with u[s] (row_sample): 0, or 1 (nothing written). */
 int sample_rows(const float *x, int64_t ldx, int64_t S, int64_t V, const float *temperature, const float *top_p,
                 const float *min_p, const double *u, int64_t *tokens) {
-    if (V < 1 || S < 0) return 1;
-    int failed = 0;
-#pragma omp parallel if (S > 1 && S * V >= (1 << 16))
-    {
-        float *y = malloc((size_t)V * sizeof(float)), *e = malloc((size_t)V * sizeof(float));
-        double *hist = malloc(KEY_MAX * sizeof(double));
-        Token *bin = malloc((size_t)V * sizeof(Token));
-        if (y == NULL || e == NULL || hist == NULL || bin == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp barrier
-        if (!failed) {
-#pragma omp for schedule(dynamic, 4)
-            for (int64_t s = 0; s < S; s++)
-                tokens[s] = row_sample(x + s * ldx, V, temperature[s], top_p[s], min_p[s], u[s], y, e, hist, bin);
-        }
-        free(y), free(e), free(hist), free(bin);
-    }
-    return failed;
+    const Rows r = {.x = x, .ldx = ldx, .V = V, .temperature = temperature, .top_p = top_p, .min_p = min_p, .u = u,
+                    .tokens = tokens};
+    return over_rows(S, V, sample_row, &r);
 }
