@@ -42,7 +42,7 @@ def load_linear_kernel() -> ctypes.CDLL | None:
 
 @lru_cache(maxsize=None)
 def kernel_dtypes() -> frozenset[torch.dtype]:
-    """The dtypes this CPU's kernel serves: float32 with AVX-512, bfloat16 with AVX-512 BF16."""
+    """The dtypes this CPU's kernel serves: float32 with AVX-512 or AVX2 + FMA, bfloat16 with AVX-512 BF16."""
     lib = load_linear_kernel()
     bits = lib.small_m_available() if lib is not None else 0
     return frozenset(d for d, bit in ((torch.float32, 1), (torch.bfloat16, 2)) if bits & bit)

@@ -359,7 +359,7 @@ class NativeDecode:
         avail = lib.small_m_available()
         reason = _unsupported_reason(model, dtype, kv_dtype)
         if reason is None and not avail & 1:
-            reason = "the CPU has no AVX-512"
+            reason = "the CPU has neither AVX-512 nor AVX2 with FMA"
         if reason is None and dtype == torch.bfloat16 and not avail & 2:
             reason = "the CPU has no AVX-512 BF16"
         if reason is not None:

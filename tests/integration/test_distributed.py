@@ -20,6 +20,7 @@ import pytest
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.models.testing import make_tiny_checkpoint
+from pagedllm.quantization.native import load_quant_kernel
 
 from test_correctness_hf import PROMPTS
 
@@ -241,6 +242,8 @@ def test_ray_executor_matches_one_process(tiny8: str, tiny_tp1: list[list]) -> N
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(load_quant_kernel() is None, reason="--quantize-embeddings needs the native quantized kernel "
+                                                       "(AVX-512 BF16)")
 def test_quantized_embeddings_shard_the_vocabulary(tiny8: str) -> None:
     """--quantize-embeddings under TP=2: each rank keeps its vocabulary rows' codes (per row, so the
     same codes as one rank's), looks up the ids it holds and gathers its logits. The linear layers

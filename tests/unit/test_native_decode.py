@@ -20,7 +20,7 @@ from pagedllm.worker.native_decode import StallGuard, argmax_rows, load_decode_k
 
 pytestmark = pytest.mark.skipif(
     load_decode_kernel() is None or not load_decode_kernel().small_m_available() & 1,
-    reason="no C compiler or no AVX-512")
+    reason="no C compiler, or neither AVX-512 nor AVX2 with FMA")
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,8 @@
  * exponentials run on the 16-lane score vector, and V rows are loaded (bf16: widened in registers)
  * once per key and serve every row with fp32 FMAs. A batch of decodes reads its KV blocks from memory, scattered
  * over the cache: the next run's K and V rows are prefetched while the current run's PV sums run.
+ * CPUs with AVX2 and FMA but no AVX-512 take an 8-lane form of decode_rows() (float32 rows, other
+ * cache dtypes converted per run; 1.2-1.7x the generic loops on 128 and 64 decodes).
  *
  * Layouts: q [T, H, D] with ldq elements between tokens (>= H * D: q may be a view into a fused
  * projection's rows), out [T, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D];
@@ -279,6 +281,190 @@ static void decode_dispatch(int R, int64_t D, int mode, const float *qf, const u
     case KM_BF16DP: DEC_D(KM_BF16DP); break;
     default: DEC_D(KM_CONV); break;
     }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+/* The decode path for CPUs with AVX2 and FMA but no AVX-512: decode_rows() in 8-lane vectors.
+ * 16 ymm registers cannot hold the rows' output accumulators beside a run's key sums, so a run is
+ * two phases: each row's scores against the run's keys (8 keys' partial dot products summed by one
+ * tree, lane_sums8), its online softmax, then P V column block by column block, the rows' output
+ * vectors loaded once per block and every V vector serving all rows. */
+#include <immintrin.h>
+#define FAST_DECODE 1
+#define DEC_ROWS 4
+#define NEG_BIG (-1e30f)
+
+enum { KM_F32 = 0, KM_BF16DP = 1, KM_CONV = 2 };
+
+/* e^x on 8 lanes, exp512's method (2^n e^r, degree-6 polynomial), 2^n built in the exponent bits. */
+static inline __m256 exp256(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+    x = _mm256_min_ps(x, _mm256_set1_ps(88.f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.f / 720.f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* Lane t of the result = the sum of a[t]'s 8 lanes, ((0+1)+(2+3)) + ((4+5)+(6+7)). */
+static inline __attribute__((always_inline)) __m256 lane_sums8(const __m256 a[8]) {
+    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+static inline float hmax8(__m256 v) {
+    __m128 q = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    q = _mm_max_ps(q, _mm_movehl_ps(q, q));
+    return _mm_cvtss_f32(_mm_max_ss(q, _mm_movehdup_ps(q)));
+}
+
+static inline float hsum8(__m256 v) {
+    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 r = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
+}
+
+/* decode_rows() of the AVX-512 path (same arguments; KM_F32 and KM_CONV; qb and qscale unused). */
+static inline __attribute__((always_inline)) void decode_rows(
+    const int R, const int D, const int mode, const float *restrict qf, const uint16_t *restrict qb, const float qscale,
+    const void *k_cache, const void *v_cache, const int kv_dt, const float *table, const int64_t *bt, const int64_t BS,
+    const int64_t head_off, const int64_t stride, const int64_t *pos, const int64_t first, const int64_t last,
+    const int64_t window, float *restrict acc_out, float *restrict l_out, float *restrict kbuf, float *restrict vbuf) {
+    (void)qb, (void)qscale;
+    const int C = D / 8;
+    __m256 lv[DEC_ROWS];
+    float m[DEC_ROWS];
+    for (int r = 0; r < R; r++) {
+        for (int d = 0; d < D; d++) acc_out[r * D + d] = 0.f;
+        lv[r] = _mm256_setzero_ps();
+        m[r] = NEG_BIG;
+    }
+    const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int64_t k0 = first, kn; k0 <= last; k0 += kn) {
+        const int64_t off = k0 % BS;
+        kn = BS - off;
+        if (kn > KB) kn = KB;
+        if (kn > last + 1 - k0) kn = last + 1 - k0;
+        const int64_t base = (bt[k0 / BS] * BS + off) * stride + head_off;
+        const float *kf = (const float *)k_cache + base, *vf = (const float *)v_cache + base;
+        int64_t kst = stride, vst = stride;
+        if (mode == KM_CONV) {
+            for (int64_t j = 0; j < kn; j++) {
+                load_f32(kbuf + j * D, k_cache, base + j * stride, 1, D, kv_dt, table);
+                load_f32(vbuf + j * D, v_cache, base + j * stride, 1, D, kv_dt, table);
+            }
+            kf = kbuf, vf = vbuf, kst = vst = D;
+        }
+        float p[DEC_ROWS][KB];
+        for (int r = 0; r < R; r++) {
+            __m256 s[KB / 8];
+            __m256i vis[KB / 8];
+            int any = 0;
+            const __m256i pr = _mm256_set1_epi32((int)pos[r]);
+            const __m256i lim = _mm256_set1_epi32((int)(k0 + kn)); /* keys past the run are hidden */
+            for (int h = 0; h < KB / 8; h++) {
+                const __m256i keys = _mm256_add_epi32(iota, _mm256_set1_epi32((int)(k0 + 8 * h)));
+                /* visible: key <= pos, key < k0 + kn, and inside the window when there is one */
+                __m256i v = _mm256_andnot_si256(_mm256_cmpgt_epi32(keys, pr), _mm256_cmpgt_epi32(lim, keys));
+                if (window > 0)
+                    v = _mm256_and_si256(v, _mm256_cmpgt_epi32(keys, _mm256_sub_epi32(pr, _mm256_set1_epi32((int)window))));
+                vis[h] = v;
+                s[h] = _mm256_set1_ps(NEG_BIG);
+                if (8 * h >= kn || _mm256_testz_si256(v, v)) continue;
+                any = 1;
+                __m256 a[8];
+                for (int j = 0; j < 8; j++) {
+                    a[j] = _mm256_setzero_ps();
+                    if (8 * h + j >= kn) continue;
+                    const float *kr = kf + (8 * h + j) * kst;
+                    for (int c = 0; c < C; c++)
+                        a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + r * D + 8 * c), _mm256_loadu_ps(kr + 8 * c), a[j]);
+                }
+                s[h] = _mm256_blendv_ps(_mm256_set1_ps(NEG_BIG), lane_sums8(a), _mm256_castsi256_ps(v));
+            }
+            if (!any) {
+                for (int j = 0; j < KB; j++) p[r][j] = 0.f;
+                continue;
+            }
+            __m256 smax = s[0];
+            for (int h = 1; h < KB / 8; h++) smax = _mm256_max_ps(smax, s[h]);
+            const float mx = hmax8(smax);
+            if (mx > m[r]) {
+                const float alpha = expf(m[r] - mx); /* 0 on the first visible run */
+                const __m256 av = _mm256_set1_ps(alpha);
+                for (int c = 0; c < C; c++)
+                    _mm256_storeu_ps(acc_out + r * D + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(acc_out + r * D + 8 * c), av));
+                lv[r] = _mm256_mul_ps(lv[r], av);
+                m[r] = mx;
+            }
+            const __m256 mv = _mm256_set1_ps(m[r]);
+            for (int h = 0; h < KB / 8; h++) {
+                const __m256 pv = _mm256_and_ps(exp256(_mm256_sub_ps(s[h], mv)), _mm256_castsi256_ps(vis[h]));
+                lv[r] = _mm256_add_ps(lv[r], pv);
+                _mm256_storeu_ps(p[r] + 8 * h, pv);
+            }
+        }
+        /* The next run's K and V rows (another block, at a random place of the cache) are fetched
+         * while this run's PV sums run. */
+        const int64_t k1 = k0 + kn;
+        if (k1 <= last) {
+            const int64_t esz = kv_dt == DT_F32 ? 4 : kv_dt == DT_FP8 ? 1 : 2;
+            const int64_t noff = k1 % BS, nbase = (bt[k1 / BS] * BS + noff) * stride + head_off;
+            const int64_t nn = BS - noff < KB ? BS - noff : KB;
+            const char *nk = (const char *)k_cache + nbase * esz, *nv = (const char *)v_cache + nbase * esz;
+            for (int64_t j = 0; j < nn; j++)
+                for (int64_t b = 0; b < D * esz; b += 64) {
+                    _mm_prefetch(nk + j * stride * esz + b, _MM_HINT_T0);
+                    _mm_prefetch(nv + j * stride * esz + b, _MM_HINT_T0);
+                }
+        }
+        for (int c = 0; c < C; c++) {
+            __m256 o[DEC_ROWS];
+            for (int r = 0; r < R; r++) o[r] = _mm256_loadu_ps(acc_out + r * D + 8 * c);
+            for (int64_t j = 0; j < kn; j++) {
+                const __m256 vv = _mm256_loadu_ps(vf + j * vst + 8 * c);
+                for (int r = 0; r < R; r++) o[r] = _mm256_fmadd_ps(_mm256_set1_ps(p[r][j]), vv, o[r]);
+            }
+            for (int r = 0; r < R; r++) _mm256_storeu_ps(acc_out + r * D + 8 * c, o[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) l_out[r] = hsum8(lv[r]);
+}
+
+#define DEC_ARGS qf, qb, qscale, k_cache, v_cache, kv_dt, table, bt, BS, head_off, stride, pos, first, last, window, \
+                 acc_out, l_out, kbuf, vbuf
+#define DEC_R(MODE, DD)                                                                                             \
+    switch (R) {                                                                                                    \
+    case 1: decode_rows(1, DD, MODE, DEC_ARGS); break;                                                              \
+    case 2: decode_rows(2, DD, MODE, DEC_ARGS); break;                                                              \
+    case 3: decode_rows(3, DD, MODE, DEC_ARGS); break;                                                              \
+    default: decode_rows(4, DD, MODE, DEC_ARGS); break;                                                             \
+    }
+#define DEC_D(MODE)                                                                                                 \
+    switch (D) {                                                                                                    \
+    case 32: DEC_R(MODE, 32); break;                                                                                \
+    case 64: DEC_R(MODE, 64); break;                                                                                \
+    default: DEC_R(MODE, 128); break;                                                                               \
+    }
+
+static void decode_dispatch(int R, int64_t D, int mode, const float *qf, const uint16_t *qb, float qscale,
+                            const void *k_cache, const void *v_cache, int kv_dt, const float *table, const int64_t *bt,
+                            int64_t BS, int64_t head_off, int64_t stride, const int64_t *pos, int64_t first, int64_t last,
+                            int64_t window, float *acc_out, float *l_out, float *kbuf, float *vbuf) {
+    if (mode == KM_F32)
+        DEC_D(KM_F32)
+    else
+        DEC_D(KM_CONV)
 }
 #endif
 

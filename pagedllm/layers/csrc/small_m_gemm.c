@@ -18,7 +18,8 @@
  * ms), while all of a block's prefetches in its first tile outrun the core's miss buffers (32 rows
  * 16.0 -> 11.4 ms, 64 rows 31.3 -> 22.0 ms with the tile sums, benchmarks/bench_small_m_gemm.py).
  * W row blocks are split between the OpenMP threads; small GEMMs run on one thread (waking the
- * team costs more than reading a few hundred KB).
+ * team costs more than reading a few hundred KB). CPUs without AVX-512 but with AVX2 and FMA get
+ * the float32 kernel in 8-lane vectors (gemm_tile_f32 in its AVX2 form); bf16 needs AVX-512 BF16.
  *
  * Layouts: x [M, K], w [N, K], bias [N] or NULL, y [M, N], all of element type dt (0 float32,
  * 1 bf16 as uint16); K % 16 == 0 for float32, K % 32 == 0 for bf16. Also included by the fused
@@ -42,6 +43,14 @@
 #define HAVE_AVX512_BF16 1
 #else
 #define HAVE_AVX512_BF16 0
+#endif
+/* CPUs with AVX2 and FMA but no AVX-512 (Zen 1-3, most client Intel parts): a float32 kernel of
+ * 8-lane vectors. */
+#if !HAVE_AVX512 && defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_AVX2_F32 1
+#else
+#define HAVE_AVX2_F32 0
 #endif
 
 #define NR 4
@@ -118,6 +127,48 @@ static inline __attribute__((always_inline)) void gemm_tile_f32(const float *x, 
 }
 #endif
 
+#if HAVE_AVX2_F32
+/* The sum of a's 8 lanes: lanes i and i + 4, then i and i + 2 of those sums, then the last two
+ * (written out, so that -ffast-math cannot regroup it differently at different call sites). */
+static inline __attribute__((always_inline)) float lane_sum8(__m256 a) {
+    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 r = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
+}
+
+/* gemm_tile_f32 for AVX2 + FMA: 16 ymm registers hold 2 x rows by NR W rows of accumulators (8),
+ * the NR W vectors and one x vector, so a tile of up to MR x rows runs as passes of two rows over
+ * its W block (the later passes read it from L1). Each output is one 8-lane accumulator over K
+ * summed by lane_sum8, whatever the tile, so a row's result does not depend on where it sits in
+ * the batch. The next block's lines are prefetched in the first pass, one per W row per 16
+ * floats of K, each tile of x rows taking its share of the steps as in the AVX-512 kernel. */
+static inline __attribute__((always_inline)) void gemm_tile_f32(const float *x, int64_t m0, int64_t mr, const float *w, int64_t n0, int64_t nr,
+                                 int64_t N, int64_t K, const float *bias, float *y, const float *pf, int64_t pf_phase, int64_t pf_every) {
+    for (int64_t mp = 0; mp < mr; mp += 2) {
+        const int64_t mm = mr - mp < 2 ? mr - mp : 2;
+        __m256 acc[2][NR];
+        for (int m = 0; m < 2; m++)
+            for (int r = 0; r < NR; r++) acc[m][r] = _mm256_setzero_ps();
+        const float *xr = x + (m0 + mp) * K;
+        for (int64_t k = 0; k < K; k += 8) {
+            __m256 wv[NR];
+            for (int r = 0; r < NR; r++) wv[r] = _mm256_loadu_ps(w + (n0 + (r < nr ? r : 0)) * K + k);
+            if (mp == 0 && pf != NULL && (k & 15) == 0 && pf_phase-- == 0) {
+                for (int r = 0; r < NR; r++) _mm_prefetch((const char *)(pf + r * K + k), _MM_HINT_T0);
+                pf_phase = pf_every - 1;
+            }
+            for (int64_t m = 0; m < mm; m++) {
+                const __m256 xv = _mm256_loadu_ps(xr + m * K + k);
+                for (int r = 0; r < NR; r++) acc[m][r] = _mm256_fmadd_ps(xv, wv[r], acc[m][r]);
+            }
+        }
+        for (int64_t m = 0; m < mm; m++)
+            for (int64_t r = 0; r < nr; r++)
+                y[(m0 + mp + m) * N + n0 + r] = lane_sum8(acc[m][r]) + (bias ? bias[n0 + r] : 0.0f);
+    }
+}
+#endif
+
 #if HAVE_AVX512_BF16
 static inline __attribute__((always_inline)) void gemm_tile_bf16(const uint16_t *x, int64_t m0, int64_t mr, const uint16_t *w, int64_t n0,
                                   int64_t nr, int64_t N, int64_t K, const uint16_t *bias, uint16_t *y,
@@ -180,7 +231,7 @@ static void gemm_rows(const void *x, int64_t M, const void *w, const void *bias,
                 continue;
             }
 #endif
-#if HAVE_AVX512
+#if HAVE_AVX512 || HAVE_AVX2_F32
             if (dt == LD_F32) {
                 TILES(gemm_tile_f32, float)
                 continue;
@@ -216,8 +267,8 @@ static void gemm(const void *x, int64_t M, const void *w, const void *bias, int6
     }
 }
 
-/* Bit 0: the float32 kernel is built (AVX-512); bit 1: the bf16 one (AVX-512 BF16). */
-int small_m_available(void) { return (HAVE_AVX512 ? 1 : 0) | (HAVE_AVX512_BF16 ? 2 : 0); }
+/* Bit 0: the float32 kernel is built (AVX-512, or AVX2 + FMA); bit 1: the bf16 one (AVX-512 BF16). */
+int small_m_available(void) { return (HAVE_AVX512 || HAVE_AVX2_F32 ? 1 : 0) | (HAVE_AVX512_BF16 ? 2 : 0); }
 
 /* y = x W^T (+ bias): 0, or 1 for what it does not take (K not a multiple of its step, no kernel). */
 int small_m_linear(const void *x, int64_t M, const void *w, const void *bias, int64_t N, int64_t K, void *y,

@@ -50,6 +50,9 @@
 #undef NR
 #include "../../quantization/csrc/linear_quant.c"
 
+/* The unit of output rows a thread's share of a dense GEMM comes in: small_m_gemm.c's W block. */
+#define SHARE_ROWS 4
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #define LD_HAVE_QUANT 1 /* linear_quant.c compiled its kernels */
 #else
@@ -114,12 +117,12 @@ static void rms_norm(const void *x, int64_t M, int64_t H, const void *weight, fl
             rms_norm_bf16_row((const uint16_t *)x + m * H, NULL, NULL, weight, H, eps, (uint16_t *)out + m * H);
         return;
     }
-    if (dt == LD_F32) { /* the torch path's kernel */
+#endif
+    if (dt == LD_F32) { /* the torch path's kernel (without AVX-512, its plain-loop form) */
         for (int64_t m = 0; m < M; m++)
             rms_norm_f32_row((const float *)x + m * H, NULL, NULL, weight, H, eps, (float *)out + m * H);
         return;
     }
-#endif
     for (int64_t m = 0; m < M; m++) {
         float ss = 0.0f;
         for (int64_t i = 0; i < H; i++) {
@@ -134,6 +137,14 @@ static void rms_norm(const void *x, int64_t M, int64_t H, const void *weight, fl
 
 /* x[m, lo:hi] += y[m, lo:hi] (the residual stream, rows of N), rounded to dtype. */
 static void add_inplace(void *x, const void *y, int64_t M, int64_t N, int64_t lo, int64_t hi, int dt) {
+    if (dt == LD_F32) { /* a plain loop the compiler vectorizes */
+        for (int64_t m = 0; m < M; m++) {
+            float *xr = (float *)x + m * N;
+            const float *yr = (const float *)y + m * N;
+            for (int64_t i = lo; i < hi; i++) xr[i] += yr[i];
+        }
+        return;
+    }
     for (int64_t m = 0; m < M; m++)
         for (int64_t i = m * N + lo; i < m * N + hi; i++) st(x, i, ld(x, i, dt) + ld(y, i, dt), dt);
 }
@@ -148,14 +159,14 @@ static void silu_mul(const void *gu, int64_t M, int64_t I, void *out, int dt, in
         }
         return;
     }
-    if (dt == LD_F32) { /* the torch path's kernel (elementwise_bf16.c) */
+#endif
+    if (dt == LD_F32) { /* the torch path's kernel (elementwise_bf16.c; without AVX-512, its plain-loop form) */
         for (int64_t m = 0; m < M; m++) {
             const float *g = (const float *)gu + m * 2 * I;
             silu_mul_f32_span(g, g + I, lo, hi, (float *)out + m * I);
         }
         return;
     }
-#endif
     for (int64_t m = 0; m < M; m++)
         for (int64_t i = lo; i < hi; i++) {
             const float g = ld(gu, m * 2 * I + i, dt), u = ld(gu, m * 2 * I + I + i, dt);
@@ -174,12 +185,12 @@ static void rope_row(const void *src, int64_t src_off, void *dst, int64_t dst_of
                       (const uint16_t *)sin + pos * D, (uint16_t *)dst + dst_off);
         return;
     }
-    if (dt == LD_F32 && half % 16 == 0) { /* the torch path's kernel */
+#endif
+    if (dt == LD_F32 && half % 16 == 0) { /* the torch path's kernel (without AVX-512, its plain-loop form) */
         rope_f32_row((const float *)src + src_off, heads * D, D, (const float *)cos + pos * D,
                      (const float *)sin + pos * D, (float *)dst + dst_off);
         return;
     }
-#endif
     float buf[1024];
     for (int64_t h = 0; h < heads; h++) {
         for (int64_t i = 0; i < D; i++) buf[i] = ld(src, src_off + h * D + i, dt);
@@ -324,7 +335,7 @@ static void step_layers(const Step *c, int tid, int nth) {
                   att_hi = attention_split(c->seq_lens, M, KVH, tid + 1, nth);
     for (int64_t l = 0; l < md->num_layers; l++) {
         rms_norm(c->x, M, Hd, md->input_norm[l], md->eps, xn, dt);
-        team_share(qkvn, NR, tid, nth, &lo, &hi);
+        team_share(qkvn, SHARE_ROWS, tid, nth, &lo, &hi);
         linear(qlin(md->qkv_q, l), xn, M, md->qkv_w[l], md->qkv_b[l], qkvn, Hd, c->qkv, dt, c->xb, team, lo, hi);
         team_sync(team);
         /* q rotated into its own rows; k rotated and v copied straight into their cache slots. */
@@ -345,7 +356,7 @@ static void step_layers(const Step *c, int tid, int nth) {
                             c->qsl, c->seq_lens, c->work, M, c->attn, H, KVH, D, md->block_size, md->attn_scale, 1.0f,
                             md->sliding_window);
         team_sync(team);
-        team_share(Hd, NR, tid, nth, &lo, &hi);
+        team_share(Hd, SHARE_ROWS, tid, nth, &lo, &hi);
         linear(qlin(md->o_q, l), c->attn, M, md->o_w[l], md->o_b[l], Hd, qn, c->o, dt, c->xb, team, lo, hi);
         add_inplace(c->x, c->o, M, Hd, lo, hi, dt);
         team_sync(team);
@@ -360,7 +371,7 @@ static void step_layers(const Step *c, int tid, int nth) {
         }
         silu_mul(c->gu, M, I, c->act, dt, lo, hi);
         team_sync(team);
-        team_share(Hd, NR, tid, nth, &lo, &hi);
+        team_share(Hd, SHARE_ROWS, tid, nth, &lo, &hi);
         linear(qlin(md->down_q, l), c->act, M, md->down_w[l], md->down_b[l], Hd, I, c->o, dt, c->xb, team, lo, hi);
         add_inplace(c->x, c->o, M, Hd, lo, hi, dt);
         team_sync(team);
@@ -472,7 +483,7 @@ static void step_thread(const Step *c, void *out, int tid, int nth) {
         rms_norm((const char *)c->x + c->sample_rows[s] * Hd * es, 1, Hd, md->final_norm, md->eps,
                  (char *)hs + s * Hd * es, dt);
     int64_t lo, hi;
-    team_share(V, NR, tid, nth, &lo, &hi);
+    team_share(V, SHARE_ROWS, tid, nth, &lo, &hi);
     linear(md->lm_head_q, hs, S, md->lm_head, NULL, V, Hd, c->y, dt, c->xb, c->team, lo, hi);
     if (c->logits != NULL && c->y != (void *)c->logits)
         for (int64_t s = 0; s < S; s++)
