@@ -606,7 +606,7 @@ def main() -> None:
     if (kq := load(res / "kv_cache_dtype_quality.json")) is not None:
         parts.append(kv_quality_section(kq))
     for name in ("dtype_fast_path.md", "sampling.md", "cpu_contention.md", "serve_single_stream.md", "serve_soak.md",
-                 "chaos_runs.md", "guidellm.md"):
+                 "chaos_runs.md", "guidellm.md", "avx2.md"):
         if (note := res / name).exists():
             parts.append(note.read_text())
     if (host := load(res / "host_overhead.json")) is not None:

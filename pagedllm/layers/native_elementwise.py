@@ -5,7 +5,8 @@ points, float32 with each product and sum rounded as torch rounds it (see the C 
 
 Each function returns None when the kernel does not apply (neither bf16 nor float32, not on the
 CPU, a row size that is not a multiple of 16, no AVX-512, no compiler); the caller then runs the
-torch formula. The function names keep their bf16 origin; they serve both dtypes.
+torch formula. Without AVX-512 the file still gives the fused decode step its float32 row functions,
+as plain loops (nothing is exported, so the torch path keeps torch's ops there). The function names keep their bf16 origin; they serve both dtypes.
 """
 
 from __future__ import annotations

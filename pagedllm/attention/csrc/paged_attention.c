@@ -138,6 +138,32 @@ static inline void scores_rb(float *restrict s, const float *restrict q, int64_t
     for (int64_t r = 0; r < nr; r++) memcpy(s + r * KB, a[r], sizeof(float) * KB);
 }
 
+/* The run of keys from k0 that decode_rows() takes next: inside one cache block, at most KB keys
+ * and none past last; its length in *kn. Its K and V rows as float32 start at *kf and *vf, *kst and
+ * *vst elements apart: in the cache itself, or (conv: a cache not in float32) converted into
+ * kbuf and vbuf [KB][D]. Returns the element offset of its first row in the cache. */
+static inline __attribute__((always_inline)) int64_t key_run(
+    int64_t k0, int64_t last, const int64_t *bt, int64_t BS, int64_t stride, int64_t head_off, int conv,
+    const void *k_cache, const void *v_cache, int kv_dt, const float *table, int64_t D, float *kbuf, float *vbuf,
+    int64_t *kn, const float **kf, const float **vf, int64_t *kst, int64_t *vst) {
+    const int64_t off = k0 % BS;
+    int64_t n = BS - off;
+    if (n > KB) n = KB;
+    if (n > last + 1 - k0) n = last + 1 - k0;
+    *kn = n;
+    const int64_t base = (bt[k0 / BS] * BS + off) * stride + head_off;
+    *kf = (const float *)k_cache + base, *vf = (const float *)v_cache + base;
+    *kst = *vst = stride;
+    if (conv) {
+        for (int64_t j = 0; j < n; j++) {
+            load_f32(kbuf + j * D, k_cache, base + j * stride, 1, D, kv_dt, table);
+            load_f32(vbuf + j * D, v_cache, base + j * stride, 1, D, kv_dt, table);
+        }
+        *kf = kbuf, *vf = vbuf, *kst = *vst = D;
+    }
+    return base;
+}
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define FAST_DECODE 1
@@ -169,20 +195,10 @@ static inline __attribute__((always_inline)) void decode_rows(
     }
     const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int64_t k0 = first, kn; k0 <= last; k0 += kn) {
-        const int64_t off = k0 % BS;
-        kn = BS - off;
-        if (kn > KB) kn = KB;
-        if (kn > last + 1 - k0) kn = last + 1 - k0;
-        const int64_t base = (bt[k0 / BS] * BS + off) * stride + head_off;
-        const float *kf = (const float *)k_cache + base, *vf = (const float *)v_cache + base;
-        int64_t kst = stride, vst = stride;
-        if (mode == KM_CONV) {
-            for (int64_t j = 0; j < kn; j++) {
-                load_f32(kbuf + j * D, k_cache, base + j * stride, 1, D, kv_dt, table);
-                load_f32(vbuf + j * D, v_cache, base + j * stride, 1, D, kv_dt, table);
-            }
-            kf = kbuf, vf = vbuf, kst = vst = D;
-        }
+        const float *kf, *vf;
+        int64_t kst, vst;
+        const int64_t base = key_run(k0, last, bt, BS, stride, head_off, mode == KM_CONV, k_cache, v_cache, kv_dt,
+                                     table, D, kbuf, vbuf, &kn, &kf, &vf, &kst, &vst);
         const uint16_t *kb = (const uint16_t *)k_cache + base, *vb = (const uint16_t *)v_cache + base;
         const __m512i keys = _mm512_add_epi32(iota, _mm512_set1_epi32((int)k0));
         const __mmask16 in_run = (__mmask16)((1u << kn) - 1u);
@@ -255,33 +271,6 @@ static inline __attribute__((always_inline)) void decode_rows(
     }
 }
 
-#define DEC_ARGS qf, qb, qscale, k_cache, v_cache, kv_dt, table, bt, BS, head_off, stride, pos, first, last, window, \
-                 acc_out, l_out, kbuf, vbuf
-#define DEC_R(MODE, DD)                                                                                             \
-    switch (R) {                                                                                                    \
-    case 1: decode_rows(1, DD, MODE, DEC_ARGS); break;                                                              \
-    case 2: decode_rows(2, DD, MODE, DEC_ARGS); break;                                                              \
-    case 3: decode_rows(3, DD, MODE, DEC_ARGS); break;                                                              \
-    default: decode_rows(4, DD, MODE, DEC_ARGS); break;                                                             \
-    }
-#define DEC_D(MODE)                                                                                                 \
-    switch (D) {                                                                                                    \
-    case 32: DEC_R(MODE, 32); break;                                                                                \
-    case 64: DEC_R(MODE, 64); break;                                                                                \
-    default: DEC_R(MODE, 128); break;                                                                               \
-    }
-
-/* decode_rows() with constant R (1..DEC_ROWS), D (32, 64, 128) and mode. */
-static void decode_dispatch(int R, int64_t D, int mode, const float *qf, const uint16_t *qb, float qscale,
-                            const void *k_cache, const void *v_cache, int kv_dt, const float *table, const int64_t *bt,
-                            int64_t BS, int64_t head_off, int64_t stride, const int64_t *pos, int64_t first, int64_t last,
-                            int64_t window, float *acc_out, float *l_out, float *kbuf, float *vbuf) {
-    switch (mode) {
-    case KM_F32: DEC_D(KM_F32); break;
-    case KM_BF16DP: DEC_D(KM_BF16DP); break;
-    default: DEC_D(KM_CONV); break;
-    }
-}
 #elif defined(__AVX2__) && defined(__FMA__)
 /* The decode path for CPUs with AVX2 and FMA but no AVX-512: decode_rows() in 8-lane vectors.
  * 16 ymm registers cannot hold the rows' output accumulators beside a run's key sums, so a run is
@@ -351,20 +340,10 @@ static inline __attribute__((always_inline)) void decode_rows(
     }
     const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     for (int64_t k0 = first, kn; k0 <= last; k0 += kn) {
-        const int64_t off = k0 % BS;
-        kn = BS - off;
-        if (kn > KB) kn = KB;
-        if (kn > last + 1 - k0) kn = last + 1 - k0;
-        const int64_t base = (bt[k0 / BS] * BS + off) * stride + head_off;
-        const float *kf = (const float *)k_cache + base, *vf = (const float *)v_cache + base;
-        int64_t kst = stride, vst = stride;
-        if (mode == KM_CONV) {
-            for (int64_t j = 0; j < kn; j++) {
-                load_f32(kbuf + j * D, k_cache, base + j * stride, 1, D, kv_dt, table);
-                load_f32(vbuf + j * D, v_cache, base + j * stride, 1, D, kv_dt, table);
-            }
-            kf = kbuf, vf = vbuf, kst = vst = D;
-        }
+        const float *kf, *vf;
+        int64_t kst, vst;
+        key_run(k0, last, bt, BS, stride, head_off, mode == KM_CONV, k_cache, v_cache, kv_dt, table, D, kbuf, vbuf,
+                &kn, &kf, &vf, &kst, &vst);
         float p[DEC_ROWS][KB];
         for (int r = 0; r < R; r++) {
             __m256 s[KB / 8];
@@ -441,6 +420,9 @@ static inline __attribute__((always_inline)) void decode_rows(
     for (int r = 0; r < R; r++) l_out[r] = hsum8(lv[r]);
 }
 
+#endif
+
+#ifdef FAST_DECODE
 #define DEC_ARGS qf, qb, qscale, k_cache, v_cache, kv_dt, table, bt, BS, head_off, stride, pos, first, last, window, \
                  acc_out, l_out, kbuf, vbuf
 #define DEC_R(MODE, DD)                                                                                             \
@@ -457,14 +439,18 @@ static inline __attribute__((always_inline)) void decode_rows(
     default: DEC_R(MODE, 128); break;                                                                               \
     }
 
+/* decode_rows() with constant R (1..DEC_ROWS), D (32, 64, 128) and mode. */
 static void decode_dispatch(int R, int64_t D, int mode, const float *qf, const uint16_t *qb, float qscale,
                             const void *k_cache, const void *v_cache, int kv_dt, const float *table, const int64_t *bt,
                             int64_t BS, int64_t head_off, int64_t stride, const int64_t *pos, int64_t first, int64_t last,
                             int64_t window, float *acc_out, float *l_out, float *kbuf, float *vbuf) {
-    if (mode == KM_F32)
-        DEC_D(KM_F32)
-    else
-        DEC_D(KM_CONV)
+    switch (mode) {
+    case KM_F32: DEC_D(KM_F32); break;
+#if defined(__AVX512BF16__)
+    case KM_BF16DP: DEC_D(KM_BF16DP); break;
+#endif
+    default: DEC_D(KM_CONV); break;
+    }
 }
 #endif
 
