@@ -234,6 +234,12 @@ def run_latency_matrix(model: str | None, engine_kwargs: dict[str, Any], dtypes:
 
     if repeat < 1:
         raise ValueError(f"repeat must be at least 1, got {repeat}")
+    # --quantization gguf keeps the file's codes: llama.cpp runs that file as it is, not an export.
+    gguf_path = None
+    if engine_kwargs.get("quantization") == "gguf":
+        from pagedllm.models.loader import resolve_model
+
+        gguf_path = resolve_model(model).path
     resolved = [(requested, resolve_dtype(requested)) for requested in dtypes]
     rounds = []
     for r in range(repeat):
@@ -245,7 +251,7 @@ def run_latency_matrix(model: str | None, engine_kwargs: dict[str, Any], dtypes:
 
             def peers() -> dict[str, Any]:
                 return _time_peers(model, dtype, compare, input_len, output_len, num_iters, num_warmup, seed,
-                                   peers_venv)
+                                   peers_venv, gguf_path)
 
             if r % 2 == 0:
                 mine = ours()
@@ -264,8 +270,9 @@ def run_latency_matrix(model: str | None, engine_kwargs: dict[str, Any], dtypes:
 
 
 def _time_peers(model: str | None, dtype: str, compare: list[str], input_len: int, output_len: int, num_iters: int,
-                num_warmup: int, seed: int, peers_venv: str | None) -> dict[str, Any]:
-    """Each peer's timing in `dtype`: its result, or {"ok": False, "reason": ...} where it cannot run."""
+                num_warmup: int, seed: int, peers_venv: str | None, gguf_path: str | None = None) -> dict[str, Any]:
+    """Each peer's timing in `dtype`: its result, or {"ok": False, "reason": ...} where it cannot run.
+    `gguf_path`: the GGUF file llama.cpp runs as it is (else the model rewritten in `dtype`)."""
     import torch
 
     from pagedllm.benchmarks.throughput import BackendUnavailable
@@ -275,7 +282,7 @@ def _time_peers(model: str | None, dtype: str, compare: list[str], input_len: in
         try:
             if peer == "llama.cpp":
                 p = run_llamacpp_latency(model, dtype, input_len, output_len, num_iters, num_warmup, seed,
-                                         peers_venv, torch.get_num_threads())
+                                         peers_venv, torch.get_num_threads(), gguf_path)
             elif peer == "hf":
                 p = run_hf_latency(model, dtype, input_len, output_len, num_iters, num_warmup, seed)
             else:

@@ -176,8 +176,8 @@ def quantize_vocab(model: nn.Module, setup: QuantizationSetup) -> tuple[int, int
             logger.info("%s: shares the embedding's codes (tied)", attr)
             continue
         if not native.fits(w.shape[1], 32):
-            raise ValueError(f"--quantize-embeddings: the native quantized kernel does not run here (AVX-512 BF16 "
-                             f"CPUs) or does not take hidden size {w.shape[1]}")
+            raise ValueError(f"--quantize-embeddings: the native quantized kernel does not run here (CPUs with AVX-512 "
+                             f"BF16 or AVX2 + FMA) or does not take hidden size {w.shape[1]}")
         tied_ckpt = "model.embed_tokens" if getattr(model.config, "tie_word_embeddings", False) else ckpt
         rc, what = setup.vocab_codes(tied_ckpt, w.data)
         before += w.numel() * w.element_size()

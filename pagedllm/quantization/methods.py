@@ -241,7 +241,8 @@ def _load_shared_perm(param: nn.Parameter, loaded: torch.Tensor, shard_id: objec
 
 def finish_group_codes(layer: nn.Module, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                        bits: int, dtype: torch.dtype, perm: torch.Tensor | None = None) -> None:
-    """Kernel layout: 4-bit codes in the native kernel's layout (AVX-512 BF16 CPUs) or packed for
+    """Kernel layout: 4-bit codes in the native kernel's layout (CPUs with AVX-512
+    BF16 or AVX2 + FMA) or packed for
     ``_weight_int4pack_mm_for_cpu``, where the group size allows it; otherwise int8 codes with
     per-group scales in the model dtype."""
     group = codes.shape[1] // scales.shape[1]

@@ -1,5 +1,6 @@
 """Native linear layers on 4-bit, 8-bit and fp8 (e4m3) group-wise codes (csrc/linear_quant.c),
-where the CPU has AVX-512 BF16.
+where the CPU has AVX-512 BF16, or AVX2 with FMA (the same layouts and int32 sums in 8-lane
+vectors, vpmaddubsw for VNNI's dot products; see linear_quant.c).
 
 The weight is kept once, in the kernel's layout: 4-bit and int8 codes tiled by 16 output rows
 (:func:`pack_int4_native`, :func:`pack_int8_native`), e4m3 as its bytes, and bfloat16 scales and
@@ -47,7 +48,7 @@ def int8_activations() -> bool:
 
 @lru_cache(maxsize=1)
 def load_quant_kernel() -> ctypes.CDLL | None:
-    """The compiled kernel where the CPU has AVX-512 BF16 (else None: torch's kernels serve);
+    """The compiled kernel where the CPU has AVX-512 BF16 or AVX2 + FMA (else None: torch's kernels serve);
     ``PAGEDLLM_NATIVE_QUANT=0`` turns it off."""
     i64, p, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     linear = ([p, i64, p, p, p, i64, i64, i64, p, i32, i32], i32)

@@ -22,12 +22,12 @@ from pagedllm.quantization.native import load_quant_kernel
 from pagedllm.quantization.vocab import quantize_rows, rows_from_group_codes
 from pagedllm.worker.native_decode import load_decode_kernel
 from test_native_decode import head_three_ways, tiny_llama_dir  # noqa: F401 (a fixture)
-from test_native_decode_quant import _check, _decode_batch
+from test_native_decode_quant import STEP_DTYPE, _check, _decode_batch
 from test_quant_native import _bound, _int8_act_bound
 
 pytestmark = pytest.mark.skipif(
-    load_decode_kernel() is None or load_quant_kernel() is None or not load_decode_kernel().small_m_available() & 2,
-    reason="no C compiler or no AVX-512 BF16")
+    load_decode_kernel() is None or load_quant_kernel() is None or not load_decode_kernel().small_m_available() & 1,
+    reason="no C compiler, or neither AVX-512 BF16 nor AVX2 + FMA")
 
 SCHEMES = ("int8", "int4", "fp8")
 
@@ -101,13 +101,13 @@ def test_tied_embedding_and_head_share_one_set_of_codes(tiny_llama_dir, one_torc
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_fused_step_reads_the_quantized_embedding_as_the_torch_path(scheme, tiny_model_dir, one_torch_thread):
     """Untied (Qwen2): the embedding and the head quantized separately; bfloat16: the same bits."""
-    llm = LLM(model=tiny_model_dir, dtype="bfloat16", num_kv_blocks=64, block_size=16, quantization=scheme,
+    llm = LLM(model=tiny_model_dir, dtype=STEP_DTYPE, num_kv_blocks=64, block_size=16, quantization=scheme,
               quantization_group_size=32, quantize_embeddings=True)
     runner = llm.llm_engine.core.executor.runner
     nd = runner.native_decode
     assert nd is not None and nd.model.embed_q and nd.has_head and nd.model.lm_head_q
     assert runner.model.embed_tokens.qcodes is not runner.model.lm_head.qcodes
-    _check(runner, "bfloat16", all_quantized=True, rows_list=(1, 6))
+    _check(runner, STEP_DTYPE, all_quantized=True, rows_list=(1, 6))
     batch = _decode_batch(runner, [9, 40, 23], seed=4)
     ref, logits, tokens = head_three_ways(runner, nd, batch, [2, 0])
     assert torch.equal(logits, ref)
@@ -128,7 +128,7 @@ def test_gguf_keeps_the_files_q8_0_embedding_blocks(one_torch_thread):
     from pagedllm.models.loader import read_gguf_header, resolve_model
     from pagedllm.models.loader.gguf_weights import dequantize_gguf
 
-    llm = LLM(quantization="gguf", quantize_embeddings=True, dtype="bfloat16", max_model_len=64, num_kv_blocks=16,
+    llm = LLM(quantization="gguf", quantize_embeddings=True, dtype=STEP_DTYPE, max_model_len=64, num_kv_blocks=16,
               block_size=16)
     runner = llm.llm_engine.core.executor.runner
     emb = runner.model.embed_tokens

@@ -1,5 +1,5 @@
 /* What the native kernels share: bfloat16 <-> float32 conversions (bf16 is the top half of fp32),
- * and on AVX-512 their 16-lane forms and the lane sums of accumulators. */
+ * and their vector forms and lane sums of accumulators: 16 lanes on AVX-512, 8 on AVX2 + FMA. */
 #ifndef PAGEDLLM_BF16_H
 #define PAGEDLLM_BF16_H
 #include <stdint.h>
@@ -87,6 +87,37 @@ static inline __attribute__((always_inline)) __m512 lane_sums16(const __m512 a[1
     const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(r[0], r[1], _MM_SHUFFLE(2, 0, 2, 0)),
                                    _mm512_shuffle_ps(r[0], r[1], _MM_SHUFFLE(3, 1, 3, 1)));
     return _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), f);
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* 8 bf16 values widened to float32 (exact). */
+static inline __m256 bf16x8_load(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* The sum of a's 8 lanes: lanes i and i + 4, then i and i + 2 of those sums, then the last two
+ * (written out, so that -ffast-math cannot regroup it differently at different call sites). */
+static inline __attribute__((always_inline)) float lane_sum8(__m256 a) {
+    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 r = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
+}
+
+/* The largest of a's 8 lanes. */
+static inline float lane_max8(__m256 a) {
+    __m128 q = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    q = _mm_max_ps(q, _mm_movehl_ps(q, q));
+    return _mm_cvtss_f32(_mm_max_ss(q, _mm_movehdup_ps(q)));
+}
+
+/* The sum of a's 8 int32 lanes (exact, wrapping as int32 does). */
+static inline int32_t lane_sum8_epi32(__m256i a) {
+    __m128i q = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    q = _mm_add_epi32(q, _mm_unpackhi_epi64(q, q));
+    return _mm_cvtsi128_si32(_mm_add_epi32(q, _mm_shuffle_epi32(q, 1)));
 }
 #endif
 #endif

@@ -311,18 +311,6 @@ static inline __attribute__((always_inline)) __m256 lane_sums8(const __m256 a[8]
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-static inline float hmax8(__m256 v) {
-    __m128 q = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    q = _mm_max_ps(q, _mm_movehl_ps(q, q));
-    return _mm_cvtss_f32(_mm_max_ss(q, _mm_movehdup_ps(q)));
-}
-
-static inline float hsum8(__m256 v) {
-    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 r = _mm_add_ps(q, _mm_movehl_ps(q, q));
-    return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
-}
-
 /* decode_rows() of the AVX-512 path (same arguments; KM_F32 and KM_CONV; qb and qscale unused). */
 static inline __attribute__((always_inline)) void decode_rows(
     const int R, const int D, const int mode, const float *restrict qf, const uint16_t *restrict qb, const float qscale,
@@ -377,7 +365,7 @@ static inline __attribute__((always_inline)) void decode_rows(
             }
             __m256 smax = s[0];
             for (int h = 1; h < KB / 8; h++) smax = _mm256_max_ps(smax, s[h]);
-            const float mx = hmax8(smax);
+            const float mx = lane_max8(smax);
             if (mx > m[r]) {
                 const float alpha = expf(m[r] - mx); /* 0 on the first visible run */
                 const __m256 av = _mm256_set1_ps(alpha);
@@ -417,7 +405,7 @@ static inline __attribute__((always_inline)) void decode_rows(
             for (int r = 0; r < R; r++) _mm256_storeu_ps(acc_out + r * D + 8 * c, o[r]);
         }
     }
-    for (int r = 0; r < R; r++) l_out[r] = hsum8(lv[r]);
+    for (int r = 0; r < R; r++) l_out[r] = lane_sum8(lv[r]);
 }
 
 #endif

@@ -128,14 +128,6 @@ static inline __attribute__((always_inline)) void gemm_tile_f32(const float *x, 
 #endif
 
 #if HAVE_AVX2_F32
-/* The sum of a's 8 lanes: lanes i and i + 4, then i and i + 2 of those sums, then the last two
- * (written out, so that -ffast-math cannot regroup it differently at different call sites). */
-static inline __attribute__((always_inline)) float lane_sum8(__m256 a) {
-    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    const __m128 r = _mm_add_ps(q, _mm_movehl_ps(q, q));
-    return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
-}
-
 /* gemm_tile_f32 for AVX2 + FMA: 16 ymm registers hold 2 x rows by NR W rows of accumulators (8),
  * the NR W vectors and one x vector, so a tile of up to MR x rows runs as passes of two rows over
  * its W block (the later passes read it from L1). Each output is one 8-lane accumulator over K

@@ -53,8 +53,8 @@
 /* The unit of output rows a thread's share of a dense GEMM comes in: small_m_gemm.c's W block. */
 #define SHARE_ROWS 4
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
-#define LD_HAVE_QUANT 1 /* linear_quant.c compiled its kernels */
+#ifdef LQ_HAVE_KERNELS
+#define LD_HAVE_QUANT 1 /* linear_quant.c compiled its kernels (AVX-512 BF16, or AVX2 + FMA) */
 #else
 #define LD_HAVE_QUANT 0
 #endif
