@@ -30,15 +30,18 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.benchmarks.gguf_export import llamacpp_quantized_gguf
 from pagedllm.benchmarks.latency import run_latency, run_llamacpp_latency
+from pagedllm.benchmarks.throughput import GREEDY
 from pagedllm.benchmarks.worker import run_pagedllm
 from pagedllm.benchmarks.workloads import dump_workload, random_workload, vocab_info, workload_summary
 from pagedllm.eval.corpus import default_corpus
 from pagedllm.eval.llamacpp import llamacpp_perplexity
 from pagedllm.eval.perplexity import perplexity, summarize, wants_bos, windows_of
+from pagedllm.hardware import resolve_dtype
 from pagedllm.models.loader import resolve_model
 
 # Quality rows run in float32 (bfloat16 for the bf16 row); speed rows run every quantized scheme in
-# bfloat16, the activation dtype its kernels take (SPEED_DTYPE). "model": a GGUF of the default
+# --dtype auto's choice (SPEED_DTYPE): bfloat16, the activation dtype its kernels take, where the CPU
+# has AVX-512 BF16, float32 where bfloat16 would be emulated. "model": a GGUF of the default
 # model that llama.cpp's quantizer writes (Q8_0, Q4_0), instead of the shipped Q4_1.
 SCHEMES = {
     "fp32": {"dtype": "float32"},
@@ -61,7 +64,7 @@ SCHEMES = {
                       "quantize_embeddings": True},
     "gguf-q4_1-emb": {"dtype": "float32", "quantization": "gguf", "quantize_embeddings": True},
 }
-SPEED_DTYPE = {"fp32": "float32"}  # every other row: bfloat16
+SPEED_DTYPE = {"fp32": "float32"}  # every other row: --dtype auto's choice (bfloat16 on AVX-512 BF16 CPUs)
 # Speed-only row: int8 weights widened to the model dtype on every call, then F.linear.
 UNFUSED_INT8 = "int8-unfused"
 LLAMACPP_FILES = ("Q4_1", "Q8_0", "Q4_0")
@@ -104,7 +107,7 @@ def speed(label: str, kwargs: dict, args, workload: str) -> dict:
     """Decode tok/s of one request (median of --decode-iters, after one warm-up) and output tok/s of
     the workload, one fresh engine each, in this process."""
     model, kwargs = scheme_model(kwargs)
-    kwargs = {**kwargs, "dtype": SPEED_DTYPE.get(label, "bfloat16")}
+    kwargs = {**kwargs, "dtype": SPEED_DTYPE.get(label) or resolve_dtype("auto")}
     patch = contextlib.nullcontext()
     if label == UNFUSED_INT8:
         from pagedllm.quantization import kernels as K
@@ -128,7 +131,7 @@ def speed(label: str, kwargs: dict, args, workload: str) -> dict:
         if args.throughput_schemes and label not in args.throughput_schemes.split(","):
             print(json.dumps(row), flush=True)
             return row
-        tp = run_pagedllm({"model": model, "engine_args": kwargs, "workload": workload})
+        tp = run_pagedllm({"model": model, "engine_args": kwargs, "workload": workload, "sampling": GREEDY})
         row.update(throughput_tok_s=tp["output_tokens"] / tp["elapsed_s"],
                    throughput_total_tok_s=(tp["prompt_tokens"] + tp["output_tokens"]) / tp["elapsed_s"],
                    throughput_s=tp["elapsed_s"])

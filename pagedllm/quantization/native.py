@@ -25,11 +25,21 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.cpu_kernel import load_native
+from pagedllm.hardware import cpu_flags
+from pagedllm.quantization import kernels as K
 
 _SRC = Path(__file__).parent / "csrc" / "linear_quant.c"
 QUANT_SRC = _SRC  # included by the fused decode step (pagedllm/worker/csrc/llama_decode.c)
-# Most rows of x that go through the kernel (a decode batch); larger ones take the batch path.
-SMALL_M = 16
+# Most rows of x that go through the kernel (decode batches, short prompt chunks); larger ones take
+# the batch path (the weight expanded for F.linear). Where the CPU has AVX-512 BF16: 16, above which
+# oneDNN's bf16 GEMM on the expanded weight wins. The AVX2 forms of the 4-bit, int8 and w8a8 kernels
+# beat the expansion plus a float32 GEMM at every size measured up to 256 rows (two threads,
+# gate_up 3072 x 576 / down 576 x 1536: 4-bit 5.9x / 2.7x at 16 rows, 2.1x / 1.5x at 64, 1.9x /
+# 1.1x at 128, 1.25x / 1.15x at 256; int8 tiles and w8a8 alike), so there they take up to 256; the
+# e4m3 kernel (float FMAs) only to 16 (0.5x at 64).
+AVX512_KERNELS = frozenset({"avx512_bf16", "avx512f", "avx512bw"}) <= cpu_flags()
+SMALL_M = 16 if AVX512_KERNELS else 256
+E4M3_ROWS = 16
 # Output rows per tile of the 4-bit and int8 layouts (TR in linear_quant.c).
 TILE = 16
 _ACTIVATIONS = ("int8", "bf16")
@@ -109,21 +119,26 @@ def pack_int8_native(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
     return u.transpose(1, 2).reshape(-1, k).contiguous(), s, z
 
 
+def kernel_rows(bits: int) -> int:
+    """Most rows of x the kernel takes for these codes (bits 4, 8; 3: e4m3; 9: w8a8)."""
+    return E4M3_ROWS if bits == 3 else SMALL_M
+
+
 def _in_features(codes: torch.Tensor, bits: int) -> int:
     return codes.shape[1] * (2 if bits == 4 else 1)
 
 
 def small_m_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
                    n: int) -> torch.Tensor | None:
-    """x [..., K] @ W^T (W: n output rows) through the kernel when x has at most SMALL_M rows (else
-    None). ``codes``: :func:`pack_int4_native`'s tiles (bits 4), :func:`pack_int8_native`'s (bits
+    """x [..., K] @ W^T (W: n output rows) through the kernel when x has at most kernel_rows(bits)
+    rows (else None). ``codes``: :func:`pack_int4_native`'s tiles (bits 4), :func:`pack_int8_native`'s (bits
     8) or e4m3 bytes [N, K] viewed as uint8 (bits 3); ``scales``/``zeros`` bf16 in the same layout.
     x enters in bfloat16 (then int8 per block of 32 where :func:`int8_activations`); the result
     returns in x's dtype (float32 or bfloat16)."""
     k = _in_features(codes, bits)
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    if m > SMALL_M:
+    if m > kernel_rows(bits):
         return None
     lib = load_quant_kernel()
     x2 = x2.to(torch.bfloat16).contiguous()
@@ -168,7 +183,7 @@ def w8a8_batch_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
     """w8a8's x [..., K] @ (codes * scales)^T for any number of rows, equal to
     :func:`pagedllm.quantization.kernels.int8_dynamic_linear` to the bit: the kernel quantizes the
     rows (the same formula and rounding as the decode rows' kernel), ``torch._int_mm`` (oneDNN's
-    VNNI GEMM) sums them against the codes' transpose, and the kernel applies the two fp32 products
+    VNNI GEMM; without VNNI, exact float32 GEMMs: kernels.int8_matmul) sums them against the codes' transpose, and the kernel applies the two fp32 products
     (one pass each instead of the torch formula's dozen ops). Arguments as
     :func:`w8a8_small_m_linear`."""
     n, k = codes.shape
@@ -182,7 +197,7 @@ def w8a8_batch_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
     d = torch.empty(m, dtype=torch.float32)
     if lib.w8a8_quantize_rows(xk.data_ptr(), m, k, f32, xq.data_ptr(), d.data_ptr()) != 0:
         raise MemoryError(f"w8a8 kernel: no scratch for a row of {k} activations")
-    acc = torch._int_mm(xq, codes.t())
+    acc = K.int8_matmul(xq, codes.t())
     y = torch.empty(m, n, dtype=xk.dtype)
     lib.w8a8_scale_rows(acc.data_ptr(), m, n, d.data_ptr(), scales.data_ptr(), y.data_ptr(), f32)
     return y.to(x.dtype).reshape(*x.shape[:-1], n)

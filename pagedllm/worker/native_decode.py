@@ -33,7 +33,7 @@ from pagedllm.attention.cpu_kernel import ATTENTION_SRC, load_native
 from pagedllm.layers.linear import UnquantizedLinearMethod
 from pagedllm.layers.native_elementwise import ELEMENTWISE_SRC
 from pagedllm.layers.native_linear import SMALL_M_SRC, small_m_rows
-from pagedllm.quantization.native import QUANT_SRC, int8_activations, load_quant_kernel
+from pagedllm.quantization.native import QUANT_SRC, int8_activations, kernel_rows, load_quant_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +47,11 @@ MAX_ROWS = 256
 # 1.1-1.2x at 160-256 (0.95x at 192 in one run of three); float32 1.4x at 16, 1.02-1.08x at 32,
 # 0.97-1.01x at 48, 0.84x at 64. From about 96 rows the kernel's GEMMs are slower than oneDNN's
 # (0.85-0.92x its speed at 128 rows), which the one call's saved per-op dispatch and elementwise
-# passes make up for up to 256 rows in bf16. With quantized layers, 16: the quantized kernels'
-# decode rows (pagedllm.quantization.native.SMALL_M), beyond which the torch path takes their batch
-# paths.
+# passes make up for up to 256 rows in bf16. With quantized layers, the rows the quantized kernels
+# take (pagedllm.quantization.native.kernel_rows: 16 on AVX-512 BF16, up to 256 on AVX2), beyond
+# which the torch path takes their batch paths, and with dense layers beside them no more than
+# the dtype's rows (quantized_rows).
 DTYPE_ROWS = {torch.float32: 32, torch.bfloat16: MAX_ROWS}
-QUANTIZED_ROWS = 16
 # The quantized LM head's decode rows the step ends with (where the torch path's head runs the same
 # kernel call).
 QUANTIZED_HEAD_ROWS = 4
@@ -116,6 +116,13 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
     if lib.argmax_rows(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], _DTYPE_CODES[x.dtype], out.data_ptr()):
         return None
     return out
+
+
+def quantized_rows(kinds: set[int], dtype: torch.dtype) -> int:
+    """Most rows of a fused step over linear layers of these kinds (linear_quant.c's BITS, _W8A8;
+    _DENSE): the rows of each quantized kernel, and the dtype's where dense ones are among them."""
+    rows = [kernel_rows(k) for k in kinds if k != _DENSE] + ([DTYPE_ROWS[dtype]] if _DENSE in kinds else [])
+    return min(*rows, MAX_ROWS)
 
 
 def _linear_layout(lin: nn.Module, dtype: torch.dtype
@@ -268,6 +275,7 @@ class NativeDecode:
         attn0 = layers[0].self_attn
         rotary = attn0.rotary_emb
         self._keep: list[object] = []  # the pointer arrays live as long as this object
+        self.kinds: set[int] = set()  # the linear layers' kinds
 
         def ptrs(tensors: list[torch.Tensor | None]) -> ctypes.Array:
             arr = (ctypes.c_void_p * len(tensors))(*(0 if t is None else t.data_ptr() for t in tensors))
@@ -288,6 +296,7 @@ class NativeDecode:
                     self._keep.extend([codes, scales, zeros, perm])
             self._keep.append(descs)
             dense = [lay[0] == _DENSE for lay in layouts]  # type: ignore[index]
+            self.kinds.update(lay[0] for lay in layouts)  # type: ignore[misc]
             weights = ptrs([m.weight if d else None for m, d in zip(mods, dense)])
             q = None if all(dense) else ctypes.cast(descs, ctypes.POINTER(_QuantLinear))
             return weights, ptrs([m.bias for m in mods]), q
@@ -329,7 +338,7 @@ class NativeDecode:
                 self.model.lm_head_q = ctypes.pointer(head_q)
         # Everything the struct points at must stay alive and in place.
         self._keep.extend([model, kv_caches, rotary.cos, rotary.sin])
-        self.max_rows = QUANTIZED_ROWS if self.quantized else DTYPE_ROWS[dtype]
+        self.max_rows = quantized_rows(self.kinds, dtype) if self.quantized else DTYPE_ROWS[dtype]
         head_rows = QUANTIZED_HEAD_ROWS if self.has_head and self.model.lm_head_q else small_m_rows(dtype)
         self.max_head_rows = min(self.max_rows, head_rows)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.quantization import native
 
 from test_correctness_hf import MAX_TOKENS, PROMPTS  # same folder, on sys.path under pytest
 
@@ -42,9 +43,14 @@ def _agreement(ours: list, ref: list) -> tuple[int, int]:
 
 # Measured (docs/quantization.md): the floors leave a margin below the counts of one run.
 # w8a8: 13 exact and 62 close both with its decode rows through torch._int_mm and through the native
-# kernel (the same result to the bit).
-@pytest.mark.parametrize("method,min_exact,min_close", [("int8", 32, 62), ("fp8", 16, 58), ("gguf", 48, 64),
-                                                        ("w8a8", 10, 58)])
+# kernel (the same result to the bit) on an AVX-512 host, 10 exact and 64 close on an AVX2 one (one
+# ulp of a w8a8 input can move a row's tokens: test_native_decode_quant.py). gguf: where the kernel takes prompts too (AVX2 CPUs: up to
+# native.SMALL_M = 256 rows, int8 activations as llama.cpp's), 47 exact and 64 close in one run.
+GGUF_MIN_EXACT = 48 if native.SMALL_M <= 16 else 42
+
+
+@pytest.mark.parametrize("method,min_exact,min_close", [("int8", 32, 62), ("fp8", 16, 58), ("gguf", GGUF_MIN_EXACT, 64),
+                                                        ("w8a8", 8, 58)])
 def test_quantized_greedy_agrees(reference, method: str, min_exact: int, min_close: int, capsys) -> None:
     ours = _run(LLM(dtype="float32", quantization=method))
     exact, close = _agreement(ours, reference)

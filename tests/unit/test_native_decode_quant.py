@@ -22,7 +22,7 @@ from pagedllm.quantization import kernels as K
 from pagedllm.quantization.methods import GroupCodesLinearMethod, finish_group_codes
 from pagedllm.quantization.native import load_quant_kernel
 from pagedllm.layers.native_linear import small_m_rows
-from pagedllm.worker.native_decode import QUANTIZED_ROWS, NativeDecode, load_decode_kernel
+from pagedllm.worker.native_decode import NativeDecode, load_decode_kernel, quantized_rows
 from test_native_decode import _both_paths, _decode_batch, head_three_ways, tiny_llama_dir  # noqa: F401 (a fixture)
 from test_quant_native import _int8_act_bound
 
@@ -44,13 +44,16 @@ SCHEMES = {
 
 
 def _runner(model_dir: str, dtype: str, **kwargs):
-    llm = LLM(model=model_dir, dtype=dtype, num_kv_blocks=64, block_size=16, **kwargs)
+    llm = LLM(model=model_dir, dtype=dtype, num_kv_blocks=256, block_size=16, **kwargs)
     return llm, llm.llm_engine.core.executor.runner
 
 
-def _check(runner, dtype: str, all_quantized: bool, rows_list=(1, 3, QUANTIZED_ROWS)) -> None:
-    assert runner.native_decode.max_rows == QUANTIZED_ROWS
-    for rows in rows_list:
+def _check(runner, dtype: str, all_quantized: bool, rows_list=(1, 3, 16, 40)) -> None:
+    """The fused step against the torch path at each of rows_list up to the step's rows (which
+    follow the layers' kernels: quantized_rows)."""
+    nd = runner.native_decode
+    assert nd.max_rows == quantized_rows(nd.kinds, runner.dtype)
+    for rows in [r for r in rows_list if r <= nd.max_rows]:
         batch = _decode_batch(runner, [5 + 29 * i % 90 for i in range(rows)], seed=rows)
         (ref, ref_kv), (out, out_kv) = _both_paths(runner, batch)
         assert out is not None and out.dtype == ref.dtype and out.shape == ref.shape
@@ -60,9 +63,20 @@ def _check(runner, dtype: str, all_quantized: bool, rows_list=(1, 3, QUANTIZED_R
         elif dtype == "bfloat16":  # dense layers above four rows: see test_native_decode.py
             torch.testing.assert_close(out.float(), ref.float(), rtol=2**-5, atol=2**-5)
         else:
-            torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3)
+            _close_but_for_rare_flips(out, ref, rows)
             for a, b in zip(out_kv, ref_kv):
-                torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+                _close_but_for_rare_flips(a, b, rows)
+
+
+def _close_but_for_rare_flips(a: torch.Tensor, b: torch.Tensor, rows: int) -> None:
+    """float32: within 1e-3 (see the module's docstring), but for the values of at most one row in
+    16 (at least one row), which stay within 2e-2. Where an activation that crosses a bf16 rounding
+    boundary is the largest of its block of 32, it moves the block's int8 scale, and so every code
+    of the block by up to half a step: on these models one row of 40 moved by 6e-3, one of 64 alike,
+    every other row by at most 2.4e-7."""
+    diff = (a.float() - b.float()).abs()
+    assert float(diff.max()) <= 2e-2
+    assert (diff > 1e-3 + 1e-3 * b.float().abs()).float().mean() <= max(1, rows // 16) / rows
 
 
 @pytest.mark.parametrize("scheme", list(SCHEMES))

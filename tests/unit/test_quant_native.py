@@ -25,7 +25,7 @@ def activations(request, monkeypatch):
 
 
 def _int8_act_bound(x: torch.Tensor, w_mag: torch.Tensor, m: int) -> torch.Tensor:
-    """The int8 activations' rounding, where the few-row path (m <= SMALL_M) uses them: each block
+    """The int8 activations' rounding, where the kernel's path (m <= SMALL_M) uses them: each block
     of 32 inputs of a bf16 row is q = round(x / d), d = max|x| / 127, so |d q - x| <= d / 2 per
     input; it meets the centred weight (code - offset) * scale, bounded by w_mag (the zero term
     takes the exact sums of x), so the output moves by at most sum_k w_mag[n, k] d(k) / 2, plus
@@ -45,7 +45,7 @@ def _bound(x: torch.Tensor, w_mag: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("group", [32, 64, 128])
-@pytest.mark.parametrize("m", [1, 4, 7, native.SMALL_M + 3])
+@pytest.mark.parametrize("m", [1, 4, 7, 37, native.SMALL_M + 3])
 def test_int4_kernel_matches_the_float_reference(group: int, m: int, activations: str) -> None:
     g = torch.Generator().manual_seed(group + m)
     w = torch.randn(70, 512, generator=g) * 0.05  # 70 rows: a partial block of 4 output rows
@@ -114,7 +114,7 @@ def test_e4m3_codes_widen_exactly() -> None:
     values = codes.view(torch.float8_e4m3fn).float()
     one = torch.ones(1, 1, dtype=torch.bfloat16)
     zero = torch.zeros(1, 1, dtype=torch.bfloat16)
-    for rows in torch.eye(256).split(native.SMALL_M):  # one-hot x rows read the codes one by one
+    for rows in torch.eye(256).split(native.kernel_rows(3)):  # one-hot x rows read the codes one by one
         y = native.group_linear(rows, codes[None], one, zero, bits=3, n=1)
         assert torch.equal(y[:, 0], rows @ values)
     y = native.group_linear(torch.eye(256), codes[None], one, zero, bits=3, n=1)  # the batch path

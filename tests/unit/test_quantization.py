@@ -90,6 +90,22 @@ def test_w8a8_keeps_one_copy_of_the_codes_for_decode_rows_and_batches(data) -> N
         assert torch.equal(layer(x[:rows]), ref)
 
 
+@pytest.mark.parametrize("vnni", [True, False])
+def test_int8_matmul_is_exact_on_either_path(monkeypatch, vnni: bool) -> None:
+    """int8 x int8 -> int32 through torch._int_mm or float32 GEMMs over slices of at most 1024
+    inputs: the same integers as an int64 product, at the largest magnitudes (every product 127 *
+    127, and -127 * 127, so a slice sums to 1024 * 16129 < 2^24) and on random codes, K across
+    the slice boundary."""
+    monkeypatch.setattr(K, "int_mm_runs_vnni", lambda: vnni)
+    g = torch.Generator().manual_seed(3)
+    for k in (3, 1024, 1025, 2500):
+        x = torch.randint(-127, 128, (17, k), generator=g, dtype=torch.int8)
+        w = torch.randint(-127, 128, (k, 24), generator=g, dtype=torch.int8)
+        x[0], w[:, 0], w[:, 1] = 127, 127, -127
+        y = K.int8_matmul(x, w)
+        assert y.dtype == torch.int32 and torch.equal(y.long(), x.long() @ w.long())
+
+
 def test_fp8_within_e4m3_rounding(data) -> None:
     w, x = data
     layer = _layer(Fp8LinearMethod(), w)
