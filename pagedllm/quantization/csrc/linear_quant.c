@@ -45,7 +45,7 @@
  *   w8a8: the codes and each row's q both signed, |c| x sign(q, c) alike.
  * The int32 sums are the AVX-512 kernel's, so each output differs from it only by the order of
  * its fp32 additions (w8a8: not at all; both equal the torch path to the bit). e4m3 codes widen
- * to fp32 by the same bit moves and meet x in fp32 FMAs, one output row at a time.
+ * through fp16 fields (F16C) and meet x in fp32 FMAs, one output row at a time.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -53,7 +53,7 @@
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #define LQ_AVX512 1
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define LQ_AVX2 1
 #endif
 
@@ -440,15 +440,17 @@ static inline __m256 mul_rn8(__m256 a, __m256 b) {
     return a;
 }
 
-/* 8 e4m3 bytes as fp32 (exact): normals by moving exponent and mantissa into fp32's fields and
- * rebiasing (+120), subnormals m * 2^-9, the sign bit on top. */
-static inline __m256 widen8_e4m3(const uint8_t *q) {
-    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
-    const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi32(0x7f));
-    const __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(mag, 20), _mm256_set1_epi32(120 << 23)));
-    const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(1.f / 512.f));
-    const __m256 v = _mm256_blendv_ps(normal, sub, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), mag)));
-    return _mm256_or_ps(v, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24)));
+/* 16 e4m3 bytes as fp32, times 2^-8 (exact): an fp16 holding a byte's exponent and mantissa in its
+ * own fields is the e4m3 value times 2^-8, normals and subnormals alike (the exponent biases are 15
+ * and 7), so the bytes move into fp16 fields, the sign on top, and F16C widens them. The callers
+ * fold E4M3_F16_SCALE into the scale (a power of two: the products round as the unscaled ones). */
+#define E4M3_F16_SCALE 256.f
+static inline void widen16_e4m3(const uint8_t *q, __m256 *lo, __m256 *hi) {
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)q));
+    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7),
+                                      _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+    *lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+    *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
 }
 
 /* e4m3: y rows m0 .. m0+MR-1, output rows n0 .. n0+nr-1, one output row at a time (its bytes one
@@ -468,14 +470,15 @@ static inline __attribute__((always_inline)) void quant_block(
             for (int m = 0; m < MR; m++) part[m][0] = part[m][1] = _mm256_setzero_ps();
             for (int64_t k = g * G; k < (g + 1) * G; k += 16) {
                 _mm_prefetch((const char *)(wr + k + 1024), _MM_HINT_T0);
-                const __m256 w0 = widen8_e4m3(wr + k), w1 = widen8_e4m3(wr + k + 8);
+                __m256 w0, w1;
+                widen16_e4m3(wr + k, &w0, &w1);
                 for (int m = 0; m < MR; m++) {
                     const uint16_t *xr = x + (m0 + m) * K + k;
                     part[m][0] = _mm256_fmadd_ps(w0, bf16x8_load(xr), part[m][0]);
                     part[m][1] = _mm256_fmadd_ps(w1, bf16x8_load(xr + 8), part[m][1]);
                 }
             }
-            const __m256 s = _mm256_set1_ps(bf16_to_f32(scales[(n0 + r) * groups + g]));
+            const __m256 s = _mm256_set1_ps(bf16_to_f32(scales[(n0 + r) * groups + g]) * E4M3_F16_SCALE);
             for (int m = 0; m < MR; m++) acc[m] = _mm256_fmadd_ps(_mm256_add_ps(part[m][0], part[m][1]), s, acc[m]);
         }
         for (int m = 0; m < MR; m++) {
@@ -730,7 +733,13 @@ static inline void dequant_row(int bits, const uint8_t *codes, const uint16_t *s
         const __m256 z = _mm256_set1_ps(bf16_to_f32(zeros[si]));
         __m256 v;
         if (bits == 3) {
-            v = widen8_e4m3(codes + n * K + k);
+            if (k % 16) continue; /* 16 inputs at a time, in one group (G % 32 == 0) */
+            __m256 lo, hi;
+            widen16_e4m3(codes + n * K + k, &lo, &hi);
+            const __m256 s8 = _mm256_mul_ps(s, _mm256_set1_ps(E4M3_F16_SCALE));
+            store8(w, k, _mm256_fmadd_ps(lo, s8, z), w_f32);
+            store8(w, k + 8, _mm256_fmadd_ps(hi, s8, z), w_f32);
+            continue;
         } else if (bits == 4) {
             /* one dword of the 8-input chunk: inputs 0-3 in the low nibbles, 4-7 in the high ones */
             int32_t d;
