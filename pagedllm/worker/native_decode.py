@@ -33,7 +33,7 @@ from pagedllm.attention.cpu_kernel import ATTENTION_SRC, load_native
 from pagedllm.layers.linear import UnquantizedLinearMethod
 from pagedllm.layers.native_elementwise import ELEMENTWISE_SRC
 from pagedllm.layers.native_linear import SMALL_M_SRC, small_m_rows
-from pagedllm.quantization.native import QUANT_SRC, int8_activations, kernel_rows, load_quant_kernel
+from pagedllm.quantization.native import QUANT_SRC, int8_activations, kernel_rows
 
 logger = logging.getLogger(__name__)
 
@@ -374,10 +374,9 @@ class NativeDecode:
         if reason is not None:
             logger.info("decode steps run as torch ops: %s", reason)
             return None
+        # Quantized layers or vocab codes exist here only in the native kernel's layouts, which the
+        # LinearMethods choose where that kernel loads (_linear_layout gives the reason otherwise).
         nd = cls(lib, model, kv_caches, dtype, block_size, sliding_window)
-        if nd.quantized and load_quant_kernel() is None:  # the step runs linear_quant.c's kernels
-            logger.info("decode steps run as torch ops: quantized linear layers without the native quantized kernel")
-            return None
         logger.info("decode steps of up to %d rows run as one native call per step%s", nd.max_rows,
                     " (quantized linear layers through the native quantized kernel)" if nd.quantized else "")
         return nd
