@@ -9,8 +9,11 @@ With --crossover: chunks of 16..512 tokens after 0..2048 cached ones, the flash 
 paged kernel's prompt path (paged_attention.c, what chunks under FLASH_MIN_TOKENS take) and torch's
 flash, to place FLASH_MIN_TOKENS for the dtype.
 
+With --long-context: chunks of 32..1,024 tokens after 3,072..6,144 cached ones, the flash kernel
+against torch's flash (where the kernel's AVX2 form leaves large chunks to torch).
+
 Usage: PYTHONPATH=. .venv/bin/python benchmarks/bench_flash_prefill.py [THREADS] [CHUNK]
-           [--dtype bfloat16|float32] [--crossover]
+           [--dtype bfloat16|float32] [--crossover | --long-context]
 Prints ms per call (best of N, the paths' calls interleaved), GFLOP/s (4 * D * visible query-key
 pairs * H) and the ratios.
 """
@@ -97,22 +100,39 @@ def crossover(dtype: torch.dtype) -> None:
                   f"{best[1] / best[0]:12.2f} {best[2] / best[0]:12.2f}")
 
 
+def long_context(dtype: torch.dtype) -> None:
+    """Chunks of 32..1,024 tokens after 3,072..6,144 cached ones, the flash kernel against torch's
+    flash: where FLASH_AVX2_MAX_PAIRS leaves chunks to torch on the kernel's AVX2 form."""
+    scale = D**-0.5
+    print(f"{'chunk':>16} {'flash ms':>9} {'torch ms':>9} {'torch/flash':>12}")
+    for ctx in (3072, 4096, 6144):
+        for qlen in (32, 128, 512, 1024):
+            q, kv, d = case(ctx, qlen, dtype)
+            n = max(3, min(20, int(2e8 / flops(ctx, qlen))))
+            best = best_of([lambda: flash_prefill(q, kv, d.blocks, 0, qlen, d.seq_len, scale),
+                            lambda: dense_attention_sdpa(q, kv, d, scale, 1.0, 1.0)], n)
+            print(f"{f'{qlen} after {ctx}':>16} {best[0] * 1e3:9.2f} {best[1] * 1e3:9.2f} {best[1] / best[0]:12.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("threads", type=int, nargs="?")
     ap.add_argument("chunk", type=int, nargs="?", default=PROMPT)
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     ap.add_argument("--crossover", action="store_true")
+    ap.add_argument("--long-context", action="store_true")
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     if not flash_runs(dtype, dtype, D):
-        sys.exit(f"the native flash kernel does not run {args.dtype} here (needs AVX-512, and BF16 for bfloat16)")
+        sys.exit(f"the native flash kernel does not run {args.dtype} here (needs AVX-512 or AVX2 + FMA, and AVX-512 BF16 for bfloat16)")
     print(f"H {H}, KVH {KVH}, D {D}, block {BS}, {args.dtype}, {torch.get_num_threads()} threads")
     if args.crossover:
         crossover(dtype)
+    elif args.long_context:
+        long_context(dtype)
     else:
         prompt_chunks(args.chunk, dtype)
 

@@ -48,6 +48,15 @@ DENSE_MIN_PAIRS = 1 << 20
 # for 256 tokens after 1,024; float32 (benchmarks/bench_flash_prefill.py --crossover) 0.9x at 16
 # tokens, 1.3x at 32 (2.9x after 256 cached), 2.2x at 64, 2.8x at 128, 3-4.6x at 256-512.
 FLASH_MIN_TOKENS = {torch.bfloat16: 64, torch.float32: 32}
+# The kernel's AVX2 form (8-lane float32 FMAs; CPUs without AVX-512) keeps about 70 % of the FMA
+# rate at every size (43-47 GFLOP/s on a 2-core Zen host whose float32 GEMM peak is 60-75), while
+# torch's flash attention gains on large chunks. Measured there (bench_flash_prefill.py 2 --dtype
+# float32 [--crossover | --long-context]; torch / native time, results/avx2_flash_prefill.txt):
+# 1.05-3x for chunks of 16-512 tokens after 0-2,048, 0.96-1.7x for 32-512 after 3,072-6,144, but
+# 0.88-1.02x for 1,024 after 3,072-6,144, 0.89x for 2,048 after 2,048, 0.83x for 856 after 6,144
+# and 0.95x for 7,000 after 0. So on that form, chunks of at least this many query-key pairs
+# (query tokens x keys) without a sliding window (which torch runs as a masked SDPA) take torch's.
+FLASH_AVX2_MAX_PAIRS = 1 << 22
 
 
 def _cpu_signature() -> str:
@@ -147,17 +156,18 @@ def kv_cache_write(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slo
 
 
 # The flash kernel's entry point for each query and cache element type (flash_attention.c); the
-# bf16 one exists where the CPU has AVX-512 BF16, the fp32 one wherever it has AVX-512F.
+# bf16 one exists where the CPU has AVX-512 BF16, the fp32 one wherever it has AVX-512F or AVX2 + FMA.
 _FLASH_FUNCTIONS = {torch.float32: "flash_prefill_f32", torch.bfloat16: "flash_prefill_bf16"}
 
 
 @lru_cache(maxsize=1)
 def load_flash() -> ctypes.CDLL | None:
     """The flash-attention kernel for long prompt chunks (flash_attention.c), or None where the CPU
-    lacks AVX-512, it cannot be built, or PAGEDLLM_NATIVE_FLASH=0."""
+    has neither AVX-512 nor AVX2 + FMA, it cannot be built, or PAGEDLLM_NATIVE_FLASH=0."""
     i64, p, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     signature = ([p, i64, i64, i64, i64, p, p, p, i64, i64, i64, i64, f32, i64, p], None)
-    lib = load_native(_FLASH_SRC, "PAGEDLLM_NATIVE_FLASH", {_FLASH_FUNCTIONS[torch.float32]: signature})
+    lib = load_native(_FLASH_SRC, "PAGEDLLM_NATIVE_FLASH", {_FLASH_FUNCTIONS[torch.float32]: signature,
+                                                            "flash_lanes": ([], ctypes.c_int)})
     if lib is not None and hasattr(lib, _FLASH_FUNCTIONS[torch.bfloat16]):
         f = getattr(lib, _FLASH_FUNCTIONS[torch.bfloat16])
         f.argtypes, f.restype = signature
@@ -184,9 +194,20 @@ def dense_thresholds(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -
     return DENSE_MIN_TOKENS, DENSE_MIN_PAIRS
 
 
-def flash_supported(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """Whether flash_prefill can run this chunk (CPU tensors; see flash_runs)."""
-    return q.device.type == "cpu" and flash_runs(q.dtype, kv_cache.dtype, q.shape[-1])
+def flash_takes(query_len: int, seq_len: int, sliding_window: int = 0) -> bool:
+    """Whether a chunk the kernel can run should run there rather than in torch's flash attention:
+    always with the AVX-512 form; with the AVX2 form, below FLASH_AVX2_MAX_PAIRS or with a window."""
+    lib = load_flash()
+    return (lib is not None and (lib.flash_lanes() == 16 or sliding_window > 0
+                                 or query_len * seq_len < FLASH_AVX2_MAX_PAIRS))
+
+
+def flash_supported(q: torch.Tensor, kv_cache: torch.Tensor, query_len: int, seq_len: int,
+                    sliding_window: int = 0) -> bool:
+    """Whether flash_prefill runs this chunk of `query_len` tokens over `seq_len` keys (CPU tensors;
+    see flash_runs and flash_takes)."""
+    return (q.device.type == "cpu" and flash_runs(q.dtype, kv_cache.dtype, q.shape[-1])
+            and flash_takes(query_len, seq_len, sliding_window))
 
 
 def flash_prefill(q: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor, query_start: int,

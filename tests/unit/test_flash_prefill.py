@@ -16,8 +16,8 @@ log2 domain x = s * scale * log2(e) - m adds two roundings (of the constant and 
 few u), so each weight is within delta = ln 2 * c * S * (g(D) + 4u) + 4u (relative) of the exact
 one; the running-max rescales multiply the output and the sum alike and cancel in their ratio. The
 normalized weights are then within 2 delta, which moves the output by 2 delta max|v|; the sums over
-the n keys (weights, and P V with a rescale per key tile) add g(2n + n / 64) max|v|, the final
-division 2u max|v|. The reference is computed in float64.
+the n keys (weights, and P V with a rescale per key tile: 64 keys, 32 in the AVX2 form) add
+g(2n + n / 32) max|v|, the final division 2u max|v|. The reference is computed in float64.
 """
 
 from __future__ import annotations
@@ -26,14 +26,15 @@ import pytest
 import torch
 
 from pagedllm.attention.cpu_kernel import (
-    _FLASH_SRC, FLASH_MIN_TOKENS, dense_thresholds, flash_prefill, flash_runs, load_flash, load_native,
+    _FLASH_SRC, FLASH_AVX2_MAX_PAIRS, FLASH_MIN_TOKENS, dense_thresholds, flash_prefill, flash_runs, flash_supported,
+    load_flash, load_native,
 )
 from pagedllm.attention.metadata import DenseAttention
 from pagedllm.attention.torch_backend import dense_attention, dense_attention_sdpa
 
 TOL = 3 * 2**-9 + 1e-4
 U = 2.0**-24
-pytestmark = pytest.mark.skipif(load_flash() is None, reason="no C compiler or no AVX-512")
+pytestmark = pytest.mark.skipif(load_flash() is None, reason="no C compiler, or neither AVX-512 nor AVX2 + FMA")
 needs_bf16 = pytest.mark.skipif(not flash_runs(torch.bfloat16, torch.bfloat16, 64), reason="no AVX-512 BF16")
 
 # (H, KVH, D, block size, cached tokens, chunk tokens, sliding window)
@@ -87,7 +88,7 @@ def fp32_bound(q, kv, blocks, seq_len, scale, vmax):
 
     c = scale * 1.4426950408889634
     delta = 0.6931471805599453 * c * S * (g(D) + 4 * U) + 4 * U
-    return (2 * delta + g(2 * seq_len + seq_len / 64) + 2 * U) * vmax
+    return (2 * delta + g(2 * seq_len + seq_len / 32) + 2 * U) * vmax
 
 
 @pytest.mark.parametrize("H, KVH, D, bs, ctx, n, window", CASES)
@@ -152,8 +153,45 @@ def test_flash_reads_queries_in_place_from_a_wider_row(dtype):
                        flash_prefill(q, kv, blocks, 3, n, seq_len, D**-0.5))
 
 
+def test_dense_attention_takes_flash_for_fp32_and_agrees_with_torch_flash():
+    H, KVH, D, bs, ctx, n = 9, 3, 64, 16, 200, 300
+    q, kv, blocks, seq_len = make_case(7, H, KVH, D, bs, ctx, n, q_start=0, dtype=torch.float32)
+    d = DenseAttention(0, n, blocks, seq_len)
+    ours = dense_attention(q, kv, d, D**-0.5, 1.0, 1.0)
+    assert torch.equal(ours, flash_prefill(q, kv, blocks, 0, n, seq_len, D**-0.5))
+    torch.testing.assert_close(ours, dense_attention_sdpa(q, kv, d, D**-0.5, 1.0, 1.0), rtol=1e-4, atol=1e-5)
+    # Mixed and other caches keep torch's path (the kernel takes bf16 or float32 throughout).
+    assert not flash_runs(torch.float32, torch.bfloat16, D) and not flash_runs(torch.float16, torch.float16, D)
+    assert not flash_runs(torch.float32, torch.float32, 72)  # head size not a multiple of 16
+    assert dense_thresholds(torch.float32, torch.float32, D) == (FLASH_MIN_TOKENS[torch.float32], 0)
+    with pytest.raises(RuntimeError, match="does not run"):
+        flash_prefill(q, kv.to(torch.float16), blocks, 0, n, seq_len, D**-0.5)
+
+
+def test_the_avx2_form_leaves_the_largest_chunks_to_torch_flash(monkeypatch):
+    """Where the kernel is the 8-lane form, chunks of FLASH_AVX2_MAX_PAIRS query-key pairs or more
+    (without a sliding window) run torch's flash, which is faster there; the AVX-512 form takes
+    every chunk."""
+    q, kv = torch.zeros(4, 9, 64), torch.zeros(2, 4, 16, 3, 64)
+    lib = load_flash()
+    big = FLASH_AVX2_MAX_PAIRS // 4096
+    for lanes, large in ((8, False), (16, True)):
+        monkeypatch.setattr(lib, "flash_lanes", lambda lanes=lanes: lanes)
+        assert flash_supported(q, kv, 2048, 1024)  # 2M pairs
+        assert flash_supported(q, kv, big, 4096) is large
+        assert flash_supported(q, kv, 7000, 7000) is large
+        assert flash_supported(q, kv, 7000, 7000, sliding_window=4096)  # torch would mask a full SDPA
+    assert not flash_supported(q.half(), kv.half(), 64, 64)
+
+
+def test_the_build_reports_its_form():
+    from pagedllm.hardware import cpu_flags
+
+    assert load_flash().flash_lanes() == (16 if "avx512f" in cpu_flags() else 8)
+
+
 @needs_bf16
-def test_dense_attention_takes_flash_for_bf16_and_fp32_and_agrees_with_torch_flash():
+def test_dense_attention_takes_flash_for_bf16_and_agrees_with_torch_flash():
     H, KVH, D, bs, ctx, n = 9, 3, 64, 16, 200, 300
     q, kv, blocks, seq_len = make_case(7, H, KVH, D, bs, ctx, n, q_start=0)
     d = DenseAttention(0, n, blocks, seq_len)
@@ -163,16 +201,8 @@ def test_dense_attention_takes_flash_for_bf16_and_fp32_and_agrees_with_torch_fla
     # torch's bf16 flash also rounds P and its output to bf16: the two paths within both bounds.
     torch.testing.assert_close(ours.float(), dense_attention_sdpa(q, kv, d, D**-0.5, 1.0, 1.0).float(),
                                rtol=0, atol=2 * TOL * vmax)
-    q32, kv32 = q.float(), kv.float()
-    ours32 = dense_attention(q32, kv32, d, D**-0.5, 1.0, 1.0)
-    assert torch.equal(ours32, flash_prefill(q32, kv32, blocks, 0, n, seq_len, D**-0.5))
-    torch.testing.assert_close(ours32, dense_attention_sdpa(q32, kv32, d, D**-0.5, 1.0, 1.0), rtol=1e-4, atol=1e-5)
-    # Mixed and other caches keep torch's path (the kernel takes bf16 or float32 throughout).
-    assert not flash_runs(torch.float32, torch.bfloat16, D) and not flash_runs(torch.float16, torch.float16, D)
-    assert not flash_runs(torch.float32, torch.float32, 72)  # head size not a multiple of 16
-    assert dense_thresholds(torch.float32, torch.float32, D) == (FLASH_MIN_TOKENS[torch.float32], 0)
     with pytest.raises(RuntimeError, match="does not run"):
-        flash_prefill(q32, kv, blocks, 0, n, seq_len, D**-0.5)
+        flash_prefill(q.float(), kv, blocks, 0, n, seq_len, D**-0.5)
 
 
 def test_switch_turns_the_kernel_off(monkeypatch):
@@ -216,7 +246,7 @@ def test_engine_long_prompt_agrees_with_torch_flash(dtype, tiny_llama_dir, monke
     monkeypatch.setattr(torch_backend, "flash_prefill", lambda *a, **k: calls.append(1) or real(*a, **k))
     ours, ours_tokens = run()
     assert calls, "the 480-token chunk did not take the native flash kernel"
-    monkeypatch.setattr(torch_backend, "flash_supported", lambda q, kv: False)
+    monkeypatch.setattr(torch_backend, "flash_supported", lambda *a: False)
     ref, ref_tokens = run()
     assert list(ours_tokens) == list(ref_tokens)
     diff = (ours - ref).abs()

@@ -5,13 +5,16 @@
  *   bfloat16 queries and cache (PK = 2, AVX-512 BF16): a word is a pair of bf16, and one vdpbf16ps
  *     of a broadcast word against 16 words adds two products per lane;
  *   float32 queries and cache (PK = 1, AVX-512F): a word is one float, and one vfmadd231ps of a
- *     broadcast float against 16 floats adds one product per lane.
+ *     broadcast float against 16 floats adds one product per lane;
+ *   float32 on CPUs with AVX2 + FMA only: the same with 8 lanes, key tiles of KT = 32 and register
+ *     blocks of 3 rows (see below); the packing, the work items and the order of every row's sums
+ *     over key tiles are shared.
  *
  * The chunk's query tokens sit at positions ctx0 .. seq_len - 1 (ctx0 = seq_len - query_len) and
  * see keys 0 .. their own position (and, with a sliding window, only keys > position - window).
  *
- * 1. Packing (parallel over KV heads x key tiles of KT = 64 keys): each tile of K is stored as
- *    kp[D/PK][KT] words (word i of key j: k[j][PK i .. PK i + PK - 1]), so that one multiply-add
+ * 1. Packing (parallel over KV heads x key tiles of KT = 64 keys, 32 on AVX2): each tile of K is
+ *    stored as kp[D/PK][KT] words (word i of key j: k[j][PK i .. PK i + PK - 1]), so that one multiply-add
  *    of a broadcast query word against 16 consecutive words adds PK terms of the scores of one
  *    query row against 16 keys, keys across lanes, no horizontal reduction. Each tile of V is
  *    stored as vp[KT/PK][D] words (word d of key group t: v[PK t .. PK t + PK - 1][d]), so that
@@ -20,10 +23,11 @@
  * 2. Attention (parallel over KV heads x query tiles, the longest tiles first): a query tile is
  *    TQ tokens x the G query heads sharing the KV head (rows token-major), so each packed K/V
  *    tile serves G heads. For every key tile the rows go 4 at a time: 4 x 64 scores in 16
- *    registers (each K load feeds 4 rows, each query broadcast 4 key vectors), scaled, masked
- *    only on tiles that cross a row's causal limit or window edge, online softmax (running max
- *    and sum per row, the float32 output rows rescaled when the max grows), then P (rounded to
- *    bfloat16 for PK = 2) and P V accumulated into the rows' float32 outputs. Key tiles wholly
+ *    registers (each K load feeds 4 rows, each query broadcast 4 key vectors; AVX2: 3 rows x 32
+ *    keys in 12), scaled, masked only on tiles that cross a row's causal limit or window edge,
+ *    online softmax (running max and sum per row, the float32 output rows rescaled when the max
+ *    grows), then P (rounded to bfloat16 for PK = 2) and P V accumulated into the rows' float32
+ *    outputs. Key tiles wholly
  *    after the tile's last position (or before its window) are skipped. Each row's result depends
  *    on its own query, position and the keys only, not on the other rows of the call.
  *
@@ -48,21 +52,24 @@
 
 #include "bf16.h"
 
+/* Register blocking per ISA: AVX-512 keeps RB x KT / 16 = 16 score vectors of 16 lanes; AVX2 + FMA
+ * (float32 only: PK = 1) keeps 3 rows x 4 vectors of 8 lanes, 12 of its 16 ymm registers, beside
+ * the 4 key vectors of the step (one of which the compiler may read as a memory operand). */
 #if defined(__AVX512F__)
+#define FLASH_LANES 16
+#define KT 64 /* keys per tile */
+#define RB 4  /* query rows per register block */
+#elif defined(__AVX2__) && defined(__FMA__)
+#define FLASH_LANES 8
+#define KT 32
+#define RB 3
+#endif
+
+#if defined(FLASH_LANES)
 #include <immintrin.h>
 
-#define KT 64        /* keys per tile */
-#define RB 4         /* query rows per register block */
 #define ROWS_MAX 128 /* query rows (tokens x G) per work item */
 #define NEG_BIG (-1e30f)
-
-/* acc + a b over the PK elements of each 32-bit word, lane by lane. */
-static inline __attribute__((always_inline)) __m512 madd(__m512 acc, __m512i a, __m512i b, const int PK) {
-#if defined(__AVX512BF16__)
-    if (PK == 2) return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
-#endif
-    return _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), acc);
-}
 
 static inline __attribute__((always_inline)) void pack_tile(
     uint32_t *restrict kp, uint32_t *restrict vp, const void *k_cache, const void *v_cache, const int64_t *blocks,
@@ -84,6 +91,15 @@ static inline __attribute__((always_inline)) void pack_tile(
             memset(vp + j * D, 0, (size_t)D * 4);
         }
     }
+}
+
+#if defined(__AVX512F__)
+/* acc + a b over the PK elements of each 32-bit word, lane by lane. */
+static inline __attribute__((always_inline)) __m512 madd(__m512 acc, __m512i a, __m512i b, const int PK) {
+#if defined(__AVX512BF16__)
+    if (PK == 2) return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+#endif
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), acc);
 }
 
 /* 2^x for x <= 0 on 16 lanes: 2^n 2^r with |r| <= 1/2 and a Taylor polynomial of e^(r ln 2), of
@@ -204,6 +220,109 @@ static inline __attribute__((always_inline)) void tile_rows(
     }
 }
 
+#else
+/* 2^x for x <= 0 on 8 lanes, float32 weights: 2^n 2^r with |r| <= 1/2 and the degree-7 polynomial
+ * of the AVX-512 form (relative error below 1e-8); 2^n is built in the exponent field, and x below
+ * -126.5 gives 0 (those weights are under 2^-126 of the row's largest). */
+static inline __attribute__((always_inline)) __m256 exp2_weights8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-127.f));
+    const __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 r = _mm256_sub_ps(x, n);
+    __m256 p = _mm256_set1_ps(1.5252734e-5f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.5403530e-4f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3333558e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(9.6181291e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.5504109e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(2.4022651e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(6.9314718e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e)); /* n = -127: a zero exponent field, 0 */
+}
+
+/* One key tile for RB rows, float32 (PK = 1), as the AVX-512 form: scores with keys across lanes,
+ * online softmax, P V; visibility as all-ones lanes. */
+static inline __attribute__((always_inline)) void tile_rows(
+    const int D, const int PK, const uint32_t *const *qr, const int64_t *pos, const uint32_t *restrict kp,
+    const uint32_t *restrict vp, const int64_t k0, const int masked, const int64_t window, const float scale2,
+    float *restrict o, float *restrict m, float *restrict l) {
+    (void)PK;
+    __m256 s[RB][KT / 8];
+    for (int r = 0; r < RB; r++)
+        for (int v = 0; v < KT / 8; v++) s[r][v] = _mm256_setzero_ps();
+    for (int i = 0; i < D; i++) {
+        __m256 b[KT / 8];
+        for (int v = 0; v < KT / 8; v++) b[v] = _mm256_loadu_ps((const float *)(kp + i * KT + 8 * v));
+        for (int r = 0; r < RB; r++) {
+            const __m256 a = _mm256_broadcast_ss((const float *)qr[r] + i);
+            for (int v = 0; v < KT / 8; v++) s[r][v] = _mm256_fmadd_ps(a, b[v], s[r][v]);
+        }
+    }
+    const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 neg = _mm256_set1_ps(NEG_BIG);
+    float pw[RB][KT] __attribute__((aligned(32)));
+    float alpha[RB];
+    for (int r = 0; r < RB; r++) {
+        __m256 vis[KT / 8];
+        __m256 mx = neg;
+        int any = 0;
+        for (int v = 0; v < KT / 8; v++) {
+            vis[v] = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+            if (masked) {
+                const __m256i keys = _mm256_add_epi32(iota, _mm256_set1_epi32((int)(k0 + 8 * v)));
+                const __m256i pr = _mm256_set1_epi32((int)pos[r]);
+                __m256i hidden = _mm256_cmpgt_epi32(keys, pr);
+                if (window > 0) /* keys <= pos - window are outside the window */
+                    hidden = _mm256_or_si256(
+                        hidden, _mm256_cmpgt_epi32(_mm256_sub_epi32(pr, _mm256_set1_epi32((int)window - 1)), keys));
+                vis[v] = _mm256_castsi256_ps(_mm256_xor_si256(hidden, _mm256_set1_epi32(-1)));
+            }
+            any |= _mm256_movemask_ps(vis[v]);
+            mx = _mm256_max_ps(mx, _mm256_blendv_ps(neg, s[r][v], vis[v]));
+        }
+        alpha[r] = 1.f;
+        if (!any) {
+            memset(pw[r], 0, sizeof(pw[r]));
+            continue;
+        }
+        const float tmax = lane_max8(mx) * scale2;
+        if (tmax > m[r]) {
+            alpha[r] = exp2f(m[r] - tmax);
+            m[r] = tmax;
+        }
+        const __m256 mr = _mm256_set1_ps(m[r]), sc = _mm256_set1_ps(scale2);
+        __m256 sum = _mm256_setzero_ps();
+        for (int v = 0; v < KT / 8; v++) {
+            const __m256 p = _mm256_and_ps(vis[v], exp2_weights8(_mm256_fmsub_ps(s[r][v], sc, mr)));
+            _mm256_store_ps(pw[r] + 8 * v, p);
+            sum = _mm256_add_ps(sum, p);
+        }
+        l[r] = l[r] * alpha[r] + lane_sum8(sum);
+    }
+    for (int c0 = 0; c0 < D; c0 += 32) {
+        const int CV = (D - c0 >= 32 ? 32 : D - c0) / 8;
+        __m256 acc[RB][4];
+        for (int r = 0; r < RB; r++) {
+            const __m256 al = _mm256_set1_ps(alpha[r]);
+            for (int v = 0; v < CV; v++) {
+                acc[r][v] = _mm256_loadu_ps(o + r * D + c0 + 8 * v);
+                if (alpha[r] != 1.f) acc[r][v] = _mm256_mul_ps(acc[r][v], al);
+            }
+        }
+        for (int t = 0; t < KT; t++) {
+            __m256 b[4];
+            for (int v = 0; v < CV; v++) b[v] = _mm256_loadu_ps((const float *)(vp + t * D + c0 + 8 * v));
+            for (int r = 0; r < RB; r++) {
+                const __m256 a = _mm256_broadcast_ss(pw[r] + t);
+                for (int v = 0; v < CV; v++) acc[r][v] = _mm256_fmadd_ps(a, b[v], acc[r][v]);
+            }
+        }
+        for (int r = 0; r < RB; r++)
+            for (int v = 0; v < CV; v++) _mm256_storeu_ps(o + r * D + c0 + 8 * v, acc[r][v]);
+    }
+}
+#endif
+
 /* Key tiles are visited for the work item's rows [0, nrows) (a multiple of RB). */
 static inline __attribute__((always_inline)) void work_item(
     const int D, const int PK, const uint32_t *const *qrow, const int64_t *pos, int nrows, const uint32_t *kp_head,
@@ -225,6 +344,20 @@ static inline __attribute__((always_inline)) void work_item(
                       o + r0 * D, m + r0, l + r0);
         }
     }
+}
+
+/* A row's output: its float32 sums times 1 / l, stored as float32 (PK = 1) or bfloat16 (PK = 2). */
+static inline __attribute__((always_inline)) void finish_row(const float *o, float inv, void *dst, int64_t D,
+                                                             const int PK) {
+    if (PK == 1) {
+        for (int64_t d = 0; d < D; d++) ((float *)dst)[d] = o[d] * inv;
+        return;
+    }
+#if defined(__AVX512BF16__)
+    for (int64_t d = 0; d < D; d += 16)
+        _mm256_storeu_si256((__m256i *)((uint16_t *)dst + d),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o + d), _mm512_set1_ps(inv))));
+#endif
 }
 
 /* The whole call for elements of 4 / PK bytes (q, k_cache, v_cache and out of that type). */
@@ -278,24 +411,17 @@ static inline __attribute__((always_inline)) void flash_prefill(
                 work_item((int)D, PK, qrow, pos, nrows, kh, vh, ntiles, window, scale, o, m, l);
             for (int r = 0; r < (int)(tn * G); r++) {
                 const int64_t tok = t0 + r / G, head = h * G + r % G;
-                const __m512 inv = _mm512_set1_ps(l[r] > 0.f ? 1.f / l[r] : 0.f);
-                for (int64_t d = 0; d < D; d += 16) {
-                    const __m512 y = _mm512_mul_ps(_mm512_loadu_ps(o + r * D + d), inv);
-                    if (PK == 1) {
-                        _mm512_storeu_ps((float *)out + (tok * H + head) * D + d, y);
-                    } else {
-#if defined(__AVX512BF16__)
-                        _mm256_storeu_si256((__m256i *)((uint16_t *)out + (tok * H + head) * D + d),
-                                            (__m256i)_mm512_cvtneps_pbh(y));
-#endif
-                    }
-                }
+                const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+                finish_row(o + r * D, inv, (char *)out + (tok * H + head) * D * esize, D, PK);
             }
         }
         free(o), free(m), free(l), free(qrow), free(pos);
     }
     free(kp), free(vp);
 }
+
+/* The float32 lanes of this build's form: 16 (AVX-512) or 8 (AVX2 + FMA). */
+int flash_lanes(void) { return FLASH_LANES; }
 
 void flash_prefill_f32(const float *q, int64_t q_start, int64_t q_stride, int64_t query_len, int64_t seq_len,
                        const float *k_cache, const float *v_cache, const int64_t *blocks, int64_t BS, int64_t H,
