@@ -4,9 +4,11 @@ ops (each a full pass and an allocation) of the reference formulas; bf16 with th
 points, float32 with each product and sum rounded as torch rounds it (see the C file).
 
 Each function returns None when the kernel does not apply (neither bf16 nor float32, not on the
-CPU, a row size that is not a multiple of 16, no AVX-512, no compiler); the caller then runs the
-torch formula. Without AVX-512 the file still gives the fused decode step its float32 row functions,
-as plain loops (nothing is exported, so the torch path keeps torch's ops there). The function names keep their bf16 origin; they serve both dtypes.
+CPU, a row size that is not a multiple of 16, no compiler, bf16 without AVX-512, float32 without
+AVX-512 or AVX2 + FMA); the caller then runs the torch formula. Where the CPU has AVX2 + FMA but no
+AVX-512 the float32 ops run in 8-lane forms with the same rounding points; with neither, the file
+still gives the fused decode step its float32 row functions, as plain loops, and exports nothing.
+The function names keep their bf16 origin; they serve both dtypes.
 """
 
 from __future__ import annotations
@@ -22,18 +24,33 @@ from pagedllm.attention.cpu_kernel import load_native
 ELEMENTWISE_SRC = Path(__file__).parent / "csrc" / "elementwise_bf16.c"  # also included by the fused decode step
 
 
+_SIGNATURES = {
+    "rms_norm": ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                  ctypes.c_int64, ctypes.c_float, ctypes.c_void_p], ctypes.c_int),
+    "silu_mul": ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p], ctypes.c_int),
+    "rope": ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+              ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p], ctypes.c_int),
+}
+
+
 @lru_cache(maxsize=1)
 def load_elementwise_kernel() -> ctypes.CDLL | None:
-    """The compiled kernel where the CPU has AVX-512 (else None: torch runs the ops)."""
-    i64, p, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    return load_native(ELEMENTWISE_SRC, "PAGEDLLM_NATIVE_ELEMENTWISE", {
-        "rms_norm_bf16": ([p, i64, p, p, p, i64, i64, ctypes.c_float, p], i32),
-        "silu_mul_bf16": ([p, i64, i64, i64, p], i32),
-        "rope_bf16": ([p, i64, i64, i64, i64, p, p, p, i64, p], i32),
-        "rms_norm_f32": ([p, i64, p, p, p, i64, i64, ctypes.c_float, p], i32),
-        "silu_mul_f32": ([p, i64, i64, i64, p], i32),
-        "rope_f32": ([p, i64, i64, i64, i64, p, p, p, i64, p], i32),
-    })
+    """The compiled kernel where the CPU has AVX-512, or AVX2 + FMA (float32 functions only; the
+    bf16 ones need AVX-512); else None and torch runs the ops."""
+    lib = load_native(ELEMENTWISE_SRC, "PAGEDLLM_NATIVE_ELEMENTWISE",
+                      {f"{op}_f32": sig for op, sig in _SIGNATURES.items()})
+    if lib is not None and hasattr(lib, "rms_norm_bf16"):
+        for op, (argtypes, restype) in _SIGNATURES.items():
+            f = getattr(lib, f"{op}_bf16")
+            f.argtypes, f.restype = argtypes, restype
+    return lib
+
+
+def _function(op: str, dtype: torch.dtype):
+    """The kernel's entry point of `op` for `dtype` (bf16 or float32), or None where it has none."""
+    lib = load_elementwise_kernel()
+    name = f"{op}_bf16" if dtype == torch.bfloat16 else f"{op}_f32"
+    return getattr(lib, name, None) if lib is not None else None
 
 
 _FLOATS = (torch.bfloat16, torch.float32)
@@ -52,12 +69,11 @@ def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if (not _rows_ok(x, N) or weight.dtype != x.dtype or not weight.is_contiguous()
             or (add is not None and (add.shape != x.shape or add.dtype != x.dtype or not add.is_contiguous()))):
         return None
-    lib = load_elementwise_kernel()
-    if lib is None:
+    fn = _function("rms_norm", x.dtype)
+    if fn is None:
         return None
     y = torch.empty(T, N, dtype=x.dtype)
     h = x if add is None else torch.empty(T, N, dtype=x.dtype)
-    fn = lib.rms_norm_bf16 if x.dtype == torch.bfloat16 else lib.rms_norm_f32
     rc = fn(x.data_ptr(), x.stride(0), 0 if add is None else add.data_ptr(),
                            0 if add is None else h.data_ptr(), weight.data_ptr(), T, N, eps, y.data_ptr())
     return None if rc else (h, y)
@@ -70,11 +86,10 @@ def silu_mul_bf16(x: torch.Tensor) -> torch.Tensor | None:
     T, inter = x.shape[0], x.shape[1] // 2
     if not _rows_ok(x, inter):
         return None
-    lib = load_elementwise_kernel()
-    if lib is None:
+    fn = _function("silu_mul", x.dtype)
+    if fn is None:
         return None
     y = torch.empty(T, inter, dtype=x.dtype)
-    fn = lib.silu_mul_bf16 if x.dtype == torch.bfloat16 else lib.silu_mul_f32
     return None if fn(x.data_ptr(), x.stride(0), T, inter, y.data_ptr()) else y
 
 
@@ -89,12 +104,11 @@ def rope_bf16(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: 
             or not sin.is_contiguous() or positions.dtype != torch.int64 or not positions.is_contiguous()
             or positions.shape != (x.shape[0],) or cos.shape != sin.shape or cos.shape[1] != head_dim):
         return None
-    lib = load_elementwise_kernel()
-    if lib is None:
+    fn = _function("rope", x.dtype)
+    if fn is None:
         return None
     T, W = x.shape
     y = torch.empty(T, W, dtype=x.dtype)
-    fn = lib.rope_bf16 if x.dtype == torch.bfloat16 else lib.rope_f32
     rc = fn(x.data_ptr(), x.stride(0), T, W, head_dim, positions.data_ptr(), cos.data_ptr(),
                        sin.data_ptr(), cos.shape[0], y.data_ptr())
     return None if rc else y

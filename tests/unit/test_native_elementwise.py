@@ -16,7 +16,9 @@ from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.native_elementwise import load_elementwise_kernel, rms_norm_bf16, silu_mul_bf16
 from pagedllm.layers.rmsnorm import RMSNorm
 
-pytestmark = pytest.mark.skipif(load_elementwise_kernel() is None, reason="no AVX-512 or no C compiler")
+pytestmark = pytest.mark.skipif(load_elementwise_kernel() is None, reason="neither AVX-512 nor AVX2 + FMA, or no C compiler")
+needs_bf16 = pytest.mark.skipif(not hasattr(load_elementwise_kernel(), "rms_norm_bf16"),
+                                reason="the bf16 kernels need AVX-512")
 
 
 def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -35,6 +37,7 @@ def reference_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor
     return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(torch.bfloat16)
 
 
+@needs_bf16
 @pytest.mark.parametrize("rows", [1, 7, 300])
 def test_rms_norm_and_residual_add_match_reference_rounding(rows):
     g = torch.Generator().manual_seed(rows)
@@ -52,6 +55,7 @@ def test_rms_norm_and_residual_add_match_reference_rounding(rows):
     assert_close_ulp(y2, reference_norm(wide[:, :576], norm.weight, 1e-5))
 
 
+@needs_bf16
 def test_silu_mul_matches_reference_rounding():
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(33, 2 * 1536, generator=g) * 4).bfloat16()
@@ -69,6 +73,7 @@ def test_fallbacks_when_the_kernel_does_not_apply():
     torch.testing.assert_close(norm(x), reference_norm(x, norm.weight, 1e-6), atol=0, rtol=0)
 
 
+@needs_bf16
 def test_rope_matches_reference_rounding_on_fused_and_separate_qk():
     from types import SimpleNamespace
 

@@ -113,6 +113,33 @@ static inline float lane_max8(__m256 a) {
     return _mm_cvtss_f32(_mm_max_ss(q, _mm_movehdup_ps(q)));
 }
 
+/* e^x on 8 lanes, exp512's method (2^n e^r, degree-6 polynomial), 2^n built in the exponent bits;
+ * inputs are clamped to [-87, 88]. */
+static inline __m256 exp256(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+    x = _mm256_min_ps(x, _mm256_set1_ps(88.f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.f / 720.f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* a * b on 8 lanes, rounded as written: the compiler cannot contract it with a later add into an
+ * FMA (-ffast-math allows that for _mm256_mul_ps), so callers keep torch's rounding points. */
+static inline __m256 mul_rn8(__m256 a, __m256 b) {
+    __asm__("vmulps %1, %0, %0" : "+x"(a) : "x"(b));
+    return a;
+}
+
 /* The sum of a's 8 int32 lanes (exact, wrapping as int32 does). */
 static inline int32_t lane_sum8_epi32(__m256i a) {
     __m128i q = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));

@@ -284,24 +284,7 @@ static inline __attribute__((always_inline)) void decode_rows(
 
 enum { KM_F32 = 0, KM_BF16DP = 1, KM_CONV = 2 };
 
-/* e^x on 8 lanes, exp512's method (2^n e^r, degree-6 polynomial), 2^n built in the exponent bits. */
-static inline __m256 exp256(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-    x = _mm256_min_ps(x, _mm256_set1_ps(88.f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.f / 720.f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
+/* exp256: bf16.h */
 
 /* Lane t of the result = the sum of a[t]'s 8 lanes, ((0+1)+(2+3)) + ((4+5)+(6+7)). */
 static inline __attribute__((always_inline)) __m256 lane_sums8(const __m256 a[8]) {

@@ -139,15 +139,6 @@ static inline void rms_norm_f32_row(const float *xr, const float *add, float *hr
     }
 }
 
-/* h = x + add (written to h_out) when add is given, else h = x; y = w * (h * rsqrt(mean(h^2) + eps)). */
-int rms_norm_f32(const float *x, int64_t ldx, const float *add, float *h_out, const float *w, int64_t T, int64_t N,
-                 float eps, float *y) {
-#pragma omp parallel for schedule(static) if (T * N >= ELEMENTWISE_PARALLEL_MIN)
-    for (int64_t t = 0; t < T; t++)
-        rms_norm_f32_row(x + t * ldx, add ? add + t * N : 0, add ? h_out + t * N : 0, w, N, eps, y + t * N);
-    return 0;
-}
-
 /* y[i] = silu(g[i]) * u[i] for i in [lo, hi), any range (the last lanes masked); the fused decode
  * step calls it on its threads' shares of the gate rows. */
 static inline void silu_mul_f32_span(const float *g, const float *u, int64_t lo, int64_t hi, float *y) {
@@ -158,13 +149,6 @@ static inline void silu_mul_f32_span(const float *g, const float *u, int64_t lo,
                                                           exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
         _mm512_mask_storeu_ps(y + i, k, _mm512_mul_round_ps(sv, _mm512_maskz_loadu_ps(k, u + i), RN));
     }
-}
-
-/* x [T, 2I] rows [gate | up] with row stride ldx; y [T, I] = silu(gate) * up. */
-int silu_mul_f32(const float *x, int64_t ldx, int64_t T, int64_t I, float *y) {
-#pragma omp parallel for schedule(static) if (T * I >= ELEMENTWISE_PARALLEL_MIN)
-    for (int64_t t = 0; t < T; t++) silu_mul_f32_span(x + t * ldx, x + t * ldx + I, 0, I, y + t * I);
-    return 0;
 }
 
 /* One row's W / hd heads of rotate-half RoPE in float32, read from xr and written to yr (may be
@@ -190,22 +174,87 @@ static inline void rope_f32_row(const float *xr0, int64_t W, int64_t hd, const f
     }
 }
 
-/* Rotate-half RoPE as rope_bf16, in float32 (rope_f32_row per row); (hd / 2) % 16 == 0.
- * Returns 2, writing nothing, when a position is outside the tables. */
-int rope_f32(const float *x, int64_t ldx, int64_t T, int64_t W, int64_t hd, const int64_t *pos, const float *cos,
-             const float *sin, int64_t max_pos, float *y) {
-    if (hd % 2 || (hd / 2) % 16 || W % hd) return 1;
-    for (int64_t t = 0; t < T; t++)
-        if (pos[t] < 0 || pos[t] >= max_pos) return 2;
-#pragma omp parallel for schedule(static) if (T * W >= ELEMENTWISE_PARALLEL_MIN)
-    for (int64_t t = 0; t < T; t++) rope_f32_row(x + t * ldx, W, hd, cos + pos[t] * hd, sin + pos[t] * hd, y + t * W);
-    return 0;
-}
 #undef RN
+#define ELEMENTWISE_F32 1
+#elif defined(__AVX2__) && defined(__FMA__)
+/* float32 on CPUs with AVX2 + FMA and no AVX-512: the same three ops on 8 lanes, with the rounding
+ * points of the AVX-512 forms (each product through mul_rn8, so none is contracted into an FMA with
+ * the sum after it). Row lengths that are not a multiple of 8 finish in scalar code. */
+
+/* exp256: bf16.h */
+
+static inline void rms_norm_f32_row(const float *xr, const float *add, float *hr, const float *w, int64_t N,
+                                    float eps, float *yr) {
+    __m256 ss = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= N; i += 8) {
+        __m256 h = _mm256_loadu_ps(xr + i);
+        if (add) {
+            h = _mm256_add_ps(h, _mm256_loadu_ps(add + i));
+            _mm256_storeu_ps(hr + i, h);
+        }
+        ss = _mm256_fmadd_ps(h, h, ss);
+    }
+    float tail = 0.f;
+    for (int64_t j = i; j < N; j++) {
+        const float h = add ? (hr[j] = xr[j] + add[j]) : xr[j];
+        tail += h * h;
+    }
+    const float inv = 1.f / sqrtf((lane_sum8(ss) + tail) / (float)N + eps);
+    const __m256 iv = _mm256_set1_ps(inv);
+    const float *src = add ? hr : xr;
+    for (i = 0; i + 8 <= N; i += 8)
+        _mm256_storeu_ps(yr + i, mul_rn8(_mm256_loadu_ps(w + i), mul_rn8(_mm256_loadu_ps(src + i), iv)));
+    for (; i < N; i++) {
+        const __m256 n = mul_rn8(_mm256_set1_ps(src[i]), iv);
+        yr[i] = _mm256_cvtss_f32(mul_rn8(_mm256_set1_ps(w[i]), n));
+    }
+}
+
+/* silu(g) = g / (1 + e^-g) on 8 lanes. */
+static inline __m256 silu8(__m256 g) {
+    return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+}
+
+static inline void silu_mul_f32_span(const float *g, const float *u, int64_t lo, int64_t hi, float *y) {
+    int64_t i = lo;
+    for (; i + 8 <= hi; i += 8)
+        _mm256_storeu_ps(y + i, mul_rn8(silu8(_mm256_loadu_ps(g + i)), _mm256_loadu_ps(u + i)));
+    for (; i < hi; i++) y[i] = _mm256_cvtss_f32(mul_rn8(silu8(_mm256_set1_ps(g[i])), _mm256_set1_ps(u[i])));
+}
+
+static inline void rope_f32_row(const float *xr0, int64_t W, int64_t hd, const float *c, const float *s,
+                                float *yr0) {
+    const int64_t half = hd / 2;
+    for (int64_t h0 = 0; h0 < W; h0 += hd) {
+        const float *xr = xr0 + h0;
+        float *yr = yr0 + h0;
+        int64_t i = 0;
+        for (; i + 8 <= half; i += 8) {
+            const __m256 x1 = _mm256_loadu_ps(xr + i), x2 = _mm256_loadu_ps(xr + half + i);
+            const __m256 lo = _mm256_add_ps(mul_rn8(x1, _mm256_loadu_ps(c + i)),
+                                            mul_rn8(_mm256_sub_ps(_mm256_setzero_ps(), x2), _mm256_loadu_ps(s + i)));
+            const __m256 hi = _mm256_add_ps(mul_rn8(x2, _mm256_loadu_ps(c + half + i)),
+                                            mul_rn8(x1, _mm256_loadu_ps(s + half + i)));
+            _mm256_storeu_ps(yr + i, lo);
+            _mm256_storeu_ps(yr + half + i, hi);
+        }
+        for (; i < half; i++) {
+            const __m256 x1 = _mm256_set1_ps(xr[i]), x2 = _mm256_set1_ps(xr[half + i]);
+            const float lo = _mm256_cvtss_f32(_mm256_add_ps(mul_rn8(x1, _mm256_set1_ps(c[i])),
+                                                            mul_rn8(_mm256_sub_ps(_mm256_setzero_ps(), x2),
+                                                                    _mm256_set1_ps(s[i]))));
+            yr[half + i] = _mm256_cvtss_f32(_mm256_add_ps(mul_rn8(x2, _mm256_set1_ps(c[half + i])),
+                                                          mul_rn8(x1, _mm256_set1_ps(s[half + i]))));
+            yr[i] = lo;
+        }
+    }
+}
+#define ELEMENTWISE_F32 1
 #else
-/* No AVX-512: the float32 row functions the fused decode step calls, as plain loops the compiler
- * vectorizes (expf through the vector math library under -ffast-math). Same formulas and rounding
- * points as above; nothing is exported, so the torch path keeps torch's ops on these CPUs. */
+/* Neither AVX-512 nor AVX2 + FMA: the float32 row functions the fused decode step calls, as plain
+ * loops the compiler vectorizes (expf through the vector math library under -ffast-math). Same
+ * formulas as above; nothing is exported, so the torch path keeps torch's ops on these CPUs. */
 static inline void rms_norm_f32_row(const float *xr, const float *add, float *hr, const float *w, int64_t N,
                                     float eps, float *yr) {
     const float *src = xr;
@@ -235,6 +284,37 @@ static inline void rope_f32_row(const float *xr0, int64_t W, int64_t hd, const f
             yr[half + i] = x2 * c[half + i] + x1 * s[half + i];
         }
     }
+}
+#endif
+
+#if defined(ELEMENTWISE_F32)
+/* ---- float32 entry points (the AVX-512 or AVX2 row functions above). */
+/* h = x + add (written to h_out) when add is given, else h = x; y = w * (h * rsqrt(mean(h^2) + eps)). */
+int rms_norm_f32(const float *x, int64_t ldx, const float *add, float *h_out, const float *w, int64_t T, int64_t N,
+                 float eps, float *y) {
+#pragma omp parallel for schedule(static) if (T * N >= ELEMENTWISE_PARALLEL_MIN)
+    for (int64_t t = 0; t < T; t++)
+        rms_norm_f32_row(x + t * ldx, add ? add + t * N : 0, add ? h_out + t * N : 0, w, N, eps, y + t * N);
+    return 0;
+}
+
+/* x [T, 2I] rows [gate | up] with row stride ldx; y [T, I] = silu(gate) * up. */
+int silu_mul_f32(const float *x, int64_t ldx, int64_t T, int64_t I, float *y) {
+#pragma omp parallel for schedule(static) if (T * I >= ELEMENTWISE_PARALLEL_MIN)
+    for (int64_t t = 0; t < T; t++) silu_mul_f32_span(x + t * ldx, x + t * ldx + I, 0, I, y + t * I);
+    return 0;
+}
+
+/* Rotate-half RoPE as rope_bf16, in float32 (rope_f32_row per row); (hd / 2) % 16 == 0.
+ * Returns 2, writing nothing, when a position is outside the tables. */
+int rope_f32(const float *x, int64_t ldx, int64_t T, int64_t W, int64_t hd, const int64_t *pos, const float *cos,
+             const float *sin, int64_t max_pos, float *y) {
+    if (hd % 2 || (hd / 2) % 16 || W % hd) return 1;
+    for (int64_t t = 0; t < T; t++)
+        if (pos[t] < 0 || pos[t] >= max_pos) return 2;
+#pragma omp parallel for schedule(static) if (T * W >= ELEMENTWISE_PARALLEL_MIN)
+    for (int64_t t = 0; t < T; t++) rope_f32_row(x + t * ldx, W, hd, cos + pos[t] * hd, sin + pos[t] * hd, y + t * W);
+    return 0;
 }
 #endif
 #endif

@@ -435,10 +435,7 @@ static inline __m256 div_rn8(__m256 a, __m256 b) {
     return a;
 }
 
-static inline __m256 mul_rn8(__m256 a, __m256 b) {
-    __asm__("vmulps %1, %0, %0" : "+x"(a) : "x"(b));
-    return a;
-}
+/* mul_rn8: bf16.h */
 
 /* 16 e4m3 bytes as fp32, times 2^-8 (exact): an fp16 holding a byte's exponent and mantissa in its
  * own fields is the e4m3 value times 2^-8, normals and subnormals alike (the exponent biases are 15
