@@ -194,12 +194,19 @@ def dense_thresholds(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -
     return DENSE_MIN_TOKENS, DENSE_MIN_PAIRS
 
 
+@lru_cache(maxsize=1)
+def flash_lanes() -> int:
+    """The float32 lanes of the built kernel's form (16: AVX-512, 8: AVX2 + FMA), 0 without one;
+    asked once, not per chunk."""
+    lib = load_flash()
+    return lib.flash_lanes() if lib is not None else 0
+
+
 def flash_takes(query_len: int, seq_len: int, sliding_window: int = 0) -> bool:
     """Whether a chunk the kernel can run should run there rather than in torch's flash attention:
     always with the AVX-512 form; with the AVX2 form, below FLASH_AVX2_MAX_PAIRS or with a window."""
-    lib = load_flash()
-    return (lib is not None and (lib.flash_lanes() == 16 or sliding_window > 0
-                                 or query_len * seq_len < FLASH_AVX2_MAX_PAIRS))
+    lanes = flash_lanes()
+    return lanes == 16 or (lanes == 8 and (sliding_window > 0 or query_len * seq_len < FLASH_AVX2_MAX_PAIRS))
 
 
 def flash_supported(q: torch.Tensor, kv_cache: torch.Tensor, query_len: int, seq_len: int,

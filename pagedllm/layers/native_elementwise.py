@@ -46,8 +46,10 @@ def load_elementwise_kernel() -> ctypes.CDLL | None:
     return lib
 
 
+@lru_cache(maxsize=None)
 def _function(op: str, dtype: torch.dtype):
-    """The kernel's entry point of `op` for `dtype` (bf16 or float32), or None where it has none."""
+    """The kernel's entry point of `op` for `dtype` (bf16 or float32), or None where it has none;
+    looked up once per pair, not per call."""
     lib = load_elementwise_kernel()
     name = f"{op}_bf16" if dtype == torch.bfloat16 else f"{op}_f32"
     return getattr(lib, name, None) if lib is not None else None

@@ -25,6 +25,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedllm.attention import cpu_kernel
 from pagedllm.attention.cpu_kernel import (
     _FLASH_SRC, FLASH_AVX2_MAX_PAIRS, FLASH_MIN_TOKENS, dense_thresholds, flash_prefill, flash_runs, flash_supported,
     load_flash, load_native,
@@ -173,10 +174,9 @@ def test_the_avx2_form_leaves_the_largest_chunks_to_torch_flash(monkeypatch):
     (without a sliding window) run torch's flash, which is faster there; the AVX-512 form takes
     every chunk."""
     q, kv = torch.zeros(4, 9, 64), torch.zeros(2, 4, 16, 3, 64)
-    lib = load_flash()
     big = FLASH_AVX2_MAX_PAIRS // 4096
     for lanes, large in ((8, False), (16, True)):
-        monkeypatch.setattr(lib, "flash_lanes", lambda lanes=lanes: lanes)
+        monkeypatch.setattr(cpu_kernel, "flash_lanes", lambda lanes=lanes: lanes)
         assert flash_supported(q, kv, 2048, 1024)  # 2M pairs
         assert flash_supported(q, kv, big, 4096) is large
         assert flash_supported(q, kv, 7000, 7000) is large
