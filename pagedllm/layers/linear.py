@@ -23,7 +23,8 @@ from pagedllm.layers.native_linear import small_m_linear
 _SINGLE = TensorParallelGroup()
 # float32 on the CPU: from this many rows up, oneDNN's GEMM runs about 2x faster than MKL's sgemm
 # behind F.linear on this model's shapes (16 rows: 1.3-2.0x, 64-1024 rows: 1.6-2.2x; 1 row:
-# 0.6-1.2x). Decode rows (up to SMALL_M) take the small-M kernel.
+# 0.6-1.2x; AVX2 host: 1.77x at 16 rows, 1.2x at 128, 1.09x at 2,048). Rows up to
+# native_linear.SMALL_M (15 with AVX-512, 128 with AVX2) take the small-M kernel before this.
 MKLDNN_MIN_ROWS = 16
 
 
@@ -56,8 +57,8 @@ def torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T + b for a dense weight (linear layers and the LM head): decode rows through the small-M
-    kernel (its float32 rows stop below oneDNN's, MKLDNN_MIN_ROWS), everything else torch_linear."""
+    """x W^T + b for a dense weight (linear layers and the LM head): decode rows and short prompt
+    chunks (up to small_m_rows) through the small-M kernel, everything else torch_linear."""
     y = small_m_linear(x, weight, bias)  # decode rows: one pass over the weights
     return y if y is not None else torch_linear(x, weight, bias)
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from pagedllm.attention.cpu_kernel import load_native
+from pagedllm.hardware import cpu_flags
 
 SMALL_M_SRC = Path(__file__).parent / "csrc" / "small_m_gemm.c"
 # Most rows of x sent to the kernel, per dtype: up to where it stops beating torch's GEMM on the
@@ -23,8 +24,14 @@ SMALL_M_SRC = Path(__file__).parent / "csrc" / "small_m_gemm.c"
 # 32 rows 11.4 against 17.7, 48 rows 15.9 against 23.9, 64 rows 21.9-25.9 against 26.2-28.9, 80
 # rows 1.10-1.19x, 96 rows 0.97-1.03x. float32: oneDNN takes over from 16 rows (layers/linear.py);
 # below that torch's GEMM is MKL's sgemm, 2.4-2.7x slower (8 rows 12.8 against 35.1 ms), and the
-# kernel stops beating oneDNN from 24 rows (0.94-0.96x).
-SMALL_M = {torch.float32: 15, torch.bfloat16: 64}
+# kernel stops beating oneDNN from 24 rows (0.94-0.96x). That float32 limit is the AVX-512 form's;
+# the AVX2 + FMA form (2-core Zen 1 host, same benchmark) beats oneDNN's AVX2 GEMM up to 128 rows
+# (16 rows 63 against 109 ms, 32 rows 113 against 164, 64 rows 234 against 307, 128 rows 437
+# against 490) and falls behind from 192 (654 against 628 ms), so on such CPUs it takes prompt
+# chunks and decode batches up to 128 rows.
+F32_ROWS_AVX512, F32_ROWS_AVX2 = 15, 128
+AVX512_FORM = frozenset({"avx512f", "avx512bw"}) <= cpu_flags()  # HAVE_AVX512 in small_m_gemm.c
+SMALL_M = {torch.float32: F32_ROWS_AVX512 if AVX512_FORM else F32_ROWS_AVX2, torch.bfloat16: 64}
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _K_STEP = {torch.float32: 16, torch.bfloat16: 32}
 

@@ -32,7 +32,7 @@ from torch import nn
 from pagedllm.attention.cpu_kernel import ATTENTION_SRC, load_native
 from pagedllm.layers.linear import UnquantizedLinearMethod
 from pagedllm.layers.native_elementwise import ELEMENTWISE_SRC
-from pagedllm.layers.native_linear import SMALL_M_SRC, small_m_rows
+from pagedllm.layers.native_linear import AVX512_FORM, SMALL_M_SRC, small_m_rows
 from pagedllm.quantization.native import QUANT_SRC, int8_activations, kernel_rows
 
 logger = logging.getLogger(__name__)
@@ -50,8 +50,12 @@ MAX_ROWS = 256
 # passes make up for up to 256 rows in bf16. With quantized layers, the rows the quantized kernels
 # take (pagedllm.quantization.native.kernel_rows: 16 on AVX-512 BF16, up to 256 on AVX2), beyond
 # which the torch path takes their batch paths, and with dense layers beside them no more than
-# the dtype's rows (quantized_rows).
-DTYPE_ROWS = {torch.float32: 32, torch.bfloat16: MAX_ROWS}
+# the dtype's rows (quantized_rows). On CPUs with AVX2 + FMA but no AVX-512, where the small-M
+# kernel's float32 form beats oneDNN's GEMM up to 128 rows (native_linear.SMALL_M), the float32
+# step does so too (2-core Zen 1 host, same benchmark, the torch path's GEMMs through that kernel
+# up to 128 rows: 1.50x at 16 rows, 1.18x at 32, 1.16-1.18x at 48-64, 1.13x at 96, 1.04x at 128,
+# 1.03x at 192), so there it takes up to 128 rows.
+DTYPE_ROWS = {torch.float32: 32 if AVX512_FORM else 128, torch.bfloat16: MAX_ROWS}
 # The quantized LM head's decode rows the step ends with (where the torch path's head runs the same
 # kernel call).
 QUANTIZED_HEAD_ROWS = 4
