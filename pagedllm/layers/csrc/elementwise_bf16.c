@@ -179,7 +179,8 @@ static inline void rope_f32_row(const float *xr0, int64_t W, int64_t hd, const f
 #elif defined(__AVX2__) && defined(__FMA__)
 /* float32 on CPUs with AVX2 + FMA and no AVX-512: the same three ops on 8 lanes, with the rounding
  * points of the AVX-512 forms (each product through mul_rn8, so none is contracted into an FMA with
- * the sum after it). Row lengths that are not a multiple of 8 finish in scalar code. */
+ * the sum after it). RMSNorm and SiLU rows whose length is not a multiple of 8 finish in scalar
+ * code; RoPE rows come with (hd / 2) % 16 == 0, as for the AVX-512 form (both callers check it). */
 
 /* exp256: bf16.h */
 
@@ -229,8 +230,7 @@ static inline void rope_f32_row(const float *xr0, int64_t W, int64_t hd, const f
     for (int64_t h0 = 0; h0 < W; h0 += hd) {
         const float *xr = xr0 + h0;
         float *yr = yr0 + h0;
-        int64_t i = 0;
-        for (; i + 8 <= half; i += 8) {
+        for (int64_t i = 0; i < half; i += 8) {
             const __m256 x1 = _mm256_loadu_ps(xr + i), x2 = _mm256_loadu_ps(xr + half + i);
             const __m256 lo = _mm256_add_ps(mul_rn8(x1, _mm256_loadu_ps(c + i)),
                                             mul_rn8(_mm256_sub_ps(_mm256_setzero_ps(), x2), _mm256_loadu_ps(s + i)));
@@ -238,15 +238,6 @@ static inline void rope_f32_row(const float *xr0, int64_t W, int64_t hd, const f
                                             mul_rn8(x1, _mm256_loadu_ps(s + half + i)));
             _mm256_storeu_ps(yr + i, lo);
             _mm256_storeu_ps(yr + half + i, hi);
-        }
-        for (; i < half; i++) {
-            const __m256 x1 = _mm256_set1_ps(xr[i]), x2 = _mm256_set1_ps(xr[half + i]);
-            const float lo = _mm256_cvtss_f32(_mm256_add_ps(mul_rn8(x1, _mm256_set1_ps(c[i])),
-                                                            mul_rn8(_mm256_sub_ps(_mm256_setzero_ps(), x2),
-                                                                    _mm256_set1_ps(s[i]))));
-            yr[half + i] = _mm256_cvtss_f32(_mm256_add_ps(mul_rn8(x2, _mm256_set1_ps(c[half + i])),
-                                                          mul_rn8(x1, _mm256_set1_ps(s[half + i]))));
-            yr[i] = lo;
         }
     }
 }
