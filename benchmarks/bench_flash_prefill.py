@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 
 from pagedllm.attention.cpu_kernel import (
-    FLASH_MIN_TOKENS, flash_prefill, flash_runs, load_kernel, paged_attention_native,
+    flash_min_tokens, flash_prefill, flash_runs, load_kernel, paged_attention_native,
 )
 from pagedllm.attention.metadata import DenseAttention
 from pagedllm.attention.torch_backend import dense_attention_sdpa
@@ -83,7 +83,7 @@ def crossover(dtype: torch.dtype) -> None:
     if paged is None:
         sys.exit("the paged attention kernel is not available here")
     scale = D**-0.5
-    print(f"FLASH_MIN_TOKENS[{dtype}] = {FLASH_MIN_TOKENS[dtype]}")
+    print(f"flash_min_tokens({dtype}) = {flash_min_tokens(dtype)}")
     print(f"{'chunk':>16} {'flash ms':>9} {'paged ms':>9} {'torch ms':>9} {'paged/flash':>12} {'torch/flash':>12}")
     for ctx in (0, 256, 2048):
         for qlen in (16, 32, 48, 64, 96, 128, 256, 512):

@@ -6,7 +6,9 @@ The four linear layers of the default model's shapes (qkv 576->960, o 576->576, 
 down 1536->576), 30 layers of random weights (212 MB in bf16), so that each pass streams its weights
 from memory as a decode step does. Per row count: the median of 7 passes over all 30 layers through
 the kernel and through torch (`dense_linear`'s choice without the kernel: oneDNN or MKL), and the
-ratio. This is what sets SMALL_M in pagedllm/layers/native_linear.py.
+ratio. This is what sets the row limits in pagedllm/layers/native_linear.py. On CPUs without bf16
+dot products, torch's bf16 GEMM here is layers/linear.py's: operands widened to float32 for
+oneDNN's float32 GEMM.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def main() -> None:
     dt = getattr(torch, a.dtype)
     lib = load_linear_kernel()
     if lib is None:
-        raise SystemExit("the small-M kernel does not run here (no AVX-512)")
+        raise SystemExit("the small-M kernel does not run here (neither AVX-512 nor AVX2 with FMA)")
     torch.manual_seed(0)
     weights = [[torch.randn(n, k).to(dt) for k, n in SHAPES] for _ in range(LAYERS)]
     flops_per_row = 2 * LAYERS * sum(k * n for k, n in SHAPES)

@@ -48,6 +48,9 @@ DENSE_MIN_PAIRS = 1 << 20
 # for 256 tokens after 1,024; float32 (benchmarks/bench_flash_prefill.py --crossover) 0.9x at 16
 # tokens, 1.3x at 32 (2.9x after 256 cached), 2.2x at 64, 2.8x at 128, 3-4.6x at 256-512.
 FLASH_MIN_TOKENS = {torch.bfloat16: 64, torch.float32: 32}
+# bf16 widened to float32 (CPUs without AVX-512 BF16) runs the float32 form and takes its limit:
+# against the paged kernel's bf16 prompt path on a 2-core Zen 1 host (bench_flash_prefill.py 2
+# --dtype bfloat16 --crossover), 1.1x at 16 tokens, 1.6-1.7x at 32, 1.7-2.9x at 48-512 tokens.
 # The kernel's AVX2 form (8-lane float32 FMAs; CPUs without AVX-512) keeps about 70 % of the FMA
 # rate at every size (43-47 GFLOP/s on a 2-core Zen host whose float32 GEMM peak is 60-75), while
 # torch's flash attention gains on large chunks. Measured there (bench_flash_prefill.py 2 --dtype
@@ -155,8 +158,9 @@ def kv_cache_write(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slo
     return True
 
 
-# The flash kernel's entry point for each query and cache element type (flash_attention.c); the
-# bf16 one exists where the CPU has AVX-512 BF16, the fp32 one wherever it has AVX-512F or AVX2 + FMA.
+# The flash kernel's entry point for each query and cache element type (flash_attention.c), both
+# wherever the CPU has AVX-512F or AVX2 + FMA: bf16 through bf16 dot products with AVX-512 BF16,
+# else widened to float32 (flash_bf16_widened).
 _FLASH_FUNCTIONS = {torch.float32: "flash_prefill_f32", torch.bfloat16: "flash_prefill_bf16"}
 
 
@@ -166,12 +170,10 @@ def load_flash() -> ctypes.CDLL | None:
     has neither AVX-512 nor AVX2 + FMA, it cannot be built, or PAGEDLLM_NATIVE_FLASH=0."""
     i64, p, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     signature = ([p, i64, i64, i64, i64, p, p, p, i64, i64, i64, i64, f32, i64, p], None)
-    lib = load_native(_FLASH_SRC, "PAGEDLLM_NATIVE_FLASH", {_FLASH_FUNCTIONS[torch.float32]: signature,
-                                                            "flash_lanes": ([], ctypes.c_int)})
-    if lib is not None and hasattr(lib, _FLASH_FUNCTIONS[torch.bfloat16]):
-        f = getattr(lib, _FLASH_FUNCTIONS[torch.bfloat16])
-        f.argtypes, f.restype = signature
-    return lib
+    return load_native(_FLASH_SRC, "PAGEDLLM_NATIVE_FLASH", {_FLASH_FUNCTIONS[torch.float32]: signature,
+                                                             _FLASH_FUNCTIONS[torch.bfloat16]: signature,
+                                                             "flash_lanes": ([], ctypes.c_int),
+                                                             "flash_bf16_widened": ([], ctypes.c_int)})
 
 
 def flash_function(dtype: torch.dtype) -> Any:
@@ -190,8 +192,13 @@ def dense_thresholds(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -
     """(tokens, query-key pairs) from which a prompt chunk on the CPU attends densely: with the flash
     kernel, every chunk of FLASH_MIN_TOKENS[dtype]+ tokens; otherwise torch's flash for long chunks only."""
     if flash_runs(dtype, kv_dtype, head_dim):
-        return FLASH_MIN_TOKENS[dtype], 0
+        return flash_min_tokens(dtype), 0
     return DENSE_MIN_TOKENS, DENSE_MIN_PAIRS
+
+
+def flash_min_tokens(dtype: torch.dtype) -> int:
+    """The fewest tokens of a chunk the flash kernel takes in `dtype` (FLASH_MIN_TOKENS, by form)."""
+    return FLASH_MIN_TOKENS[torch.float32 if dtype == torch.bfloat16 and flash_bf16_widened() else dtype]
 
 
 @lru_cache(maxsize=1)
@@ -202,9 +209,17 @@ def flash_lanes() -> int:
     return lib.flash_lanes() if lib is not None else 0
 
 
+@lru_cache(maxsize=1)
+def flash_bf16_widened() -> bool:
+    """Whether the built kernel runs bf16 widened to float32 (CPUs without AVX-512 BF16)."""
+    lib = load_flash()
+    return lib is not None and bool(lib.flash_bf16_widened())
+
+
 def flash_takes(query_len: int, seq_len: int, sliding_window: int = 0) -> bool:
     """Whether a chunk the kernel can run should run there rather than in torch's flash attention:
-    always with the AVX-512 form; with the AVX2 form, below FLASH_AVX2_MAX_PAIRS or with a window."""
+    always with the AVX-512 form; with the AVX2 form (float32, or bf16 widened to float32), below
+    FLASH_AVX2_MAX_PAIRS or with a window."""
     lanes = flash_lanes()
     return lanes == 16 or (lanes == 8 and (sliding_window > 0 or query_len * seq_len < FLASH_AVX2_MAX_PAIRS))
 

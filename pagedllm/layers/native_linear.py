@@ -1,9 +1,10 @@
-"""GEMMs of a few rows (decode steps) in float32 and bfloat16 on AVX-512 (csrc/small_m_gemm.c).
+"""GEMMs of a few rows (decode steps, short prompt chunks) in float32 and bfloat16 (csrc/small_m_gemm.c).
 
 A decode GEMM should be a single pass over the weights. torch's bf16 `F.linear` with one row runs
-slower than fp32 here (oneDNN's small-M path), and its float32 one (MKL) reads the weights at
+slower than fp32 on AVX-512 (oneDNN's small-M path), and its float32 one (MKL) reads the weights at
 about half the rate this kernel does; this kernel is that one pass, with fp32 accumulation (bf16
-through AVX-512 BF16 dot products). Larger M keeps torch's GEMMs, which are fast there.
+through AVX-512 BF16 dot products, or widened to float32 in registers on AVX2 CPUs, where torch's
+bf16 GEMMs are emulated). Larger M keeps torch's GEMMs (layers/linear.py).
 """
 
 from __future__ import annotations
@@ -30,15 +31,21 @@ SMALL_M_SRC = Path(__file__).parent / "csrc" / "small_m_gemm.c"
 # against 490) and falls behind from 192 (654 against 628 ms), so on such CPUs it takes prompt
 # chunks and decode batches up to 128 rows.
 F32_ROWS_AVX512, F32_ROWS_AVX2 = 15, 128
+# bf16 on AVX2 + FMA (the widening form): x widened once per GEMM, each W block once into a float32
+# panel, so the kernel runs at its float32 rate while reading half the bytes. Against bf16 widened
+# to float32 ahead of oneDNN's float32 GEMM (what layers/linear.py does past this limit), 30 layers,
+# 2-core Zen 1 host: 1 row 12.4 against 56.0 ms, 16 rows 60.6 against 149, 64 rows 216 against
+# 307, 128 rows 413 against 487, 192 rows 630 against 679, 256 rows 898 against 893, 512 rows 1,728
+# against 1,627.
+BF16_ROWS_AVX512, BF16_ROWS_AVX2 = 64, 256
 AVX512_FORM = frozenset({"avx512f", "avx512bw"}) <= cpu_flags()  # HAVE_AVX512 in small_m_gemm.c
-SMALL_M = {torch.float32: F32_ROWS_AVX512 if AVX512_FORM else F32_ROWS_AVX2, torch.bfloat16: 64}
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _K_STEP = {torch.float32: 16, torch.bfloat16: 32}
 
 
 @lru_cache(maxsize=1)
 def load_linear_kernel() -> ctypes.CDLL | None:
-    """The compiled kernel where the CPU has AVX-512 (else None: torch serves every GEMM)."""
+    """The compiled kernel where the CPU has AVX-512 or AVX2 + FMA (else None: torch serves every GEMM)."""
     i64, p, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib = load_native(SMALL_M_SRC, "PAGEDLLM_NATIVE_LINEAR", {
         "small_m_available": ([], i32),
@@ -49,24 +56,29 @@ def load_linear_kernel() -> ctypes.CDLL | None:
 
 @lru_cache(maxsize=None)
 def kernel_dtypes() -> frozenset[torch.dtype]:
-    """The dtypes this CPU's kernel serves: float32 with AVX-512 or AVX2 + FMA, bfloat16 with AVX-512 BF16."""
+    """The dtypes this CPU's kernel serves: float32 with AVX-512 or AVX2 + FMA, bfloat16 with AVX-512
+    BF16 or AVX2 + FMA."""
     lib = load_linear_kernel()
     bits = lib.small_m_available() if lib is not None else 0
     return frozenset(d for d, bit in ((torch.float32, 1), (torch.bfloat16, 2)) if bits & bit)
 
 
+@lru_cache(maxsize=None)
 def small_m_rows(dtype: torch.dtype) -> int:
-    """The most rows of x the kernel takes in `dtype` (0: none)."""
-    return SMALL_M.get(dtype, 0)
+    """The most rows of x the kernel takes in `dtype` (0: none), by the form the library was built in."""
+    if dtype not in kernel_dtypes():
+        return 0
+    if dtype == torch.float32:
+        return F32_ROWS_AVX512 if AVX512_FORM else F32_ROWS_AVX2
+    return BF16_ROWS_AVX2 if load_linear_kernel().small_m_available() & 4 else BF16_ROWS_AVX512
 
 
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """x W^T + b through the kernel when it applies (float32 or bf16 on the CPU, at most
     small_m_rows(dtype) rows, K a multiple of 16 / 32, contiguous weight), else None."""
     dt = x.dtype
-    if (dt not in _DTYPE_CODES or weight.dtype != dt or x.dim() != 2 or x.shape[0] > SMALL_M[dt]
-            or x.shape[1] % _K_STEP[dt] or x.device.type != "cpu" or not weight.is_contiguous()
-            or dt not in kernel_dtypes()):
+    if (dt not in _DTYPE_CODES or weight.dtype != dt or x.dim() != 2 or x.shape[0] > small_m_rows(dt)
+            or x.shape[1] % _K_STEP[dt] or x.device.type != "cpu" or not weight.is_contiguous()):
         return None
     lib = load_linear_kernel()
     x = x.contiguous()

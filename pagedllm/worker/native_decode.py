@@ -54,7 +54,8 @@ MAX_ROWS = 256
 # kernel's float32 form beats oneDNN's GEMM up to 128 rows (native_linear.SMALL_M), the float32
 # step does so too (2-core Zen 1 host, same benchmark, the torch path's GEMMs through that kernel
 # up to 128 rows: 1.50x at 16 rows, 1.18x at 32, 1.16-1.18x at 48-64, 1.13x at 96, 1.04x at 128,
-# 1.03x at 192), so there it takes up to 128 rows.
+# 1.03x at 192), so there it takes up to 128 rows. bf16 there (the small-M kernel widening bf16 to
+# float32 in registers, up to 256 rows) keeps MAX_ROWS.
 DTYPE_ROWS = {torch.float32: 32 if AVX512_FORM else 128, torch.bfloat16: MAX_ROWS}
 # The quantized LM head's decode rows the step ends with (where the torch path's head runs the same
 # kernel call).
@@ -374,7 +375,7 @@ class NativeDecode:
         if reason is None and not avail & 1:
             reason = "the CPU has neither AVX-512 nor AVX2 with FMA"
         if reason is None and dtype == torch.bfloat16 and not avail & 2:
-            reason = "the CPU has no AVX-512 BF16"
+            reason = "no bf16 GEMM kernel for this CPU (AVX-512 without AVX-512 BF16)"
         if reason is not None:
             logger.info("decode steps run as torch ops: %s", reason)
             return None

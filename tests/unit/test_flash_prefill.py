@@ -7,7 +7,9 @@ bf16 are exact in float32), the softmax runs in float32 with a 2^x of relative e
 two roundings remain: P rounded to bf16 (each weight within 2^-9 + 5e-5 relative; the sum is taken
 over the rounded weights, so each normalized weight is within twice that of the exact one and the
 output moves by at most (2^-8 + 1e-4) * max|v|) and the output rounded to bf16 (2^-9 * |o| <=
-2^-9 * max|v|). Together: |out - reference| <= (3 * 2^-9 + 1e-4) * max|v| = TOL * max|v|.
+2^-9 * max|v|). Together: |out - reference| <= (3 * 2^-9 + 1e-4) * max|v| = TOL * max|v|. The
+widened bf16 form (CPUs without AVX-512 BF16) has the float32 kernel's error on the bf16 inputs
+and one rounding of the output, well inside TOL.
 
 Tolerance of the float32 kernel (fp32_bound), u = 2^-24: a score is a D-term chain of float32 FMAs,
 |ds| <= g(D) S with S = max over rows and keys of sum_d |q_d k_d| and g(n) = n u / (1 - n u); in the
@@ -27,8 +29,8 @@ import torch
 
 from pagedllm.attention import cpu_kernel
 from pagedllm.attention.cpu_kernel import (
-    _FLASH_SRC, FLASH_AVX2_MAX_PAIRS, FLASH_MIN_TOKENS, dense_thresholds, flash_prefill, flash_runs, flash_supported,
-    load_flash, load_native,
+    _FLASH_SRC, FLASH_AVX2_MAX_PAIRS, FLASH_MIN_TOKENS, dense_thresholds, flash_min_tokens, flash_prefill, flash_runs,
+    flash_supported, load_flash, load_native,
 )
 from pagedllm.attention.metadata import DenseAttention
 from pagedllm.attention.torch_backend import dense_attention, dense_attention_sdpa
@@ -36,7 +38,7 @@ from pagedllm.attention.torch_backend import dense_attention, dense_attention_sd
 TOL = 3 * 2**-9 + 1e-4
 U = 2.0**-24
 pytestmark = pytest.mark.skipif(load_flash() is None, reason="no C compiler, or neither AVX-512 nor AVX2 + FMA")
-needs_bf16 = pytest.mark.skipif(not flash_runs(torch.bfloat16, torch.bfloat16, 64), reason="no AVX-512 BF16")
+needs_bf16 = pytest.mark.skipif(not flash_runs(torch.bfloat16, torch.bfloat16, 64), reason="no bf16 flash kernel")
 
 # (H, KVH, D, block size, cached tokens, chunk tokens, sliding window)
 CASES = [
@@ -172,7 +174,7 @@ def test_dense_attention_takes_flash_for_fp32_and_agrees_with_torch_flash():
 def test_the_avx2_form_leaves_the_largest_chunks_to_torch_flash(monkeypatch):
     """Where the kernel is the 8-lane form, chunks of FLASH_AVX2_MAX_PAIRS query-key pairs or more
     (without a sliding window) run torch's flash, which is faster there; the AVX-512 form takes
-    every chunk."""
+    every chunk. bf16 alike (its widened form is the float32 one)."""
     q, kv = torch.zeros(4, 9, 64), torch.zeros(2, 4, 16, 3, 64)
     big = FLASH_AVX2_MAX_PAIRS // 4096
     for lanes, large in ((8, False), (16, True)):
@@ -181,6 +183,7 @@ def test_the_avx2_form_leaves_the_largest_chunks_to_torch_flash(monkeypatch):
         assert flash_supported(q, kv, big, 4096) is large
         assert flash_supported(q, kv, 7000, 7000) is large
         assert flash_supported(q, kv, 7000, 7000, sliding_window=4096)  # torch would mask a full SDPA
+        assert flash_supported(q.bfloat16(), kv.bfloat16(), 7000, 7000) is large
     assert not flash_supported(q.half(), kv.half(), 64, 64)
 
 
@@ -188,6 +191,7 @@ def test_the_build_reports_its_form():
     from pagedllm.hardware import cpu_flags
 
     assert load_flash().flash_lanes() == (16 if "avx512f" in cpu_flags() else 8)
+    assert cpu_kernel.flash_bf16_widened() == ("avx512_bf16" not in cpu_flags())
 
 
 @needs_bf16
@@ -231,7 +235,7 @@ def test_engine_long_prompt_agrees_with_torch_flash(dtype, tiny_llama_dir, monke
     llm = LLM(model=tiny_llama_dir, dtype=dtype, num_kv_blocks=64, block_size=16)
     runner = llm.llm_engine.core.executor.runner
     # Every chunk of FLASH_MIN_TOKENS+ tokens takes the kernel, whatever its context.
-    assert runner.batch_options["dense_min_tokens"] == FLASH_MIN_TOKENS[getattr(torch, dtype)]
+    assert runner.batch_options["dense_min_tokens"] == flash_min_tokens(getattr(torch, dtype))
     assert runner.batch_options["dense_min_pairs"] == 0
     prompt = {"prompt_token_ids": torch.randint(5, 300, (480,), generator=torch.Generator().manual_seed(1)).tolist()}
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)

@@ -30,7 +30,7 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def _needs_bf16(dtype: str) -> None:
     if dtype == "bfloat16" and not load_decode_kernel().small_m_available() & 2:
-        pytest.skip("CPU without AVX-512 BF16")
+        pytest.skip("no bf16 GEMM kernel on this CPU (AVX-512 without AVX-512 BF16)")
 
 
 def _runner(model_dir: str, dtype: str):

@@ -29,10 +29,10 @@ from test_quant_native import _int8_act_bound
 _AVAIL = load_decode_kernel().small_m_available() if load_decode_kernel() is not None else 0
 pytestmark = pytest.mark.skipif(load_quant_kernel() is None or not _AVAIL & 1,
                                 reason="no C compiler, or neither AVX-512 BF16 nor AVX2 + FMA")
-# The dtype of the cases that run one: bfloat16 where the fused step takes it (AVX-512 BF16; the
-# bit-exact comparisons), else float32 (_check's tolerance).
+# The dtype of the cases that run one: bfloat16 where the fused step takes it (AVX-512 BF16, or AVX2
+# + FMA widening bf16; the bit-exact comparisons), else float32 (_check's tolerance).
 STEP_DTYPE = "bfloat16" if _AVAIL & 2 else "float32"
-BF16 = pytest.param("bfloat16", marks=pytest.mark.skipif(not _AVAIL & 2, reason="bfloat16 steps need AVX-512 BF16"))
+BF16 = pytest.param("bfloat16", marks=pytest.mark.skipif(not _AVAIL & 2, reason="bfloat16 steps need a bf16 GEMM kernel"))
 
 SCHEMES = {
     "int4": {"quantization": "int4", "quantization_group_size": 32},
@@ -225,7 +225,7 @@ def test_w8a8_default_model_layers_and_fused_step(one_torch_thread):
     assert fused[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
     if STEP_DTYPE == "bfloat16":
         _check(runner, STEP_DTYPE, all_quantized=True, rows_list=(1, 4))
-    # float32 (CPUs without AVX-512 BF16): the two paths' norms and attention differ in float32
+    # float32 (CPUs without a bf16 GEMM kernel): the two paths' norms and attention differ in float32
     # ulps, and on this model one ulp of a w8a8 layer's input can move the step's output by tens of
     # percent (a row's scale follows its largest activation, so one code step weighs much): the
     # torch path against itself, with every w8a8 input scaled by 1 + 2^-23, differs by up to 84 % of

@@ -140,6 +140,20 @@ static inline __m256 mul_rn8(__m256 a, __m256 b) {
     return a;
 }
 
+/* The bf16 value of each lane (round to nearest even, as f32_to_bf16), back in float32. */
+static inline __m256 round_bf16_8(__m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    u = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
+    return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xffff0000u)));
+}
+
+/* 8 float32 lanes to bf16 (f32_to_bf16 on each lane). */
+static inline __m128i bf16x8_from_f32(__m256 v) {
+    const __m256i u = _mm256_srli_epi32(_mm256_castps_si256(round_bf16_8(v)), 16);
+    return _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
+}
+
 /* The sum of a's 8 int32 lanes (exact, wrapping as int32 does). */
 static inline int32_t lane_sum8_epi32(__m256i a) {
     __m128i q = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));

@@ -8,7 +8,10 @@
  *     broadcast float against 16 floats adds one product per lane;
  *   float32 on CPUs with AVX2 + FMA only: the same with 8 lanes, key tiles of KT = 32 and register
  *     blocks of 3 rows (see below); the packing, the work items and the order of every row's sums
- *     over key tiles are shared.
+ *     over key tiles are shared;
+ *   bfloat16 queries and cache on CPUs without AVX-512 BF16 (AVX2 + FMA, or AVX-512F alone): the
+ *     float32 form (PK = 1) on bf16 widened exactly to float32, K and V as the tiles are packed and
+ *     each work item's query rows once into a float32 buffer; the output is rounded once to bf16.
  *
  * The chunk's query tokens sit at positions ctx0 .. seq_len - 1 (ctx0 = seq_len - query_len) and
  * see keys 0 .. their own position (and, with a sliding window, only keys > position - window).
@@ -40,6 +43,8 @@
  * Precision, float32: float32 sums in another order than a dense reference, a degree-7 2^x
  * (relative error < 1e-8, under the float32 rounding of its result) and no rounding of P: the
  * error is that of float32 arithmetic on D-term dot products and key-count-term sums.
+ * The widened bf16 form has the float32 form's error on the bf16 inputs, then the output's rounding
+ * to bf16 (half an ulp, 2^-9 relative).
  *
  * Layouts: q [*, H, D] (rows q_start .., q_stride elements apart: a view into a wider row is read in
  * place), out [query_len, H, D], k_cache, v_cache
@@ -71,14 +76,22 @@
 #define ROWS_MAX 128 /* query rows (tokens x G) per work item */
 #define NEG_BIG (-1e30f)
 
+/* widen: a bf16 cache packed as float32 words (PK = 1). */
 static inline __attribute__((always_inline)) void pack_tile(
     uint32_t *restrict kp, uint32_t *restrict vp, const void *k_cache, const void *v_cache, const int64_t *blocks,
-    int64_t BS, int64_t stride, int64_t head_off, int64_t k0, int64_t seq_len, int D, const int PK) {
+    int64_t BS, int64_t stride, int64_t head_off, int64_t k0, int64_t seq_len, int D, const int PK, const int widen) {
     const int P = D / PK;
     for (int j = 0; j < KT; j++) {
         const int64_t k = k0 + j;
         const int live = k < seq_len;
-        const int64_t off = live ? ((blocks[k / BS] * BS + k % BS) * stride + head_off) * (4 / PK) : 0; /* bytes */
+        const int64_t off = live ? ((blocks[k / BS] * BS + k % BS) * stride + head_off) * (widen ? 2 : 4 / PK) : 0; /* bytes */
+        if (widen) {
+            const uint16_t *kr = (const uint16_t *)((const char *)k_cache + off);
+            const uint16_t *vr = (const uint16_t *)((const char *)v_cache + off);
+            for (int i = 0; i < D; i++) kp[i * KT + j] = live ? (uint32_t)kr[i] << 16 : 0;
+            for (int d = 0; d < D; d++) vp[j * D + d] = live ? (uint32_t)vr[d] << 16 : 0;
+            continue;
+        }
         const uint32_t *kr = (const uint32_t *)((const char *)k_cache + off);
         for (int i = 0; i < P; i++) kp[i * KT + j] = live ? kr[i] : 0;
         if (PK == 2) {
@@ -346,9 +359,14 @@ static inline __attribute__((always_inline)) void work_item(
     }
 }
 
-/* A row's output: its float32 sums times 1 / l, stored as float32 (PK = 1) or bfloat16 (PK = 2). */
+/* A row's output: its float32 sums times 1 / l, stored as float32 (PK = 1) or bfloat16 (PK = 2, or
+ * widen). */
 static inline __attribute__((always_inline)) void finish_row(const float *o, float inv, void *dst, int64_t D,
-                                                             const int PK) {
+                                                             const int PK, const int widen) {
+    if (widen) {
+        for (int64_t d = 0; d < D; d++) ((uint16_t *)dst)[d] = f32_to_bf16(o[d] * inv);
+        return;
+    }
     if (PK == 1) {
         for (int64_t d = 0; d < D; d++) ((float *)dst)[d] = o[d] * inv;
         return;
@@ -360,12 +378,13 @@ static inline __attribute__((always_inline)) void finish_row(const float *o, flo
 #endif
 }
 
-/* The whole call for elements of 4 / PK bytes (q, k_cache, v_cache and out of that type). */
+/* The whole call for elements of 4 / PK bytes (q, k_cache, v_cache and out of that type), or of bf16
+ * computed in float32 (widen, PK = 1). */
 static inline __attribute__((always_inline)) void flash_prefill(
     const void *q, int64_t q_start, int64_t q_stride, int64_t query_len, int64_t seq_len, const void *k_cache,
     const void *v_cache, const int64_t *blocks, int64_t BS, int64_t H, int64_t KVH, int64_t D, float scale,
-    int64_t window, void *out, const int PK) {
-    const int64_t G = H / KVH, ctx0 = seq_len - query_len, stride = KVH * D, esize = 4 / PK;
+    int64_t window, void *out, const int PK, const int widen) {
+    const int64_t G = H / KVH, ctx0 = seq_len - query_len, stride = KVH * D, esize = widen ? 2 : 4 / PK;
     const int64_t ntiles = (seq_len + KT - 1) / KT, tile_elems = (int64_t)KT * D / PK;
     uint32_t *kp = aligned_alloc(64, (size_t)(KVH * ntiles * tile_elems * 4));
     uint32_t *vp = aligned_alloc(64, (size_t)(KVH * ntiles * tile_elems * 4));
@@ -377,7 +396,7 @@ static inline __attribute__((always_inline)) void flash_prefill(
     for (int64_t h = 0; h < KVH; h++)
         for (int64_t t = 0; t < ntiles; t++)
             pack_tile(kp + (h * ntiles + t) * tile_elems, vp + (h * ntiles + t) * tile_elems, k_cache, v_cache,
-                      blocks, BS, stride, h * D, t * KT, seq_len, (int)D, PK);
+                      blocks, BS, stride, h * D, t * KT, seq_len, (int)D, PK, widen);
 
     int64_t tq = ROWS_MAX / G;
     if (tq < 1) tq = 1;
@@ -389,6 +408,7 @@ static inline __attribute__((always_inline)) void flash_prefill(
         float *m = malloc((size_t)cap * 4), *l = malloc((size_t)cap * 4);
         const uint32_t **qrow = malloc((size_t)cap * sizeof(*qrow));
         int64_t *pos = malloc((size_t)cap * 8);
+        float *qf = widen ? malloc((size_t)(cap * D * 4)) : NULL; /* the query rows widened */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t w = 0; w < KVH * nqt; w++) {
             const int64_t h = w % KVH, qt = nqt - 1 - w / KVH; /* the longest tiles first */
@@ -397,6 +417,10 @@ static inline __attribute__((always_inline)) void flash_prefill(
             for (int r = 0; r < nrows; r++) {
                 const int64_t tok = t0 + r / G, head = h * G + r % G;
                 qrow[r] = (const uint32_t *)((const char *)q + ((q_start + tok) * q_stride + head * D) * esize);
+                if (widen) {
+                    for (int64_t d = 0; d < D; d++) qf[r * D + d] = bf16_to_f32(((const uint16_t *)qrow[r])[d]);
+                    qrow[r] = (const uint32_t *)(qf + r * D);
+                }
                 pos[r] = ctx0 + tok;
             }
             for (; nrows % RB; nrows++) qrow[nrows] = qrow[nrows - 1], pos[nrows] = pos[nrows - 1];
@@ -412,10 +436,10 @@ static inline __attribute__((always_inline)) void flash_prefill(
             for (int r = 0; r < (int)(tn * G); r++) {
                 const int64_t tok = t0 + r / G, head = h * G + r % G;
                 const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-                finish_row(o + r * D, inv, (char *)out + (tok * H + head) * D * esize, D, PK);
+                finish_row(o + r * D, inv, (char *)out + (tok * H + head) * D * esize, D, PK, widen);
             }
         }
-        free(o), free(m), free(l), free(qrow), free(pos);
+        free(o), free(m), free(l), free(qrow), free(pos), free(qf);
     }
     free(kp), free(vp);
 }
@@ -427,15 +451,27 @@ void flash_prefill_f32(const float *q, int64_t q_start, int64_t q_stride, int64_
                        const float *k_cache, const float *v_cache, const int64_t *blocks, int64_t BS, int64_t H,
                        int64_t KVH, int64_t D, float scale, int64_t window, float *out) {
     flash_prefill(q, q_start, q_stride, query_len, seq_len, k_cache, v_cache, blocks, BS, H, KVH, D, scale, window,
-                  out, 1);
+                  out, 1, 0);
 }
 
+/* Whether flash_prefill_bf16 is the widened form (1: computes in float32) or bf16 dot products (0). */
+int flash_bf16_widened(void) {
 #if defined(__AVX512BF16__)
+    return 0;
+#else
+    return 1;
+#endif
+}
+
 void flash_prefill_bf16(const uint16_t *q, int64_t q_start, int64_t q_stride, int64_t query_len, int64_t seq_len,
                         const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *blocks, int64_t BS,
                         int64_t H, int64_t KVH, int64_t D, float scale, int64_t window, uint16_t *out) {
+#if defined(__AVX512BF16__)
     flash_prefill(q, q_start, q_stride, query_len, seq_len, k_cache, v_cache, blocks, BS, H, KVH, D, scale, window,
-                  out, 2);
-}
+                  out, 2, 0);
+#else
+    flash_prefill(q, q_start, q_stride, query_len, seq_len, k_cache, v_cache, blocks, BS, H, KVH, D, scale, window,
+                  out, 1, 1);
 #endif
+}
 #endif

@@ -13,7 +13,8 @@
  * per-row functions (rms_norm_bf16_row, silu_mul_bf16_span, rope_bf16_row) inside its own team,
  * so that its bf16 results are these kernels' to the bit (and silu_mul_f32_span for float32).
  * Layouts: x [T, N] with row stride ldx (elements); add, h_out and y [T, N] contiguous; all bf16
- * as uint16. rms_norm_f32, silu_mul_f32 and rope_f32 at the end are the float32 ops in one pass each.
+ * as uint16. rms_norm_f32, silu_mul_f32 and rope_f32 are the float32 ops in one pass each. Each
+ * op has a 16-lane AVX-512 form and an 8-lane AVX2 + FMA form; other CPUs export none of them.
  */
 #ifndef PAGEDLLM_ELEMENTWISE_BF16_C
 #define PAGEDLLM_ELEMENTWISE_BF16_C
@@ -46,16 +47,6 @@ static inline void rms_norm_bf16_row(const uint16_t *xr, const uint16_t *add, ui
     }
 }
 
-/* N % 16 == 0. */
-int rms_norm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *add, uint16_t *h_out, const uint16_t *w, int64_t T,
-                  int64_t N, float eps, uint16_t *y) {
-    if (N % 16) return 1;
-#pragma omp parallel for schedule(static) if (T * N >= ELEMENTWISE_PARALLEL_MIN)
-    for (int64_t t = 0; t < T; t++)
-        rms_norm_bf16_row(x + t * ldx, add ? add + t * N : 0, add ? h_out + t * N : 0, w, N, eps, y + t * N);
-    return 0;
-}
-
 /* y[i] = bf16(bf16(silu(g[i])) * u[i]) for i < n; n % 16 == 0. */
 static inline void silu_mul_bf16_span(const uint16_t *g, const uint16_t *u, int64_t n, uint16_t *y) {
     for (int64_t i = 0; i < n; i += 16) {
@@ -64,14 +55,6 @@ static inline void silu_mul_bf16_span(const uint16_t *g, const uint16_t *u, int6
                                                                     exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv)))));
         _mm256_storeu_si256((__m256i *)(y + i), bf16x16_from_f32(_mm512_mul_ps(s, bf16x16_load(u + i))));
     }
-}
-
-/* x [T, 2I] rows [gate | up] with row stride ldx; y [T, I]; I % 16 == 0. */
-int silu_mul_bf16(const uint16_t *x, int64_t ldx, int64_t T, int64_t I, uint16_t *y) {
-    if (I % 16) return 1;
-#pragma omp parallel for schedule(static) if (T * I >= ELEMENTWISE_PARALLEL_MIN)
-    for (int64_t t = 0; t < T; t++) silu_mul_bf16_span(x + t * ldx, x + t * ldx + I, I, y + t * I);
-    return 0;
 }
 
 /* The heads of one row: xr [W] to yr [W], W = heads * hd; c, s: the position's cos and sin rows;
@@ -92,19 +75,6 @@ static inline void rope_bf16_row(const uint16_t *xr0, int64_t W, int64_t hd, con
             _mm256_storeu_si256((__m256i *)(yr + half + i), bf16x16_from_f32(hi));
         }
     }
-}
-
-/* x [T, W] (row stride ldx), W = heads * hd; cos, sin [max_pos, hd]; y [T, W]; (hd / 2) % 16 == 0.
- * Returns 2, writing nothing, when a position is outside the tables. */
-int rope_bf16(const uint16_t *x, int64_t ldx, int64_t T, int64_t W, int64_t hd, const int64_t *pos,
-              const uint16_t *cos, const uint16_t *sin, int64_t max_pos, uint16_t *y) {
-    const int64_t half = hd / 2;
-    if (hd % 2 || half % 16 || W % hd) return 1;
-    for (int64_t t = 0; t < T; t++)
-        if (pos[t] < 0 || pos[t] >= max_pos) return 2;
-#pragma omp parallel for schedule(static) if (T * W >= ELEMENTWISE_PARALLEL_MIN)
-    for (int64_t t = 0; t < T; t++) rope_bf16_row(x + t * ldx, W, hd, cos + pos[t] * hd, sin + pos[t] * hd, y + t * W);
-    return 0;
 }
 
 /* ---- float32: the same three ops, one pass each (the torch formulas take 2-7 passes and as many
@@ -176,6 +146,7 @@ static inline void rope_f32_row(const float *xr0, int64_t W, int64_t hd, const f
 
 #undef RN
 #define ELEMENTWISE_F32 1
+#define ELEMENTWISE_BF16 1
 #elif defined(__AVX2__) && defined(__FMA__)
 /* float32 on CPUs with AVX2 + FMA and no AVX-512: the same three ops on 8 lanes, with the rounding
  * points of the AVX-512 forms (each product through mul_rn8, so none is contracted into an FMA with
@@ -241,7 +212,58 @@ static inline void rope_f32_row(const float *xr0, int64_t W, int64_t hd, const f
         }
     }
 }
+
+/* bf16 on CPUs with AVX2 + FMA and no AVX-512: the bf16 ops above on 8 lanes, with the same
+ * rounding points (round_bf16_8 between the products and the sums, so none is contracted into an
+ * FMA); the row lengths are multiples of 8 (the entry points ask for 16, as on AVX-512). */
+static inline void rms_norm_bf16_row(const uint16_t *xr, const uint16_t *add, uint16_t *hr, const uint16_t *w,
+                                     int64_t N, float eps, uint16_t *yr) {
+    __m256 ss = _mm256_setzero_ps();
+    for (int64_t i = 0; i < N; i += 8) {
+        __m256 h = bf16x8_load(xr + i);
+        if (add) {
+            const __m128i hb = bf16x8_from_f32(_mm256_add_ps(h, bf16x8_load(add + i)));
+            _mm_storeu_si128((__m128i *)(hr + i), hb);
+            h = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(hb), 16));
+        }
+        ss = _mm256_fmadd_ps(h, h, ss);
+    }
+    const __m256 inv = _mm256_set1_ps(1.f / sqrtf(lane_sum8(ss) / (float)N + eps));
+    const uint16_t *src = add ? hr : xr;
+    for (int64_t i = 0; i < N; i += 8) {
+        const __m256 n = round_bf16_8(_mm256_mul_ps(bf16x8_load(src + i), inv));
+        _mm_storeu_si128((__m128i *)(yr + i), bf16x8_from_f32(_mm256_mul_ps(bf16x8_load(w + i), n)));
+    }
+}
+
+static inline void silu_mul_bf16_span(const uint16_t *g, const uint16_t *u, int64_t n, uint16_t *y) {
+    for (int64_t i = 0; i < n; i += 8) {
+        const __m256 gv = bf16x8_load(g + i);
+        const __m256 s = round_bf16_8(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.f),
+                                                                      exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv)))));
+        _mm_storeu_si128((__m128i *)(y + i), bf16x8_from_f32(_mm256_mul_ps(s, bf16x8_load(u + i))));
+    }
+}
+
+static inline void rope_bf16_row(const uint16_t *xr0, int64_t W, int64_t hd, const uint16_t *c, const uint16_t *s,
+                                 uint16_t *yr0) {
+    const int64_t half = hd / 2;
+    for (int64_t h0 = 0; h0 < W; h0 += hd) {
+        const uint16_t *xr = xr0 + h0;
+        uint16_t *yr = yr0 + h0;
+        for (int64_t i = 0; i < half; i += 8) {
+            const __m256 x1 = bf16x8_load(xr + i), x2 = bf16x8_load(xr + half + i);
+            const __m256 lo = _mm256_add_ps(round_bf16_8(_mm256_mul_ps(x1, bf16x8_load(c + i))),
+                                            round_bf16_8(_mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), x2), bf16x8_load(s + i))));
+            const __m256 hi = _mm256_add_ps(round_bf16_8(_mm256_mul_ps(x2, bf16x8_load(c + half + i))),
+                                            round_bf16_8(_mm256_mul_ps(x1, bf16x8_load(s + half + i))));
+            _mm_storeu_si128((__m128i *)(yr + i), bf16x8_from_f32(lo));
+            _mm_storeu_si128((__m128i *)(yr + half + i), bf16x8_from_f32(hi));
+        }
+    }
+}
 #define ELEMENTWISE_F32 1
+#define ELEMENTWISE_BF16 1
 #else
 /* Neither AVX-512 nor AVX2 + FMA: the float32 row functions the fused decode step calls, as plain
  * loops the compiler vectorizes (expf through the vector math library under -ffast-math). Same
@@ -305,6 +327,40 @@ int rope_f32(const float *x, int64_t ldx, int64_t T, int64_t W, int64_t hd, cons
         if (pos[t] < 0 || pos[t] >= max_pos) return 2;
 #pragma omp parallel for schedule(static) if (T * W >= ELEMENTWISE_PARALLEL_MIN)
     for (int64_t t = 0; t < T; t++) rope_f32_row(x + t * ldx, W, hd, cos + pos[t] * hd, sin + pos[t] * hd, y + t * W);
+    return 0;
+}
+#endif
+
+#if defined(ELEMENTWISE_BF16)
+/* ---- bf16 entry points (the AVX-512 or AVX2 row functions above). */
+/* N % 16 == 0. */
+int rms_norm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *add, uint16_t *h_out, const uint16_t *w, int64_t T,
+                  int64_t N, float eps, uint16_t *y) {
+    if (N % 16) return 1;
+#pragma omp parallel for schedule(static) if (T * N >= ELEMENTWISE_PARALLEL_MIN)
+    for (int64_t t = 0; t < T; t++)
+        rms_norm_bf16_row(x + t * ldx, add ? add + t * N : 0, add ? h_out + t * N : 0, w, N, eps, y + t * N);
+    return 0;
+}
+
+/* x [T, 2I] rows [gate | up] with row stride ldx; y [T, I]; I % 16 == 0. */
+int silu_mul_bf16(const uint16_t *x, int64_t ldx, int64_t T, int64_t I, uint16_t *y) {
+    if (I % 16) return 1;
+#pragma omp parallel for schedule(static) if (T * I >= ELEMENTWISE_PARALLEL_MIN)
+    for (int64_t t = 0; t < T; t++) silu_mul_bf16_span(x + t * ldx, x + t * ldx + I, I, y + t * I);
+    return 0;
+}
+
+/* x [T, W] (row stride ldx), W = heads * hd; cos, sin [max_pos, hd]; y [T, W]; (hd / 2) % 16 == 0.
+ * Returns 2, writing nothing, when a position is outside the tables. */
+int rope_bf16(const uint16_t *x, int64_t ldx, int64_t T, int64_t W, int64_t hd, const int64_t *pos,
+              const uint16_t *cos, const uint16_t *sin, int64_t max_pos, uint16_t *y) {
+    const int64_t half = hd / 2;
+    if (hd % 2 || half % 16 || W % hd) return 1;
+    for (int64_t t = 0; t < T; t++)
+        if (pos[t] < 0 || pos[t] >= max_pos) return 2;
+#pragma omp parallel for schedule(static) if (T * W >= ELEMENTWISE_PARALLEL_MIN)
+    for (int64_t t = 0; t < T; t++) rope_bf16_row(x + t * ldx, W, hd, cos + pos[t] * hd, sin + pos[t] * hd, y + t * W);
     return 0;
 }
 #endif

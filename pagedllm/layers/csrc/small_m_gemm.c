@@ -19,7 +19,8 @@
  * 16.0 -> 11.4 ms, 64 rows 31.3 -> 22.0 ms with the tile sums, benchmarks/bench_small_m_gemm.py).
  * W row blocks are split between the OpenMP threads; small GEMMs run on one thread (waking the
  * team costs more than reading a few hundred KB). CPUs without AVX-512 but with AVX2 and FMA get
- * the float32 kernel in 8-lane vectors (gemm_tile_f32 in its AVX2 form); bf16 needs AVX-512 BF16.
+ * both kernels in 8-lane vectors (gemm_tile_avx2), bf16 widened to float32 in registers; CPUs with
+ * AVX-512 but not its BF16 dot products have no bf16 kernel.
  *
  * Layouts: x [M, K], w [N, K], bias [N] or NULL, y [M, N], all of element type dt (0 float32,
  * 1 bf16 as uint16); K % 16 == 0 for float32, K % 32 == 0 for bf16. Also included by the fused
@@ -28,6 +29,7 @@
 #ifndef PAGEDLLM_SMALL_M_GEMM_C
 #define PAGEDLLM_SMALL_M_GEMM_C
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <omp.h>
 
@@ -128,36 +130,81 @@ static inline __attribute__((always_inline)) void gemm_tile_f32(const float *x, 
 #endif
 
 #if HAVE_AVX2_F32
-/* gemm_tile_f32 for AVX2 + FMA: 16 ymm registers hold 2 x rows by NR W rows of accumulators (8),
- * the NR W vectors and one x vector, so a tile of up to MR x rows runs as passes of two rows over
- * its W block (the later passes read it from L1). Each output is one 8-lane accumulator over K
- * summed by lane_sum8, whatever the tile, so a row's result does not depend on where it sits in
- * the batch. The next block's lines are prefetched in the first pass, one per W row per 16
- * floats of K, each tile of x rows taking its share of the steps as in the AVX-512 kernel. */
-static inline __attribute__((always_inline)) void gemm_tile_f32(const float *x, int64_t m0, int64_t mr, const float *w, int64_t n0, int64_t nr,
-                                 int64_t N, int64_t K, const float *bias, float *y, const float *pf, int64_t pf_phase, int64_t pf_every) {
+/* Where an AVX2 pass over a W block reads it: float32 W; bf16 W widened in registers; bf16 W
+ * widened and also stored to the block's float32 panel; the panel. */
+enum { W_F32 = 0, W_BF16 = 1, W_BF16_FILL = 2, W_PANEL = 3 };
+
+/* One pass of mm (1 or 2) x rows (float32, from xr) over the W block n0 .. n0 + nr - 1 read as
+ * `mode` says (a constant at each call site), into acc. */
+static inline __attribute__((always_inline)) void avx2_pass(const float *xr, int64_t mm, const void *w, int64_t n0,
+                                                           int64_t nr, int64_t K, float *panel, __m256 acc[2][NR],
+                                                           const void *pf, int64_t *pf_phase, int64_t pf_every,
+                                                           int mode) {
+    const int64_t line = mode == W_F32 ? 16 : 32, es = mode == W_F32 ? 4 : 2; /* W elements per 64-byte line */
+    for (int64_t k = 0; k < K; k += 8) {
+        __m256 wv[NR];
+        for (int r = 0; r < NR; r++) {
+            const int64_t row = n0 + (r < nr ? r : 0);
+            if (mode == W_F32)
+                wv[r] = _mm256_loadu_ps((const float *)w + row * K + k);
+            else if (mode == W_PANEL)
+                wv[r] = _mm256_loadu_ps(panel + r * K + k);
+            else
+                wv[r] = bf16x8_load((const uint16_t *)w + row * K + k);
+            if (mode == W_BF16_FILL) _mm256_storeu_ps(panel + r * K + k, wv[r]);
+        }
+        if (pf != NULL && (k & (line - 1)) == 0 && (*pf_phase)-- == 0) {
+            for (int r = 0; r < NR; r++) _mm_prefetch((const char *)pf + (r * K + k) * es, _MM_HINT_T0);
+            *pf_phase = pf_every - 1;
+        }
+        for (int64_t m = 0; m < mm; m++) {
+            const __m256 xv = _mm256_loadu_ps(xr + m * K + k);
+            for (int r = 0; r < NR; r++) acc[m][r] = _mm256_fmadd_ps(xv, wv[r], acc[m][r]);
+        }
+    }
+}
+
+/* The tile for AVX2 + FMA: 16 ymm registers hold 2 x rows by NR W rows of accumulators (8), the NR
+ * W vectors and one x vector, so a tile of up to MR x rows runs as passes of two rows over its W
+ * block. x is float32 (bf16 x widened by the caller, once per GEMM). A float32 block is reread
+ * from L1 by the later passes. A bf16 block is widened to float32 in registers (exact) and
+ * multiplied in float32: on CPUs without bf16 dot products nothing is faster, and the pass over W
+ * reads half the bytes of float32. Where more than one pass runs over a bf16 block (panel not
+ * NULL), the first pass of the first tile (fill) also stores the widened block to the float32
+ * panel (NR x K) and every later pass reads that, so each element is widened once. Each output is
+ * one 8-lane accumulator over K summed by lane_sum8, whatever the tile, so a row's result does not
+ * depend on where it sits in the batch; the bias is added in float32 and a bf16 result rounded
+ * once. The next block's lines are prefetched in the first pass, one per W row per 64-byte line,
+ * each tile of x rows taking its share of the steps as in the AVX-512 kernel. */
+static inline __attribute__((always_inline)) void gemm_tile_avx2(const float *x, int64_t m0, int64_t mr, const void *w,
+                                                                int64_t n0, int64_t nr, int64_t N, int64_t K,
+                                                                const void *bias, void *y, const void *pf,
+                                                                int64_t pf_phase, int64_t pf_every, int dt,
+                                                                float *panel, int fill) {
     for (int64_t mp = 0; mp < mr; mp += 2) {
         const int64_t mm = mr - mp < 2 ? mr - mp : 2;
         __m256 acc[2][NR];
         for (int m = 0; m < 2; m++)
             for (int r = 0; r < NR; r++) acc[m][r] = _mm256_setzero_ps();
         const float *xr = x + (m0 + mp) * K;
-        for (int64_t k = 0; k < K; k += 8) {
-            __m256 wv[NR];
-            for (int r = 0; r < NR; r++) wv[r] = _mm256_loadu_ps(w + (n0 + (r < nr ? r : 0)) * K + k);
-            if (mp == 0 && pf != NULL && (k & 15) == 0 && pf_phase-- == 0) {
-                for (int r = 0; r < NR; r++) _mm_prefetch((const char *)(pf + r * K + k), _MM_HINT_T0);
-                pf_phase = pf_every - 1;
-            }
-            for (int64_t m = 0; m < mm; m++) {
-                const __m256 xv = _mm256_loadu_ps(xr + m * K + k);
-                for (int r = 0; r < NR; r++) acc[m][r] = _mm256_fmadd_ps(xv, wv[r], acc[m][r]);
-            }
-        }
+        const void *pfp = mp == 0 ? pf : NULL;
+        if (dt == LD_F32)
+            avx2_pass(xr, mm, w, n0, nr, K, NULL, acc, pfp, &pf_phase, pf_every, W_F32);
+        else if (panel == NULL)
+            avx2_pass(xr, mm, w, n0, nr, K, NULL, acc, pfp, &pf_phase, pf_every, W_BF16);
+        else if (fill && mp == 0)
+            avx2_pass(xr, mm, w, n0, nr, K, panel, acc, pfp, &pf_phase, pf_every, W_BF16_FILL);
+        else
+            avx2_pass(xr, mm, w, n0, nr, K, panel, acc, pfp, &pf_phase, pf_every, W_PANEL);
         for (int64_t m = 0; m < mm; m++)
             for (int64_t r = 0; r < nr; r++)
-                y[(m0 + mp + m) * N + n0 + r] = lane_sum8(acc[m][r]) + (bias ? bias[n0 + r] : 0.0f);
+                st(y, (m0 + mp + m) * N + n0 + r, lane_sum8(acc[m][r]) + (bias ? ld(bias, n0 + r, dt) : 0.0f), dt);
     }
+}
+
+static inline __attribute__((always_inline)) void gemm_tile_f32(const float *x, int64_t m0, int64_t mr, const float *w, int64_t n0, int64_t nr,
+                                 int64_t N, int64_t K, const float *bias, float *y, const float *pf, int64_t pf_phase, int64_t pf_every) {
+    gemm_tile_avx2(x, m0, mr, w, n0, nr, N, K, bias, y, pf, pf_phase, pf_every, LD_F32, NULL, 0);
 }
 #endif
 
@@ -199,6 +246,15 @@ static inline __attribute__((always_inline)) void gemm_tile_bf16(const uint16_t 
 static void gemm_rows(const void *x, int64_t M, const void *w, const void *bias, int64_t N, int64_t K, void *y, int dt,
                       int64_t n_lo, int64_t n_hi) {
     const int64_t tiles = (M + MR - 1) / MR;
+#if HAVE_AVX2_F32
+    /* bf16 on AVX2: x widened once, and a float32 panel of the W block where passes repeat. */
+    float *xf = NULL, *panel = NULL;
+    if (dt == LD_BF16 && n_lo < n_hi) {
+        xf = aligned_alloc(64, (size_t)((M * K * 4 + 63) / 64 * 64));
+        for (int64_t i = 0; i < M * K; i += 8) _mm256_store_ps(xf + i, bf16x8_load((const uint16_t *)x + i));
+        if (M > 2) panel = aligned_alloc(64, (size_t)(NR * K * 4));
+    }
+#endif
     for (int64_t n0 = n_lo; n0 < n_hi; n0 += NR) {
         const int64_t nr = n_hi - n0 < NR ? n_hi - n0 : NR;
         /* The next block of this range: a whole one (a short last block is not prefetched). Every
@@ -223,6 +279,21 @@ static void gemm_rows(const void *x, int64_t M, const void *w, const void *bias,
                 continue;
             }
 #endif
+#if HAVE_AVX2_F32
+            if (dt == LD_BF16) {
+#define TILE_W(MR_)                                                                                        \
+    gemm_tile_avx2(xf, m0, MR_, w, n0, nr, N, K, bias, y, next < 0 ? NULL : (const uint16_t *)w + next * K, \
+                   m0 / MR, tiles, LD_BF16, panel, m0 == 0)
+                switch (mr) {
+                case 1: TILE_W(1); break;
+                case 2: TILE_W(2); break;
+                case 3: TILE_W(3); break;
+                default: TILE_W(4); break;
+                }
+#undef TILE_W
+                continue;
+            }
+#endif
 #if HAVE_AVX512 || HAVE_AVX2_F32
             if (dt == LD_F32) {
                 TILES(gemm_tile_f32, float)
@@ -238,6 +309,10 @@ static void gemm_rows(const void *x, int64_t M, const void *w, const void *bias,
                 }
         }
     }
+#if HAVE_AVX2_F32
+    free(xf);
+    free(panel);
+#endif
 }
 
 /* The share [*lo, *hi) of n items that thread t of nth takes: whole units of `unit` items, as equal
@@ -259,8 +334,11 @@ static void gemm(const void *x, int64_t M, const void *w, const void *bias, int6
     }
 }
 
-/* Bit 0: the float32 kernel is built (AVX-512, or AVX2 + FMA); bit 1: the bf16 one (AVX-512 BF16). */
-int small_m_available(void) { return (HAVE_AVX512 || HAVE_AVX2_F32 ? 1 : 0) | (HAVE_AVX512_BF16 ? 2 : 0); }
+/* Bit 0: the float32 kernel is built (AVX-512, or AVX2 + FMA); bit 1: the bf16 one (AVX-512 BF16, or
+ * AVX2 + FMA widening bf16 to float32); bit 2: the bf16 one is the widening form. */
+int small_m_available(void) {
+    return (HAVE_AVX512 || HAVE_AVX2_F32 ? 1 : 0) | (HAVE_AVX512_BF16 || HAVE_AVX2_F32 ? 2 : 0) | (HAVE_AVX2_F32 ? 4 : 0);
+}
 
 /* y = x W^T (+ bias): 0, or 1 for what it does not take (K not a multiple of its step, no kernel). */
 int small_m_linear(const void *x, int64_t M, const void *w, const void *bias, int64_t N, int64_t K, void *y,

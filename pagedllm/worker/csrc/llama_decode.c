@@ -111,7 +111,7 @@ static inline float round_dt(float v, int dt) { return dt == LD_F32 ? v : bf16_t
 /* out[m] = RMSNorm(x[m]) * weight: float32 statistics; bf16 rounds the normalized row before the
  * weight multiplies it (as the torch path does). */
 static void rms_norm(const void *x, int64_t M, int64_t H, const void *weight, float eps, void *out, int dt) {
-#if HAVE_AVX512
+#if defined(ELEMENTWISE_BF16)
     if (dt == LD_BF16 && H % 16 == 0) { /* the torch path's kernel (elementwise_bf16.c) */
         for (int64_t m = 0; m < M; m++)
             rms_norm_bf16_row((const uint16_t *)x + m * H, NULL, NULL, weight, H, eps, (uint16_t *)out + m * H);
@@ -151,7 +151,7 @@ static void add_inplace(void *x, const void *y, int64_t M, int64_t N, int64_t lo
 
 /* out[m, i] = silu(gu[m, i]) * gu[m, I + i] for i in [lo, hi), each op rounded to dtype. */
 static void silu_mul(const void *gu, int64_t M, int64_t I, void *out, int dt, int64_t lo, int64_t hi) {
-#if HAVE_AVX512
+#if defined(ELEMENTWISE_BF16)
     if (dt == LD_BF16 && lo % 16 == 0 && (hi - lo) % 16 == 0) { /* the torch path's kernel */
         for (int64_t m = 0; m < M; m++) {
             const uint16_t *g = (const uint16_t *)gu + m * 2 * I;
@@ -179,7 +179,7 @@ static void silu_mul(const void *gu, int64_t M, int64_t I, void *out, int dt, in
 static void rope_row(const void *src, int64_t src_off, void *dst, int64_t dst_off, int64_t heads, int64_t D,
                      const void *cos, const void *sin, int64_t pos, int dt) {
     const int64_t half = D / 2;
-#if HAVE_AVX512
+#if defined(ELEMENTWISE_BF16)
     if (dt == LD_BF16 && half % 16 == 0) { /* the torch path's kernel */
         rope_bf16_row((const uint16_t *)src + src_off, heads * D, D, (const uint16_t *)cos + pos * D,
                       (const uint16_t *)sin + pos * D, (uint16_t *)dst + dst_off);
