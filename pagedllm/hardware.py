@@ -31,8 +31,11 @@ def choose_auto_dtype(flags: frozenset[str] | set[str], has_gpu: bool = False) -
     """(dtype, reason) that `--dtype auto` resolves to.
 
     bfloat16 on a GPU and on CPUs with AVX-512 BF16 or AMX-BF16 (hardware bf16 dot products, so
-    GEMMs in bf16 run faster than in fp32 and weights take half the bytes); float32 otherwise,
-    where bf16 would be emulated and slower.
+    GEMMs in bf16 run faster than in fp32 and weights take half the bytes); float32 otherwise.
+    There pagedllm's bf16 widens to float32 and multiplies in float32 (AVX2 + FMA kernels): it
+    halves the weight bytes, and so speeds up decode, but not the arithmetic of prompts, while
+    float32 keeps every result exact against a float32 reference. `--dtype bfloat16` is the choice
+    for memory or single-stream speed there.
     """
     if has_gpu:
         return "bfloat16", "a GPU is available"

@@ -123,8 +123,8 @@ def hf_greedy_batch(model, prompts: list[list[int]], max_tokens: int) -> list[tu
 
 @pytest.mark.slow
 @pytest.mark.skipif(choose_auto_dtype(cpu_flags())[0] != "bfloat16",
-                    reason="torch's bf16 GEMMs are emulated on this CPU (no AVX-512 BF16 or AMX): the transformers "
-                           "bf16 reference of the 64 prompts takes over ten minutes here")
+                    reason="torch's bf16 GEMMs are emulated on this CPU (no AVX-512 BF16 or AMX): with the "
+                           "transformers bf16 reference of the 64 prompts the test takes over four minutes here")
 def test_default_model_bfloat16_matches_transformers_bfloat16():
     """bf16 against HF transformers in bf16 on the same weights: every sequence matches or differs
     first at a near-tie (top-5 rule); the exact matches are reported."""

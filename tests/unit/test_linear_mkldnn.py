@@ -52,3 +52,29 @@ def test_lm_head_logits_match_reference(rows: int) -> None:
     ref = x.double() @ head.weight.double().T
     assert logits.dtype == torch.float32 and logits.shape == (rows, 1000)
     assert (logits.double() - ref).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize("widened", [False, True])
+def test_bf16_batches_past_the_kernel_widen_where_the_cpu_lacks_bf16_dot_products(widened, monkeypatch) -> None:
+    """Without AVX-512 BF16 or AMX (BF16_WIDENED), a bf16 GEMM past the small-M kernel's rows runs as
+    the float32 GEMM of the widened operands plus the bias, rounded once to bf16; with them, torch's
+    bf16 GEMM. Either way the result is the exact product within bf16 rounding."""
+    from pagedllm.layers import linear
+    from pagedllm.layers.native_linear import small_m_rows
+
+    monkeypatch.setattr(linear, "BF16_WIDENED", widened)
+    g = torch.Generator().manual_seed(5)
+    rows = small_m_rows(torch.bfloat16) + 3
+    layer = Linear(576, 200, bias=True, dtype=torch.bfloat16)
+    layer.weight.data.copy_(torch.randn(200, 576, generator=g) / 24)
+    layer.bias.data.copy_(torch.randn(200, generator=g))
+    x = torch.randn(rows, 576, generator=g).bfloat16()
+    with torch.inference_mode():
+        y = layer(x)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, 200)
+    if widened:
+        fp32 = linear.torch_linear(x.float(), layer.weight.float(), layer.bias.float())
+        assert torch.equal(y, fp32.bfloat16())
+    ref = x.double() @ layer.weight.double().T + layer.bias.double()
+    # float32 sums of exact bf16 products (~K * 2^-24 relative), then one bf16 rounding (2^-9).
+    torch.testing.assert_close(y.double(), ref, rtol=2**-8, atol=1e-3)

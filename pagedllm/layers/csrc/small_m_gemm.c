@@ -247,11 +247,13 @@ static void gemm_rows(const void *x, int64_t M, const void *w, const void *bias,
                       int64_t n_lo, int64_t n_hi) {
     const int64_t tiles = (M + MR - 1) / MR;
 #if HAVE_AVX2_F32
-    /* bf16 on AVX2: x widened once, and a float32 panel of the W block where passes repeat. */
+    /* bf16 on AVX2: x widened once, and a float32 panel of the W block where passes repeat (where
+     * the buffers cannot be had, the scalar loop below, or passes that widen W in registers). */
     float *xf = NULL, *panel = NULL;
     if (dt == LD_BF16 && n_lo < n_hi) {
         xf = aligned_alloc(64, (size_t)((M * K * 4 + 63) / 64 * 64));
-        for (int64_t i = 0; i < M * K; i += 8) _mm256_store_ps(xf + i, bf16x8_load((const uint16_t *)x + i));
+        if (xf != NULL)
+            for (int64_t i = 0; i < M * K; i += 8) _mm256_store_ps(xf + i, bf16x8_load((const uint16_t *)x + i));
         if (M > 2) panel = aligned_alloc(64, (size_t)(NR * K * 4));
     }
 #endif
@@ -280,7 +282,7 @@ static void gemm_rows(const void *x, int64_t M, const void *w, const void *bias,
             }
 #endif
 #if HAVE_AVX2_F32
-            if (dt == LD_BF16) {
+            if (dt == LD_BF16 && xf != NULL) {
 #define TILE_W(MR_)                                                                                        \
     gemm_tile_avx2(xf, m0, MR_, w, n0, nr, N, K, bias, y, next < 0 ? NULL : (const uint16_t *)w + next * K, \
                    m0 / MR, tiles, LD_BF16, panel, m0 == 0)
