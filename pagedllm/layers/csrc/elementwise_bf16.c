@@ -26,56 +26,21 @@
 #define ELEMENTWISE_PARALLEL_MIN (1 << 18)
 
 #if defined(__AVX512F__)
-/* One row: h = bf16(x + add) into hr when add is given (else h = x), y = bf16(w * bf16(h * inv)). */
-static inline void rms_norm_bf16_row(const uint16_t *xr, const uint16_t *add, uint16_t *hr, const uint16_t *w,
-                                     int64_t N, float eps, uint16_t *yr) {
-    __m512 ss = _mm512_setzero_ps();
-    for (int64_t i = 0; i < N; i += 16) {
-        __m512 h = bf16x16_load(xr + i);
-        if (add) {
-            const __m256i hb = bf16x16_from_f32(_mm512_add_ps(h, bf16x16_load(add + i)));
-            _mm256_storeu_si256((__m256i *)(hr + i), hb);
-            h = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hb), 16));
-        }
-        ss = _mm512_fmadd_ps(h, h, ss);
-    }
-    const __m512 inv = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(ss) / (float)N + eps));
-    const uint16_t *src = add ? hr : xr;
-    for (int64_t i = 0; i < N; i += 16) {
-        const __m512 n = round_bf16(_mm512_mul_ps(bf16x16_load(src + i), inv));
-        _mm256_storeu_si256((__m256i *)(yr + i), bf16x16_from_f32(_mm512_mul_ps(bf16x16_load(w + i), n)));
-    }
-}
-
-/* y[i] = bf16(bf16(silu(g[i])) * u[i]) for i < n; n % 16 == 0. */
-static inline void silu_mul_bf16_span(const uint16_t *g, const uint16_t *u, int64_t n, uint16_t *y) {
-    for (int64_t i = 0; i < n; i += 16) {
-        const __m512 gv = bf16x16_load(g + i);
-        const __m512 s = round_bf16(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f),
-                                                                    exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv)))));
-        _mm256_storeu_si256((__m256i *)(y + i), bf16x16_from_f32(_mm512_mul_ps(s, bf16x16_load(u + i))));
-    }
-}
-
-/* The heads of one row: xr [W] to yr [W], W = heads * hd; c, s: the position's cos and sin rows;
- * (hd / 2) % 16 == 0. */
-static inline void rope_bf16_row(const uint16_t *xr0, int64_t W, int64_t hd, const uint16_t *c, const uint16_t *s,
-                                 uint16_t *yr0) {
-    const int64_t half = hd / 2;
-    for (int64_t h0 = 0; h0 < W; h0 += hd) {
-        const uint16_t *xr = xr0 + h0;
-        uint16_t *yr = yr0 + h0;
-        for (int64_t i = 0; i < half; i += 16) {
-            const __m512 x1 = bf16x16_load(xr + i), x2 = bf16x16_load(xr + half + i);
-            const __m512 lo = _mm512_add_ps(round_bf16(_mm512_mul_ps(x1, bf16x16_load(c + i))),
-                                            round_bf16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), bf16x16_load(s + i))));
-            const __m512 hi = _mm512_add_ps(round_bf16(_mm512_mul_ps(x2, bf16x16_load(c + half + i))),
-                                            round_bf16(_mm512_mul_ps(x1, bf16x16_load(s + half + i))));
-            _mm256_storeu_si256((__m256i *)(yr + i), bf16x16_from_f32(lo));
-            _mm256_storeu_si256((__m256i *)(yr + half + i), bf16x16_from_f32(hi));
-        }
-    }
-}
+/* The bf16 ops (written once, below) on 16 float32 lanes. */
+typedef __m512 vbf;
+#define BF_LANES 16
+#define BF_LOAD(p) bf16x16_load(p)
+#define BF_STORE(p, v) _mm256_storeu_si256((__m256i *)(p), bf16x16_from_f32(v))
+#define BF_ROUND(v) round_bf16(v)
+#define BF_ADD _mm512_add_ps
+#define BF_SUB _mm512_sub_ps
+#define BF_MUL _mm512_mul_ps
+#define BF_DIV _mm512_div_ps
+#define BF_FMA _mm512_fmadd_ps
+#define BF_SET1 _mm512_set1_ps
+#define BF_ZERO _mm512_setzero_ps
+#define BF_EXP exp512
+#define BF_SUM lane_sum
 
 /* ---- float32: the same three ops, one pass each (the torch formulas take 2-7 passes and as many
  * allocations). Products and sums are rounded one by one (no fused multiply-adds), as the torch
@@ -146,7 +111,6 @@ static inline void rope_f32_row(const float *xr0, int64_t W, int64_t hd, const f
 
 #undef RN
 #define ELEMENTWISE_F32 1
-#define ELEMENTWISE_BF16 1
 #elif defined(__AVX2__) && defined(__FMA__)
 /* float32 on CPUs with AVX2 + FMA and no AVX-512: the same three ops on 8 lanes, with the rounding
  * points of the AVX-512 forms (each product through mul_rn8, so none is contracted into an FMA with
@@ -213,57 +177,22 @@ static inline void rope_f32_row(const float *xr0, int64_t W, int64_t hd, const f
     }
 }
 
-/* bf16 on CPUs with AVX2 + FMA and no AVX-512: the bf16 ops above on 8 lanes, with the same
- * rounding points (round_bf16_8 between the products and the sums, so none is contracted into an
- * FMA); the row lengths are multiples of 8 (the entry points ask for 16, as on AVX-512). */
-static inline void rms_norm_bf16_row(const uint16_t *xr, const uint16_t *add, uint16_t *hr, const uint16_t *w,
-                                     int64_t N, float eps, uint16_t *yr) {
-    __m256 ss = _mm256_setzero_ps();
-    for (int64_t i = 0; i < N; i += 8) {
-        __m256 h = bf16x8_load(xr + i);
-        if (add) {
-            const __m128i hb = bf16x8_from_f32(_mm256_add_ps(h, bf16x8_load(add + i)));
-            _mm_storeu_si128((__m128i *)(hr + i), hb);
-            h = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(hb), 16));
-        }
-        ss = _mm256_fmadd_ps(h, h, ss);
-    }
-    const __m256 inv = _mm256_set1_ps(1.f / sqrtf(lane_sum8(ss) / (float)N + eps));
-    const uint16_t *src = add ? hr : xr;
-    for (int64_t i = 0; i < N; i += 8) {
-        const __m256 n = round_bf16_8(_mm256_mul_ps(bf16x8_load(src + i), inv));
-        _mm_storeu_si128((__m128i *)(yr + i), bf16x8_from_f32(_mm256_mul_ps(bf16x8_load(w + i), n)));
-    }
-}
-
-static inline void silu_mul_bf16_span(const uint16_t *g, const uint16_t *u, int64_t n, uint16_t *y) {
-    for (int64_t i = 0; i < n; i += 8) {
-        const __m256 gv = bf16x8_load(g + i);
-        const __m256 s = round_bf16_8(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.f),
-                                                                      exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv)))));
-        _mm_storeu_si128((__m128i *)(y + i), bf16x8_from_f32(_mm256_mul_ps(s, bf16x8_load(u + i))));
-    }
-}
-
-static inline void rope_bf16_row(const uint16_t *xr0, int64_t W, int64_t hd, const uint16_t *c, const uint16_t *s,
-                                 uint16_t *yr0) {
-    const int64_t half = hd / 2;
-    for (int64_t h0 = 0; h0 < W; h0 += hd) {
-        const uint16_t *xr = xr0 + h0;
-        uint16_t *yr = yr0 + h0;
-        for (int64_t i = 0; i < half; i += 8) {
-            const __m256 x1 = bf16x8_load(xr + i), x2 = bf16x8_load(xr + half + i);
-            const __m256 lo = _mm256_add_ps(round_bf16_8(_mm256_mul_ps(x1, bf16x8_load(c + i))),
-                                            round_bf16_8(_mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), x2), bf16x8_load(s + i))));
-            const __m256 hi = _mm256_add_ps(round_bf16_8(_mm256_mul_ps(x2, bf16x8_load(c + half + i))),
-                                            round_bf16_8(_mm256_mul_ps(x1, bf16x8_load(s + half + i))));
-            _mm_storeu_si128((__m128i *)(yr + i), bf16x8_from_f32(lo));
-            _mm_storeu_si128((__m128i *)(yr + half + i), bf16x8_from_f32(hi));
-        }
-    }
-}
+/* The bf16 ops (written once, below) on 8 float32 lanes. */
+typedef __m256 vbf;
+#define BF_LANES 8
+#define BF_LOAD(p) bf16x8_load(p)
+#define BF_STORE(p, v) _mm_storeu_si128((__m128i *)(p), bf16x8_from_f32(v))
+#define BF_ROUND(v) round_bf16_8(v)
+#define BF_ADD _mm256_add_ps
+#define BF_SUB _mm256_sub_ps
+#define BF_MUL _mm256_mul_ps
+#define BF_DIV _mm256_div_ps
+#define BF_FMA _mm256_fmadd_ps
+#define BF_SET1 _mm256_set1_ps
+#define BF_ZERO _mm256_setzero_ps
+#define BF_EXP exp256
+#define BF_SUM lane_sum8
 #define ELEMENTWISE_F32 1
-#define ELEMENTWISE_BF16 1
 #else
 /* Neither AVX-512 nor AVX2 + FMA: the float32 row functions the fused decode step calls, as plain
  * loops the compiler vectorizes (expf through the vector math library under -ffast-math). Same
@@ -331,8 +260,61 @@ int rope_f32(const float *x, int64_t ldx, int64_t T, int64_t W, int64_t hd, cons
 }
 #endif
 
-#if defined(ELEMENTWISE_BF16)
-/* ---- bf16 entry points (the AVX-512 or AVX2 row functions above). */
+#if defined(BF_LANES)
+/* ---- bf16 rows, on the BF_LANES float32 lanes of this build (16 with AVX-512, 8 with AVX2 + FMA).
+ * Rounding points: round to bf16 (BF_ROUND) between each product and the sum after it, so that
+ * none is contracted into an FMA; row lengths are multiples of BF_LANES (the entry points ask for
+ * 16 on both). */
+
+/* One row: h = bf16(x + add) into hr when add is given (else h = x), y = bf16(w * bf16(h * inv)). */
+static inline void rms_norm_bf16_row(const uint16_t *xr, const uint16_t *add, uint16_t *hr, const uint16_t *w,
+                                     int64_t N, float eps, uint16_t *yr) {
+    vbf ss = BF_ZERO();
+    for (int64_t i = 0; i < N; i += BF_LANES) {
+        vbf h = BF_LOAD(xr + i);
+        if (add) {
+            h = BF_ROUND(BF_ADD(h, BF_LOAD(add + i)));
+            BF_STORE(hr + i, h);
+        }
+        ss = BF_FMA(h, h, ss);
+    }
+    const vbf inv = BF_SET1(1.f / sqrtf(BF_SUM(ss) / (float)N + eps));
+    const uint16_t *src = add ? hr : xr;
+    for (int64_t i = 0; i < N; i += BF_LANES) {
+        const vbf n = BF_ROUND(BF_MUL(BF_LOAD(src + i), inv));
+        BF_STORE(yr + i, BF_MUL(BF_LOAD(w + i), n));
+    }
+}
+
+/* y[i] = bf16(bf16(silu(g[i])) * u[i]) for i < n. */
+static inline void silu_mul_bf16_span(const uint16_t *g, const uint16_t *u, int64_t n, uint16_t *y) {
+    for (int64_t i = 0; i < n; i += BF_LANES) {
+        const vbf gv = BF_LOAD(g + i);
+        const vbf s = BF_ROUND(BF_DIV(gv, BF_ADD(BF_SET1(1.f), BF_EXP(BF_SUB(BF_ZERO(), gv)))));
+        BF_STORE(y + i, BF_MUL(s, BF_LOAD(u + i)));
+    }
+}
+
+/* The heads of one row: xr [W] to yr [W], W = heads * hd; c, s: the position's cos and sin rows. */
+static inline void rope_bf16_row(const uint16_t *xr0, int64_t W, int64_t hd, const uint16_t *c, const uint16_t *s,
+                                 uint16_t *yr0) {
+    const int64_t half = hd / 2;
+    for (int64_t h0 = 0; h0 < W; h0 += hd) {
+        const uint16_t *xr = xr0 + h0;
+        uint16_t *yr = yr0 + h0;
+        for (int64_t i = 0; i < half; i += BF_LANES) {
+            const vbf x1 = BF_LOAD(xr + i), x2 = BF_LOAD(xr + half + i);
+            const vbf lo = BF_ADD(BF_ROUND(BF_MUL(x1, BF_LOAD(c + i))),
+                                  BF_ROUND(BF_MUL(BF_SUB(BF_ZERO(), x2), BF_LOAD(s + i))));
+            const vbf hi = BF_ADD(BF_ROUND(BF_MUL(x2, BF_LOAD(c + half + i))), BF_ROUND(BF_MUL(x1, BF_LOAD(s + half + i))));
+            BF_STORE(yr + i, lo);
+            BF_STORE(yr + half + i, hi);
+        }
+    }
+}
+#define ELEMENTWISE_BF16 1
+
+/* ---- bf16 entry points. */
 /* N % 16 == 0. */
 int rms_norm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *add, uint16_t *h_out, const uint16_t *w, int64_t T,
                   int64_t N, float eps, uint16_t *y) {
