@@ -95,19 +95,19 @@ def measure_matmul_peak(n: int = 1024, seconds: float = 2.0, dtype: str = "float
     the faster of torch.mm and oneDNN's linear (torch.ops.mkldnn._linear_pointwise), each timed for
     half of `seconds`. On AMD CPUs torch.mm's float32 path (MKL) runs AVX2 code at about half of
     what oneDNN's AVX-512 GEMM reaches on the same machine, so torch.mm alone understates the peak.
-    bfloat16 on CPUs without bf16 dot products: pagedllm's bf16 GEMM there (layers/linear.py,
-    operands widened to float32 for oneDNN's float32 GEMM), since torch's own bf16 GEMMs are
-    emulated at a hundredth of that rate (0.7 GFLOP/s on a 2-core AVX2 host) and pagedllm never
-    runs them."""
+    bfloat16 or float16 on CPUs without dot products in that dtype: pagedllm's GEMM there
+    (layers/linear.py, operands widened to float32 for oneDNN's float32 GEMM), since torch's own
+    GEMMs in it are emulated at a hundredth of that rate (0.7 GFLOP/s on a 2-core AVX2 host) and
+    pagedllm never runs them."""
     import torch
 
-    from pagedllm.layers.linear import BF16_WIDENED, torch_linear
+    from pagedllm.layers.linear import WIDENED_DTYPES, torch_linear
 
     dt = getattr(torch, dtype)
     a = torch.randn(n, n).to(dt)
     b = torch.randn(n, n).to(dt)
     c = torch.empty(n, n, dtype=dt)
-    if dt == torch.bfloat16 and BF16_WIDENED:
+    if dt in WIDENED_DTYPES:
         calls = [lambda: torch_linear(a, b)]
     else:
         calls = [lambda: torch.mm(a, b, out=c)]

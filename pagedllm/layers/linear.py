@@ -27,12 +27,15 @@ _SINGLE = TensorParallelGroup()
 # 0.6-1.2x; AVX2 host: 1.77x at 16 rows, 1.2x at 128, 1.09x at 2,048). Rows up to
 # native_linear.SMALL_M (15 with AVX-512, 128 with AVX2) take the small-M kernel before this.
 MKLDNN_MIN_ROWS = 16
-# bfloat16 on CPUs without bf16 dot products (AVX-512 BF16 or AMX): torch's bf16 GEMM is emulated
-# there, 4-5x slower than float32 (AVX2 host: 0.7 GFLOP/s against 70), so past the small-M kernel's
-# rows the operands are widened to float32 (exact), multiplied by oneDNN's float32 GEMM and the
-# result rounded once to bf16, as a bf16 GEMM with float32 accumulation does. The widening costs
-# about a tenth of the GEMM at 128 rows and less beyond (benchmarks/bench_small_m_gemm.py).
-BF16_WIDENED = not set(BF16_FLAGS) & cpu_flags()
+# bfloat16 on CPUs without bf16 dot products (AVX-512 BF16 or AMX), and float16 on CPUs without
+# float16 ones (AVX-512 FP16 or AMX-FP16): torch's GEMM in that dtype is emulated there, 4-100x
+# slower than float32 (AVX2 host: 0.7 GFLOP/s against 70 on a 1,024-cube product), so past the
+# small-M kernel's rows the operands are widened to float32 (exact), multiplied by oneDNN's float32
+# GEMM and the result rounded once, as a 16-bit GEMM with float32 accumulation does. The widening
+# costs about a tenth of the GEMM at 128 rows and less beyond (benchmarks/bench_small_m_gemm.py).
+FP16_FLAGS = ("avx512_fp16", "amx_fp16")
+WIDENED_DTYPES = frozenset(d for d, flags in ((torch.bfloat16, BF16_FLAGS), (torch.float16, FP16_FLAGS))
+                           if not set(flags) & cpu_flags())
 
 
 def _onednn_linear():
@@ -56,12 +59,11 @@ def takes_onednn(weight: torch.Tensor, rows: int) -> bool:
 
 
 def torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T + b through torch's GEMMs: oneDNN where takes_onednn says so, else F.linear; bf16 on
-    CPUs without bf16 dot products in float32 (BF16_WIDENED)."""
-    if (BF16_WIDENED and weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16
-            and weight.device.type == "cpu"):
+    """x W^T + b through torch's GEMMs: oneDNN where takes_onednn says so, else F.linear; bf16 and
+    float16 on CPUs without dot products in them in float32 (WIDENED_DTYPES)."""
+    if weight.dtype in WIDENED_DTYPES and x.dtype == weight.dtype and weight.device.type == "cpu":
         y = torch_linear(x.float(), weight.float(), None if bias is None else bias.float())
-        return y.to(torch.bfloat16)
+        return y.to(weight.dtype)
     if x.dim() == 2 and takes_onednn(weight, x.shape[0]):
         y = _ONEDNN_LINEAR(x.contiguous(), weight, None, "none", [], "")
         return y if bias is None else y.add_(bias)

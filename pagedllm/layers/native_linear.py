@@ -38,9 +38,11 @@ F32_ROWS_AVX512, F32_ROWS_AVX2 = 15, 128
 # 307, 128 rows 413 against 487, 192 rows 630 against 679, 256 rows 898 against 893, 512 rows 1,728
 # against 1,627.
 BF16_ROWS_AVX512, BF16_ROWS_AVX2 = 64, 256
+# float16 (AVX2 + FMA + F16C builds only): the bf16 form's loop on F16C-widened values, same limit.
+F16_ROWS_AVX2 = BF16_ROWS_AVX2
 AVX512_FORM = frozenset({"avx512f", "avx512bw"}) <= cpu_flags()  # HAVE_AVX512 in small_m_gemm.c
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-_K_STEP = {torch.float32: 16, torch.bfloat16: 32}
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_K_STEP = {torch.float32: 16, torch.bfloat16: 32, torch.float16: 32}
 
 
 @lru_cache(maxsize=1)
@@ -57,10 +59,10 @@ def load_linear_kernel() -> ctypes.CDLL | None:
 @lru_cache(maxsize=None)
 def kernel_dtypes() -> frozenset[torch.dtype]:
     """The dtypes this CPU's kernel serves: float32 with AVX-512 or AVX2 + FMA, bfloat16 with AVX-512
-    BF16 or AVX2 + FMA."""
+    BF16 or AVX2 + FMA, float16 with AVX2 + FMA + F16C (not in AVX-512 builds)."""
     lib = load_linear_kernel()
     bits = lib.small_m_available() if lib is not None else 0
-    return frozenset(d for d, bit in ((torch.float32, 1), (torch.bfloat16, 2)) if bits & bit)
+    return frozenset(d for d, bit in ((torch.float32, 1), (torch.bfloat16, 2), (torch.float16, 8)) if bits & bit)
 
 
 @lru_cache(maxsize=None)
@@ -70,11 +72,13 @@ def small_m_rows(dtype: torch.dtype) -> int:
         return 0
     if dtype == torch.float32:
         return F32_ROWS_AVX512 if AVX512_FORM else F32_ROWS_AVX2
+    if dtype == torch.float16:
+        return F16_ROWS_AVX2
     return BF16_ROWS_AVX2 if load_linear_kernel().small_m_available() & 4 else BF16_ROWS_AVX512
 
 
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """x W^T + b through the kernel when it applies (float32 or bf16 on the CPU, at most
+    """x W^T + b through the kernel when it applies (float32, bf16 or float16 on the CPU, at most
     small_m_rows(dtype) rows, K a multiple of 16 / 32, contiguous weight), else None."""
     dt = x.dtype
     if (dt not in _DTYPE_CODES or weight.dtype != dt or x.dim() != 2 or x.shape[0] > small_m_rows(dt)

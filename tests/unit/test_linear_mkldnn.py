@@ -54,27 +54,31 @@ def test_lm_head_logits_match_reference(rows: int) -> None:
     assert (logits.double() - ref).abs().max().item() < 1e-3
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("widened", [False, True])
-def test_bf16_batches_past_the_kernel_widen_where_the_cpu_lacks_bf16_dot_products(widened, monkeypatch) -> None:
-    """Without AVX-512 BF16 or AMX (BF16_WIDENED), a bf16 GEMM past the small-M kernel's rows runs as
-    the float32 GEMM of the widened operands plus the bias, rounded once to bf16; with them, torch's
-    bf16 GEMM. Either way the result is the exact product within bf16 rounding."""
+def test_16bit_batches_past_the_kernel_widen_where_the_cpu_lacks_their_dot_products(dtype, widened,
+                                                                                   monkeypatch) -> None:
+    """Without dot products in the dtype (WIDENED_DTYPES: no AVX-512 BF16 / AMX for bf16, no
+    AVX-512 FP16 / AMX-FP16 for float16), a GEMM past the small-M kernel's rows runs as the float32
+    GEMM of the widened operands plus the bias, rounded once; with them, torch's GEMM in the dtype.
+    Either way the result is the exact product within the dtype's rounding."""
     from pagedllm.layers import linear
     from pagedllm.layers.native_linear import small_m_rows
 
-    monkeypatch.setattr(linear, "BF16_WIDENED", widened)
+    monkeypatch.setattr(linear, "WIDENED_DTYPES", frozenset({dtype} if widened else ()))
     g = torch.Generator().manual_seed(5)
-    rows = small_m_rows(torch.bfloat16) + 3
-    layer = Linear(576, 200, bias=True, dtype=torch.bfloat16)
+    rows = small_m_rows(dtype) + 3
+    layer = Linear(576, 200, bias=True, dtype=dtype)
     layer.weight.data.copy_(torch.randn(200, 576, generator=g) / 24)
     layer.bias.data.copy_(torch.randn(200, generator=g))
-    x = torch.randn(rows, 576, generator=g).bfloat16()
+    x = torch.randn(rows, 576, generator=g).to(dtype)
     with torch.inference_mode():
         y = layer(x)
-    assert y.dtype == torch.bfloat16 and y.shape == (rows, 200)
+    assert y.dtype == dtype and y.shape == (rows, 200)
     if widened:
         fp32 = linear.torch_linear(x.float(), layer.weight.float(), layer.bias.float())
-        assert torch.equal(y, fp32.bfloat16())
+        assert torch.equal(y, fp32.to(dtype))
     ref = x.double() @ layer.weight.double().T + layer.bias.double()
-    # float32 sums of exact bf16 products (~K * 2^-24 relative), then one bf16 rounding (2^-9).
+    # float32 sums of exact products (~K * 2^-24 relative), then one rounding to the dtype (2^-9 for
+    # bf16, 2^-12 for float16).
     torch.testing.assert_close(y.double(), ref, rtol=2**-8, atol=1e-3)

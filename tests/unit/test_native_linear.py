@@ -12,8 +12,8 @@ from pagedllm.layers.native_linear import kernel_dtypes, load_linear_kernel, sma
 pytestmark = pytest.mark.skipif(load_linear_kernel() is None, reason="CPU without AVX-512 or no compiler")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 9, 15, 32, 47, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 9, 15, 32, 47, 64, 200])
 @pytest.mark.parametrize("N,K,with_bias", [(960, 576, False), (7, 64, True), (130, 1536, True)])
 def test_small_m_linear_matches_fp32(dtype, M, N, K, with_bias):
     """Row counts past one tile of x (4 rows: later tiles reread the W block the first one
@@ -33,6 +33,9 @@ def test_small_m_linear_matches_fp32(dtype, M, N, K, with_bias):
         # fp32 accumulation of exact bf16 products (order differs: ~K * 2^-24 relative), then one
         # rounding to bf16: half an ulp, 2^-9 relative.
         torch.testing.assert_close(y.double(), ref, rtol=2**-8, atol=1e-3)
+    elif dtype == torch.float16:
+        # The same with float16's rounding: half an ulp, 2^-11 relative.
+        torch.testing.assert_close(y.double(), ref, rtol=2**-10, atol=1e-3)
     else:
         # K float32 products summed in another order: a few ulps of the sum's magnitude (|y| ~ 1).
         torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
@@ -40,17 +43,18 @@ def test_small_m_linear_matches_fp32(dtype, M, N, K, with_bias):
 
 def test_kernel_declines_what_it_does_not_cover():
     w = torch.randn(8, 64).bfloat16()
-    for dtype in (torch.bfloat16, torch.float32):  # more rows than it beats torch's GEMM at
+    for dtype in (torch.bfloat16, torch.float32, torch.float16):  # more rows than it beats torch's GEMM at
         x = torch.randn(small_m_rows(dtype) + 1, 64).to(dtype)
         assert small_m_linear(x, w.to(dtype), None) is None
     x = torch.randn(1, 64).bfloat16()
-    assert small_m_linear(x[:1].half(), w.half(), None) is None  # float16
+    if torch.float16 not in kernel_dtypes():
+        assert small_m_linear(x[:1].half(), w.half(), None) is None  # float16 (AVX2 + F16C builds only)
     assert small_m_linear(x[:1].float(), w, None) is None  # mixed dtypes
     assert small_m_linear(torch.randn(1, 48).bfloat16(), torch.randn(8, 48).bfloat16(), None) is None  # K % 32
     assert small_m_linear(torch.randn(1, 40), torch.randn(8, 40), None) is None  # K % 16
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_a_rows_result_does_not_depend_on_its_place_in_the_batch(dtype, with_bias):
     """Whole 4 x 4 tiles sum their 16 accumulators in one shuffle tree, partial tiles each alone:

@@ -19,12 +19,13 @@
  * 16.0 -> 11.4 ms, 64 rows 31.3 -> 22.0 ms with the tile sums, benchmarks/bench_small_m_gemm.py).
  * W row blocks are split between the OpenMP threads; small GEMMs run on one thread (waking the
  * team costs more than reading a few hundred KB). CPUs without AVX-512 but with AVX2 and FMA get
- * both kernels in 8-lane vectors (gemm_tile_avx2), bf16 widened to float32 in registers; CPUs with
- * AVX-512 but not its BF16 dot products have no bf16 kernel.
+ * the kernel in 8-lane vectors (gemm_tile_avx2), bf16 and (with F16C) float16 widened to float32
+ * in registers; CPUs with AVX-512 but not its BF16 dot products have no bf16 kernel, and AVX-512
+ * builds no float16 one.
  *
  * Layouts: x [M, K], w [N, K], bias [N] or NULL, y [M, N], all of element type dt (0 float32,
- * 1 bf16 as uint16); K % 16 == 0 for float32, K % 32 == 0 for bf16. Also included by the fused
- * decode step (pagedllm/worker/csrc/llama_decode.c).
+ * 1 bf16 as uint16, 2 float16 as uint16); K % 16 == 0 for float32, K % 32 == 0 for bf16 and
+ * float16. Also included by the fused decode step (pagedllm/worker/csrc/llama_decode.c).
  */
 #ifndef PAGEDLLM_SMALL_M_GEMM_C
 #define PAGEDLLM_SMALL_M_GEMM_C
@@ -46,13 +47,18 @@
 #else
 #define HAVE_AVX512_BF16 0
 #endif
-/* CPUs with AVX2 and FMA but no AVX-512 (Zen 1-3, most client Intel parts): a float32 kernel of
- * 8-lane vectors. */
+/* CPUs with AVX2 and FMA but no AVX-512 (Zen 1-3, most client Intel parts): the kernel in 8-lane
+ * float32 vectors, for float32, bf16 and (with F16C) float16 widened to float32. */
 #if !HAVE_AVX512 && defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define HAVE_AVX2_F32 1
 #else
 #define HAVE_AVX2_F32 0
+#endif
+#if HAVE_AVX2_F32 && defined(__F16C__)
+#define HAVE_AVX2_F16 1
+#else
+#define HAVE_AVX2_F16 0
 #endif
 
 #define NR 4
@@ -61,13 +67,23 @@ _Static_assert(MR * NR == 16, "a whole tile's sums are one lane_sums16");
 /* GEMMs with fewer weight elements than this run on one thread. */
 #define GEMM_PARALLEL_MIN (1 << 16)
 
-enum { LD_F32 = 0, LD_BF16 = 1 };
+/* Element types: float32, bf16, float16 (the last only in the AVX2 + F16C form). */
+enum { LD_F32 = 0, LD_BF16 = 1, LD_F16 = 2 };
 
 static inline float ld(const void *p, int64_t i, int dt) {
+#if HAVE_AVX2_F16
+    if (dt == LD_F16) return _cvtsh_ss(((const uint16_t *)p)[i]);
+#endif
     return dt == LD_F32 ? ((const float *)p)[i] : bf16_to_f32(((const uint16_t *)p)[i]);
 }
 
 static inline void st(void *p, int64_t i, float v, int dt) {
+#if HAVE_AVX2_F16
+    if (dt == LD_F16) {
+        ((uint16_t *)p)[i] = _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);
+        return;
+    }
+#endif
     if (dt == LD_F32)
         ((float *)p)[i] = v;
     else
@@ -130,16 +146,25 @@ static inline __attribute__((always_inline)) void gemm_tile_f32(const float *x, 
 #endif
 
 #if HAVE_AVX2_F32
-/* Where an AVX2 pass over a W block reads it: float32 W; bf16 W widened in registers; bf16 W
- * widened and also stored to the block's float32 panel; the panel. */
-enum { W_F32 = 0, W_BF16 = 1, W_BF16_FILL = 2, W_PANEL = 3 };
+/* Where an AVX2 pass over a W block reads it: float32 W; 16-bit W (bf16 or float16) widened in
+ * registers; 16-bit W widened and also stored to the block's float32 panel; the panel. */
+enum { W_F32 = 0, W_WIDEN = 1, W_WIDEN_FILL = 2, W_PANEL = 3 };
+
+/* 8 bf16 or float16 (dt) values widened to float32 (exact). */
+static inline __attribute__((always_inline)) __m256 half8_load(const uint16_t *p, int dt) {
+#if HAVE_AVX2_F16
+    if (dt == LD_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#endif
+    (void)dt;
+    return bf16x8_load(p);
+}
 
 /* One pass of mm (1 or 2) x rows (float32, from xr) over the W block n0 .. n0 + nr - 1 read as
  * `mode` says (a constant at each call site), into acc. */
 static inline __attribute__((always_inline)) void avx2_pass(const float *xr, int64_t mm, const void *w, int64_t n0,
                                                            int64_t nr, int64_t K, float *panel, __m256 acc[2][NR],
                                                            const void *pf, int64_t *pf_phase, int64_t pf_every,
-                                                           int mode) {
+                                                           int mode, int dt) {
     const int64_t line = mode == W_F32 ? 16 : 32, es = mode == W_F32 ? 4 : 2; /* W elements per 64-byte line */
     for (int64_t k = 0; k < K; k += 8) {
         __m256 wv[NR];
@@ -150,8 +175,8 @@ static inline __attribute__((always_inline)) void avx2_pass(const float *xr, int
             else if (mode == W_PANEL)
                 wv[r] = _mm256_loadu_ps(panel + r * K + k);
             else
-                wv[r] = bf16x8_load((const uint16_t *)w + row * K + k);
-            if (mode == W_BF16_FILL) _mm256_storeu_ps(panel + r * K + k, wv[r]);
+                wv[r] = half8_load((const uint16_t *)w + row * K + k, dt);
+            if (mode == W_WIDEN_FILL) _mm256_storeu_ps(panel + r * K + k, wv[r]);
         }
         if (pf != NULL && (k & (line - 1)) == 0 && (*pf_phase)-- == 0) {
             for (int r = 0; r < NR; r++) _mm_prefetch((const char *)pf + (r * K + k) * es, _MM_HINT_T0);
@@ -166,14 +191,14 @@ static inline __attribute__((always_inline)) void avx2_pass(const float *xr, int
 
 /* The tile for AVX2 + FMA: 16 ymm registers hold 2 x rows by NR W rows of accumulators (8), the NR
  * W vectors and one x vector, so a tile of up to MR x rows runs as passes of two rows over its W
- * block. x is float32 (bf16 x widened by the caller, once per GEMM). A float32 block is reread
- * from L1 by the later passes. A bf16 block is widened to float32 in registers (exact) and
- * multiplied in float32: on CPUs without bf16 dot products nothing is faster, and the pass over W
- * reads half the bytes of float32. Where more than one pass runs over a bf16 block (panel not
- * NULL), the first pass of the first tile (fill) also stores the widened block to the float32
+ * block. x is float32 (16-bit x widened by the caller, once per GEMM). A float32 block is reread
+ * from L1 by the later passes. A bf16 or float16 block is widened to float32 in registers (exact)
+ * and multiplied in float32: on CPUs without 16-bit dot products nothing is faster, and the pass
+ * over W reads half the bytes of float32. Where more than one pass runs over such a block (panel
+ * not NULL), the first pass of the first tile (fill) also stores the widened block to the float32
  * panel (NR x K) and every later pass reads that, so each element is widened once. Each output is
  * one 8-lane accumulator over K summed by lane_sum8, whatever the tile, so a row's result does not
- * depend on where it sits in the batch; the bias is added in float32 and a bf16 result rounded
+ * depend on where it sits in the batch; the bias is added in float32 and a 16-bit result rounded
  * once. The next block's lines are prefetched in the first pass, one per W row per 64-byte line,
  * each tile of x rows taking its share of the steps as in the AVX-512 kernel. */
 static inline __attribute__((always_inline)) void gemm_tile_avx2(const float *x, int64_t m0, int64_t mr, const void *w,
@@ -189,13 +214,13 @@ static inline __attribute__((always_inline)) void gemm_tile_avx2(const float *x,
         const float *xr = x + (m0 + mp) * K;
         const void *pfp = mp == 0 ? pf : NULL;
         if (dt == LD_F32)
-            avx2_pass(xr, mm, w, n0, nr, K, NULL, acc, pfp, &pf_phase, pf_every, W_F32);
+            avx2_pass(xr, mm, w, n0, nr, K, NULL, acc, pfp, &pf_phase, pf_every, W_F32, dt);
         else if (panel == NULL)
-            avx2_pass(xr, mm, w, n0, nr, K, NULL, acc, pfp, &pf_phase, pf_every, W_BF16);
+            avx2_pass(xr, mm, w, n0, nr, K, NULL, acc, pfp, &pf_phase, pf_every, W_WIDEN, dt);
         else if (fill && mp == 0)
-            avx2_pass(xr, mm, w, n0, nr, K, panel, acc, pfp, &pf_phase, pf_every, W_BF16_FILL);
+            avx2_pass(xr, mm, w, n0, nr, K, panel, acc, pfp, &pf_phase, pf_every, W_WIDEN_FILL, dt);
         else
-            avx2_pass(xr, mm, w, n0, nr, K, panel, acc, pfp, &pf_phase, pf_every, W_PANEL);
+            avx2_pass(xr, mm, w, n0, nr, K, panel, acc, pfp, &pf_phase, pf_every, W_PANEL, dt);
         for (int64_t m = 0; m < mm; m++)
             for (int64_t r = 0; r < nr; r++)
                 st(y, (m0 + mp + m) * N + n0 + r, lane_sum8(acc[m][r]) + (bias ? ld(bias, n0 + r, dt) : 0.0f), dt);
@@ -247,13 +272,16 @@ static void gemm_rows(const void *x, int64_t M, const void *w, const void *bias,
                       int64_t n_lo, int64_t n_hi) {
     const int64_t tiles = (M + MR - 1) / MR;
 #if HAVE_AVX2_F32
-    /* bf16 on AVX2: x widened once, and a float32 panel of the W block where passes repeat (where
-     * the buffers cannot be had, the scalar loop below, or passes that widen W in registers). */
+    /* bf16 and float16 on AVX2: x widened once, and a float32 panel of the W block where passes
+     * repeat (where the buffers cannot be had, the scalar loop below, or passes that widen W in
+     * registers). */
     float *xf = NULL, *panel = NULL;
-    if (dt == LD_BF16 && n_lo < n_hi) {
+    if (dt != LD_F32 && n_lo < n_hi) {
         xf = aligned_alloc(64, (size_t)((M * K * 4 + 63) / 64 * 64));
-        if (xf != NULL)
-            for (int64_t i = 0; i < M * K; i += 8) _mm256_store_ps(xf + i, bf16x8_load((const uint16_t *)x + i));
+        if (xf != NULL && dt == LD_BF16)
+            for (int64_t i = 0; i < M * K; i += 8) _mm256_store_ps(xf + i, half8_load((const uint16_t *)x + i, LD_BF16));
+        else if (xf != NULL)
+            for (int64_t i = 0; i < M * K; i += 8) _mm256_store_ps(xf + i, half8_load((const uint16_t *)x + i, LD_F16));
         if (M > 2) panel = aligned_alloc(64, (size_t)(NR * K * 4));
     }
 #endif
@@ -282,16 +310,23 @@ static void gemm_rows(const void *x, int64_t M, const void *w, const void *bias,
             }
 #endif
 #if HAVE_AVX2_F32
-            if (dt == LD_BF16 && xf != NULL) {
-#define TILE_W(MR_)                                                                                        \
+            if (dt != LD_F32 && xf != NULL) {
+#define TILE_W(MR_, DT_)                                                                                   \
     gemm_tile_avx2(xf, m0, MR_, w, n0, nr, N, K, bias, y, next < 0 ? NULL : (const uint16_t *)w + next * K, \
-                   m0 / MR, tiles, LD_BF16, panel, m0 == 0)
-                switch (mr) {
-                case 1: TILE_W(1); break;
-                case 2: TILE_W(2); break;
-                case 3: TILE_W(3); break;
-                default: TILE_W(4); break;
+                   m0 / MR, tiles, DT_, panel, m0 == 0)
+#define TILES_W(DT_)                                                                                       \
+    switch (mr) {                                                                                          \
+    case 1: TILE_W(1, DT_); break;                                                                         \
+    case 2: TILE_W(2, DT_); break;                                                                         \
+    case 3: TILE_W(3, DT_); break;                                                                         \
+    default: TILE_W(4, DT_); break;                                                                        \
+    }
+                if (dt == LD_BF16) {
+                    TILES_W(LD_BF16)
+                } else {
+                    TILES_W(LD_F16)
                 }
+#undef TILES_W
 #undef TILE_W
                 continue;
             }
@@ -337,16 +372,18 @@ static void gemm(const void *x, int64_t M, const void *w, const void *bias, int6
 }
 
 /* Bit 0: the float32 kernel is built (AVX-512, or AVX2 + FMA); bit 1: the bf16 one (AVX-512 BF16, or
- * AVX2 + FMA widening bf16 to float32); bit 2: the bf16 one is the widening form. */
+ * AVX2 + FMA widening bf16 to float32); bit 2: the bf16 one is the widening form; bit 3: the
+ * float16 one (AVX2 + FMA + F16C, widening). */
 int small_m_available(void) {
-    return (HAVE_AVX512 || HAVE_AVX2_F32 ? 1 : 0) | (HAVE_AVX512_BF16 || HAVE_AVX2_F32 ? 2 : 0) | (HAVE_AVX2_F32 ? 4 : 0);
+    return (HAVE_AVX512 || HAVE_AVX2_F32 ? 1 : 0) | (HAVE_AVX512_BF16 || HAVE_AVX2_F32 ? 2 : 0) |
+           (HAVE_AVX2_F32 ? 4 : 0) | (HAVE_AVX2_F16 ? 8 : 0);
 }
 
 /* y = x W^T (+ bias): 0, or 1 for what it does not take (K not a multiple of its step, no kernel). */
 int small_m_linear(const void *x, int64_t M, const void *w, const void *bias, int64_t N, int64_t K, void *y,
                    int64_t dt) {
-    if (M < 1 || (dt != LD_F32 && dt != LD_BF16) || K % (dt == LD_F32 ? 16 : 32)) return 1;
-    if (!(small_m_available() & (dt == LD_F32 ? 1 : 2))) return 1;
+    if (M < 1 || (dt != LD_F32 && dt != LD_BF16 && dt != LD_F16) || K % (dt == LD_F32 ? 16 : 32)) return 1;
+    if (!(small_m_available() & (dt == LD_F32 ? 1 : dt == LD_BF16 ? 2 : 8))) return 1;
     gemm(x, M, w, bias, N, K, y, (int)dt);
     return 0;
 }
