@@ -3,7 +3,8 @@
 A decode step of a small batch reads every weight once for a handful of rows; run as torch ops,
 its time is mostly per-op dispatch (about 80 ops per layer), not the weight reads. This runs the
 whole decoder stack for such a step in one C call over the model's own parameters and KV cache,
-in float32 or bfloat16, with the same paged attention kernel as every other step. Where the
+in float32 or bfloat16 (and float16 for dense models where the small-M kernel has its float16
+form), with the same paged attention kernel as every other step. Where the
 step's sampled rows are few enough that the torch path's LM head is the same small-M GEMM (see
 small_m_rows), the call goes on through the LM head: it returns those rows' logits, or, when every row
 samples greedily with nothing else to apply, their argmax, so that such a step runs no torch op.
@@ -38,7 +39,7 @@ from pagedllm.quantization.native import QUANT_SRC, int8_activations, kernel_row
 logger = logging.getLogger(__name__)
 
 _SRC = Path(__file__).parent / "csrc" / "llama_decode.c"
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Most rows one call takes (the C side's limit).
 MAX_ROWS = 256
 # Most rows of a step the fused call takes, per dtype: up to where it stops beating the torch path
@@ -55,8 +56,9 @@ MAX_ROWS = 256
 # step does so too (2-core Zen 1 host, same benchmark, the torch path's GEMMs through that kernel
 # up to 128 rows: 1.50x at 16 rows, 1.18x at 32, 1.16-1.18x at 48-64, 1.13x at 96, 1.04x at 128,
 # 1.03x at 192), so there it takes up to 128 rows. bf16 there (the small-M kernel widening bf16 to
-# float32 in registers, up to 256 rows) keeps MAX_ROWS.
-DTYPE_ROWS = {torch.float32: 32 if AVX512_FORM else 128, torch.bfloat16: MAX_ROWS}
+# float32 in registers, up to 256 rows) keeps MAX_ROWS, and so does float16 (the same kernel loop on
+# F16C-widened values; dense layers only, AVX2 + F16C builds).
+DTYPE_ROWS = {torch.float32: 32 if AVX512_FORM else 128, torch.bfloat16: MAX_ROWS, torch.float16: MAX_ROWS}
 # The quantized LM head's decode rows the step ends with (where the torch path's head runs the same
 # kernel call).
 QUANTIZED_HEAD_ROWS = 4
@@ -107,7 +109,7 @@ def load_decode_kernel() -> ctypes.CDLL | None:
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
-    """x.argmax(dim=-1) of [S, V] float32 or bfloat16 rows on the CPU (int64 [S]; the first index on
+    """x.argmax(dim=-1) of [S, V] float32 or bfloat16 rows on the CPU (float16: None) (int64 [S]; the first index on
     ties, the first NaN where a row has one, as torch), one vectorized pass per row with the rows
     spread over the threads; None where the kernel does not apply (the caller runs torch's, which
     is scalar here: 3.7 ms against 0.4 for 128 rows of SmolLM2's 49,152 float32 logits)."""
@@ -172,7 +174,7 @@ def _unsupported_reason(model: nn.Module, dtype: torch.dtype, kv_dtype: torch.dt
     if not isinstance(model, LlamaForCausalLM) or type(model).forward is not LlamaForCausalLM.forward:
         return f"{type(model).__name__} is not a Llama-family decoder"
     if dtype not in _DTYPE_CODES:
-        return f"dtype {dtype} (float32 and bfloat16 only)"
+        return f"dtype {dtype} (float32, bfloat16 and float16 only)"
     if kv_dtype != dtype:
         return f"KV cache dtype {kv_dtype} differs from the model dtype"
     p = model.parallel
@@ -186,6 +188,8 @@ def _unsupported_reason(model: nn.Module, dtype: torch.dtype, kv_dtype: torch.dt
             layout = _linear_layout(lin, dtype)
             if isinstance(layout, str):
                 return layout
+            if dtype == torch.float16 and layout[0] != _DENSE:
+                return "float16 with quantized linear layers"
         if a.head_dim > 1024 or a.attn.k_scale != 1.0 or a.attn.v_scale != 1.0:
             return "head size or KV scales"
     return None
@@ -376,6 +380,8 @@ class NativeDecode:
             reason = "the CPU has neither AVX-512 nor AVX2 with FMA"
         if reason is None and dtype == torch.bfloat16 and not avail & 2:
             reason = "no bf16 GEMM kernel for this CPU (AVX-512 without AVX-512 BF16)"
+        if reason is None and dtype == torch.float16 and not avail & 8:
+            reason = "no float16 GEMM kernel for this CPU (AVX2 + F16C builds only)"
         if reason is not None:
             logger.info("decode steps run as torch ops: %s", reason)
             return None

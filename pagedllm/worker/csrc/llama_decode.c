@@ -8,7 +8,9 @@
  * the step's time is the weight reads. The paged attention is the same C function the model
  * runner calls for every other step (paged_attention.c, included below).
  *
- * Element types: dense weights, activations and the KV cache all float32 (dt 0) or all bfloat16 (dt 1).
+ * Element types: dense weights, activations and the KV cache all float32 (dt 0), all bfloat16 (dt 1),
+ * or all float16 (dt 2: AVX2 + F16C builds, dense layers only, its norms, SiLU and RoPE in the
+ * scalar loops below, with the torch path's rounding points).
  * bf16 follows the rounding points of pagedllm's torch path (each op computes in float32 and
  * rounds its result to bf16; RMSNorm normalizes in float32, rounds, then scales by the weight); its
  * bf16 RMSNorm, RoPE and SiLU*mul are the torch path's own kernels (elementwise_bf16.c, included
@@ -80,7 +82,7 @@ typedef struct {
 
 typedef struct {
     int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
-    int64_t dtype;  /* LD_F32 or LD_BF16: weights, activations and KV cache */
+    int64_t dtype;  /* LD_F32, LD_BF16 or LD_F16 (dense layers only): weights, activations and KV cache */
     int64_t block_size, sliding_window, max_position;
     float eps, attn_scale;
     const void *embed;      /* [vocab, hidden] */
@@ -105,8 +107,13 @@ typedef struct {
     int64_t threads;
 } LlamaDecodeModel;
 
-/* The value as stored in dtype dt, read back as float32 (rounds to bf16 for dt 1). */
-static inline float round_dt(float v, int dt) { return dt == LD_F32 ? v : bf16_to_f32(f32_to_bf16(v)); }
+/* The value as stored in dtype dt, read back as float32 (rounds to bf16 or float16). */
+static inline float round_dt(float v, int dt) {
+#if HAVE_AVX2_F16
+    if (dt == LD_F16) return _cvtsh_ss(_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT));
+#endif
+    return dt == LD_F32 ? v : bf16_to_f32(f32_to_bf16(v));
+}
 
 /* out[m] = RMSNorm(x[m]) * weight: float32 statistics; bf16 rounds the normalized row before the
  * weight multiplies it (as the torch path does). */
@@ -328,7 +335,7 @@ static void step_layers(const Step *c, int tid, int nth) {
     const int64_t M = c->M, Hd = md->hidden, D = md->head_dim, H = md->num_heads, KVH = md->num_kv_heads;
     const int64_t G = H / KVH, I = md->intermediate, qn = H * D, kvn = KVH * D, qkvn = qn + 2 * kvn;
     const int64_t es = dt == LD_F32 ? 4 : 2;
-    const int qdt = dt == LD_F32 ? DT_F32 : DT_BF16;
+    const int qdt = dt == LD_F32 ? DT_F32 : dt == LD_BF16 ? DT_BF16 : DT_F16;
     void *xn = (char *)c->xn + tid * M * Hd * es;
     int64_t lo, hi;
     const int64_t att_lo = attention_split(c->seq_lens, M, KVH, tid, nth),
@@ -402,7 +409,7 @@ static inline __mmask16 argmax_nans(__m512 x) {
  * -ffast-math, under which isnan() may fold to false); a second pass finds where it first occurs. */
 static int64_t argmax_range(const void *v, int64_t lo, int64_t hi, int dt, float *max, int *nan_out) {
 #if HAVE_AVX512
-    if (hi > lo) { /* the same answer 16 lanes at a time */
+    if (hi > lo && dt != LD_F16) { /* the same answer 16 lanes at a time */
         __m512 vm = argmax_load(v, lo, hi, dt);
         __mmask16 nans = 0;
         for (int64_t i = lo; i < hi; i += 16) {
@@ -424,6 +431,7 @@ static int64_t argmax_range(const void *v, int64_t lo, int64_t hi, int dt, float
 #endif
     const uint32_t *u32 = (const uint32_t *)v;
     const uint16_t *u16 = (const uint16_t *)v;
+    const uint16_t inf16 = dt == LD_F16 ? 0x7c00u : 0x7f80u; /* a 16-bit NaN's bits lie above */
     int nan = 0;
     float m = ld(v, lo, dt);
     if (dt == LD_F32) {
@@ -434,15 +442,15 @@ static int64_t argmax_range(const void *v, int64_t lo, int64_t hi, int dt, float
         }
     } else {
         for (int64_t i = lo; i < hi; i++) {
-            nan |= (u16[i] & 0x7fffu) > 0x7f80u;
-            const float x = bf16_to_f32(u16[i]);
+            nan |= (u16[i] & 0x7fffu) > inf16;
+            const float x = ld(v, i, dt);
             m = x > m ? x : m;
         }
     }
     *max = m;
     *nan_out = nan;
     for (int64_t i = lo; i < hi; i++) {
-        const int is_nan = dt == LD_F32 ? (u32[i] & 0x7fffffffu) > 0x7f800000u : (u16[i] & 0x7fffu) > 0x7f80u;
+        const int is_nan = dt == LD_F32 ? (u32[i] & 0x7fffffffu) > 0x7f800000u : (u16[i] & 0x7fffu) > inf16;
         if (nan ? is_nan : ld(v, i, dt) == m) return i;
     }
     return lo;
@@ -487,7 +495,7 @@ static void step_thread(const Step *c, void *out, int tid, int nth) {
     linear(md->lm_head_q, hs, S, md->lm_head, NULL, V, Hd, c->y, dt, c->xb, c->team, lo, hi);
     if (c->logits != NULL && c->y != (void *)c->logits)
         for (int64_t s = 0; s < S; s++)
-            for (int64_t i = s * V + lo; i < s * V + hi; i++) c->logits[i] = bf16_to_f32(((const uint16_t *)c->y)[i]);
+            for (int64_t i = s * V + lo; i < s * V + hi; i++) c->logits[i] = ld(c->y, i, dt);
     if (c->part_idx != NULL)
         for (int64_t s = 0; s < S; s++)
             c->part_idx[tid * S + s] = hi > lo ? argmax_range((const char *)c->y + s * V * es, lo, hi, dt,
@@ -512,8 +520,13 @@ static int run_step(const LlamaDecodeModel *md, int64_t M, const int64_t *input_
     const int64_t Hd = md->hidden, D = md->head_dim, H = md->num_heads, KVH = md->num_kv_heads, V = md->vocab;
     const int64_t I = md->intermediate, qn = H * D, kvn = KVH * D, qkvn = qn + 2 * kvn;
     const int64_t es = dt == LD_F32 ? 4 : 2;
-    if (M < 1 || M > MAX_ROWS || D > 1024 || (dt != LD_F32 && dt != LD_BF16)) return 1;
-    if (!(small_m_available() & (dt == LD_F32 ? 1 : 2))) return 1;
+    if (M < 1 || M > MAX_ROWS || D > 1024 || (dt != LD_F32 && dt != LD_BF16 && dt != LD_F16)) return 1;
+    if (!(small_m_available() & (dt == LD_F32 ? 1 : dt == LD_BF16 ? 2 : 8))) return 1;
+    /* float16: dense layers only (the quantized kernels take float32 or bf16 activations) */
+    if (dt == LD_F16 && (!all_dense(md->qkv_q, md->num_layers) || !all_dense(md->o_q, md->num_layers) ||
+                         !all_dense(md->gate_up_q, md->num_layers) || !all_dense(md->down_q, md->num_layers) ||
+                         md->embed_q != NULL || md->lm_head_q != NULL))
+        return 1;
     const int64_t kq = dt == LD_F32 ? 16 : 32; /* the GEMM tiles' column step */
     if (Hd % kq || qn % kq || I % kq) return 1;
     for (int64_t m = 0; m < M; m++)
