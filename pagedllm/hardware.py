@@ -11,8 +11,9 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-# CPU flags (as /proc/cpuinfo spells them) that give native bfloat16 dot products.
+# CPU flags (as /proc/cpuinfo spells them) that give native bfloat16 / float16 dot products.
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+FP16_FLAGS = ("avx512_fp16", "amx_fp16")
 
 
 @lru_cache(maxsize=1)

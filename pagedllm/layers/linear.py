@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.parallel_state import TensorParallelGroup
-from pagedllm.hardware import BF16_FLAGS, cpu_flags
+from pagedllm.hardware import BF16_FLAGS, FP16_FLAGS, cpu_flags
 from pagedllm.layers.native_linear import small_m_linear
 
 _SINGLE = TensorParallelGroup()
@@ -33,7 +33,6 @@ MKLDNN_MIN_ROWS = 16
 # small-M kernel's rows the operands are widened to float32 (exact), multiplied by oneDNN's float32
 # GEMM and the result rounded once, as a 16-bit GEMM with float32 accumulation does. The widening
 # costs about a tenth of the GEMM at 128 rows and less beyond (benchmarks/bench_small_m_gemm.py).
-FP16_FLAGS = ("avx512_fp16", "amx_fp16")
 WIDENED_DTYPES = frozenset(d for d, flags in ((torch.bfloat16, BF16_FLAGS), (torch.float16, FP16_FLAGS))
                            if not set(flags) & cpu_flags())
 

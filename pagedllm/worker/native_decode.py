@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 _SRC = Path(__file__).parent / "csrc" / "llama_decode.c"
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_ARGMAX_DTYPES = (torch.float32, torch.bfloat16)  # argmax_rows' element types
 # Most rows one call takes (the C side's limit).
 MAX_ROWS = 256
 # Most rows of a step the fused call takes, per dtype: up to where it stops beating the torch path
@@ -109,11 +110,11 @@ def load_decode_kernel() -> ctypes.CDLL | None:
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
-    """x.argmax(dim=-1) of [S, V] float32 or bfloat16 rows on the CPU (float16: None) (int64 [S]; the first index on
+    """x.argmax(dim=-1) of [S, V] float32 or bfloat16 rows on the CPU (int64 [S]; the first index on
     ties, the first NaN where a row has one, as torch), one vectorized pass per row with the rows
     spread over the threads; None where the kernel does not apply (the caller runs torch's, which
     is scalar here: 3.7 ms against 0.4 for 128 rows of SmolLM2's 49,152 float32 logits)."""
-    if (x.dim() != 2 or x.dtype not in _DTYPE_CODES or x.device.type != "cpu" or x.stride(1) != 1
+    if (x.dim() != 2 or x.dtype not in _ARGMAX_DTYPES or x.device.type != "cpu" or x.stride(1) != 1
             or x.shape[1] < 1 or x.requires_grad):
         return None
     lib = load_decode_kernel()
@@ -188,8 +189,6 @@ def _unsupported_reason(model: nn.Module, dtype: torch.dtype, kv_dtype: torch.dt
             layout = _linear_layout(lin, dtype)
             if isinstance(layout, str):
                 return layout
-            if dtype == torch.float16 and layout[0] != _DENSE:
-                return "float16 with quantized linear layers"
         if a.head_dim > 1024 or a.attn.k_scale != 1.0 or a.attn.v_scale != 1.0:
             return "head size or KV scales"
     return None
@@ -388,6 +387,10 @@ class NativeDecode:
         # Quantized layers or vocab codes exist here only in the native kernel's layouts, which the
         # LinearMethods choose where that kernel loads (_linear_layout gives the reason otherwise).
         nd = cls(lib, model, kv_caches, dtype, block_size, sliding_window)
+        if dtype == torch.float16 and (nd.quantized or nd.model.lm_head_q):
+            # the quantized kernels take float32 or bf16 activations (llama_decode.c refuses these)
+            logger.info("decode steps run as torch ops: float16 with quantized layers or vocabulary")
+            return None
         logger.info("decode steps of up to %d rows run as one native call per step%s", nd.max_rows,
                     " (quantized linear layers through the native quantized kernel)" if nd.quantized else "")
         return nd

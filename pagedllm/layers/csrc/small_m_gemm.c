@@ -278,10 +278,8 @@ static void gemm_rows(const void *x, int64_t M, const void *w, const void *bias,
     float *xf = NULL, *panel = NULL;
     if (dt != LD_F32 && n_lo < n_hi) {
         xf = aligned_alloc(64, (size_t)((M * K * 4 + 63) / 64 * 64));
-        if (xf != NULL && dt == LD_BF16)
-            for (int64_t i = 0; i < M * K; i += 8) _mm256_store_ps(xf + i, half8_load((const uint16_t *)x + i, LD_BF16));
-        else if (xf != NULL)
-            for (int64_t i = 0; i < M * K; i += 8) _mm256_store_ps(xf + i, half8_load((const uint16_t *)x + i, LD_F16));
+        if (xf != NULL)
+            for (int64_t i = 0; i < M * K; i += 8) _mm256_store_ps(xf + i, half8_load((const uint16_t *)x + i, dt));
         if (M > 2) panel = aligned_alloc(64, (size_t)(NR * K * 4));
     }
 #endif

@@ -109,10 +109,10 @@ typedef struct {
 
 /* The value as stored in dtype dt, read back as float32 (rounds to bf16 or float16). */
 static inline float round_dt(float v, int dt) {
-#if HAVE_AVX2_F16
-    if (dt == LD_F16) return _cvtsh_ss(_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT));
-#endif
-    return dt == LD_F32 ? v : bf16_to_f32(f32_to_bf16(v));
+    if (dt == LD_F32) return v;
+    uint16_t h;
+    st(&h, 0, v, dt);
+    return ld(&h, 0, dt);
 }
 
 /* out[m] = RMSNorm(x[m]) * weight: float32 statistics; bf16 rounds the normalized row before the
