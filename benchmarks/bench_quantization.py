@@ -28,6 +28,7 @@ from unittest import mock
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.benchmarks.ct_export import compressed_folder
 from pagedllm.benchmarks.gguf_export import llamacpp_quantized_gguf
 from pagedllm.benchmarks.latency import run_latency, run_llamacpp_latency
 from pagedllm.benchmarks.throughput import GREEDY
@@ -38,6 +39,7 @@ from pagedllm.eval.llamacpp import llamacpp_perplexity
 from pagedllm.eval.perplexity import perplexity, summarize, wants_bos, windows_of
 from pagedllm.hardware import resolve_dtype
 from pagedllm.models.loader import resolve_model
+from pagedllm.models.loader.convert import default_hf_folder
 
 # Quality rows run in float32 (bfloat16 for the bf16 row); speed rows run every quantized scheme in
 # --dtype auto's choice (SPEED_DTYPE): bfloat16, the activation dtype its kernels take, where the CPU
@@ -63,6 +65,20 @@ SCHEMES = {
     "int4-g128-emb": {"dtype": "float32", "quantization": "int4", "quantization_group_size": 128,
                       "quantize_embeddings": True},
     "gguf-q4_1-emb": {"dtype": "float32", "quantization": "gguf", "quantize_embeddings": True},
+    # compressed-tensors folders of the model written by the compressed-tensors library (llm-compressor's
+    # format: "model" is "ct:<preset>[:<group size>]"), loaded as stored.
+    "ct-w4a16-g32": {"dtype": "float32", "model": "ct:W4A16:32"},
+    "ct-w4a16-asym-g32": {"dtype": "float32", "model": "ct:W4A16_ASYM:32"},
+    # Their float twins: every quantized weight replaced by the library's fake_quantize of it.
+    "ct-w4a16-g32-twin": {"dtype": "float32", "model": "ct-twin:W4A16:32"},
+    "ct-w4a16-asym-g32-twin": {"dtype": "float32", "model": "ct-twin:W4A16_ASYM:32"},
+    "ct-w8a8": {"dtype": "float32", "model": "ct:W8A8"},
+    "ct-fp8": {"dtype": "float32", "model": "ct:FP8_DYNAMIC"},
+    # The same schemes quantized at load from that float folder ("hf"), beside the ct rows: like them,
+    # without the int8 LM head the GGUF rows get from the shipped file's Q8_0 output tensor.
+    "hf-int4-g32": {"dtype": "float32", "quantization": "int4", "quantization_group_size": 32, "model": "hf"},
+    "hf-w8a8": {"dtype": "float32", "quantization": "w8a8", "model": "hf"},
+    "hf-fp8": {"dtype": "float32", "quantization": "fp8", "model": "hf"},
 }
 SPEED_DTYPE = {"fp32": "float32"}  # every other row: --dtype auto's choice (bfloat16 on AVX-512 BF16 CPUs)
 # Speed-only row: int8 weights widened to the model dtype on every call, then F.linear.
@@ -71,9 +87,16 @@ LLAMACPP_FILES = ("Q4_1", "Q8_0", "Q4_0")
 
 
 def scheme_model(kwargs: dict) -> tuple[str | None, dict]:
-    """(model path, engine kwargs) of a scheme: its "model" names a llama.cpp-quantized GGUF."""
+    """(model path, engine kwargs) of a scheme: its "model" names a llama.cpp-quantized GGUF, the
+    model's float Hugging Face folder ("hf"), or ("ct:...") a compressed-tensors export of it."""
     kwargs = dict(kwargs)
     qtype = kwargs.pop("model", None)
+    if qtype == "hf":
+        return default_hf_folder(), kwargs
+    if qtype and qtype.startswith(("ct:", "ct-twin:")):
+        kind, preset, *group = qtype.split(":")
+        return compressed_folder(default_hf_folder(), preset, int(group[0]) if group else None,
+                                 twin=kind == "ct-twin"), kwargs
     return (llamacpp_quantized_gguf(resolve_model(None).path, qtype) if qtype else None), kwargs
 
 

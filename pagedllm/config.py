@@ -15,7 +15,9 @@ EXECUTOR_BACKENDS = ("mp", "ray", "external_launcher")
 # KV cache element types (vLLM's names; "fp8" means fp8_e4m3); "auto" is the model dtype.
 KV_CACHE_DTYPES = ("auto", *DTYPES, "fp8", "fp8_e4m3", "fp8_e5m2")
 KV_CACHE_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
-QUANTIZATION_METHODS = ("int8", "w8a8", "int4", "fp8", "awq", "gptq", "gguf")
+QUANTIZATION_METHODS = ("int8", "w8a8", "int4", "fp8", "awq", "gptq", "gguf", "compressed-tensors")
+# Checkpoint quantizations applied without a flag (a GGUF file runs expanded unless --quantization gguf).
+STORED_QUANTIZATION = ("awq", "gptq", "fp8", "compressed-tensors")
 QUANTIZATION_GROUP_SIZES = (32, 64, 128)
 EMBEDDING_QUANTIZATION_METHODS = ("int8", "w8a8", "int4", "fp8", "gguf")
 """Schemes under which the token embedding and LM head may be kept as codes too."""
@@ -112,7 +114,8 @@ class QuantizationConfig:
     """How linear weights are kept: scheme, group size and the layers left in the model dtype."""
 
     method: str
-    """int8, w8a8, int4, fp8 (quantized from a float checkpoint at load), awq, gptq or gguf (as stored)."""
+    """int8, w8a8, int4, fp8 (quantized from a float checkpoint at load; an FP8 checkpoint's own
+    codes), awq, gptq, gguf or compressed-tensors (as stored)."""
     group_size: int = 128
     """Inputs per scale for int4."""
     skip: tuple[str, ...] = ()

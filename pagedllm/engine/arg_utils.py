@@ -22,6 +22,7 @@ from pagedllm.config import (
     QUANTIZATION_GROUP_SIZES,
     QUANTIZATION_METHODS,
     SCHEDULING_POLICIES,
+    STORED_QUANTIZATION,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
@@ -149,8 +150,10 @@ class EngineArgs:
                               "with per-tensor scales)", choices=KV_CACHE_DTYPES)
     calculate_kv_scales: bool = arg(False, "fp8 KV cache: scales from the first batch's K/V maxima (else 1.0)")
     quantization: str | None = arg(
-        None, "linear weights: int8, w8a8, int4, fp8 (quantized at load), awq, gptq, gguf (kept as stored)",
-        flags=("-q",), choices=QUANTIZATION_METHODS, shown_default="checkpoint's (awq/gptq), else none")
+        None, "linear weights: int8, w8a8, int4, fp8 (quantized at load, or an FP8 checkpoint's own), awq, gptq, "
+        "gguf, compressed-tensors (kept as stored)",
+        flags=("-q",), choices=QUANTIZATION_METHODS,
+        shown_default="checkpoint's (awq/gptq/fp8/compressed-tensors), else none")
     quantization_group_size: int = arg(
         128, "int4: inputs per scale (" + ", ".join(map(str, QUANTIZATION_GROUP_SIZES)) + ")", parse=int)
     quantization_skip: str | None = arg(
@@ -306,15 +309,18 @@ class EngineArgs:
         from pagedllm.quantization import checkpoint_quantization
 
         stored = checkpoint_quantization(source, hf_config)
-        method = self.quantization or (stored if stored in ("awq", "gptq") else None)
+        if stored is not None and stored not in QUANTIZATION_METHODS:
+            raise ValueError(f"{source.path}: checkpoint quantization {stored!r} is not supported "
+                             f"(pre-quantized: {', '.join(STORED_QUANTIZATION)})")
+        method = self.quantization or (stored if stored in STORED_QUANTIZATION else None)
         if method is None:
             if self.quantize_embeddings:
                 raise ValueError("quantize_embeddings=True needs a quantization (int8, w8a8, int4, fp8 or gguf), "
                                  "got quantization=None")
             return None
-        if stored in ("awq", "gptq") and method != stored:
+        if stored in STORED_QUANTIZATION and method != stored:
             raise ValueError(f"quantization={method!r}: the checkpoint is quantized with {stored!r}")
-        if method in ("awq", "gptq", "gguf") and stored != method:
+        if method in ("awq", "gptq", "gguf", "compressed-tensors") and stored != method:
             raise ValueError(f"quantization={method!r} needs a {method} checkpoint, {source.path} is not one")
         skip = tuple(p.strip() for p in (self.quantization_skip or "").split(",") if p.strip())
         return QuantizationConfig(method=method, group_size=int(self.quantization_group_size), skip=skip,

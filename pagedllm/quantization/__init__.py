@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from pagedllm.config import ModelConfig, QuantizationConfig
+from pagedllm.quantization.compressed import CompressedConfig, WeightScheme
 from pagedllm.quantization.formats import GGUF_TYPES
 from pagedllm.quantization.vocab import RowCodes, quantize_rows, rows_from_group_codes
 from pagedllm.quantization.methods import (
@@ -24,6 +25,7 @@ from pagedllm.quantization.methods import (
     GroupCodesLinearMethod,
     Int4LinearMethod,
     Int8LinearMethod,
+    StoredW8A8LinearMethod,
     W8A8LinearMethod,
     runtime_bytes,
 )
@@ -74,6 +76,15 @@ class QuantizationSetup:
                     self._gguf_tensors[hf.removesuffix(".weight")] = t
         self.path = model_config.path
         self.hf = _hf_quant_config(model_config.hf_config)
+        self.compressed: CompressedConfig | None = None
+        """The schemes of a compressed-tensors or FP8 checkpoint (None for other methods)."""
+        self.kept: dict[str, str] = {}
+        """Checkpoint module -> how its stored codes are kept (``codes`` or ``w8a8``); the loader
+        expands the codes of every other quantized module to a float weight."""
+        stored = str(self.hf.get("quant_method", "")).lower()
+        if self.method == "compressed-tensors" or (self.method == "fp8" and stored == "fp8"):
+            self.compressed = CompressedConfig(self.hf)
+            logger.info("%s checkpoint: %s", stored, self.compressed.describe())
 
     @property
     def lm_head_int8(self) -> bool:
@@ -117,6 +128,8 @@ class QuantizationSetup:
             return self._awq_gptq()
         if self.skipped(prefix, shards):
             return None
+        if self.compressed is not None:
+            return self._compressed(shards)
         if self.method == "gguf":
             return self._gguf(shards)
         if self.method == "int4":
@@ -131,6 +144,20 @@ class QuantizationSetup:
         group = min(GGUF_TYPES[t][2] for t in types)  # type: ignore[index]
         self.gguf_kept.update(shards)
         return GroupCodesLinearMethod("gguf", bits, group)
+
+    def _compressed(self, shards: list[str]) -> Any:
+        """The stored codes' method where every shard of the layer has one kind of codes (their group
+        sizes may differ: the finest serves all); None (expanded to float) otherwise."""
+        assert self.compressed is not None
+        schemes = [self.compressed.scheme(s) for s in shards]
+        first = schemes[0]
+        if first is None or any(s is None or (s.kind, s.bits, s.w8a8, s.act_order) !=
+                                (first.kind, first.bits, first.w8a8, first.act_order) for s in schemes):
+            return None
+        self.kept.update({s: "w8a8" if first.w8a8 else "codes" for s in shards})
+        if first.w8a8:
+            return StoredW8A8LinearMethod()
+        return _StoredGroups(self.method, first.code_bits, schemes)  # type: ignore[arg-type]
 
     def _awq_gptq(self) -> Any:
         bits = int(self.hf.get("bits", self.hf.get("w_bit", 4)))
@@ -156,6 +183,19 @@ class _LazyGroup(GroupCodesLinearMethod):
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype) -> None:
         if self.group_size in (-1, 0):
             self.group_size = in_features
+        super().create_weights(layer, in_features, out_features, dtype)
+
+
+class _StoredGroups(GroupCodesLinearMethod):
+    """compressed-tensors / FP8 codes: the group size follows from each shard's scheme and the
+    layer's input size (one group per row for tensor and channel scales)."""
+
+    def __init__(self, name: str, bits: int, schemes: list[WeightScheme]) -> None:
+        super().__init__(name, bits, 0, act_order=schemes[0].act_order)
+        self.schemes = schemes
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype) -> None:
+        self.group_size = min(s.group(in_features) for s in self.schemes)
         super().create_weights(layer, in_features, out_features, dtype)
 
 

@@ -212,15 +212,21 @@ def gptq_group_codes(prefix: str, qweight: torch.Tensor, qzeros: torch.Tensor, s
     q = _unpack_int32(qweight, 4, dim=0)  # [K, N]
     z = (_unpack_int32(qzeros, 4, dim=1).float() + zero_offset)  # [G, N]
     s = scales.float()
-    perm = None
-    if g_idx is not None:
-        _check(tuple(g_idx.shape) == (k,), f"{prefix}.g_idx", f"shape {tuple(g_idx.shape)}, expected {(k,)}")
-        g_idx = g_idx.long()
-        _check(bool(((g_idx >= 0) & (g_idx < groups)).all()), f"{prefix}.g_idx", f"values outside [0, {groups})")
-        if not torch.equal(g_idx, torch.arange(k) // g):
-            perm = torch.argsort(g_idx, stable=True)
-            _check(torch.equal(g_idx[perm], torch.arange(k) // g), f"{prefix}.g_idx",
-                   f"groups are not all of size {g}")
-            q = q[perm]
+    perm = None if g_idx is None else group_order(f"{prefix}.g_idx", g_idx, k, g, groups)
+    if perm is not None:
+        q = q[perm]
     return GroupCodes(codes=q.t().contiguous().to(torch.uint8), scales=s.t().contiguous(),
                       zeros=(-z * s).t().contiguous(), perm=perm)
+
+
+def group_order(name: str, g_idx: torch.Tensor, k: int, g: int, groups: int) -> torch.Tensor | None:
+    """act-order: the input order that makes each group's ``g`` inputs contiguous, from ``g_idx``
+    [K] (the group of each input); None where the inputs are in group order already."""
+    _check(tuple(g_idx.shape) == (k,), name, f"shape {tuple(g_idx.shape)}, expected {(k,)}")
+    g_idx = g_idx.long()
+    _check(bool(((g_idx >= 0) & (g_idx < groups)).all()), name, f"values outside [0, {groups})")
+    if torch.equal(g_idx, torch.arange(k) // g):
+        return None
+    perm = torch.argsort(g_idx, stable=True)
+    _check(torch.equal(g_idx[perm], torch.arange(k) // g), name, f"groups are not all of size {g}")
+    return perm

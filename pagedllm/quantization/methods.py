@@ -17,6 +17,9 @@ from torch import nn
 from pagedllm.quantization import kernels as K
 from pagedllm.quantization import native
 
+E4M3 = 3
+"""``bits`` of e4m3 (fp8) group codes, as the native kernel names them."""
+
 logger = logging.getLogger(__name__)
 
 
@@ -111,7 +114,11 @@ class W8A8LinearMethod(_FromFloat):
     name = "w8a8"
 
     def quantize(self, layer: nn.Module, w: torch.Tensor) -> None:
-        codes, scales = K.quantize_int8_per_channel(w)
+        self.finish(layer, *K.quantize_int8_per_channel(w))
+
+    @staticmethod
+    def finish(layer: nn.Module, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        """Runtime tensors from int8 codes [N, K] and float32 scales [N]."""
         _set(layer, "qweight", codes)
         _set(layer, "wscale", scales)
         layer.native = native.load_quant_kernel() is not None
@@ -125,6 +132,20 @@ class W8A8LinearMethod(_FromFloat):
                 y = native.w8a8_batch_linear(x, layer.qweight, layer.wscale)
             return _bias(y, bias)
         return _bias(K.int8_dynamic_linear(x, layer.qweight.t(), layer.wscale), bias)
+
+
+class StoredW8A8LinearMethod(W8A8LinearMethod):
+    """w8a8 on a checkpoint's own int8 codes and per-row scales (compressed-tensors INT8 W8A8)."""
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        layer.codes = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.int8), requires_grad=False)
+        layer.scales = nn.Parameter(torch.empty(out_features), requires_grad=False)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        codes, scales = layer.codes.data, layer.scales.data
+        del layer._parameters["codes"], layer._parameters["scales"]
+        self.finish(layer, codes, scales)
 
 
 class Fp8LinearMethod(_PerChannel):
@@ -179,7 +200,8 @@ class Int4LinearMethod(_FromFloat):
 
 
 class GroupCodesLinearMethod:
-    """Pre-quantized group-wise weights (GGUF blocks, AWQ, GPTQ), kept at ``bits`` per weight.
+    """Pre-quantized group-wise weights (GGUF blocks, AWQ, GPTQ, compressed-tensors; FP8 checkpoints
+    as e4m3 bytes with ``bits`` :data:`E4M3`), kept at ``bits`` per weight.
 
     Loads ``codes`` [N, K] (uint8), ``scales`` and ``zeros`` [N, K/g] (float32) and, for GPTQ
     with act-order, ``perm`` [K]: the input order that makes each group contiguous.
@@ -244,7 +266,8 @@ def finish_group_codes(layer: nn.Module, codes: torch.Tensor, scales: torch.Tens
     """Kernel layout: 4-bit codes in the native kernel's layout (CPUs with AVX-512
     BF16 or AVX2 + FMA) or packed for
     ``_weight_int4pack_mm_for_cpu``, where the group size allows it; otherwise int8 codes with
-    per-group scales in the model dtype."""
+    per-group scales in the model dtype. e4m3 bytes (``bits`` :data:`E4M3`) stay as they are for the
+    kernel, or are expanded once to the model dtype where it does not run."""
     group = codes.shape[1] // scales.shape[1]
     layer.group_size = group
     if perm is not None:
@@ -252,6 +275,16 @@ def finish_group_codes(layer: nn.Module, codes: torch.Tensor, scales: torch.Tens
     else:
         layer.perm = None
     layer.native = native.fits(codes.shape[1], group)
+    if bits == E4M3:  # e4m3 bytes, row-major, scales [N, K/g] (zeros 0)
+        layer.kernel = "e4m3"
+        if layer.native:
+            _set(layer, "qcodes", codes.contiguous())
+            _set(layer, "qscales", scales.to(torch.bfloat16).contiguous())
+            _set(layer, "qzeros", zeros.to(torch.bfloat16).contiguous())
+            return
+        w = codes.view(torch.float8_e4m3fn).to(dtype).reshape(codes.shape[0], -1, group)
+        _set(layer, "dense", (w * scales.to(dtype)[..., None]).reshape(codes.shape))
+        return
     if bits <= 4 and (group in K.INT4_GROUP_SIZES or layer.native):
         layer.kernel = "int4"
         if layer.native:
@@ -282,8 +315,11 @@ def apply_group_codes(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | No
     if layer.perm is not None:
         x = x.index_select(-1, layer.perm)
     if layer.native:
+        bits = {"int4": 4, "int8_group": 8, "e4m3": E4M3}[layer.kernel]
         y = native.group_linear(x, layer.packed if layer.kernel == "int4" else layer.qcodes, layer.qscales,
-                                layer.qzeros, bits=4 if layer.kernel == "int4" else 8, n=layer.out_features)
+                                layer.qzeros, bits=bits, n=layer.out_features)
+    elif layer.kernel == "e4m3":
+        y = torch.nn.functional.linear(x, layer.dense.to(x.dtype))
     elif layer.kernel == "int4":
         y = K.int4_linear(x, layer.packed, layer.scales_zeros, layer.group_size)
     else:

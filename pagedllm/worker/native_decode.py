@@ -154,7 +154,7 @@ def _linear_layout(lin: nn.Module, dtype: torch.dtype
     if not getattr(lin, "native", False):
         return f"{name} linear layers without the native quantized kernel"
     k = lin.in_features
-    if type(qm) is W8A8LinearMethod:  # fp32 scales [N]; the "zeros" are the codes' int32 row sums
+    if isinstance(qm, W8A8LinearMethod):  # fp32 scales [N]; the "zeros" are the codes' int32 row sums
         return _W8A8, k, lin.qweight, lin.wscale, lin.wsum, None
     if type(qm) is Int8LinearMethod:
         return _INT8, k, lin.qweight, lin.wscale, lin.wzero, None
@@ -164,6 +164,8 @@ def _linear_layout(lin: nn.Module, dtype: torch.dtype
         perm = lin.perm
         if lin.kernel == "int4":
             return _INT4, lin.group_size, lin.packed, lin.qscales, lin.qzeros, perm
+        if lin.kernel == "e4m3":
+            return _E4M3, lin.group_size, lin.qcodes, lin.qscales, lin.qzeros, perm
         return _INT8, lin.group_size, lin.qcodes, lin.qscales, lin.qzeros, perm
     return f"{name} linear layers"
 

@@ -230,3 +230,16 @@ def test_w8a8_default_model_layers_and_fused_step(one_torch_thread):
     # percent (a row's scale follows its largest activation, so one code step weighs much): the
     # torch path against itself, with every w8a8 input scaled by 1 + 2^-23, differs by up to 84 % of
     # a row's norm on _check's batches. The layers' bits and the tokens above are the comparison.
+
+
+@pytest.mark.parametrize("preset", ["FP8_BLOCK", "W8A8", "W4A16_ASYM"])
+def test_compressed_tensors_folders_run_the_fused_step(preset, tmp_path, one_torch_thread):
+    """e4m3 codes with 32 x 32 block scales, a checkpoint's own w8a8 codes, asymmetric 4-bit groups."""
+    pytest.importorskip("compressed_tensors")
+    from test_compressed_checkpoints import _compressed_pair
+
+    qdir, _ = _compressed_pair(tmp_path, preset, group_size=32 if preset == "W4A16_ASYM" else None,
+                               block=[32, 32] if preset == "FP8_BLOCK" else None)
+    llm, runner = _runner(qdir, STEP_DTYPE)
+    assert runner.native_decode is not None and runner.native_decode.quantized
+    _check(runner, STEP_DTYPE, all_quantized=True, rows_list=(1, 5))

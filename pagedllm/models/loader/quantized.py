@@ -1,15 +1,23 @@
-"""AWQ and GPTQ safetensors folders: per linear module, ``qweight``/``qzeros``/``scales``
-(/``g_idx``) are gathered across shards and decoded into group codes, which stay 4-bit."""
+"""Pre-quantized safetensors folders: each quantized module's tensors are gathered across shards
+and decoded into the codes its LinearMethod keeps.
+
+AWQ and GPTQ: ``qweight``/``qzeros``/``scales`` (/``g_idx``) -> 4-bit group codes.
+compressed-tensors and FP8 (:mod:`pagedllm.quantization.compressed`): group codes, e4m3 bytes
+or int8 W8A8 codes; a quantized module the model keeps in float gets its expanded weight."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from pagedllm.models.loader.hf import iterate_safetensors
 from pagedllm.models.loader.source import ModelLoadError
+
+logger = logging.getLogger(__name__)
 
 _PARTS = ("qweight", "qzeros", "scales", "g_idx")
 
@@ -45,3 +53,54 @@ def iterate_awq_gptq(files: list[Path], method: str, group_size: int, zero_offse
         yield f"{module}.zeros", gc.zeros
         if gc.perm is not None:
             yield f"{module}.perm", gc.perm
+
+
+def iterate_compressed(files: list[Path], setup: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of a compressed-tensors or FP8 folder: float tensors as float32; per
+    quantized module ``<module>.codes/.scales/.zeros`` (``.perm``) where the model keeps its group
+    codes, ``<module>.codes/.scales`` (int8, per row) where it runs them as w8a8, else its expanded
+    ``<module>.weight``. ``setup`` is the :class:`pagedllm.quantization.QuantizationSetup`."""
+    from pagedllm.quantization.compressed import DROPPED, PARTS, dense_weight, group_codes, w8a8_codes
+    from pagedllm.quantization.formats import QuantFormatError
+
+    config = setup.compressed
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    dropped: set[str] = set()
+    for name, tensor in iterate_safetensors(files, raw=True):
+        module, _, part = name.rpartition(".")
+        if part in DROPPED:
+            dropped.add(part)
+        elif part in PARTS or (part == "weight" and tensor.dtype in (torch.int8, torch.float8_e4m3fn)):
+            pending.setdefault(module, {})[part] = tensor
+        else:
+            yield name, tensor.to(torch.float32)
+    where = f"{setup.method} checkpoint {files[0].parent}"
+    for module, parts in pending.items():
+        scheme = config.scheme(module)
+        if scheme is None and not {"weight", "weight_packed"} & parts.keys():
+            dropped.update(f"{p} of float modules" for p in parts)  # scales beside a float weight
+            continue
+        if scheme is None:
+            raise ModelLoadError(f"{where}: module {module!r} stores quantized tensors "
+                                 f"({', '.join(sorted(parts))}) but no quantization config group targets it")
+        kept = setup.kept.get(module)
+        try:
+            if kept == "w8a8":
+                codes, scales = w8a8_codes(module, parts)
+                yield f"{module}.codes", codes
+                yield f"{module}.scales", scales
+                continue
+            gc = group_codes(module, scheme, parts)
+        except QuantFormatError as exc:
+            raise ModelLoadError(f"{where}: {exc}") from None
+        if kept is None:
+            yield f"{module}.weight", dense_weight(gc, scheme.code_bits)
+            continue
+        yield f"{module}.codes", gc.codes
+        yield f"{module}.scales", gc.scales
+        yield f"{module}.zeros", gc.zeros
+        if scheme.act_order:
+            yield f"{module}.perm", gc.perm if gc.perm is not None else torch.arange(gc.codes.shape[1])
+    if dropped:
+        logger.info("%s: dropped the checkpoint's %s (activations run in the model dtype, or int8 per token "
+                    "in W8A8 layers; the KV cache follows --kv-cache-dtype)", files[0].parent, ", ".join(sorted(dropped)))

@@ -10,7 +10,7 @@ import torch
 
 from pagedllm.models.loader.gguf_reader import read_gguf_header
 from pagedllm.models.loader.gguf_weights import iterate_gguf
-from pagedllm.models.loader.quantized import iterate_awq_gptq
+from pagedllm.models.loader.quantized import iterate_awq_gptq, iterate_compressed
 from pagedllm.models.loader.hf import check_safetensors, iterate_safetensors, safetensors_files
 from pagedllm.models.loader.source import ModelSource
 
@@ -19,8 +19,9 @@ def iterate_weights(source: ModelSource, quantization: Any = None) -> Iterator[t
     """Yield ``(hf_name, float32 CPU tensor)`` for every parameter of ``source``.
 
     With a :class:`pagedllm.quantization.QuantizationSetup` for a pre-quantized checkpoint
-    (gguf, awq, gptq), quantized modules come as ``<module>.codes/.scales/.zeros``
-    (:mod:`pagedllm.quantization.formats`). All files are validated before the first tensor.
+    (gguf, awq, gptq, compressed-tensors, fp8), quantized modules come as
+    ``<module>.codes/.scales/.zeros`` (:mod:`pagedllm.quantization.formats`, ``.compressed``).
+    All files are validated before the first tensor.
     """
     method = getattr(quantization, "method", None)
     if source.kind == "gguf":
@@ -32,4 +33,6 @@ def iterate_weights(source: ModelSource, quantization: Any = None) -> Iterator[t
     if method in ("awq", "gptq"):
         offset = quantization.gptq_zero_offset() if method == "gptq" else 0
         return iterate_awq_gptq(files, method, quantization.group_size, offset)
+    if getattr(quantization, "compressed", None) is not None:
+        return iterate_compressed(files, quantization)
     return iterate_safetensors(files)
