@@ -5,11 +5,13 @@ benchmarks and the loader's tests.
 Scales are round-to-nearest, from each block's min/max by the library's own ``calculate_qparams``
 (llm-compressor's calibration algorithms would change the values, not the format). Optionally the
 float twin: every quantized weight replaced by the library's ``fake_quantize`` of it, the float
-model the checkpoint stands for.
+model the checkpoint stands for; :func:`act_order_pair` turns such a pair into GPTQ's act-order
+form.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -87,6 +89,36 @@ def export_compressed(src: str, out: str, preset: str, group_size: int | None = 
         shutil.copytree(src, reference, dirs_exist_ok=True)
         save_file(twin, str(Path(reference) / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+def act_order_pair(qdir: str, refdir: str, group: int) -> None:
+    """Turn a 4-bit group-ordered pair (``export_compressed`` with ``reference``) into an act-order one
+    (``actorder: group``, the form of GPTQ exports the library no longer writes): each layer's inputs
+    permuted, the stored codes (re-packed by the library's packer) and the float weights alike, and
+    ``weight_g_idx`` giving each input's group."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    from safetensors.torch import load_file, save_file
+
+    from pagedllm.quantization.compressed import unpack_int32
+
+    q, ref = load_file(f"{qdir}/model.safetensors"), load_file(f"{refdir}/model.safetensors")
+    gen = torch.Generator().manual_seed(0)
+    perms: dict[str, torch.Tensor] = {}
+    for name in [n for n in q if n.endswith(".weight_packed")]:
+        module = name.removesuffix(".weight_packed")
+        n, k = q[f"{module}.weight_shape"].tolist()
+        key = module.rsplit(".", 1)[0] + (".qkv" if module.endswith(("q_proj", "k_proj", "v_proj")) else
+                                          ".gate_up" if module.endswith(("gate_proj", "up_proj")) else module)
+        perm = perms.setdefault(key, torch.randperm(k, generator=gen))  # one input order per fused layer
+        codes = unpack_int32(q[name], 4, k, name).to(torch.int16) - 8
+        q[name] = pack_to_int32(codes[:, perm].to(torch.int8).contiguous(), 4)
+        q[f"{module}.weight_g_idx"] = (perm // group).to(torch.int32)
+        ref[f"{module}.weight"] = ref[f"{module}.weight"][:, perm].contiguous()
+    save_file(q, f"{qdir}/model.safetensors")
+    save_file(ref, f"{refdir}/model.safetensors")
+    cfg = json.loads(Path(qdir, "config.json").read_text())
+    cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["actorder"] = "group"
+    Path(qdir, "config.json").write_text(json.dumps(cfg))
 
 
 def compressed_folder(src: str, preset: str, group_size: int | None = None, twin: bool = False) -> str:

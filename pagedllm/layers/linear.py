@@ -164,7 +164,16 @@ class RowParallelLinear(Linear):
     def shard_checkpoint(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object) -> torch.Tensor:
         if self.tp.size == 1 or param is self.bias or loaded.dim() < 2:
             return loaded
-        return loaded.narrow(1, self.tp.rank * self.in_features, self.in_features)
+        # This rank's share of the columns: of the inputs for a weight or codes, of the groups for
+        # per-group scales and zeros. A group wider than a rank's share (one scale per row) is
+        # repeated over the ranks' groups first.
+        width, total = param.shape[1], param.shape[1] * self.tp.size
+        if loaded.shape[1] != total:
+            if loaded.shape[1] == 0 or total % loaded.shape[1]:
+                raise ValueError(f"{loaded.shape[1]} columns do not split into {self.tp.size} tensor-parallel "
+                                 f"shares of {width}")
+            loaded = loaded.repeat_interleave(total // loaded.shape[1], dim=1)
+        return loaded.narrow(1, self.tp.rank * width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp.rank == 0 else None

@@ -254,3 +254,31 @@ def test_quantized_embeddings_shard_the_vocabulary(tiny8: str) -> None:
     ref, got = (run(tiny8, PROMPTS[:6], **TINY_ROOM, **quant, tensor_parallel_size=tp) for tp in (1, 2))
     for r, g in zip(ref, got):
         assert_same(r, g, atol=1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(load_quant_kernel() is None, reason="the quantized kernels need AVX-512 BF16 or AVX2 + FMA")
+def test_stored_codes_split_over_ranks(tiny8: str, tmp_path) -> None:
+    """compressed-tensors codes under TP=2: row-parallel layers take their share of the codes'
+    columns and of the per-group scales (a per-row scale repeated on both ranks), column-parallel
+    ones their rows. Same tokens and logprobs within 1e-3 as one rank (the all-reduce's sum order
+    can move a value of the next layer's int8 activations by one step). act-order codes cannot be
+    split by input columns and are refused with one error."""
+    pytest.importorskip("compressed_tensors")
+    from pagedllm.benchmarks.ct_export import act_order_pair, export_compressed
+    from pagedllm.executor.multiproc import WorkerDiedError
+
+    for preset, group in (("W4A16", 32), ("FP8_DYNAMIC", None)):
+        qdir = str(tmp_path / preset)
+        export_compressed(tiny8, qdir, preset, group)
+        outs = []
+        for tp in (1, 2):
+            llm = LLM(qdir, **{**TIGHT, **TINY_ROOM}, tensor_parallel_size=tp)
+            outs.append(llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False))
+            llm.llm_engine.shutdown()
+        assert_same(*outs, atol=1e-3)
+    qdir, refdir = str(tmp_path / "act"), str(tmp_path / "act-ref")
+    export_compressed(tiny8, qdir, "W4A16", 32, reference=refdir)
+    act_order_pair(qdir, refdir, 32)
+    with pytest.raises(WorkerDiedError, match="act-order"):
+        LLM(qdir, dtype="float32", tensor_parallel_size=2)

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.benchmarks.ct_export import export_compressed
+from pagedllm.benchmarks.ct_export import act_order_pair, export_compressed
 from pagedllm.models.loader import ModelLoadError
 from pagedllm.models.testing import make_tiny_checkpoint
 from pagedllm.quantization import native
@@ -32,32 +32,6 @@ def _compressed_pair(tmp: Path, preset: str, group_size: int | None = None, bloc
     qdir, refdir = str(tmp / "q"), str(tmp / "ref")
     export_compressed(src, qdir, preset, group_size, block, ignore, reference=refdir)
     return qdir, refdir
-
-
-def _act_order(qdir: str, refdir: str, group: int) -> None:
-    """Turn a group-ordered W4A16 pair into an act-order one (``actorder: group``, the form of
-    older GPTQ exports): each layer's inputs permuted, the stored codes (re-packed by the library's
-    packer) and the float weights alike, and ``weight_g_idx`` giving each input's group."""
-    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
-
-    q, ref = load_file(f"{qdir}/model.safetensors"), load_file(f"{refdir}/model.safetensors")
-    gen = torch.Generator().manual_seed(0)
-    perms: dict[str, torch.Tensor] = {}
-    for name in [n for n in q if n.endswith(".weight_packed")]:
-        module = name.removesuffix(".weight_packed")
-        n, k = q[f"{module}.weight_shape"].tolist()
-        key = module.rsplit(".", 1)[0] + (".qkv" if module.endswith(("q_proj", "k_proj", "v_proj")) else
-                                          ".gate_up" if module.endswith(("gate_proj", "up_proj")) else module)
-        perm = perms.setdefault(key, torch.randperm(k, generator=gen))  # one input order per fused layer
-        codes = unpack_int32(q[name], 4, k, name).to(torch.int16) - 8
-        q[name] = pack_to_int32(codes[:, perm].to(torch.int8).contiguous(), 4)
-        q[f"{module}.weight_g_idx"] = (perm // group).to(torch.int32)
-        ref[f"{module}.weight"] = ref[f"{module}.weight"][:, perm].contiguous()
-    save_file(q, f"{qdir}/model.safetensors")
-    save_file(ref, f"{refdir}/model.safetensors")
-    cfg = json.loads(Path(qdir, "config.json").read_text())
-    cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["actorder"] = "group"
-    Path(qdir, "config.json").write_text(json.dumps(cfg))
 
 
 def _agree(qdir: str, refdir: str, tol: float, **kw) -> LLM:
@@ -123,7 +97,7 @@ def test_block_fp8_and_act_order(tmp_path: Path, one_torch_thread) -> None:
     qdir, refdir = _compressed_pair(tmp_path / "block", "FP8_BLOCK", block=[32, 32])
     _agree(qdir, refdir, 1e-2)
     qdir, refdir = _compressed_pair(tmp_path / "act", "W4A16", group_size=32)
-    _act_order(qdir, refdir, 32)
+    act_order_pair(qdir, refdir, 32)
     llm = _agree(qdir, refdir, 1e-2)
     qkv, _ = _layers(llm)
     assert qkv.perm is not None
