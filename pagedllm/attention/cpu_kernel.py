@@ -169,7 +169,7 @@ def load_flash() -> ctypes.CDLL | None:
     """The flash-attention kernel for long prompt chunks (flash_attention.c), or None where the CPU
     has neither AVX-512 nor AVX2 + FMA, it cannot be built, or PAGEDLLM_NATIVE_FLASH=0."""
     i64, p, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-    signature = ([p, i64, i64, i64, i64, p, p, p, i64, i64, i64, i64, f32, i64, p], None)
+    signature = ([p, i64, i64, i64, i64, p, p, p, i64, i64, i64, i64, f32, i64, p], ctypes.c_int)
     return load_native(_FLASH_SRC, "PAGEDLLM_NATIVE_FLASH", {_FLASH_FUNCTIONS[torch.float32]: signature,
                                                              _FLASH_FUNCTIONS[torch.bfloat16]: signature,
                                                              "flash_lanes": ([], ctypes.c_int),
@@ -233,12 +233,12 @@ def flash_supported(q: torch.Tensor, kv_cache: torch.Tensor, query_len: int, seq
 
 
 def flash_prefill(q: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor, query_start: int,
-                  query_len: int, seq_len: int, scale: float, sliding_window: int = 0) -> torch.Tensor:
+                  query_len: int, seq_len: int, scale: float, sliding_window: int = 0) -> torch.Tensor | None:
     """Attention of one prompt chunk (queries q[query_start : query_start + query_len], at positions
     seq_len - query_len ..) over keys 0 .. seq_len - 1 of the paged cache, read through `blocks`
     ([ceil(seq_len / block_size)] int64 block ids), causal, within `sliding_window` when > 0.
     q: [T, H, D] and kv_cache: [2, num_blocks, block_size, KVH, D], both bf16 or both float32.
-    -> [query_len, H * D] in q's dtype."""
+    -> [query_len, H * D] in q's dtype, or None where the kernel could not allocate its buffers."""
     fn = flash_function(q.dtype)
     if fn is None or kv_cache.dtype != q.dtype:
         raise RuntimeError(f"the native flash kernel does not run {q.dtype} over a {kv_cache.dtype} cache here")
@@ -248,8 +248,9 @@ def flash_prefill(q: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor,
     _, _, bs, kvh, _ = kv_cache.shape
     blocks = blocks.to(torch.int64).contiguous()
     out = torch.empty(query_len, H * D, dtype=q.dtype)
-    fn(q.data_ptr(), query_start, q.stride(0), query_len, seq_len, kv_cache[0].data_ptr(),
-       kv_cache[1].data_ptr(), blocks.data_ptr(), bs, H, kvh, D, scale, sliding_window, out.data_ptr())
+    if fn(q.data_ptr(), query_start, q.stride(0), query_len, seq_len, kv_cache[0].data_ptr(),
+          kv_cache[1].data_ptr(), blocks.data_ptr(), bs, H, kvh, D, scale, sliding_window, out.data_ptr()) != 0:
+        return None
     return out
 
 

@@ -85,7 +85,9 @@ def dense_attention(
     > 0 limits each query to that many keys ending at its own position.
     """
     if flash_supported(q, kv_cache, d.query_len, d.seq_len, sliding_window):
-        return flash_prefill(q, kv_cache, d.blocks, d.query_start, d.query_len, d.seq_len, scale, sliding_window)
+        out = flash_prefill(q, kv_cache, d.blocks, d.query_start, d.query_len, d.seq_len, scale, sliding_window)
+        if out is not None:  # None: the kernel found no memory for its buffers
+            return out
     return dense_attention_sdpa(q, kv_cache, d, scale, k_scale, v_scale, sliding_window)
 
 

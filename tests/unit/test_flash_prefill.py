@@ -169,6 +169,8 @@ def test_dense_attention_takes_flash_for_fp32_and_agrees_with_torch_flash():
     assert dense_thresholds(torch.float32, torch.float32, D) == (FLASH_MIN_TOKENS[torch.float32], 0)
     with pytest.raises(RuntimeError, match="does not run"):
         flash_prefill(q, kv.to(torch.float16), blocks, 0, n, seq_len, D**-0.5)
+    # Buffers that cannot be allocated (K/V tiles of 2^42 keys): no result rather than a partial one.
+    assert flash_prefill(q, kv, blocks, 0, 1, 2**42, D**-0.5) is None
 
 
 def test_the_avx2_form_leaves_the_largest_chunks_to_torch_flash(monkeypatch):

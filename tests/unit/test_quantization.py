@@ -314,3 +314,23 @@ def test_malformed_gptq_names_the_tensor() -> None:
     with pytest.raises(QuantFormatError, match=r"'layers.0.mlp.up_proj.qweight'.*group size 100"):
         gptq_group_codes("layers.0.mlp.up_proj", qweight, torch.zeros(4, 12, dtype=torch.int32),
                          torch.zeros(3, 96), None, 100)
+
+
+def test_row_parallel_share_of_codes_scales_and_per_row_scales() -> None:
+    """Rank 1 of 2 of a row-parallel layer (64 inputs, 32 each): its half of the codes' columns and
+    of the per-group scales; a scale per row covers both halves, so each rank keeps it whole."""
+    from pagedllm.distributed.parallel_state import TensorParallelGroup
+    from pagedllm.layers.linear import RowParallelLinear
+    from pagedllm.quantization.methods import GroupCodesLinearMethod
+
+    tp = TensorParallelGroup()
+    tp.rank, tp.size = 1, 2
+    groups = RowParallelLinear(64, 4, tp=tp, quant_method=GroupCodesLinearMethod("t", 4, 16))
+    codes, scales = torch.arange(4 * 64).reshape(4, 64), torch.arange(4 * 4.0).reshape(4, 4)
+    assert torch.equal(groups.shard_checkpoint(groups.codes, codes, None), codes[:, 32:])
+    assert torch.equal(groups.shard_checkpoint(groups.scales, scales, None), scales[:, 2:])
+    per_row = RowParallelLinear(64, 4, tp=tp, quant_method=GroupCodesLinearMethod("t", 4, 32))
+    row_scales = torch.arange(4.0).reshape(4, 1)
+    assert torch.equal(per_row.shard_checkpoint(per_row.scales, row_scales, None), row_scales)
+    with pytest.raises(ValueError, match="3 columns do not split into 2"):
+        groups.shard_checkpoint(groups.scales, scales[:, :3], None)

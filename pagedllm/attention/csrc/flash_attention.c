@@ -380,7 +380,7 @@ static inline __attribute__((always_inline)) void finish_row(const float *o, flo
 
 /* The whole call for elements of 4 / PK bytes (q, k_cache, v_cache and out of that type), or of bf16
  * computed in float32 (widen, PK = 1). */
-static inline __attribute__((always_inline)) void flash_prefill(
+static inline __attribute__((always_inline)) int flash_prefill(
     const void *q, int64_t q_start, int64_t q_stride, int64_t query_len, int64_t seq_len, const void *k_cache,
     const void *v_cache, const int64_t *blocks, int64_t BS, int64_t H, int64_t KVH, int64_t D, float scale,
     int64_t window, void *out, const int PK, const int widen) {
@@ -390,7 +390,7 @@ static inline __attribute__((always_inline)) void flash_prefill(
     uint32_t *vp = aligned_alloc(64, (size_t)(KVH * ntiles * tile_elems * 4));
     if (!kp || !vp) {
         free(kp), free(vp);
-        return;
+        return 1;
     }
 #pragma omp parallel for schedule(static) collapse(2)
     for (int64_t h = 0; h < KVH; h++)
@@ -401,6 +401,7 @@ static inline __attribute__((always_inline)) void flash_prefill(
     int64_t tq = ROWS_MAX / G;
     if (tq < 1) tq = 1;
     const int64_t nqt = (query_len + tq - 1) / tq;
+    int failed = 0;
 #pragma omp parallel
     {
         const int64_t cap = tq * G + RB;
@@ -409,49 +410,61 @@ static inline __attribute__((always_inline)) void flash_prefill(
         const uint32_t **qrow = malloc((size_t)cap * sizeof(*qrow));
         int64_t *pos = malloc((size_t)cap * 8);
         float *qf = widen ? malloc((size_t)(cap * D * 4)) : NULL; /* the query rows widened */
+        if (!o || !m || !l || !qrow || !pos || (widen && !qf)) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier /* every thread sees every thread's allocation before deciding */
+        int any_failed;
+#pragma omp atomic read
+        any_failed = failed;
+        if (!any_failed) {
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t w = 0; w < KVH * nqt; w++) {
-            const int64_t h = w % KVH, qt = nqt - 1 - w / KVH; /* the longest tiles first */
-            const int64_t t0 = qt * tq, tn = query_len - t0 < tq ? query_len - t0 : tq;
-            int nrows = (int)(tn * G);
-            for (int r = 0; r < nrows; r++) {
-                const int64_t tok = t0 + r / G, head = h * G + r % G;
-                qrow[r] = (const uint32_t *)((const char *)q + ((q_start + tok) * q_stride + head * D) * esize);
-                if (widen) {
-                    for (int64_t d = 0; d < D; d++) qf[r * D + d] = bf16_to_f32(((const uint16_t *)qrow[r])[d]);
-                    qrow[r] = (const uint32_t *)(qf + r * D);
+            for (int64_t w = 0; w < KVH * nqt; w++) {
+                const int64_t h = w % KVH, qt = nqt - 1 - w / KVH; /* the longest tiles first */
+                const int64_t t0 = qt * tq, tn = query_len - t0 < tq ? query_len - t0 : tq;
+                int nrows = (int)(tn * G);
+                for (int r = 0; r < nrows; r++) {
+                    const int64_t tok = t0 + r / G, head = h * G + r % G;
+                    qrow[r] = (const uint32_t *)((const char *)q + ((q_start + tok) * q_stride + head * D) * esize);
+                    if (widen) {
+                        for (int64_t d = 0; d < D; d++) qf[r * D + d] = bf16_to_f32(((const uint16_t *)qrow[r])[d]);
+                        qrow[r] = (const uint32_t *)(qf + r * D);
+                    }
+                    pos[r] = ctx0 + tok;
                 }
-                pos[r] = ctx0 + tok;
-            }
-            for (; nrows % RB; nrows++) qrow[nrows] = qrow[nrows - 1], pos[nrows] = pos[nrows - 1];
-            memset(o, 0, (size_t)nrows * D * 4);
-            for (int r = 0; r < nrows; r++) m[r] = NEG_BIG, l[r] = 0.f;
-            const uint32_t *kh = kp + h * ntiles * tile_elems, *vh = vp + h * ntiles * tile_elems;
-            if (D == 64)
-                work_item(64, PK, qrow, pos, nrows, kh, vh, ntiles, window, scale, o, m, l);
-            else if (D == 128)
-                work_item(128, PK, qrow, pos, nrows, kh, vh, ntiles, window, scale, o, m, l);
-            else
-                work_item((int)D, PK, qrow, pos, nrows, kh, vh, ntiles, window, scale, o, m, l);
-            for (int r = 0; r < (int)(tn * G); r++) {
-                const int64_t tok = t0 + r / G, head = h * G + r % G;
-                const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-                finish_row(o + r * D, inv, (char *)out + (tok * H + head) * D * esize, D, PK, widen);
+                for (; nrows % RB; nrows++) qrow[nrows] = qrow[nrows - 1], pos[nrows] = pos[nrows - 1];
+                memset(o, 0, (size_t)nrows * D * 4);
+                for (int r = 0; r < nrows; r++) m[r] = NEG_BIG, l[r] = 0.f;
+                const uint32_t *kh = kp + h * ntiles * tile_elems, *vh = vp + h * ntiles * tile_elems;
+                if (D == 64)
+                    work_item(64, PK, qrow, pos, nrows, kh, vh, ntiles, window, scale, o, m, l);
+                else if (D == 128)
+                    work_item(128, PK, qrow, pos, nrows, kh, vh, ntiles, window, scale, o, m, l);
+                else
+                    work_item((int)D, PK, qrow, pos, nrows, kh, vh, ntiles, window, scale, o, m, l);
+                for (int r = 0; r < (int)(tn * G); r++) {
+                    const int64_t tok = t0 + r / G, head = h * G + r % G;
+                    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+                    finish_row(o + r * D, inv, (char *)out + (tok * H + head) * D * esize, D, PK, widen);
+                }
             }
         }
         free(o), free(m), free(l), free(qrow), free(pos), free(qf);
     }
     free(kp), free(vp);
+    return failed;
 }
 
 /* The float32 lanes of this build's form: 16 (AVX-512) or 8 (AVX2 + FMA). */
 int flash_lanes(void) { return FLASH_LANES; }
 
-void flash_prefill_f32(const float *q, int64_t q_start, int64_t q_stride, int64_t query_len, int64_t seq_len,
+/* 0, or 1 where a buffer could not be allocated (out is then not written). */
+int flash_prefill_f32(const float *q, int64_t q_start, int64_t q_stride, int64_t query_len, int64_t seq_len,
                        const float *k_cache, const float *v_cache, const int64_t *blocks, int64_t BS, int64_t H,
                        int64_t KVH, int64_t D, float scale, int64_t window, float *out) {
-    flash_prefill(q, q_start, q_stride, query_len, seq_len, k_cache, v_cache, blocks, BS, H, KVH, D, scale, window,
-                  out, 1, 0);
+    return flash_prefill(q, q_start, q_stride, query_len, seq_len, k_cache, v_cache, blocks, BS, H, KVH, D, scale,
+                         window, out, 1, 0);
 }
 
 /* Whether flash_prefill_bf16 is the widened form (1: computes in float32) or bf16 dot products (0). */
@@ -463,15 +476,15 @@ int flash_bf16_widened(void) {
 #endif
 }
 
-void flash_prefill_bf16(const uint16_t *q, int64_t q_start, int64_t q_stride, int64_t query_len, int64_t seq_len,
+int flash_prefill_bf16(const uint16_t *q, int64_t q_start, int64_t q_stride, int64_t query_len, int64_t seq_len,
                         const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *blocks, int64_t BS,
                         int64_t H, int64_t KVH, int64_t D, float scale, int64_t window, uint16_t *out) {
 #if defined(__AVX512BF16__)
-    flash_prefill(q, q_start, q_stride, query_len, seq_len, k_cache, v_cache, blocks, BS, H, KVH, D, scale, window,
-                  out, 2, 0);
+    return flash_prefill(q, q_start, q_stride, query_len, seq_len, k_cache, v_cache, blocks, BS, H, KVH, D, scale,
+                         window, out, 2, 0);
 #else
-    flash_prefill(q, q_start, q_stride, query_len, seq_len, k_cache, v_cache, blocks, BS, H, KVH, D, scale, window,
-                  out, 1, 1);
+    return flash_prefill(q, q_start, q_stride, query_len, seq_len, k_cache, v_cache, blocks, BS, H, KVH, D, scale,
+                         window, out, 1, 1);
 #endif
 }
 #endif
