@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import torch
 
-from pagedllm.quantization.formats import GroupCodes, QuantFormatError, group_order
-from pagedllm.quantization.methods import E4M3
+from pagedllm.quantization.formats import E4M3, GroupCodes, QuantFormatError, group_order, unpack_words
 
 # Stored tensors of one quantized module, besides ``weight``.
 PARTS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx",
@@ -103,8 +102,8 @@ def _args(group: str, args: dict[str, Any], activations: dict[str, Any] | None) 
     act = activations or {}
     int8_act = bool(act) and str(act.get("type", "int")).lower() == "int" and int(act.get("num_bits", 0)) == 8
     act_order = str(args.get("actorder")).lower() in ("group", "true")
-    return WeightScheme("fp8" if kind == "float" else "int", bits, strategy, group_size, block,  # type: ignore[arg-type]
-                        bool(args.get("symmetric", True)), int8_act, act_order)
+    return WeightScheme("fp8" if kind == "float" else "int", bits, strategy, group_size,
+                        block, bool(args.get("symmetric", True)), int8_act, act_order)  # type: ignore[arg-type]
 
 
 class CompressedConfig:
@@ -172,12 +171,9 @@ def unpack_int32(words: torch.Tensor, bits: int, count: int, name: str) -> torch
     if words.shape[1] != need:
         raise QuantFormatError(f"quantized tensor {name!r}: {words.shape[1]} words per row, expected {need} for "
                                f"{count} values of {bits} bits")
+    if 32 % bits == 0:  # whole values per word, field i at bits [i b, (i + 1) b): GPTQ's word layout
+        return unpack_words(words, bits, dim=1)[:, :count].to(torch.uint8).contiguous()
     raw = np.ascontiguousarray(words.numpy()).view("<u4").view(np.uint8)  # little-endian bytes per row
-    if bits == 8:
-        return torch.from_numpy(raw[:, :count].copy())
-    if bits == 4:
-        nib = np.stack([raw & 0x0F, raw >> 4], axis=2).reshape(raw.shape[0], -1)
-        return torch.from_numpy(np.ascontiguousarray(nib[:, :count]))
     stream = np.unpackbits(raw, axis=1, bitorder="little")[:, : count * bits].reshape(raw.shape[0], count, bits)
     values = (stream.astype(np.uint16) << np.arange(bits, dtype=np.uint16)).sum(axis=2)
     return torch.from_numpy(values.astype(np.uint8))
@@ -186,7 +182,7 @@ def unpack_int32(words: torch.Tensor, bits: int, count: int, name: str) -> torch
 def _per_group(t: torch.Tensor, n: int, k: int, rows: int, cols: int, g: int, name: str) -> torch.Tensor:
     """A scale (or zero point) stored per ``rows x cols`` block of the [n, k] weight -> [n, k / g]
     float32, g dividing cols and k (blocks at the edges may be partial)."""
-    t = t.float().reshape(-1) if t.numel() == 1 else t.float()
+    t = t.float()
     if t.numel() == 1:
         return t.reshape(1, 1).expand(n, k // g).contiguous()
     shape = (math.ceil(n / rows), math.ceil(k / cols))
@@ -240,7 +236,7 @@ def group_codes(module: str, scheme: WeightScheme, parts: dict[str, torch.Tensor
         n, k = w.shape
         codes = w.view(torch.uint8).clone() if scheme.kind == "fp8" else (w.to(torch.int16) + offset).to(torch.uint8)
     if scheme.strategy == "tensor" and scale.numel() == n > 1:  # FP8 checkpoints with one scale per row
-        scheme = WeightScheme(scheme.kind, scheme.bits, "channel", symmetric=scheme.symmetric)
+        scheme = replace(scheme, strategy="channel")
     rows, cols, g = _blocks(scheme, n, k)
     scales = _per_group(scale, n, k, rows, cols, g, f"{module}.weight_scale")
     if scheme.kind == "fp8":
@@ -277,12 +273,3 @@ def w8a8_codes(module: str, parts: dict[str, torch.Tensor]) -> tuple[torch.Tenso
                                f"expected 1 or {n}")
     return w.contiguous(), scale.float().reshape(-1).expand(n).contiguous()
 
-
-def dense_weight(gc: GroupCodes, bits: int) -> torch.Tensor:
-    """The float32 weight group codes stand for (e4m3 bytes where ``bits`` is :data:`E4M3`)."""
-    if bits != E4M3:
-        return gc.dequantize()
-    n, k = gc.codes.shape
-    g = gc.scales.shape[1]
-    w = gc.codes.view(torch.float8_e4m3fn).float().reshape(n, g, k // g) * gc.scales[..., None]
-    return w.reshape(n, k)

@@ -22,6 +22,10 @@ GGUF_TYPES: dict[int, tuple[str, int, int]] = {
 }
 
 
+E4M3 = 3
+"""``bits`` of e4m3 (fp8) group codes, the bytes of float8_e4m3fn values (the native kernel's name)."""
+
+
 class QuantFormatError(ValueError):
     """A quantized tensor's layout does not match what its format requires."""
 
@@ -37,10 +41,12 @@ class GroupCodes:
     perm: torch.Tensor | None = None
     """int64 [K]: input order that makes groups contiguous (GPTQ act-order), else None."""
 
-    def dequantize(self) -> torch.Tensor:
+    def dequantize(self, bits: int = 0) -> torch.Tensor:
+        """The float32 weight [N, K] (``bits`` :data:`E4M3`: the codes are e4m3 bytes)."""
         n, k = self.codes.shape
         g = self.scales.shape[1]
-        w = self.codes.reshape(n, g, k // g).float() * self.scales[..., None] + self.zeros[..., None]
+        codes = self.codes.view(torch.float8_e4m3fn) if bits == E4M3 else self.codes
+        w = codes.reshape(n, g, k // g).float() * self.scales[..., None] + self.zeros[..., None]
         w = w.reshape(n, k)
         if self.perm is not None:
             out = torch.empty_like(w)
@@ -147,7 +153,7 @@ def gguf_group_codes(raw: np.ndarray, qtype: int, shape: tuple[int, ...]) -> Gro
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
-def _unpack_int32(words: torch.Tensor, bits: int, dim: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
+def unpack_words(words: torch.Tensor, bits: int, dim: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
     """int32 words -> codes, each word expanded along ``dim`` into 32/bits values.
 
     ``order[i]`` is the position (within its word's run) of the value stored in field i:
@@ -186,8 +192,8 @@ def awq_group_codes(prefix: str, qweight: torch.Tensor, qzeros: torch.Tensor, sc
            f"shape {tuple(scales.shape)}, expected {(k // g, n)} for qweight {tuple(qweight.shape)} and group size {g}")
     _check(tuple(qzeros.shape) == (k // g, n // 8), f"{prefix}.qzeros",
            f"shape {tuple(qzeros.shape)}, expected {(k // g, n // 8)}")
-    q = _unpack_int32(qweight, 4, dim=1, order=AWQ_ORDER)  # [K, N]
-    z = _unpack_int32(qzeros, 4, dim=1, order=AWQ_ORDER).float()  # [G, N]
+    q = unpack_words(qweight, 4, dim=1, order=AWQ_ORDER)  # [K, N]
+    z = unpack_words(qzeros, 4, dim=1, order=AWQ_ORDER).float()  # [G, N]
     s = scales.float()
     return GroupCodes(codes=q.t().contiguous().to(torch.uint8), scales=s.t().contiguous(),
                       zeros=(-z * s).t().contiguous())
@@ -209,8 +215,8 @@ def gptq_group_codes(prefix: str, qweight: torch.Tensor, qzeros: torch.Tensor, s
            f"shape {tuple(scales.shape)}, expected {(groups, n)} for qweight {tuple(qweight.shape)} and group size {g}")
     _check(tuple(qzeros.shape) == (groups, n // 8), f"{prefix}.qzeros",
            f"shape {tuple(qzeros.shape)}, expected {(groups, n // 8)}")
-    q = _unpack_int32(qweight, 4, dim=0)  # [K, N]
-    z = (_unpack_int32(qzeros, 4, dim=1).float() + zero_offset)  # [G, N]
+    q = unpack_words(qweight, 4, dim=0)  # [K, N]
+    z = (unpack_words(qzeros, 4, dim=1).float() + zero_offset)  # [G, N]
     s = scales.float()
     perm = None if g_idx is None else group_order(f"{prefix}.g_idx", g_idx, k, g, groups)
     if perm is not None:

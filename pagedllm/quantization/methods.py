@@ -16,9 +16,10 @@ from torch import nn
 
 from pagedllm.quantization import kernels as K
 from pagedllm.quantization import native
+from pagedllm.quantization.formats import E4M3, GroupCodes
 
-E4M3 = 3
-"""``bits`` of e4m3 (fp8) group codes, as the native kernel names them."""
+# The native kernel's ``bits`` for each group-codes kernel (finish_group_codes' layer.kernel).
+_KERNEL_BITS = {"int4": 4, "int8_group": 8, "e4m3": E4M3}
 
 logger = logging.getLogger(__name__)
 
@@ -288,8 +289,7 @@ def finish_group_codes(layer: nn.Module, codes: torch.Tensor, scales: torch.Tens
             _set(layer, "qscales", scales.to(torch.bfloat16).contiguous())
             _set(layer, "qzeros", zeros.to(torch.bfloat16).contiguous())
             return
-        w = codes.view(torch.float8_e4m3fn).to(dtype).reshape(codes.shape[0], -1, group)
-        _set(layer, "dense", (w * scales.to(dtype)[..., None]).reshape(codes.shape))
+        _set(layer, "dense", GroupCodes(codes, scales, zeros).dequantize(E4M3).to(dtype))
         return
     if bits <= 4 and (group in K.INT4_GROUP_SIZES or layer.native):
         layer.kernel = "int4"
@@ -321,9 +321,8 @@ def apply_group_codes(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | No
     if layer.perm is not None:
         x = x.index_select(-1, layer.perm)
     if layer.native:
-        bits = {"int4": 4, "int8_group": 8, "e4m3": E4M3}[layer.kernel]
         y = native.group_linear(x, layer.packed if layer.kernel == "int4" else layer.qcodes, layer.qscales,
-                                layer.qzeros, bits=bits, n=layer.out_features)
+                                layer.qzeros, bits=_KERNEL_BITS[layer.kernel], n=layer.out_features)
     elif layer.kernel == "e4m3":
         y = torch.nn.functional.linear(x, layer.dense.to(x.dtype))
     elif layer.kernel == "int4":

@@ -60,7 +60,7 @@ def iterate_compressed(files: list[Path], setup: Any) -> Iterator[tuple[str, tor
     quantized module ``<module>.codes/.scales/.zeros`` (``.perm``) where the model keeps its group
     codes, ``<module>.codes/.scales`` (int8, per row) where it runs them as w8a8, else its expanded
     ``<module>.weight``. ``setup`` is the :class:`pagedllm.quantization.QuantizationSetup`."""
-    from pagedllm.quantization.compressed import DROPPED, PARTS, dense_weight, group_codes, w8a8_codes
+    from pagedllm.quantization.compressed import DROPPED, PARTS, group_codes, w8a8_codes
     from pagedllm.quantization.formats import QuantFormatError
 
     config = setup.compressed
@@ -94,7 +94,7 @@ def iterate_compressed(files: list[Path], setup: Any) -> Iterator[tuple[str, tor
         except QuantFormatError as exc:
             raise ModelLoadError(f"{where}: {exc}") from None
         if kept is None:
-            yield f"{module}.weight", dense_weight(gc, scheme.code_bits)
+            yield f"{module}.weight", gc.dequantize(scheme.code_bits)
             continue
         yield f"{module}.codes", gc.codes
         yield f"{module}.scales", gc.scales
@@ -103,4 +103,5 @@ def iterate_compressed(files: list[Path], setup: Any) -> Iterator[tuple[str, tor
             yield f"{module}.perm", gc.perm if gc.perm is not None else torch.arange(gc.codes.shape[1])
     if dropped:
         logger.info("%s: dropped the checkpoint's %s (activations run in the model dtype, or int8 per token "
-                    "in W8A8 layers; the KV cache follows --kv-cache-dtype)", files[0].parent, ", ".join(sorted(dropped)))
+                    "in W8A8 layers; the KV cache follows --kv-cache-dtype)", files[0].parent,
+                    ", ".join(sorted(dropped)))
