@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.layers.native_linear import kernel_dtypes, load_linear_kernel, small_m_linear, small_m_rows
+from pagedllm.layers.native_linear import amx_rows, kernel_dtypes, load_linear_kernel, small_m_linear, small_m_rows
 
 pytestmark = pytest.mark.skipif(load_linear_kernel() is None, reason="CPU without AVX-512 or no compiler")
 
@@ -65,6 +65,8 @@ def test_a_rows_result_does_not_depend_on_its_place_in_the_batch(dtype, with_bia
     g = torch.Generator().manual_seed(7)
     N, K = 13, 576  # three whole W blocks and a short one
     rows = min(small_m_rows(dtype), 9)
+    if dtype == torch.bfloat16 and amx_rows():
+        pytest.skip("bf16 batches run on AMX tiles here (test_amx_rows_do_not_depend_on_the_batch)")
     x = torch.randn(rows, K, generator=g).to(dtype)
     w = torch.randn(N, K, generator=g).to(dtype)
     b = torch.randn(N, generator=g).to(dtype) if with_bias else None
@@ -72,3 +74,23 @@ def test_a_rows_result_does_not_depend_on_its_place_in_the_batch(dtype, with_bia
     for i in range(rows):
         alone = small_m_linear(x[i:i + 1].contiguous(), w, b)
         assert torch.equal(batch[i], alone[0]), i
+
+
+@pytest.mark.skipif(not amx_rows(), reason="no AMX-BF16 on this CPU (or the OS does not lend the tiles)")
+@pytest.mark.parametrize("N", [13, 130, 960])
+def test_amx_rows_do_not_depend_on_the_batch(N):
+    """On AMX tiles every element of y is the same sequence of tile products wherever its x row sits
+    in a 16-row block, whichever block it is in, and whether its W rows are a whole 16-row block or a
+    short one padded with zeros (N = 13: one short block; 130: eight whole blocks and a short one):
+    a row gives the same bits in every batch of amx_rows() rows or more."""
+    g = torch.Generator().manual_seed(N)
+    K = 576
+    x = torch.randn(200, K, generator=g).bfloat16()
+    w = (torch.randn(N, K, generator=g) / K**0.5).bfloat16()
+    b = torch.randn(N, generator=g).bfloat16()
+    whole = small_m_linear(x[:small_m_rows(torch.bfloat16)].contiguous(), w, b)
+    for lo, hi in ((0, amx_rows()), (5, 22), (31, 48), (17, 117)):
+        part = small_m_linear(x[lo:hi].contiguous(), w, b)
+        assert torch.equal(part, whole[lo:hi]), (lo, hi)
+    ref = F.linear(x[:small_m_rows(torch.bfloat16)].double(), w.double(), b.double())
+    torch.testing.assert_close(whole.double(), ref, rtol=2**-8, atol=1e-3)  # as test_small_m_linear_matches_fp32
