@@ -28,7 +28,8 @@ logger = logging.getLogger(__name__)
 
 _SRC = Path(__file__).parent / "csrc" / "paged_attention.c"
 ATTENTION_SRC = _SRC  # included by the fused decode step (pagedllm/worker/csrc/llama_decode.c)
-_SHARED_HEADER = Path(__file__).parent / "csrc" / "bf16.h"  # included by every native kernel
+# Headers every native kernel may include: bf16 conversions, AMX set-up.
+_SHARED_HEADERS = (Path(__file__).parent / "csrc" / "bf16.h", Path(__file__).parent / "csrc" / "amx.h")
 _FLASH_SRC = Path(__file__).parent / "csrc" / "flash_attention.c"
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 # Query tokens of one request handled together by one work item (they share every K/V load).
@@ -48,6 +49,10 @@ DENSE_MIN_PAIRS = 1 << 20
 # for 256 tokens after 1,024; float32 (benchmarks/bench_flash_prefill.py --crossover) 0.9x at 16
 # tokens, 1.3x at 32 (2.9x after 256 cached), 2.2x at 64, 2.8x at 128, 3-4.6x at 256-512.
 FLASH_MIN_TOKENS = {torch.bfloat16: 64, torch.float32: 32}
+# bf16 on AMX tiles (CPUs with AMX-BF16, head size a multiple of 32: flash_bf16_amx) against the
+# paged kernel's prompt path, 2-core Xeon (bench_flash_prefill.py 2 --crossover): 1.3x at 16 tokens
+# after 0, 3.4-5x after 256-2,048, 2.4-14x from 32 tokens on; and 2-3.7x torch's flash at every size.
+FLASH_MIN_TOKENS_AMX = 16
 # bf16 widened to float32 (CPUs without AVX-512 BF16) runs the float32 form and takes its limit:
 # against the paged kernel's bf16 prompt path on a 2-core Zen 1 host (bench_flash_prefill.py 2
 # --dtype bfloat16 --crossover), 1.1x at 16 tokens, 1.6-1.7x at 32, 1.7-2.9x at 48-512 tokens.
@@ -86,8 +91,8 @@ def _build(src: Path, out: Path) -> None:
 
 def compile_native(src: Path, includes: tuple[Path, ...] = ()) -> ctypes.CDLL | None:
     """`src` compiled for this CPU (cached by source, the files it includes, flags and CPU), or None
-    with one warning. `includes`: sources it includes besides the shared header."""
-    text = src.read_bytes() + _SHARED_HEADER.read_bytes() + b"".join(p.read_bytes() for p in includes)
+    with one warning. `includes`: sources it includes besides the shared headers."""
+    text = src.read_bytes() + b"".join(p.read_bytes() for p in (*_SHARED_HEADERS, *includes))
     key = hashlib.sha256(text + " ".join(_FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
     lib_path = cache_dir() / "kernels" / f"{src.stem}_{key}.so"
     try:
@@ -173,7 +178,8 @@ def load_flash() -> ctypes.CDLL | None:
     return load_native(_FLASH_SRC, "PAGEDLLM_NATIVE_FLASH", {_FLASH_FUNCTIONS[torch.float32]: signature,
                                                              _FLASH_FUNCTIONS[torch.bfloat16]: signature,
                                                              "flash_lanes": ([], ctypes.c_int),
-                                                             "flash_bf16_widened": ([], ctypes.c_int)})
+                                                             "flash_bf16_widened": ([], ctypes.c_int),
+                                                             "flash_bf16_amx": ([], ctypes.c_int)})
 
 
 def flash_function(dtype: torch.dtype) -> Any:
@@ -198,6 +204,8 @@ def dense_thresholds(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -
 
 def flash_min_tokens(dtype: torch.dtype) -> int:
     """The fewest tokens of a chunk the flash kernel takes in `dtype` (FLASH_MIN_TOKENS, by form)."""
+    if dtype == torch.bfloat16 and flash_bf16_amx():
+        return FLASH_MIN_TOKENS_AMX
     return FLASH_MIN_TOKENS[torch.float32 if dtype == torch.bfloat16 and flash_bf16_widened() else dtype]
 
 
@@ -207,6 +215,13 @@ def flash_lanes() -> int:
     asked once, not per chunk."""
     lib = load_flash()
     return lib.flash_lanes() if lib is not None else 0
+
+
+@lru_cache(maxsize=1)
+def flash_bf16_amx() -> bool:
+    """Whether the built kernel runs bf16 chunks on AMX tiles (CPUs with AMX-BF16)."""
+    lib = load_flash()
+    return lib is not None and bool(lib.flash_bf16_amx())
 
 
 @lru_cache(maxsize=1)

@@ -79,7 +79,7 @@ def dense_attention(
     -> [query_len, H * D].
 
     bf16 queries over a bf16 cache, and float32 over float32, take the native flash kernel instead
-    (flash_attention.c: vdpbf16ps, or float32 FMAs on float32 or widened bf16, for Q K^T and P V,
+    (flash_attention.c: AMX tiles or vdpbf16ps, or float32 FMAs on float32 or widened bf16, for Q K^T and P V,
     reading the blocks in place), unless PAGEDLLM_NATIVE_FLASH=0 (or, for the kernel's AVX2 form,
     the chunk is large enough that torch's is faster: cpu_kernel.flash_takes). A `sliding_window`
     > 0 limits each query to that many keys ending at its own position.

@@ -194,6 +194,10 @@ def test_the_build_reports_its_form():
 
     assert load_flash().flash_lanes() == (16 if "avx512f" in cpu_flags() else 8)
     assert cpu_kernel.flash_bf16_widened() == ("avx512_bf16" not in cpu_flags())
+    # AMX tiles where the CPU has AMX-BF16 (and Linux lends them: on such CPUs it does, since 5.16).
+    assert cpu_kernel.flash_bf16_amx() == ({"amx_bf16", "amx_tile", "avx512_bf16"} <= cpu_flags())
+    if cpu_kernel.flash_bf16_amx():
+        assert flash_min_tokens(torch.bfloat16) == cpu_kernel.FLASH_MIN_TOKENS_AMX
 
 
 @needs_bf16

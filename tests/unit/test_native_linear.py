@@ -76,6 +76,12 @@ def test_a_rows_result_does_not_depend_on_its_place_in_the_batch(dtype, with_bia
         assert torch.equal(batch[i], alone[0]), i
 
 
+def test_amx_is_used_where_the_cpu_has_it():
+    from pagedllm.hardware import cpu_flags
+
+    assert bool(amx_rows()) == ({"amx_bf16", "amx_tile", "avx512_bf16"} <= cpu_flags())
+
+
 @pytest.mark.skipif(not amx_rows(), reason="no AMX-BF16 on this CPU (or the OS does not lend the tiles)")
 @pytest.mark.parametrize("N", [13, 130, 960])
 def test_amx_rows_do_not_depend_on_the_batch(N):

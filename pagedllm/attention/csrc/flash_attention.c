@@ -34,6 +34,16 @@
  *    after the tile's last position (or before its window) are skipped. Each row's result depends
  *    on its own query, position and the keys only, not on the other rows of the call.
  *
+ * 3. On CPUs with AMX-BF16 (bf16, head size a multiple of 32), the rows of a work item go 16 at a
+ *    time through the tile unit instead (tile_rows_amx): the packed layouts above are already the
+ *    tiles' second operand (kp: 16 words of dimension pairs x 16 keys; vp: 16 words of key pairs x
+ *    16 columns), so Q K^T is four 16 x 16 tiles of float32 scores from the rows' queries (copied
+ *    once per work item into 16-row tiles of 32 dimensions) against kp, and P V adds the bf16
+ *    weights' tiles times vp into the float32 outputs loaded as tiles. The softmax between them is
+ *    the AVX-512 form's (softmax_row), on the scores stored from the tiles. Each element of S and
+ *    of the output is the same sequence of tile products whichever rows share its block, so a row's
+ *    result still depends only on its own query, position and the keys.
+ *
  * Precision, bfloat16: products of two bf16 are exact in float32, so the scores are the float32
  * dot products of the bf16 inputs; the weights come from a degree-4 2^x (relative error < 5e-5)
  * and are rounded to bfloat16 (relative error <= 2^-9 per weight), and the softmax sum is taken
@@ -56,6 +66,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "amx.h"
 
 /* Register blocking per ISA: AVX-512 keeps RB x KT / 16 = 16 score vectors of 16 lanes; AVX2 + FMA
  * (float32 only: PK = 1) keeps 3 rows x 4 vectors of 8 lanes, 12 of its 16 ymm registers, beside
@@ -137,6 +148,66 @@ static inline __attribute__((always_inline)) __m512 exp2_weights(__m512 x, const
     return _mm512_scalef_ps(p, n);
 }
 
+/* The online softmax of one row's KT scores sr (keys k0 ..): its weights P into pw (KT / PK words;
+ * bf16 pairs of adjacent keys for PK = 2), its running max *m (log2 domain) and sum *l updated;
+ * returns the factor alpha its earlier outputs are to be scaled by (1 where the max did not grow). */
+static inline __attribute__((always_inline)) float softmax_row(const int PK, const __m512 *sr, const int64_t pos,
+                                                             const int64_t k0, const int masked, const int64_t window,
+                                                             const float scale2, float *m, float *l, uint32_t *pw) {
+    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __mmask16 vis[KT / 16];
+    __m512 mx = _mm512_set1_ps(NEG_BIG);
+    int any = 0;
+    for (int v = 0; v < KT / 16; v++) {
+        vis[v] = 0xffff;
+        if (masked) {
+            const __m512i keys = _mm512_add_epi32(iota, _mm512_set1_epi32((int)(k0 + 16 * v)));
+            const __m512i pr = _mm512_set1_epi32((int)pos);
+            vis[v] = _mm512_cmple_epi32_mask(keys, pr);
+            if (window > 0)
+                vis[v] &= _mm512_cmpgt_epi32_mask(keys, _mm512_sub_epi32(pr, _mm512_set1_epi32((int)window)));
+        }
+        any |= vis[v];
+        mx = _mm512_mask_max_ps(mx, vis[v], mx, sr[v]);
+    }
+    float alpha = 1.f;
+    if (!any) {
+        memset(pw, 0, (size_t)KT / PK * 4);
+        return alpha;
+    }
+    /* Scores in the log2 domain: x = s * scale * log2(e); m is the running max of x. */
+    const float tmax = _mm512_reduce_max_ps(mx) * scale2;
+    if (tmax > *m) {
+        alpha = exp2f(*m - tmax); /* 0 on the first visible tile (m = NEG_BIG) */
+        *m = tmax;
+    }
+    const __m512 mr = _mm512_set1_ps(*m), sc = _mm512_set1_ps(scale2);
+    __m512 sum = _mm512_setzero_ps();
+    if (PK == 2) {
+#if defined(__AVX512BF16__)
+        const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80); /* bf16 1.0 */
+        for (int v = 0; v < KT / 32; v++) {
+            /* 32 weights rounded to bf16 in key order (pairs of adjacent keys), summed by one
+             * vdpbf16ps against ones. */
+            const __m512 p0 = _mm512_maskz_mov_ps(vis[2 * v], exp2_weights(_mm512_fmsub_ps(sr[2 * v], sc, mr), 2));
+            const __m512 p1 =
+                _mm512_maskz_mov_ps(vis[2 * v + 1], exp2_weights(_mm512_fmsub_ps(sr[2 * v + 1], sc, mr), 2));
+            const __m512bh pbf = _mm512_cvtne2ps_pbh(p1, p0);
+            _mm512_store_si512((void *)(pw + 16 * v), (__m512i)pbf);
+            sum = _mm512_dpbf16_ps(sum, pbf, ones);
+        }
+#endif
+    } else {
+        for (int v = 0; v < KT / 16; v++) {
+            const __m512 p = _mm512_maskz_mov_ps(vis[v], exp2_weights(_mm512_fmsub_ps(sr[v], sc, mr), 1));
+            _mm512_store_ps((float *)pw + 16 * v, p);
+            sum = _mm512_add_ps(sum, p);
+        }
+    }
+    *l = *l * alpha + _mm512_reduce_add_ps(sum);
+    return alpha;
+}
+
 /* One key tile for RB rows: scores, online softmax, P V. qr: the rows' queries (words); pos: their
  * positions; o: their float32 outputs [RB][D]; m, l: running max and sum. */
 static inline __attribute__((always_inline)) void tile_rows(
@@ -154,62 +225,9 @@ static inline __attribute__((always_inline)) void tile_rows(
             for (int v = 0; v < KT / 16; v++) s[r][v] = madd(s[r][v], a, b[v], PK);
         }
     }
-    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     uint32_t pw[RB][KT] __attribute__((aligned(64))); /* P as words: KT / PK per row */
     float alpha[RB];
-    for (int r = 0; r < RB; r++) {
-        __mmask16 vis[KT / 16];
-        __m512 mx = _mm512_set1_ps(NEG_BIG);
-        int any = 0;
-        for (int v = 0; v < KT / 16; v++) {
-            vis[v] = 0xffff;
-            if (masked) {
-                const __m512i keys = _mm512_add_epi32(iota, _mm512_set1_epi32((int)(k0 + 16 * v)));
-                const __m512i pr = _mm512_set1_epi32((int)pos[r]);
-                vis[v] = _mm512_cmple_epi32_mask(keys, pr);
-                if (window > 0)
-                    vis[v] &= _mm512_cmpgt_epi32_mask(keys, _mm512_sub_epi32(pr, _mm512_set1_epi32((int)window)));
-            }
-            any |= vis[v];
-            mx = _mm512_mask_max_ps(mx, vis[v], mx, s[r][v]);
-        }
-        alpha[r] = 1.f;
-        if (!any) {
-            memset(pw[r], 0, (size_t)KT / PK * 4);
-            continue;
-        }
-        /* Scores in the log2 domain: x = s * scale * log2(e); m is the running max of x. */
-        const float tmax = _mm512_reduce_max_ps(mx) * scale2;
-        if (tmax > m[r]) {
-            alpha[r] = exp2f(m[r] - tmax); /* 0 on the first visible tile (m = NEG_BIG) */
-            m[r] = tmax;
-        }
-        const __m512 mr = _mm512_set1_ps(m[r]), sc = _mm512_set1_ps(scale2);
-        __m512 sum = _mm512_setzero_ps();
-        if (PK == 2) {
-#if defined(__AVX512BF16__)
-            const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80); /* bf16 1.0 */
-            for (int v = 0; v < KT / 32; v++) {
-                /* 32 weights rounded to bf16 in key order (pairs of adjacent keys), summed by one
-                 * vdpbf16ps against ones. */
-                const __m512 p0 =
-                    _mm512_maskz_mov_ps(vis[2 * v], exp2_weights(_mm512_fmsub_ps(s[r][2 * v], sc, mr), 2));
-                const __m512 p1 =
-                    _mm512_maskz_mov_ps(vis[2 * v + 1], exp2_weights(_mm512_fmsub_ps(s[r][2 * v + 1], sc, mr), 2));
-                const __m512bh pbf = _mm512_cvtne2ps_pbh(p1, p0);
-                _mm512_store_si512((void *)(pw[r] + 16 * v), (__m512i)pbf);
-                sum = _mm512_dpbf16_ps(sum, pbf, ones);
-            }
-#endif
-        } else {
-            for (int v = 0; v < KT / 16; v++) {
-                const __m512 p = _mm512_maskz_mov_ps(vis[v], exp2_weights(_mm512_fmsub_ps(s[r][v], sc, mr), 1));
-                _mm512_store_ps((float *)pw[r] + 16 * v, p);
-                sum = _mm512_add_ps(sum, p);
-            }
-        }
-        l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(sum);
-    }
+    for (int r = 0; r < RB; r++) alpha[r] = softmax_row(PK, s[r], pos[r], k0, masked, window, scale2, m + r, l + r, pw[r]);
     for (int c0 = 0; c0 < D; c0 += 64) {
         const int CV = (D - c0 >= 64 ? 64 : D - c0) / 16;
         __m512 acc[RB][4];
@@ -232,6 +250,115 @@ static inline __attribute__((always_inline)) void tile_rows(
             for (int v = 0; v < CV; v++) _mm512_storeu_ps(o + r * D + c0 + 16 * v, acc[r][v]);
     }
 }
+
+#if HAVE_AMX_BF16
+#define AMX_ROWS 16 /* query rows per tile block on AMX */
+
+/* P V into the float32 outputs o[16][D] for the 64 output columns from c0 (CV of 16: 4, or 2 at
+ * the end of a D that is an odd multiple of 32): the outputs' tiles loaded, KT keys' weights
+ * (pw: 16 rows of KT bf16, 32 keys per tile) times the packed V (16 pairs of keys x 16 columns per
+ * tile) added, and stored back. */
+static inline __attribute__((always_inline)) void amx_pv(const int D, const int c0, const int CV, const uint32_t *pw,
+                                                        const uint32_t *restrict vp, float *restrict o) {
+    _tile_loadd(0, o + c0, D * 4);
+    _tile_loadd(1, o + c0 + 16, D * 4);
+    if (CV == 4) {
+        _tile_loadd(2, o + c0 + 32, D * 4);
+        _tile_loadd(3, o + c0 + 48, D * 4);
+    }
+    for (int k = 0; k < KT / 32; k++) {
+        const uint32_t *vk = vp + 16 * k * D + c0;
+        _tile_loadd(4, (const char *)pw + 64 * k, KT * 2);
+        _tile_loadd(5, vk, D * 4);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, vk + 16, D * 4);
+        _tile_dpbf16ps(1, 4, 6);
+        if (CV == 4) {
+            _tile_loadd(7, vk + 32, D * 4);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_loadd(5, vk + 48, D * 4);
+            _tile_dpbf16ps(3, 4, 5);
+        }
+    }
+    _tile_stored(0, o + c0, D * 4);
+    _tile_stored(1, o + c0 + 16, D * 4);
+    if (CV == 4) {
+        _tile_stored(2, o + c0 + 32, D * 4);
+        _tile_stored(3, o + c0 + 48, D * 4);
+    }
+}
+
+/* One key tile for AMX_ROWS rows of bf16 (PK = 2), as tile_rows on the tile unit: the 16 x KT
+ * scores as four tiles of 16 x 16 float32 sums (the rows' queries qa [16][D], 32 columns a tile,
+ * times the packed K, whose 16 words of dimension pairs x 16 keys are a tile as they lie), the
+ * same online softmax per row, then P V (amx_pv). D % 32 == 0. */
+static inline __attribute__((always_inline)) void tile_rows_amx(
+    const int D, const uint16_t *restrict qa, const int64_t *pos, const uint32_t *restrict kp,
+    const uint32_t *restrict vp, const int64_t k0, const int masked, const int64_t window, const float scale2,
+    float *restrict o, float *restrict m, float *restrict l) {
+    float s[AMX_ROWS][KT] __attribute__((aligned(64)));
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int c = 0; c < D / 32; c++) {
+        const uint32_t *kc = kp + 16 * c * KT;
+        _tile_loadd(4, qa + 32 * c, D * 2);
+        _tile_loadd(5, kc, KT * 4);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, kc + 16, KT * 4);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(7, kc + 32, KT * 4);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_loadd(5, kc + 48, KT * 4);
+        _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, &s[0][0], KT * 4);
+    _tile_stored(1, &s[0][16], KT * 4);
+    _tile_stored(2, &s[0][32], KT * 4);
+    _tile_stored(3, &s[0][48], KT * 4);
+    uint32_t pw[AMX_ROWS][KT / 2] __attribute__((aligned(64)));
+    for (int r = 0; r < AMX_ROWS; r++) {
+        __m512 sr[KT / 16];
+        for (int v = 0; v < KT / 16; v++) sr[v] = _mm512_load_ps(&s[r][16 * v]);
+        const float alpha = softmax_row(2, sr, pos[r], k0, masked, window, scale2, m + r, l + r, pw[r]);
+        if (alpha != 1.f) {
+            const __m512 al = _mm512_set1_ps(alpha);
+            for (int d = 0; d < D; d += 16) _mm512_storeu_ps(o + r * D + d, _mm512_mul_ps(_mm512_loadu_ps(o + r * D + d), al));
+        }
+    }
+    for (int c0 = 0; c0 < D; c0 += 64) {
+        if (D - c0 >= 64)
+            amx_pv(D, c0, 4, &pw[0][0], vp, o);
+        else
+            amx_pv(D, c0, 2, &pw[0][0], vp, o);
+    }
+}
+
+/* work_item on the tile unit: rows [0, nrows) (a multiple of AMX_ROWS) with their queries packed
+ * in qa [nrows][D]. */
+static inline __attribute__((always_inline)) void work_item_amx(
+    const int D, const uint16_t *qa, const int64_t *pos, int nrows, const uint32_t *kp_head, const uint32_t *vp_head,
+    int64_t ntiles, int64_t window, float scale, float *o, float *m, float *l) {
+    const int64_t pmin = pos[0], pmax = pos[nrows - 1];
+    int64_t t_first = 0;
+    if (window > 0 && pmin - window + 1 > 0) t_first = (pmin - window + 1) / KT;
+    int64_t t_last = pmax / KT;
+    if (t_last >= ntiles) t_last = ntiles - 1;
+    for (int64_t t = t_first; t <= t_last; t++) {
+        const int64_t k0 = t * KT;
+        const uint32_t *kp = kp_head + t * (int64_t)KT * (D / 2);
+        const uint32_t *vp = vp_head + t * (int64_t)KT * (D / 2);
+        for (int r0 = 0; r0 < nrows; r0 += AMX_ROWS) {
+            const int64_t lo = pos[r0], hi = pos[r0 + AMX_ROWS - 1];
+            if (k0 > hi || (window > 0 && k0 + KT - 1 <= lo - window)) continue; /* nothing visible */
+            const int masked = k0 + KT - 1 > lo || (window > 0 && k0 <= hi - window);
+            tile_rows_amx(D, qa + r0 * D, pos + r0, kp, vp, k0, masked, window, scale * 1.44269504088896341f,
+                          o + r0 * D, m + r0, l + r0);
+        }
+    }
+}
+#endif
 
 #else
 /* 2^x for x <= 0 on 8 lanes, float32 weights: 2^n 2^r with |r| <= 1/2 and the degree-7 polynomial
@@ -398,19 +525,26 @@ static inline __attribute__((always_inline)) int flash_prefill(
             pack_tile(kp + (h * ntiles + t) * tile_elems, vp + (h * ntiles + t) * tile_elems, k_cache, v_cache,
                       blocks, BS, stride, h * D, t * KT, seq_len, (int)D, PK, widen);
 
+#if HAVE_AMX_BF16
+    const int amx = PK == 2 && !widen && D % 32 == 0 && amx_permitted();
+#else
+    const int amx = 0;
+#endif
+    const int rb = amx ? 16 : RB; /* rows are padded to a whole register (or tile) block */
     int64_t tq = ROWS_MAX / G;
     if (tq < 1) tq = 1;
     const int64_t nqt = (query_len + tq - 1) / tq;
     int failed = 0;
 #pragma omp parallel
     {
-        const int64_t cap = tq * G + RB;
+        const int64_t cap = tq * G + rb;
         float *o = aligned_alloc(64, (size_t)(cap * D * 4));
         float *m = malloc((size_t)cap * 4), *l = malloc((size_t)cap * 4);
         const uint32_t **qrow = malloc((size_t)cap * sizeof(*qrow));
         int64_t *pos = malloc((size_t)cap * 8);
         float *qf = widen ? malloc((size_t)(cap * D * 4)) : NULL; /* the query rows widened */
-        if (!o || !m || !l || !qrow || !pos || (widen && !qf)) {
+        uint16_t *qa = amx ? aligned_alloc(64, (size_t)(cap * D * 2)) : NULL; /* the query rows packed (AMX) */
+        if (!o || !m || !l || !qrow || !pos || (widen && !qf) || (amx && !qa)) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -418,6 +552,9 @@ static inline __attribute__((always_inline)) int flash_prefill(
         int any_failed;
 #pragma omp atomic read
         any_failed = failed;
+#if HAVE_AMX_BF16
+        if (!any_failed && amx) amx_configure();
+#endif
         if (!any_failed) {
 #pragma omp for schedule(dynamic, 1)
             for (int64_t w = 0; w < KVH * nqt; w++) {
@@ -433,10 +570,21 @@ static inline __attribute__((always_inline)) int flash_prefill(
                     }
                     pos[r] = ctx0 + tok;
                 }
-                for (; nrows % RB; nrows++) qrow[nrows] = qrow[nrows - 1], pos[nrows] = pos[nrows - 1];
+                for (; nrows % rb; nrows++) qrow[nrows] = qrow[nrows - 1], pos[nrows] = pos[nrows - 1];
                 memset(o, 0, (size_t)nrows * D * 4);
                 for (int r = 0; r < nrows; r++) m[r] = NEG_BIG, l[r] = 0.f;
                 const uint32_t *kh = kp + h * ntiles * tile_elems, *vh = vp + h * ntiles * tile_elems;
+#if HAVE_AMX_BF16
+                if (amx) {
+                    for (int r = 0; r < nrows; r++) memcpy(qa + r * D, qrow[r], (size_t)D * 2);
+                    if (D == 64)
+                        work_item_amx(64, qa, pos, nrows, kh, vh, ntiles, window, scale, o, m, l);
+                    else if (D == 128)
+                        work_item_amx(128, qa, pos, nrows, kh, vh, ntiles, window, scale, o, m, l);
+                    else
+                        work_item_amx((int)D, qa, pos, nrows, kh, vh, ntiles, window, scale, o, m, l);
+                } else
+#endif
                 if (D == 64)
                     work_item(64, PK, qrow, pos, nrows, kh, vh, ntiles, window, scale, o, m, l);
                 else if (D == 128)
@@ -450,7 +598,10 @@ static inline __attribute__((always_inline)) int flash_prefill(
                 }
             }
         }
-        free(o), free(m), free(l), free(qrow), free(pos), free(qf);
+#if HAVE_AMX_BF16
+        if (!any_failed && amx) _tile_release();
+#endif
+        free(o), free(m), free(l), free(qrow), free(pos), free(qf), free(qa);
     }
     free(kp), free(vp);
     return failed;
@@ -473,6 +624,15 @@ int flash_bf16_widened(void) {
     return 0;
 #else
     return 1;
+#endif
+}
+
+/* Whether bf16 chunks (head size a multiple of 32) run on AMX tiles (tile_rows_amx). */
+int flash_bf16_amx(void) {
+#if HAVE_AMX_BF16
+    return amx_permitted();
+#else
+    return 0;
 #endif
 }
 

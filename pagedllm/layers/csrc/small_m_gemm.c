@@ -65,14 +65,8 @@
 
 /* AMX (Sapphire Rapids and later Xeons): bf16 GEMMs of AMX_MIN_ROWS rows or more run on the tile
  * unit (gemm_rows_amx), which multiplies 16 x 32 bf16 blocks at several times the rate of AVX-512
- * BF16 dot products. Linux lends the tile registers to a process that asks (amx_permitted). */
-#if HAVE_AVX512_BF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-long syscall(long number, ...);
-#define HAVE_AMX_BF16 1
-#else
-#define HAVE_AMX_BF16 0
-#endif
+ * BF16 dot products. */
+#include "../../attention/csrc/amx.h"
 
 #define NR 4
 #define MR 4
@@ -285,31 +279,6 @@ static inline __attribute__((always_inline)) void gemm_tile_bf16(const uint16_t 
  * 11.4 ms, 8 rows 9.3 against 16.7, 64 rows 19.2 against 72.2; benchmarks/bench_small_m_gemm.py).
  * From 2 rows on, then, a row of x gives the same bits in any batch. */
 #define AMX_MIN_ROWS 2
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-/* Whether this process may use the AMX tile data (Linux asks each process to request it once;
- * oneDNN does the same for its own AMX kernels). The request is idempotent, so threads racing to
- * make it first are harmless. */
-static int amx_permitted(void) {
-    static int state = -1;
-    int s = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
-    if (s < 0) {
-        s = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-        __atomic_store_n(&state, s, __ATOMIC_RELEASE);
-    }
-    return s;
-}
-
-/* The tile configuration (palette 1): eight tiles of 16 rows of 64 bytes. tmm0-3 accumulate
- * [16 W rows, 16 x rows] float32 sums, tmm4-5 hold 16 W rows x 32 columns of K, tmm6-7 x's
- * matching 32 columns of 16 x rows in the pair-interleaved layout of TDPBF16PS's second operand. */
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} AmxConfig;
-
 /* Per-thread scratch of the packed x (kept between calls: a step's GEMMs reuse it). */
 static __thread uint32_t *amx_xp;
 static __thread int64_t amx_xp_words;
@@ -415,14 +384,7 @@ static int gemm_rows_amx(const uint16_t *x, int64_t M, const uint16_t *w, const 
     }
     uint32_t *xp = amx_xp;
     amx_pack_x(x, M, K, xp);
-    AmxConfig cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
+    amx_configure(); /* tmm0-3: [16 W rows, 16 x rows] float32 sums; tmm4-5: W; tmm6-7: packed x */
     float c[4][256] __attribute__((aligned(64)));
     for (int64_t n0 = n_lo; n0 < n_hi; n0 += 32) {
         const int64_t nr = n_hi - n0 < 32 ? n_hi - n0 : 32;
