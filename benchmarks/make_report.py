@@ -555,6 +555,20 @@ def host_overhead_section(r: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
+def amx_section(res: Path, img_dir: Path) -> str:
+    """The AMX host's part: its notes (amx.md), then the side-by-side runs measured there, each with the
+    command and machine it ran on."""
+    parts = [(res / "amx.md").read_text()] if (res / "amx.md").exists() else []
+    if (t := load(res / "amx_throughput.json")) is not None:
+        parts.append(throughput_section(t, img_dir / "bench-throughput-amx.png").replace(
+            "## Offline throughput", "### Offline throughput on the AMX host", 1))
+    for name, title in (("amx_latency.json", "Single-request latency on the AMX host"),
+                        ("amx_prefill.json", "Long-context prefill on the AMX host")):
+        if (m := load(res / name)) is not None:
+            parts.append(f"### {title}\n\n" + latency_matrix_table(m))
+    return "\n".join(parts)
+
+
 STEP_OF = {"throughput.json": "throughput", "serve*.json": "serve", "latency.json": "latency",
            "native_decode.json": "nativedecode", "scheduler.json": "scheduler", "memory.json": "memory"}
 
@@ -609,6 +623,8 @@ def main() -> None:
                  "chaos_runs.md", "guidellm.md", "avx2.md"):
         if (note := res / name).exists():
             parts.append(note.read_text())
+    if (res / "amx.md").exists() or (res / "amx_throughput.json").exists():
+        parts.append(amx_section(res, img_dir))
     if (host := load(res / "host_overhead.json")) is not None:
         parts.append(host_overhead_section(host))
     sched = load(res / "bench_scheduling.json") or load(res / "bench_scheduling_quick.json")
