@@ -390,7 +390,7 @@ static int gemm_rows_amx(const uint16_t *x, int64_t M, const uint16_t *w, const 
         const int64_t nr = n_hi - n0 < 32 ? n_hi - n0 : 32;
         const int two_n = nr > 16;
         const uint16_t *w0 = w + n0 * K, *w1 = w0 + 16 * K;
-        int64_t ws = K * 2;
+        const int64_t ws = K * 2;
         if (nr < 32 && nr % 16 != 0) { /* the short last block: its rows, then zeros */
             const int64_t full = nr / 16 * 16, rest = nr - full;
             memcpy(amx_wpad, w + (n0 + full) * K, (size_t)(rest * K * 2));
