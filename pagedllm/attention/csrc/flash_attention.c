@@ -342,29 +342,6 @@ static inline __attribute__((always_inline)) void tile_rows_amx(
     }
 }
 
-/* work_item on the tile unit: rows [0, nrows) (a multiple of AMX_ROWS) with their queries packed
- * in qa [nrows][D]. */
-static inline __attribute__((always_inline)) void work_item_amx(
-    const int D, const uint16_t *qa, const int64_t *pos, int nrows, const uint32_t *kp_head, const uint32_t *vp_head,
-    int64_t ntiles, int64_t window, float scale, float *o, float *m, float *l) {
-    const int64_t pmin = pos[0], pmax = pos[nrows - 1];
-    int64_t t_first = 0;
-    if (window > 0 && pmin - window + 1 > 0) t_first = (pmin - window + 1) / KT;
-    int64_t t_last = pmax / KT;
-    if (t_last >= ntiles) t_last = ntiles - 1;
-    for (int64_t t = t_first; t <= t_last; t++) {
-        const int64_t k0 = t * KT;
-        const uint32_t *kp = kp_head + t * (int64_t)KT * (D / 2);
-        const uint32_t *vp = vp_head + t * (int64_t)KT * (D / 2);
-        for (int r0 = 0; r0 < nrows; r0 += AMX_ROWS) {
-            const int64_t lo = pos[r0], hi = pos[r0 + AMX_ROWS - 1];
-            if (k0 > hi || (window > 0 && k0 + KT - 1 <= lo - window)) continue; /* nothing visible */
-            const int masked = k0 + KT - 1 > lo || (window > 0 && k0 <= hi - window);
-            tile_rows_amx(D, qa + r0 * D, pos + r0, kp, vp, k0, masked, window, scale * 1.44269504088896341f,
-                          o + r0 * D, m + r0, l + r0);
-        }
-    }
-}
 #endif
 
 #else
@@ -470,10 +447,18 @@ static inline __attribute__((always_inline)) void tile_rows(
 }
 #endif
 
-/* Key tiles are visited for the work item's rows [0, nrows) (a multiple of RB). */
+/* Key tiles are visited for the work item's rows [0, nrows) (a multiple of RB, or of AMX_ROWS on
+ * the tile unit, amx, whose rows' queries are packed in qa [nrows][D]). */
 static inline __attribute__((always_inline)) void work_item(
-    const int D, const int PK, const uint32_t *const *qrow, const int64_t *pos, int nrows, const uint32_t *kp_head,
-    const uint32_t *vp_head, int64_t ntiles, int64_t window, float scale, float *o, float *m, float *l) {
+    const int D, const int PK, const uint32_t *const *qrow, const uint16_t *qa, const int64_t *pos, int nrows,
+    const uint32_t *kp_head, const uint32_t *vp_head, int64_t ntiles, int64_t window, float scale, float *o, float *m,
+    float *l, const int amx) {
+#if HAVE_AMX_BF16
+    const int rb = amx ? AMX_ROWS : RB;
+#else
+    (void)qa, (void)amx;
+    const int rb = RB;
+#endif
     const int64_t pmin = pos[0], pmax = pos[nrows - 1];
     int64_t t_first = 0;
     if (window > 0 && pmin - window + 1 > 0) t_first = (pmin - window + 1) / KT;
@@ -483,10 +468,17 @@ static inline __attribute__((always_inline)) void work_item(
         const int64_t k0 = t * KT;
         const uint32_t *kp = kp_head + t * (int64_t)KT * (D / PK);
         const uint32_t *vp = vp_head + t * (int64_t)KT * (D / PK);
-        for (int r0 = 0; r0 < nrows; r0 += RB) {
-            const int64_t lo = pos[r0], hi = pos[r0 + RB - 1];
+        for (int r0 = 0; r0 < nrows; r0 += rb) {
+            const int64_t lo = pos[r0], hi = pos[r0 + rb - 1];
             if (k0 > hi || (window > 0 && k0 + KT - 1 <= lo - window)) continue; /* nothing visible */
             const int masked = k0 + KT - 1 > lo || (window > 0 && k0 <= hi - window);
+#if HAVE_AMX_BF16
+            if (amx) {
+                tile_rows_amx(D, qa + r0 * D, pos + r0, kp, vp, k0, masked, window, scale * 1.44269504088896341f,
+                              o + r0 * D, m + r0, l + r0);
+                continue;
+            }
+#endif
             tile_rows(D, PK, qrow + r0, pos + r0, kp, vp, k0, masked, window, scale * 1.44269504088896341f,
                       o + r0 * D, m + r0, l + r0);
         }
@@ -585,19 +577,19 @@ static inline __attribute__((always_inline)) int flash_prefill(
                 if (amx) {
                     for (int r = 0; r < nrows; r++) memcpy(qa + r * D, qrow[r], (size_t)D * 2);
                     if (D == 64)
-                        work_item_amx(64, qa, pos, nrows, kh, vh, ntiles, window, scale, o, m, l);
+                        work_item(64, 2, qrow, qa, pos, nrows, kh, vh, ntiles, window, scale, o, m, l, 1);
                     else if (D == 128)
-                        work_item_amx(128, qa, pos, nrows, kh, vh, ntiles, window, scale, o, m, l);
+                        work_item(128, 2, qrow, qa, pos, nrows, kh, vh, ntiles, window, scale, o, m, l, 1);
                     else
-                        work_item_amx((int)D, qa, pos, nrows, kh, vh, ntiles, window, scale, o, m, l);
+                        work_item((int)D, 2, qrow, qa, pos, nrows, kh, vh, ntiles, window, scale, o, m, l, 1);
                 } else
 #endif
                 if (D == 64)
-                    work_item(64, PK, qrow, pos, nrows, kh, vh, ntiles, window, scale, o, m, l);
+                    work_item(64, PK, qrow, NULL, pos, nrows, kh, vh, ntiles, window, scale, o, m, l, 0);
                 else if (D == 128)
-                    work_item(128, PK, qrow, pos, nrows, kh, vh, ntiles, window, scale, o, m, l);
+                    work_item(128, PK, qrow, NULL, pos, nrows, kh, vh, ntiles, window, scale, o, m, l, 0);
                 else
-                    work_item((int)D, PK, qrow, pos, nrows, kh, vh, ntiles, window, scale, o, m, l);
+                    work_item((int)D, PK, qrow, NULL, pos, nrows, kh, vh, ntiles, window, scale, o, m, l, 0);
                 for (int r = 0; r < (int)(tn * G); r++) {
                     const int64_t tok = t0 + r / G, head = h * G + r % G;
                     const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
