@@ -21,7 +21,7 @@ from pagedllm.config import CacheConfig, DeviceConfig, ModelConfig
 from pagedllm.distributed.parallel_state import ParallelContext
 from pagedllm.core.scheduler_output import Logprobs, ModelRunnerOutput, SchedulerOutput
 from pagedllm.layers.attention import Attention
-from pagedllm.layers.linear import dense_linear
+from pagedllm.layers.linear import Linear, dense_linear
 from pagedllm.models.loader import ModelSource, iterate_weights
 from pagedllm.models.registry import get_model_class
 from pagedllm.quantization import QuantizationSetup, process_model
@@ -74,6 +74,18 @@ def _micro_batches(counts: list[int], n: int) -> list[tuple[int, int]]:
             start = i + 1
     bounds.append((start, len(counts)))
     return bounds
+
+
+def parameter_count(model: torch.nn.Module) -> int:
+    """The model's parameters, a quantized linear layer's weights counted as the float matrix they
+    stand for (their codes and scales are buffers, and a packed word holds several weights)."""
+    params = {id(p): p for p in model.parameters()}
+    n = sum(p.numel() for p in params.values())
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if isinstance(m, Linear) and not (isinstance(w, torch.nn.Parameter) and id(w) in params):
+            n += m.in_features * m.out_features
+    return n
 
 
 class ModelRunner:
@@ -167,7 +179,7 @@ class ModelRunner:
         for layer in self._attention_layers(model):
             layer.context, layer.backend = self.forward_context, self.attn_backend
         self.model = model
-        n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+        n_params = parameter_count(model)
         logger.info(
             "Loaded %s (%s, %.1fM parameters, %s) in %.1f s",
             mc.served_model_name,
@@ -294,7 +306,8 @@ class ModelRunner:
     def flops_per_token(self) -> float:
         """Linear-layer work of one token through the decoder layers (2 FLOPs per weight)."""
         assert self.model is not None
-        return 2.0 * sum(p.numel() for name, p in self.model.named_parameters() if "layers." in name)
+        return 2.0 * sum(m.in_features * m.out_features for name, m in self.model.named_modules()
+                         if isinstance(m, Linear) and "layers." in name)
 
     def measure_preemption_rates(self) -> tuple[float, float]:
         """(FLOP/s of a prefill-sized matmul, bytes/s of swapping KV blocks out and back in).

@@ -243,3 +243,16 @@ def test_compressed_tensors_folders_run_the_fused_step(preset, tmp_path, one_tor
     llm, runner = _runner(qdir, STEP_DTYPE)
     assert runner.native_decode is not None and runner.native_decode.quantized
     _check(runner, STEP_DTYPE, all_quantized=True, rows_list=(1, 5))
+
+
+def test_a_quantized_model_counts_its_weights_as_the_float_one(tiny_llama_dir):  # noqa: F811 (the fixture)
+    """The start-up log's parameter count and the FLOPs per token (preemption's cost model) count a
+    quantized linear layer's weights as the matrix its codes stand for, not as its packed buffers."""
+    from pagedllm.worker.model_runner import parameter_count
+
+    _, dense = _runner(tiny_llama_dir, "float32")
+    _, q = _runner(tiny_llama_dir, "float32", quantization="int4", quantization_group_size=32)
+    assert parameter_count(dense.model) == sum(p.numel() for p in dense.model.parameters())
+    assert parameter_count(q.model) == parameter_count(dense.model)
+    assert sum(p.numel() for p in q.model.parameters()) < parameter_count(dense.model)  # codes are buffers
+    assert q.flops_per_token() == dense.flops_per_token() > 0
