@@ -19,7 +19,10 @@ def test_report_renders_every_committed_result(tmp_path):
     text = doc.read_text()
     for name, heading in (("throughput.json", "## Offline throughput"), ("latency.json", "## Single-request latency"),
                           ("native_decode.json", "## Decode steps as one native call"),
-                          ("prefill.json", "## Long-context prefill")):
+                          ("prefill.json", "## Long-context prefill"),
+                          ("amx_throughput.json", "### Offline throughput on the AMX host"),
+                          ("amx_latency.json", "### Single-request latency on the AMX host"),
+                          ("amx_prefill.json", "### Long-context prefill on the AMX host")):
         if (ROOT / "benchmarks" / "results" / name).exists():
             assert heading in text, heading
 
