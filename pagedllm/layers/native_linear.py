@@ -88,8 +88,9 @@ def small_m_rows(dtype: torch.dtype) -> int:
         return F32_ROWS_AVX512 if AVX512_FORM else F32_ROWS_AVX2
     if dtype == torch.float16:
         return F16_ROWS_AVX2
-    bits = load_linear_kernel().small_m_available()
-    return BF16_ROWS_AVX2 if bits & 4 else BF16_ROWS_AMX if bits & 16 else BF16_ROWS_AVX512
+    if load_linear_kernel().small_m_available() & 4:
+        return BF16_ROWS_AVX2
+    return BF16_ROWS_AMX if amx_rows() else BF16_ROWS_AVX512
 
 
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:

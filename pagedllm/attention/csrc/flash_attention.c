@@ -447,18 +447,27 @@ static inline __attribute__((always_inline)) void tile_rows(
 }
 #endif
 
-/* Key tiles are visited for the work item's rows [0, nrows) (a multiple of RB, or of AMX_ROWS on
- * the tile unit, amx, whose rows' queries are packed in qa [nrows][D]). */
+/* The rows a work item's rows go in, and are padded to: a register block (RB), or a tile's 16 rows
+ * on the tile unit (amx). */
+static inline int row_block(const int amx) {
+#if HAVE_AMX_BF16
+    return amx ? AMX_ROWS : RB;
+#else
+    (void)amx;
+    return RB;
+#endif
+}
+
+/* Key tiles are visited for the work item's rows [0, nrows) (a multiple of row_block(amx)); on the
+ * tile unit (amx) the rows' queries are packed in qa [nrows][D]. */
 static inline __attribute__((always_inline)) void work_item(
     const int D, const int PK, const uint32_t *const *qrow, const uint16_t *qa, const int64_t *pos, int nrows,
     const uint32_t *kp_head, const uint32_t *vp_head, int64_t ntiles, int64_t window, float scale, float *o, float *m,
     float *l, const int amx) {
-#if HAVE_AMX_BF16
-    const int rb = amx ? AMX_ROWS : RB;
-#else
-    (void)qa, (void)amx;
-    const int rb = RB;
+#if !HAVE_AMX_BF16
+    (void)qa;
 #endif
+    const int rb = row_block(amx);
     const int64_t pmin = pos[0], pmax = pos[nrows - 1];
     int64_t t_first = 0;
     if (window > 0 && pmin - window + 1 > 0) t_first = (pmin - window + 1) / KT;
@@ -529,7 +538,7 @@ static inline __attribute__((always_inline)) int flash_prefill(
 #else
     const int amx = 0;
 #endif
-    const int rb = amx ? 16 : RB; /* rows are padded to a whole register (or tile) block */
+    const int rb = row_block(amx);
     int64_t tq = ROWS_MAX / G;
     if (tq < 1) tq = 1;
     const int64_t nqt = (query_len + tq - 1) / tq;
@@ -573,23 +582,14 @@ static inline __attribute__((always_inline)) int flash_prefill(
                 memset(o, 0, (size_t)nrows * D * 4);
                 for (int r = 0; r < nrows; r++) m[r] = NEG_BIG, l[r] = 0.f;
                 const uint32_t *kh = kp + h * ntiles * tile_elems, *vh = vp + h * ntiles * tile_elems;
-#if HAVE_AMX_BF16
-                if (amx) {
+                if (amx)
                     for (int r = 0; r < nrows; r++) memcpy(qa + r * D, qrow[r], (size_t)D * 2);
-                    if (D == 64)
-                        work_item(64, 2, qrow, qa, pos, nrows, kh, vh, ntiles, window, scale, o, m, l, 1);
-                    else if (D == 128)
-                        work_item(128, 2, qrow, qa, pos, nrows, kh, vh, ntiles, window, scale, o, m, l, 1);
-                    else
-                        work_item((int)D, 2, qrow, qa, pos, nrows, kh, vh, ntiles, window, scale, o, m, l, 1);
-                } else
-#endif
                 if (D == 64)
-                    work_item(64, PK, qrow, NULL, pos, nrows, kh, vh, ntiles, window, scale, o, m, l, 0);
+                    work_item(64, PK, qrow, qa, pos, nrows, kh, vh, ntiles, window, scale, o, m, l, amx);
                 else if (D == 128)
-                    work_item(128, PK, qrow, NULL, pos, nrows, kh, vh, ntiles, window, scale, o, m, l, 0);
+                    work_item(128, PK, qrow, qa, pos, nrows, kh, vh, ntiles, window, scale, o, m, l, amx);
                 else
-                    work_item((int)D, PK, qrow, NULL, pos, nrows, kh, vh, ntiles, window, scale, o, m, l, 0);
+                    work_item((int)D, PK, qrow, qa, pos, nrows, kh, vh, ntiles, window, scale, o, m, l, amx);
                 for (int r = 0; r < (int)(tn * G); r++) {
                     const int64_t tok = t0 + r / G, head = h * G + r % G;
                     const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;

@@ -173,19 +173,6 @@ static inline __attribute__((always_inline)) int64_t key_run(
 /* Keys in the run that starts at key k (runs end at a block's end and hold at most KB keys). */
 static inline int64_t run_len(int64_t k, int64_t BS) { return BS - k % BS < KB ? BS - k % BS : KB; }
 
-/* Prefetches the K and V rows of the run of keys that starts at key k (no further than key last). */
-static inline void prefetch_run(int64_t k, int64_t last, const int64_t *bt, int64_t BS, int64_t stride,
-                                int64_t head_off, int kv_dt, int64_t D, const void *k_cache, const void *v_cache) {
-    const int64_t esz = kv_dt == DT_F32 ? 4 : kv_dt == DT_FP8 ? 1 : 2, base = (bt[k / BS] * BS + k % BS) * stride + head_off;
-    int64_t n = run_len(k, BS);
-    if (n > last + 1 - k) n = last + 1 - k;
-    for (int64_t j = 0; j < n; j++)
-        for (int64_t b = 0; b < D * esz; b += 64) {
-            _mm_prefetch((const char *)k_cache + (base + j * stride) * esz + b, _MM_HINT_T0);
-            _mm_prefetch((const char *)v_cache + (base + j * stride) * esz + b, _MM_HINT_T0);
-        }
-}
-
 /* How decode_rows() reads K: float32 rows (the cache itself or a converted copy), or bf16 rows
  * dotted with bf16 queries by vdpbf16ps. */
 enum { KM_F32 = 0, KM_BF16DP = 1, KM_CONV = 2 };
@@ -259,7 +246,8 @@ static inline __attribute__((always_inline)) void decode_rows(
         /* The K and V rows of the run after the next one (another block, at a random place of the
          * cache) are fetched while this run's PV sums run: with only the next run in flight the
          * core's outstanding misses stall the loop (128 decodes of 512 tokens, bf16, 2-core Xeon:
-         * the fused step 133 -> 118 ms). The first two runs are fetched before the loop. */
+         * the fused step 133 -> 118 ms; fetching the first two runs before the loop as well was
+         * slower, 124 ms). */
         const int64_t k1 = k0 + kn, k2 = k1 + run_len(k1, BS);
         const char *nk = NULL, *nv = NULL;
         int64_t esz = kv_dt == DT_F32 ? 4 : kv_dt == DT_FP8 ? 1 : 2, nn = 0;

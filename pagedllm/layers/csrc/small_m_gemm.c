@@ -408,14 +408,13 @@ static int gemm_rows_amx(const uint16_t *x, int64_t M, const uint16_t *w, const 
             _tile_stored(1, c[1], 64);
             _tile_stored(2, c[2], 64);
             _tile_stored(3, c[3], 64);
-            const int64_t m0 = mb * 16, mr0 = M - m0 < 16 ? M - m0 : 16;
-            const int64_t nr0 = nr < 16 ? nr : 16;
+            /* x rows and W rows each tile holds: the first 16 and the rest (two_m, two_n) */
+            const int64_t m0 = mb * 16, mr0 = M - m0 < 16 ? M - m0 : 16, mr1 = M - m0 - 16 < 16 ? M - m0 - 16 : 16;
+            const int64_t nr0 = nr < 16 ? nr : 16, nr1 = nr - 16;
             amx_store(c[0], m0, mr0, n0, nr0, N, bias, y);
-            if (two_m) amx_store(c[1], m0 + 16, M - m0 - 16 < 16 ? M - m0 - 16 : 16, n0, nr0, N, bias, y);
-            if (two_n) {
-                amx_store(c[2], m0, mr0, n0 + 16, nr - 16, N, bias, y);
-                if (two_m) amx_store(c[3], m0 + 16, M - m0 - 16 < 16 ? M - m0 - 16 : 16, n0 + 16, nr - 16, N, bias, y);
-            }
+            if (two_m) amx_store(c[1], m0 + 16, mr1, n0, nr0, N, bias, y);
+            if (two_n) amx_store(c[2], m0, mr0, n0 + 16, nr1, N, bias, y);
+            if (two_n && two_m) amx_store(c[3], m0 + 16, mr1, n0 + 16, nr1, N, bias, y);
         }
     }
     _tile_release();
@@ -535,19 +534,14 @@ static void gemm(const void *x, int64_t M, const void *w, const void *bias, int6
 
 /* Bit 0: the float32 kernel is built (AVX-512, or AVX2 + FMA); bit 1: the bf16 one (AVX-512 BF16, or
  * AVX2 + FMA widening bf16 to float32); bit 2: the bf16 one is the widening form; bit 3: the
- * float16 one (AVX2 + FMA + F16C, widening); bit 4: bf16 GEMMs of small_m_amx_rows() rows or more
- * run on AMX tiles (built with AMX-BF16, and the OS lends this process the tile registers). */
+ * float16 one (AVX2 + FMA + F16C, widening). */
 int small_m_available(void) {
-#if HAVE_AMX_BF16
-    const int amx = amx_permitted() ? 16 : 0;
-#else
-    const int amx = 0;
-#endif
     return (HAVE_AVX512 || HAVE_AVX2_F32 ? 1 : 0) | (HAVE_AVX512_BF16 || HAVE_AVX2_F32 ? 2 : 0) |
-           (HAVE_AVX2_F32 ? 4 : 0) | (HAVE_AVX2_F16 ? 8 : 0) | amx;
+           (HAVE_AVX2_F32 ? 4 : 0) | (HAVE_AVX2_F16 ? 8 : 0);
 }
 
-/* The fewest rows of x a bf16 GEMM runs on AMX tiles with (0: never). */
+/* The fewest rows of x a bf16 GEMM runs on AMX tiles with; 0 where it never does (a build without
+ * AMX-BF16, or an OS that does not lend this process the tile registers). */
 int small_m_amx_rows(void) {
 #if HAVE_AMX_BF16
     return amx_permitted() ? AMX_MIN_ROWS : 0;
