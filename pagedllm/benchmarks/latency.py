@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from pagedllm.benchmarks.env import measure_copy_bandwidth, measure_matmul_peak, run_metadata
 from pagedllm.benchmarks.flops import ModelShape
 from pagedllm.benchmarks.workloads import random_workload, vocab_info
+from pagedllm.config import SchedulerConfig
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -37,7 +38,7 @@ def run_latency(model: str | None, engine_kwargs: dict[str, Any], input_len: int
     peak_bw = measure_copy_bandwidth()
     kwargs = dict(engine_kwargs)
     kwargs["enable_prefix_caching"] = False
-    kwargs["max_num_batched_tokens"] = max(kwargs.get("max_num_batched_tokens") or 2048, input_len)
+    kwargs["max_num_batched_tokens"] = max(kwargs.get("max_num_batched_tokens") or SchedulerConfig.max_num_batched_tokens, input_len)
     t0 = time.perf_counter()
     engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
     load_s = time.perf_counter() - t0

@@ -108,6 +108,12 @@ def parse_layer_partition(text: str | list[int] | tuple[int, ...]) -> tuple[int,
         raise ValueError(f"cannot read {text!r} as layers per stage (e.g. 16,14)") from None
 
 
+# Defaults of the fields that configure the cache and the scheduler are those of their configs:
+# one declaration each (pagedllm/config.py).
+_CACHE = CacheConfig
+_SCHED = SchedulerConfig
+
+
 def arg(
     default: Any,
     help: str,
@@ -165,31 +171,31 @@ class EngineArgs:
         "as codes too (int8/w8a8: int8 per 32 inputs; int4: the group size's 4-bit codes; fp8: e4m3 per row)")
     max_model_len: int | None = arg(None, "longest prompt + output", parse=int, shown_default="model's")
     seed: int = arg(0, "seed for unseeded sampling", parse=int)
-    block_size: int = arg(16, "tokens per KV cache block", parse=int)
+    block_size: int = arg(_CACHE.block_size, "tokens per KV cache block", parse=int)
     kv_cache_memory: int | None = arg(
         None, "bytes for the KV cache, e.g. 2GiB", parse=parse_size,
         shown_default="CPU: 30% of free memory, at most 4 GiB; GPU: what --gpu-memory-utilization leaves")
     num_kv_blocks: int | None = arg(None, "exact number of KV cache blocks (overrides --kv-cache-memory)",
                                     flags=("--num-gpu-blocks-override",), parse=int)
-    enable_prefix_caching: bool = arg(True, "reuse cached KV blocks of shared prefixes")
-    swap_space: float = arg(4.0, "GiB of host memory for swapped-out blocks (swap/auto)", parse=float)
+    enable_prefix_caching: bool = arg(_CACHE.enable_prefix_caching, "reuse cached KV blocks of shared prefixes")
+    swap_space: float = arg(_CACHE.swap_space, "GiB of host memory for swapped-out blocks (swap/auto)", parse=float)
     max_num_batched_tokens: int | None = arg(None, "token budget of one step (decodes + prompt chunks)",
-                                             parse=int, shown_default="2048")
-    max_num_seqs: int = arg(256, "most requests running at once", parse=int)
+                                             parse=int, shown_default=str(_SCHED.max_num_batched_tokens))
+    max_num_seqs: int = arg(_SCHED.max_num_seqs, "most requests running at once", parse=int)
     scheduling_policy: str = arg(
-        "fcfs", "order of service: fcfs, priority (lower first), srtf (shortest remaining work), "
+        _SCHED.policy, "order of service: fcfs, priority (lower first), srtf (shortest remaining work), "
         "fair (weighted share of tokens per user)", choices=SCHEDULING_POLICIES)
     preemption_mode: str = arg(
-        "recompute", "evict for lack of blocks by recompute, swap (to --swap-space) or auto (cheaper, measured)",
+        _SCHED.preemption_mode, "evict for lack of blocks by recompute, swap (to --swap-space) or auto (cheaper, measured)",
         choices=PREEMPTION_MODES)
-    long_prefill_token_threshold: int = arg(0, "cap on one request's prompt chunk per step (0: none)", parse=int)
-    max_num_partial_prefills: int = arg(0, "most unfinished prompts per step (0: no limit)", parse=int)
-    time_slice: int = arg(64, "fair policy: steps a running request keeps its place while other users wait",
+    long_prefill_token_threshold: int = arg(_SCHED.long_prefill_token_threshold, "cap on one request's prompt chunk per step (0: none)", parse=int)
+    max_num_partial_prefills: int = arg(_SCHED.max_num_partial_prefills, "most unfinished prompts per step (0: no limit)", parse=int)
+    time_slice: int = arg(_SCHED.time_slice, "fair policy: steps a running request keeps its place while other users wait",
                           parse=int)
     user_weights: dict[str, float] = arg(
         {}, "fair policy: weight per user, e.g. alice=2,bob=1 (others: 1)", parse=parse_user_weights,
         shown_default="all 1")
-    max_waiting_steps: int = arg(10_000, "aging: steps after which a waiting request goes before all others",
+    max_waiting_steps: int = arg(_SCHED.max_waiting_steps, "aging: steps after which a waiting request goes before all others",
                                  parse=int)
     device: str = arg("auto", "where the model runs (auto: cuda when torch sees a GPU, else cpu)", choices=DEVICES)
     gpu_memory_utilization: float = arg(
@@ -294,7 +300,7 @@ class EngineArgs:
     def create_scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         """The scheduler config these flags give; `max_model_len` is resolved by the caller."""
         return SchedulerConfig(
-            max_num_batched_tokens=self.max_num_batched_tokens or 2048,
+            max_num_batched_tokens=self.max_num_batched_tokens or _SCHED.max_num_batched_tokens,
             max_num_seqs=self.max_num_seqs,
             max_model_len=max_model_len,
             policy=self.scheduling_policy,
