@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.simulator.cli import run_one
+from pagedllm.simulator.runner import run_one
 from pagedllm.simulator.hardware import gpu_profile
 from pagedllm.simulator.model import load_model_config
 from pagedllm.simulator.trace import synthetic_trace

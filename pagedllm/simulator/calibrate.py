@@ -235,7 +235,7 @@ def validation_trace(mode: str, quick: bool) -> list[TraceRequest]:
 def simulate_like(engine_kwargs: dict[str, Any], profile: HardwareProfile, sim_model: SimModel,
                   trace: list[TraceRequest], num_kv_blocks: int) -> dict[str, Any]:
     from pagedllm.engine.arg_utils import EngineArgs
-    from pagedllm.simulator.cli import run_one
+    from pagedllm.simulator.runner import run_one
 
     ea = EngineArgs(**{**engine_kwargs, "num_kv_blocks": num_kv_blocks})
     return run_one(ea, sim_model, profile, trace, 1, 1, True, 2.0, 0.1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
@@ -170,3 +171,40 @@ class Simulation:
             timeline=tl, time_by_term=terms,
         )
 
+
+def run_one(ea: Any, model: Any, profile: Any, trace: list, tp: int, pp: int, check: bool,
+            slo_ttft: float, slo_tpot: float) -> dict[str, Any]:
+    """One simulation: the report dict (summary at the top level, then details)."""
+    from pagedllm.simulator.report import summarize
+
+    need = max(r.prompt_len + r.output_len for r in trace)
+    sc, cc = ea.create_scheduler_config(ea.max_model_len or need), ea.create_cache_config()
+    cost = CostModel(model, profile, cc.block_size, tp, pp)
+    num_blocks = kv_blocks_for(cost, cc, tp, pp, sc.max_num_batched_tokens)
+    num_swap = 0
+    if sc.preemption_mode != "recompute":
+        # As the engine sizes it: swap_space GiB of host memory per device.
+        num_swap = int(cc.swap_space * (1 << 30) // (cost.block_bytes / (tp * pp)))
+    sim = Simulation(sc, cc, cost, num_blocks, num_swap, check_integrity=check)
+    res = sim.run(trace)
+    summary = summarize(res.requests, res.sim_elapsed_s, slo_ttft, slo_tpot)
+    done = [r for r in res.requests if r.finish_s >= 0]
+    return {
+        **summary,
+        "num_steps": res.num_steps,
+        "wall_s": res.wall_s,
+        "sim_requests_per_wall_s": len(trace) / max(res.wall_s, 1e-9),
+        "num_kv_blocks": res.num_kv_blocks,
+        "num_swap_blocks": res.num_swap_blocks,
+        "kv_capacity_tokens": res.num_kv_blocks * cc.block_size,
+        "preemptions_by_mode": res.preemptions_by_mode,
+        "prefix_hit_rate": res.prefix_hit_rate,
+        "mean_kv_usage": sum(res.timeline["kv_usage"]) / max(len(res.timeline["kv_usage"]), 1),
+        "max_waiting": max(res.timeline["waiting"], default=0),
+        "time_by_term_s": res.time_by_term,
+        "timeline": res.timeline,
+        "per_request": {
+            "ttft": [r.first_token_s - r.arrival_s for r in done],
+            "e2e": [r.finish_s - r.arrival_s for r in done],
+        },
+    }
