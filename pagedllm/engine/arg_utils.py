@@ -312,7 +312,7 @@ class EngineArgs:
             max_waiting_steps=self.max_waiting_steps,
         )
     def _quantization_config(self, source: Any, hf_config: Any) -> QuantizationConfig | None:
-        from pagedllm.quantization import checkpoint_quantization
+        from pagedllm.models.loader.quantized import checkpoint_quantization
 
         stored = checkpoint_quantization(source, hf_config)
         if stored is not None and stored not in QUANTIZATION_METHODS:

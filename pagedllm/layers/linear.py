@@ -92,6 +92,9 @@ class UnquantizedLinearMethod:
 class Linear(nn.Module):
     """y = x W^T + b with a pluggable quantization method."""
 
+    input_parallel = False
+    """Whether the input columns are split over tensor-parallel ranks (RowParallelLinear)."""
+
     def __init__(
         self,
         in_features: int,
@@ -155,6 +158,8 @@ class ColumnParallelLinear(Linear):
 class RowParallelLinear(Linear):
     """Input columns split over the tensor-parallel ranks; each rank's partial product is summed
     by one all-reduce. The bias is added by rank 0 only, before the sum, so it counts once."""
+
+    input_parallel = True
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype = torch.float32,
                  tp: TensorParallelGroup | None = None, quant_method: UnquantizedLinearMethod | None = None) -> None:

@@ -33,22 +33,7 @@ from pagedllm.quantization.methods import (
 logger = logging.getLogger(__name__)
 
 
-def checkpoint_quantization(source: Any, hf_config: Any) -> str | None:
-    """'awq' / 'gptq' from config.json's quantization_config, 'gguf' for a GGUF whose linear
-    weights are in block types pagedllm keeps quantized, else None."""
-    if source.kind == "gguf":
-        from pagedllm.models.loader import gguf_to_hf_name, read_gguf_header
-
-        header = read_gguf_header(source.path)
-        linear = [t for t in header.tensors.values()
-                  if (gguf_to_hf_name(t.name) or "").endswith("_proj.weight")]
-        return "gguf" if any(t.qtype in GGUF_TYPES for t in linear) else None
-    qc = _hf_quant_config(hf_config)
-    method = str(qc.get("quant_method", "")).lower() if qc else ""
-    return method or None
-
-
-def _hf_quant_config(hf_config: Any) -> dict[str, Any]:
+def hf_quant_config(hf_config: Any) -> dict[str, Any]:
     qc = getattr(hf_config, "quantization_config", None)
     if qc is None:
         return {}
@@ -58,24 +43,18 @@ def _hf_quant_config(hf_config: Any) -> dict[str, Any]:
 class QuantizationSetup:
     """Per-layer quantization choices for one model."""
 
-    def __init__(self, model_config: ModelConfig) -> None:
+    def __init__(self, model_config: ModelConfig, gguf_tensors: dict[str, Any] | None = None) -> None:
+        """`gguf_tensors`: for a GGUF model, checkpoint module name -> the file's tensor info of its
+        weight (``pagedllm.models.loader.quantization_setup`` reads them)."""
         assert model_config.quantization is not None
         self.config: QuantizationConfig = model_config.quantization
         self.method = self.config.method
         self.gguf_kept: set[str] = set()
         """Checkpoint module names whose GGUF blocks are kept (not expanded to float)."""
-        self._gguf_types: dict[str, int] = {}
-        self._gguf_tensors: dict[str, Any] = {}
-        if self.method == "gguf" or getattr(model_config, "kind", None) == "gguf":
-            from pagedllm.models.loader import gguf_to_hf_name, read_gguf_header
-
-            for t in read_gguf_header(model_config.path).tensors.values():
-                hf = gguf_to_hf_name(t.name)
-                if hf and hf.endswith(".weight"):
-                    self._gguf_types[hf.removesuffix(".weight")] = t.qtype
-                    self._gguf_tensors[hf.removesuffix(".weight")] = t
+        self._gguf_tensors: dict[str, Any] = dict(gguf_tensors or {})
+        self._gguf_types: dict[str, int] = {m: t.qtype for m, t in self._gguf_tensors.items()}
         self.path = model_config.path
-        self.hf = _hf_quant_config(model_config.hf_config)
+        self.hf = hf_quant_config(model_config.hf_config)
         self.compressed: CompressedConfig | None = None
         """The schemes of a compressed-tensors or FP8 checkpoint (None for other methods)."""
         self.kept: dict[str, str] = {}

@@ -224,9 +224,7 @@ class GroupCodesLinearMethod:
         for p in (layer.scales, layer.zeros):
             p.weight_loader = _group_loader(layer)  # type: ignore[attr-defined]
         if self.act_order:
-            from pagedllm.layers.linear import RowParallelLinear
-
-            if isinstance(layer, RowParallelLinear) and layer.tp.size > 1:
+            if layer.input_parallel and layer.tp.size > 1:
                 raise ValueError(f"{self.name}: act-order (g_idx) weights cannot be split by input columns over "
                                  f"{layer.tp.size} tensor-parallel ranks; run them with tensor_parallel_size=1 "
                                  "(pipeline parallelism splits by layers)")

@@ -178,13 +178,13 @@ def test_default_gguf_keeps_its_q8_0_output_tensor_as_int8(monkeypatch, one_torc
     """The default model's GGUF stores the tied token_embd as Q8_0: every scheme on it runs the LM
     head from int8 codes (in the fused head too), unless PAGEDLLM_QUANT_LM_HEAD=0."""
     from pagedllm.engine.arg_utils import EngineArgs
-    from pagedllm.quantization import QuantizationSetup
+    from pagedllm.models.loader.quantized import quantization_setup
 
     for method in ("gguf", "int4"):
         mc = EngineArgs(quantization=method).create_engine_config().model_config
-        assert QuantizationSetup(mc).lm_head_int8
+        assert quantization_setup(mc).lm_head_int8
     monkeypatch.setenv("PAGEDLLM_QUANT_LM_HEAD", "0")
-    assert not QuantizationSetup(mc).lm_head_int8
+    assert not quantization_setup(mc).lm_head_int8
     monkeypatch.delenv("PAGEDLLM_QUANT_LM_HEAD")
     llm = LLM(quantization="gguf", dtype=STEP_DTYPE, max_model_len=64, num_kv_blocks=16, block_size=16)
     runner = llm.llm_engine.core.executor.runner

@@ -105,3 +105,38 @@ def iterate_compressed(files: list[Path], setup: Any) -> Iterator[tuple[str, tor
         logger.info("%s: dropped the checkpoint's %s (activations run in the model dtype, or int8 per token "
                     "in W8A8 layers; the KV cache follows --kv-cache-dtype)", files[0].parent,
                     ", ".join(sorted(dropped)))
+
+
+def _gguf_module_tensors(path: Path) -> dict[str, Any]:
+    """Checkpoint module name -> the GGUF file's tensor info of its weight."""
+    from pagedllm.models.loader.gguf_reader import read_gguf_header
+    from pagedllm.models.loader.gguf_weights import gguf_to_hf_name
+
+    out: dict[str, Any] = {}
+    for t in read_gguf_header(path).tensors.values():
+        hf = gguf_to_hf_name(t.name)
+        if hf and hf.endswith(".weight"):
+            out[hf.removesuffix(".weight")] = t
+    return out
+
+
+def checkpoint_quantization(source: Any, hf_config: Any) -> str | None:
+    """'awq' / 'gptq' / ... from config.json's quantization_config, 'gguf' for a GGUF whose linear
+    weights are in block types pagedllm keeps quantized, else None."""
+    from pagedllm.quantization import GGUF_TYPES, hf_quant_config
+
+    if source.kind == "gguf":
+        linear = [t for m, t in _gguf_module_tensors(source.path).items() if m.endswith("_proj")]
+        return "gguf" if any(t.qtype in GGUF_TYPES for t in linear) else None
+    qc = hf_quant_config(hf_config)
+    method = str(qc.get("quant_method", "")).lower() if qc else ""
+    return method or None
+
+
+def quantization_setup(model_config: Any) -> Any:
+    """The :class:`pagedllm.quantization.QuantizationSetup` of a model with a quantization, reading
+    a GGUF file's tensor types (which blocks stay quantized, whether the LM head runs from codes)."""
+    from pagedllm.quantization import QuantizationSetup
+
+    gguf = model_config.quantization.method == "gguf" or getattr(model_config, "kind", None) == "gguf"
+    return QuantizationSetup(model_config, _gguf_module_tensors(model_config.path) if gguf else None)
