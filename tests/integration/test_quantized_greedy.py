@@ -29,7 +29,7 @@ def reference(one_torch_thread) -> list:
 
 
 def _agreement(ours: list, ref: list) -> tuple[int, int]:
-    """(prompts matching token for token, prompts that satisfy DESIGN.md's closeness rule)."""
+    """(prompts matching token for token, prompts that satisfy docs/architecture.md's closeness rule)."""
     exact = close = 0
     for (a, a_top), (b, b_top) in zip(ours, ref):
         if a == b:
