@@ -49,4 +49,4 @@ for step in "${steps[@]}"; do
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done
-.venv/bin/python benchmarks/make_report.py
+$PB bench report

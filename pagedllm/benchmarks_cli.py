@@ -1,4 +1,5 @@
-"""`pagedllm bench throughput | serve | latency | scheduler | memory`: flags and printing.
+"""`pagedllm bench throughput | serve | latency | scheduler | memory | collective | report`: flags and
+printing.
 
 The benchmarks themselves live in `pagedllm.benchmarks`; each returns a JSON-able dict that is
 printed as a table and written with `--output-json`.
@@ -498,10 +499,30 @@ def _add_collective(sub: Any) -> None:
     p.set_defaults(func=_cmd_collective)
 
 
+# ---- report ---------------------------------------------------------------------------------
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from pagedllm.benchmarks.report import run
+
+    return run(args)
+
+
+def _add_report(sub: Any) -> None:
+    from pagedllm.benchmarks.report import add_arguments
+
+    p = sub.add_parser("report", help="docs/benchmarks.md and its plots from the results in benchmarks/results",
+                       description="Writes docs/benchmarks.md (headline table first) and docs/img/bench-*.png "
+                                   "from the committed result files.")
+    add_arguments(p)
+    p.set_defaults(func=_cmd_report)
+
+
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
-    bench = subparsers.add_parser("bench", help="benchmarks: throughput, serve, latency, scheduler, memory, collective",
+    bench = subparsers.add_parser("bench", help="benchmarks: throughput, serve, latency, scheduler, memory, collective, "
+                                                 "report",
                                   description="Benchmarks; each prints a table and can write --output-json.")
-    sub = bench.add_subparsers(dest="bench_command", metavar="{throughput,serve,latency,scheduler,memory,collective}",
+    sub = bench.add_subparsers(dest="bench_command",
+                               metavar="{throughput,serve,latency,scheduler,memory,collective,report}",
                                parser_class=type(bench))
     sub.required = True
     _add_throughput(sub)
@@ -510,4 +531,5 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     _add_scheduler(sub)
     _add_memory(sub)
     _add_collective(sub)
+    _add_report(sub)
     return bench

@@ -1,5 +1,5 @@
 """The benchmark report renders from the committed results (a broken section fails here, not
-when someone next regenerates docs/benchmarks.md)."""
+when someone next regenerates docs/benchmarks.md), and docs/benchmarks.md is what they give."""
 
 from __future__ import annotations
 
@@ -11,10 +11,31 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_report_renders_every_committed_result(tmp_path):
+def test_docs_benchmarks_md_is_generated_from_the_committed_results():
+    """docs/benchmarks.md equals `pagedllm bench report`'s text (plots are drawn only by the command)."""
+    from pagedllm.benchmarks.report import DOC, render
+
+    assert DOC.read_text() == render(draw=False), (
+        "docs/benchmarks.md differs from what benchmarks/results gives: run `pagedllm bench report` "
+        "(edit benchmarks/results/*.md or pagedllm/benchmarks/report*.py, not the page)")
+
+
+def test_headline_table_names_cpu_isa_and_commit_of_every_row():
+    from pagedllm.benchmarks.report import RESULTS
+    from pagedllm.benchmarks.report_headline import headline_rows
+
+    rows = headline_rows(RESULTS)
+    assert 0 < len(rows) <= 15
+    for row in rows:
+        meta = row["figure"].meta
+        assert row["isa"] in ("AMX", "AVX-512 BF16", "AVX-512", "AVX2"), row["file"]
+        assert meta.get("commit") and meta.get("time") and meta.get("command"), row["file"]
+
+
+def test_report_command_writes_the_page(tmp_path):
     doc = tmp_path / "benchmarks.md"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "make_report.py"), "--doc", str(doc)],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "report", "--no-plots",
+                           "--doc", str(doc)], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     text = doc.read_text()
     for name, heading in (("throughput.json", "## Offline throughput"), ("latency.json", "## Single-request latency"),
@@ -35,13 +56,13 @@ def _serve_run(rate: object, out_tps: float, out_tokens: int) -> dict:
 
 
 def _render(tmp_path: Path, name: str, data: dict) -> str:
-    """docs/benchmarks.md as make_report.py renders it from one results file `name` holding `data`."""
+    """docs/benchmarks.md as the report renders it from one results file `name` holding `data`."""
     results = tmp_path / "results"
     results.mkdir()
     (results / name).write_text(json.dumps(data))
     doc = tmp_path / "benchmarks.md"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "make_report.py"), "--results", str(results),
-                           "--doc", str(doc)], capture_output=True, text=True, timeout=120)
+                           "--doc", str(doc), "--no-plots"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return doc.read_text()
 

@@ -1,0 +1,136 @@
+"""The report's sections for results that are not a plain `pagedllm bench` run: the scheduling
+experiments (prefix caching, policies, preemption), later single-engine reruns, the per-step host
+time before and after the persistent input batch, and the AMX host's part."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pagedllm.benchmarks.report_render import fmt, load, run_block, table
+from pagedllm.benchmarks.report_sections import latency_matrix_table, throughput_section
+
+
+def scheduling_section(r: dict[str, Any]) -> str:
+    """Prefix caching, policies under a mixed workload, and the cost of each preemption mode."""
+    quick = " --quick" if r.get("quick") else ""
+    env = dict(r.get("env") or {})
+    env["command"] = f".venv/bin/python benchmarks/bench_scheduling.py{quick} --threads {r.get('torch_threads', 1)}"
+    out = ["## Scheduling: prefix caching, policies, preemption\n\n", run_block(env)]
+    sp = r.get("shared_prefix")
+    if sp:
+        w = sp["workload"]
+        out.append(f"\n### Shared prefix\n\n{w['requests']} requests behind one {w['prefix_tokens']}-token system "
+                   f"prompt with short unique suffixes, {w['output_tokens']} output tokens each, greedy.\n\n")
+        rows = [[name, fmt(v["elapsed_s"]), fmt(v["output_tok_per_s"]), fmt(v["total_tok_per_s"]),
+                 fmt(v["ttft_mean_s"], ".2f"), fmt(v["ttft_p99_s"], ".2f"), str(v["cached_prompt_tokens"]),
+                 fmt(100 * v["prefix_cache_hit_rate"])]
+                for name, v in sp["runs"].items()]
+        out.append(table(["prefix caching", "time s", "output tok/s", "total tok/s", "TTFT mean s", "TTFT p99 s",
+                          "cached prompt tokens", "hit rate %"], rows))
+        out.append(f"\nThroughput with caching on / off: **{sp['speedup']:.2f}x**.\n")
+    mx = r.get("mixed")
+    if mx:
+        w = mx["workload"]
+        out.append(f"\n### Short requests behind long prompts\n\n{w['short']} short requests queued behind "
+                   f"{w['long']} prompts of {w['long_tokens']} tokens; latency from arrival to the last token.\n\n")
+        rows = [[name, fmt(v["short_mean_s"], ".2f"), fmt(v["short_p99_s"], ".2f"), fmt(v["long_mean_s"], ".2f"),
+                 fmt(v["elapsed_s"])] for name, v in mx["runs"].items()]
+        out.append(table(["policy", "short mean s", "short p99 s", "long mean s", "total s"], rows))
+    pr = r.get("preemption")
+    if pr:
+        rates = pr["rates"]
+        out.append(f"\n### Recompute versus swap\n\nMeasured in the same run: {rates['flops_per_s'] / 1e9:.1f} "
+                   f"GFLOP/s and {rates['copy_bytes_per_s'] / 1e9:.2f} GB/s of block copies. Cost of one "
+                   "preemption of a request holding N tokens (recompute: its prefill again; swap: its blocks out "
+                   "to the host pool and back):\n\n")
+        rows = [[str(x["tokens"]), str(x["blocks"]), fmt(1e3 * x["recompute_s"]), fmt(1e3 * x["swap_s"], ".2f"),
+                 fmt(1e3 * x["model_recompute_s"]), fmt(1e3 * x["model_swap_s"], ".2f")] for x in pr["per_length"]]
+        out.append(table(["tokens", "blocks", "recompute ms", "swap ms", "cost model: recompute ms",
+                          "cost model: swap ms"], rows))
+        out.append(f"\nBreak-even: {pr['measured_break_even_tokens']} tokens measured, "
+                   f"{pr['cost_model_break_even_tokens']:.0f} by the cost model (`--preemption-mode auto` swaps "
+                   "whenever the host pool has room, here). A pool too small for a batch of growing requests, "
+                   "end to end:\n\n")
+        rows = [[mode, fmt(v["elapsed_s"]), str(v["preemptions"]), str(v["by_mode"]),
+                 "yes" if v["same_tokens_as_roomy"] else "NO"] for mode, v in pr["end_to_end"].items()]
+        out.append(table(["mode", "time s", "preemptions", "by mode", "same greedy tokens as without preemption"],
+                         rows))
+        out.append(f"\nRecompute costs {1e3 * pr['recompute_minus_swap_s_per_preemption']:.0f} ms more than swap "
+                   "per preemption in that run.\n")
+    return "".join(out)
+
+
+def later_throughput_section(runs: list[dict[str, Any]], main: dict[str, Any] | None) -> str:
+    """Single-engine reruns of the throughput workload after changes, set against the peers measured above."""
+    peers = {x["backend"]: x for x in (main or {}).get("results", []) if x.get("ok") and x["backend"] != "pagedllm"}
+    out = ["## Later pagedllm runs of the same workload\n\n"
+           "Reruns of pagedllm alone after engine changes, compared with the peers' figures from the side-by-side "
+           "run above (same workload, seed and machine).\n\n"]
+    for r in runs:
+        out.append(run_block(r.get("meta")))
+        for x in r.get("results", []):
+            if x.get("backend") != "pagedllm" or not x.get("ok"):
+                continue
+            ratios = ", ".join(f"{x['output_tokens_per_s'] / p['output_tokens_per_s']:.2f}x {name}"
+                               for name, p in peers.items())
+            out.append(f"\npagedllm: {x['output_tokens_per_s']:.1f} output tok/s, {x['total_tokens_per_s']:.1f} "
+                       f"total tok/s, peak RSS {x['peak_rss_bytes'] / 2**30:.2f} GiB, MFU {100 * x['mfu']:.1f}%"
+                       + (f" ({ratios} in output tok/s)" if ratios else "") + ".\n\n")
+    return "".join(out)
+
+
+HOST_PARTS = ("schedule", "update_states", "build_batch", "sampling_metadata", "sampler", "update_from_output",
+              "process_outputs", "host", "forward")
+
+
+def host_overhead_section(r: dict[str, Any]) -> str:
+    """Per-step host time of decode steps before and after the persistent input batch
+    (benchmarks/host_overhead.py run on both trees in one sitting), with the throughput runs."""
+    before, after = r["before"]["us_per_step_median"], r["after"]["us_per_step_median"]
+    rows = []
+    for n in before:
+        b, a = before[n], after.get(n, {})
+        for part in HOST_PARTS:
+            if part in b or part in a:
+                ratio = f"{b[part] / a[part]:.2f}x" if part in a and part in b and a[part] > 0 else "-"
+                rows.append([n, part, fmt(b.get(part), ".0f"), fmt(a.get(part), ".0f"), ratio])
+    parts = [
+        "## Per-step host time: the persistent input batch\n",
+        "Median microseconds per decode step (all N requests decode one token), bfloat16, SmolLM2-135M; "
+        "`host` is the step's wall time minus the model forward (attention included) and the LM head. "
+        "Before: " + r["before"]["tree"] + "; after: " + r["after"]["tree"] + ". Same machine, one sitting "
+        "(shared 2 cores, load average " + r.get("load", "?") + "), one script run per tree:\n",
+        f"```\n{r['command']}\n```\n",
+        table(["N", "part", "before (µs)", "after (µs)", "before / after"], rows),
+    ]
+    if micro := r["after"].get("micro_us"):
+        mrows = [[n, fmt(m["build_batch"], ".0f"), fmt(m.get("prepare"), ".0f"), fmt(m["from_rows"], ".0f"),
+                  fmt(m.get("from_batch"), ".0f"), fmt(m.get("cached_metadata"), ".0f")] for n, m in micro.items()]
+        parts += ["\nThe runner's part alone (`--micro`: best of 50 calls, µs, one decode step of N greedy "
+                  "requests with 512 tokens of context each; the same code in both trees for the old way):\n",
+                  table(["N", "build_batch (RequestState)", "InputBatch.prepare", "SamplingMetadata.from_rows",
+                         "from_batch", "cached + with_token_state"], mrows)]
+    if tp := r.get("throughput"):
+        trows = [[k, fmt(v["output_tokens_per_s"]), fmt(v["elapsed_s"])] for k, v in tp["runs"].items()]
+        parts += ["\nThroughput on the 128-request workload, before and after, in the same sitting:\n",
+                  f"```\n{tp['command']}\n```\n", table(["run", "output tok/s", "elapsed (s)"], trows)]
+    if note := r.get("note"):
+        parts.append("\n" + note + "\n")
+    return "\n".join(parts)
+
+
+def amx_section(res: Path, img_dir: Path, draw: bool = True) -> str:
+    """The AMX host's part: its notes (amx.md), then the side-by-side runs measured there, each with the
+    command and machine it ran on."""
+    parts = [(res / "amx.md").read_text()] if (res / "amx.md").exists() else []
+    if (t := load(res / "amx_throughput.json")) is not None:
+        parts.append(throughput_section(t, img_dir / "bench-throughput-amx.png", draw).replace(
+            "## Offline throughput", "### Offline throughput on the AMX host", 1))
+    for name, title in (("amx_latency.json", "Single-request latency on the AMX host"),
+                        ("amx_prefill.json", "Long-context prefill on the AMX host")):
+        if (m := load(res / name)) is not None:
+            parts.append(f"### {title}\n\n" + latency_matrix_table(m))
+    return "\n".join(parts)
+
+
