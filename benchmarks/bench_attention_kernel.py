@@ -1,6 +1,6 @@
 """The native paged attention kernel on SmolLM2-135M's attention shape (9 heads, 3 KV heads, head
 size 64, block 16): decode batches and prompt chunks, per cache dtype, against a baseline build of
-the kernel (another version of paged_attention.c, e.g. `git show main:pagedllm/attention/csrc/
+the kernel (another version of paged_attention.c, e.g. `git show main:pagedllm/native/csrc/
 paged_attention.c > /tmp/base.c`).
 
 Usage: PYTHONPATH=. .venv/bin/python benchmarks/bench_attention_kernel.py [BASELINE.c] [THREADS]
@@ -14,7 +14,9 @@ from pathlib import Path
 
 import torch
 
-from pagedllm.attention.cpu_kernel import _SRC, compile_native, load_kernel, paged_attention_native
+from pagedllm import native
+from pagedllm.attention.cpu_kernel import load_kernel, paged_attention_native
+from pagedllm.native import kernels
 
 H, KVH, D, BS = 9, 3, 64, 16
 
@@ -52,13 +54,12 @@ def main() -> None:
     base = None
     if len(sys.argv) > 1:
         # Compiled under its own name next to the current kernel (compile_native caches by content).
-        tmp = _SRC.parent / "_baseline_paged_attention.c"
+        tmp = native.CSRC / "_baseline_paged_attention.c"
         tmp.write_text(Path(sys.argv[1]).read_text())
         try:
-            base = compile_native(tmp)
+            base = native.bind(native.compile_native(tmp), kernels.ATTENTION)
         finally:
             tmp.unlink()
-        base.paged_attention.argtypes = cur.paged_attention.argtypes
     cases = [("128 decodes, 300 keys", 128, 300, 1), ("64 decodes, 1000 keys", 64, 1000, 1),
              ("1 decode, 400 keys", 1, 400, 1), ("64-token chunk after 256", 1, 256, 64)]
     dts = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),

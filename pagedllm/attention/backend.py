@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import logging
 
 import torch
@@ -10,6 +9,7 @@ import torch
 from pagedllm.attention.cpu_kernel import QUERY_TILE, load_kernel
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.attention.torch_backend import paged_attention
+from pagedllm.native.declare import Binding
 
 logger = logging.getLogger(__name__)
 
@@ -19,7 +19,7 @@ class PagedAttentionBackend:
 
     query_tile = QUERY_TILE
 
-    def __init__(self, native: ctypes.CDLL | None) -> None:
+    def __init__(self, native: Binding | None) -> None:
         self.native = native
 
     @property

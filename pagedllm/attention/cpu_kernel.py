@@ -1,37 +1,23 @@
-"""Native CPU paged attention: a small C kernel (OpenMP, reads K/V in place from the blocks, in
-float32, bfloat16, float16 or fp8 with per-tensor scales, accumulating in float32),
-compiled once with the system C compiler and cached; the torch backend is the fallback.
-
-The kernel shares torch's OpenMP runtime (torch ships `libgomp.so.1`, and the kernel links the
-same soname), so `torch.set_num_threads` governs both.
+"""Native CPU paged attention (pagedllm/native/csrc/paged_attention.c: OpenMP, reads K/V in place
+from the blocks, in float32, bfloat16, float16 or fp8 with per-tensor scales, accumulating in
+float32), the flash kernel for prompt chunks (flash_attention.c) and the KV cache write: their
+Python wrappers and the policy of which chunks take which kernel. The kernels are built and bound
+by pagedllm.native (declared in pagedllm.native.kernels); the torch backend is the fallback.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from pagedllm.utils import cache_dir
+from pagedllm import envs, native
+from pagedllm.native import kernels
+from pagedllm.native.declare import Binding
 
-logger = logging.getLogger(__name__)
-
-_SRC = Path(__file__).parent / "csrc" / "paged_attention.c"
-ATTENTION_SRC = _SRC  # included by the fused decode step (pagedllm/worker/csrc/llama_decode.c)
-# Headers every native kernel may include: bf16 conversions, AMX set-up.
-_SHARED_HEADERS = (Path(__file__).parent / "csrc" / "bf16.h", Path(__file__).parent / "csrc" / "amx.h")
-_FLASH_SRC = Path(__file__).parent / "csrc" / "flash_attention.c"
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 # Query tokens of one request handled together by one work item (they share every K/V load).
 QUERY_TILE = 8
 # Where the flash kernel does not run (float16, fp8 or mixed dtypes; see flash_runs): prompt chunks
@@ -67,75 +53,11 @@ FLASH_MIN_TOKENS_AMX = 16
 FLASH_AVX2_MAX_PAIRS = 1 << 22
 
 
-def _cpu_signature() -> str:
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-        lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))][:2]
-    except OSError:
-        lines = []
-    return platform.machine() + "|".join(lines)
-
-
-def _build(src: Path, out: Path) -> None:
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        raise RuntimeError("no C compiler (gcc/cc) found")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        target = Path(tmp) / out.name
-        proc = subprocess.run([cc, *_FLAGS, str(src), "-o", str(target), "-lm"], capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[:500]}")
-        os.replace(target, out)
-
-
-def compile_native(src: Path, includes: tuple[Path, ...] = ()) -> ctypes.CDLL | None:
-    """`src` compiled for this CPU (cached by source, the files it includes, flags and CPU), or None
-    with one warning. `includes`: sources it includes besides the shared headers."""
-    text = src.read_bytes() + b"".join(p.read_bytes() for p in (*_SHARED_HEADERS, *includes))
-    key = hashlib.sha256(text + " ".join(_FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
-    lib_path = cache_dir() / "kernels" / f"{src.stem}_{key}.so"
-    try:
-        if not lib_path.exists():
-            _build(src, lib_path)
-            logger.info("compiled %s into %s", src.name, lib_path)
-        return ctypes.CDLL(str(lib_path))
-    except (OSError, RuntimeError) as e:
-        logger.warning("native kernel %s unavailable (%s); using torch", src.name, e)
-        return None
-
-
-def load_native(src: Path, switch_env: str, signatures: dict[str, tuple[list[Any], Any]],
-                includes: tuple[Path, ...] = ()) -> ctypes.CDLL | None:
-    """`src` compiled (see compile_native) with each function of `signatures` (name -> (argtypes,
-    restype)) typed; None where `switch_env` is "0", the kernel cannot be built, or it lacks one of
-    the functions (a CPU without the instructions its `#if` guards ask for)."""
-    if os.environ.get(switch_env, "1") == "0":
-        return None
-    lib = compile_native(src, includes)
-    if lib is None or not all(hasattr(lib, name) for name in signatures):
-        return None
-    for name, (argtypes, restype) in signatures.items():
-        f = getattr(lib, name)
-        f.argtypes, f.restype = argtypes, restype
-    return lib
-
-
 @lru_cache(maxsize=1)
-def load_kernel() -> ctypes.CDLL | None:
-    """The compiled attention kernel, or None (with one warning) when it cannot be built here."""
-    if os.environ.get("PAGEDLLM_ATTENTION_BACKEND", "").lower() == "torch":
-        return None
-    lib = compile_native(_SRC)
-    if lib is None:
-        return None
-    f = lib.paged_attention
-    i32, i64, p, f32 = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-    f.argtypes = [p, i32, i64, p, p, i32, p, p, i64, p, p, p, i64, p, i64, i64, i64, i64, f32, f32, i64]
-    f.restype = None
-    w = lib.kv_cache_write
-    w.argtypes, w.restype = [p, p, p, i64, p, i64, p, i64, i64, i64], i32
-    return lib
+def load_kernel() -> Binding | None:
+    """The paged attention kernel, or None (with one warning) when it cannot be built here or
+    PAGEDLLM_ATTENTION_BACKEND=torch."""
+    return native.load(kernels.ATTENTION)
 
 
 def kv_cache_write(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
@@ -156,8 +78,18 @@ def kv_cache_write(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slo
     nb, bs = kv_cache.shape[1:3]
     half = nb * bs * kvh * d * es
     base = kv_cache.data_ptr()
-    rc = lib.kv_cache_write(base, base + half, k.data_ptr(), k.stride(0) * es, v.data_ptr(), v.stride(0) * es,
-                            slot_mapping.data_ptr(), k.shape[0], kvh * d * es, nb * bs)
+    rc = lib.kv_cache_write(
+        base,  # kc
+        base + half,  # vc
+        k.data_ptr(),  # k
+        k.stride(0) * es,  # ldk
+        v.data_ptr(),  # v
+        v.stride(0) * es,  # ldv
+        slot_mapping.data_ptr(),  # slots
+        k.shape[0],  # T
+        kvh * d * es,  # row_bytes
+        nb * bs,  # num_slots
+    )
     if rc == 2:
         raise IndexError(f"KV cache write: a slot outside [0, {nb * bs})")
     return True
@@ -166,20 +98,14 @@ def kv_cache_write(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slo
 # The flash kernel's entry point for each query and cache element type (flash_attention.c), both
 # wherever the CPU has AVX-512F or AVX2 + FMA: bf16 through bf16 dot products with AVX-512 BF16,
 # else widened to float32 (flash_bf16_widened).
-_FLASH_FUNCTIONS = {torch.float32: "flash_prefill_f32", torch.bfloat16: "flash_prefill_bf16"}
+_FLASH_FUNCTIONS = {torch.float32: kernels.FLASH_PREFILL_F32.name, torch.bfloat16: kernels.FLASH_PREFILL_BF16.name}
 
 
 @lru_cache(maxsize=1)
-def load_flash() -> ctypes.CDLL | None:
+def load_flash() -> Binding | None:
     """The flash-attention kernel for long prompt chunks (flash_attention.c), or None where the CPU
     has neither AVX-512 nor AVX2 + FMA, it cannot be built, or PAGEDLLM_NATIVE_FLASH=0."""
-    i64, p, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-    signature = ([p, i64, i64, i64, i64, p, p, p, i64, i64, i64, i64, f32, i64, p], ctypes.c_int)
-    return load_native(_FLASH_SRC, "PAGEDLLM_NATIVE_FLASH", {_FLASH_FUNCTIONS[torch.float32]: signature,
-                                                             _FLASH_FUNCTIONS[torch.bfloat16]: signature,
-                                                             "flash_lanes": ([], ctypes.c_int),
-                                                             "flash_bf16_widened": ([], ctypes.c_int),
-                                                             "flash_bf16_amx": ([], ctypes.c_int)})
+    return native.load(kernels.FLASH)
 
 
 def flash_function(dtype: torch.dtype) -> Any:
@@ -263,8 +189,24 @@ def flash_prefill(q: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor,
     _, _, bs, kvh, _ = kv_cache.shape
     blocks = blocks.to(torch.int64).contiguous()
     out = torch.empty(query_len, H * D, dtype=q.dtype)
-    if fn(q.data_ptr(), query_start, q.stride(0), query_len, seq_len, kv_cache[0].data_ptr(),
-          kv_cache[1].data_ptr(), blocks.data_ptr(), bs, H, kvh, D, scale, sliding_window, out.data_ptr()) != 0:
+    rc = fn(
+        q.data_ptr(),  # q
+        query_start,  # q_start
+        q.stride(0),  # q_stride
+        query_len,  # query_len
+        seq_len,  # seq_len
+        kv_cache[0].data_ptr(),  # k_cache
+        kv_cache[1].data_ptr(),  # v_cache
+        blocks.data_ptr(),  # blocks
+        bs,  # BS
+        H,  # H
+        kvh,  # KVH
+        D,  # D
+        scale,  # scale
+        sliding_window,  # window
+        out.data_ptr(),  # out
+    )
+    if rc != 0:
         return None
     return out
 
@@ -285,7 +227,7 @@ def fp8_table(dtype: torch.dtype) -> torch.Tensor:
 
 
 def paged_attention_native(
-    lib: ctypes.CDLL,
+    lib: Binding,
     q: torch.Tensor,
     kv_cache: torch.Tensor,
     block_tables: torch.Tensor,
@@ -307,26 +249,43 @@ def paged_attention_native(
     out = torch.empty(T, H * D, dtype=q.dtype)
     table = fp8_table(kv_cache.dtype)
     lib.paged_attention(
-        q.data_ptr(),
-        _QUERY_CODES[q.dtype],
-        q.stride(0) if T > 1 else H * D,
-        kv_cache[0].data_ptr(),
-        kv_cache[1].data_ptr(),
-        _KV_CODES[kv_cache.dtype],
-        table.data_ptr(),
-        block_tables.data_ptr(),
-        block_tables.shape[1],
-        query_start_loc.data_ptr(),
-        seq_lens.data_ptr(),
-        work.data_ptr(),
-        work.shape[0],
-        out.data_ptr(),
-        H,
-        kvh,
-        D,
-        bs,
-        scale * k_scale,
-        v_scale,
-        sliding_window,
+        q.data_ptr(),  # q
+        _QUERY_CODES[q.dtype],  # q_dt
+        q.stride(0) if T > 1 else H * D,  # ldq
+        kv_cache[0].data_ptr(),  # k_cache
+        kv_cache[1].data_ptr(),  # v_cache
+        _KV_CODES[kv_cache.dtype],  # kv_dt
+        table.data_ptr(),  # fp8_table
+        block_tables.data_ptr(),  # block_tables
+        block_tables.shape[1],  # bt_stride
+        query_start_loc.data_ptr(),  # query_start_loc
+        seq_lens.data_ptr(),  # seq_lens
+        work.data_ptr(),  # work
+        work.shape[0],  # num_work
+        out.data_ptr(),  # out
+        H,  # H
+        kvh,  # KVH
+        D,  # D
+        bs,  # BS
+        scale * k_scale,  # scale
+        v_scale,  # v_scale
+        sliding_window,  # window
     )
     return out
+
+
+def load_native(src: Path, switch_env: str, signatures: dict[str, tuple[list[Any], Any]],
+                includes: tuple[Path, ...] = ()) -> ctypes.CDLL | None:
+    """Transitional entry for the sampler, which has not moved to pagedllm.native yet: `src` (found
+    by its name in pagedllm/native/csrc) built, with each function of `signatures` (name ->
+    (argtypes, restype)) typed; None where `switch_env` turns it off, it cannot be built, or it
+    lacks one of the functions. New code calls native.load with a declared Library."""
+    if not getattr(envs, switch_env):
+        return None
+    lib = native.compile_native(src if src.exists() else native.CSRC / src.name)
+    if lib is None or not all(hasattr(lib, name) for name in signatures):
+        return None
+    for name, (argtypes, restype) in signatures.items():
+        f = getattr(lib, name)
+        f.argtypes, f.restype = argtypes, restype
+    return lib

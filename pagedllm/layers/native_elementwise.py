@@ -1,7 +1,7 @@
 """Fused RMSNorm (with the residual add before it), SiLU·mul and rotary embedding on the CPU
-(csrc/elementwise_bf16.c), in bfloat16 and float32: one pass over the rows instead of the 2-7 torch
-ops (each a full pass and an allocation) of the reference formulas; bf16 with the same rounding
-points, float32 with each product and sum rounded as torch rounds it (see the C file).
+(pagedllm/native/csrc/elementwise_bf16.c), in bfloat16 and float32: one pass over the rows instead
+of the 2-7 torch ops (each a full pass and an allocation) of the reference formulas; bf16 with the
+same rounding points, float32 with each product and sum rounded as torch rounds it (see the C file).
 
 Each function returns None when the kernel does not apply (neither bf16 nor float32, not on the
 CPU, a row size that is not a multiple of 16, no compiler, bf16 without AVX-512, float32 without
@@ -13,37 +13,20 @@ The function names keep their bf16 origin; they serve both dtypes.
 
 from __future__ import annotations
 
-import ctypes
 from functools import lru_cache
-from pathlib import Path
 
 import torch
 
-from pagedllm.attention.cpu_kernel import load_native
-
-ELEMENTWISE_SRC = Path(__file__).parent / "csrc" / "elementwise_bf16.c"  # also included by the fused decode step
-
-
-_SIGNATURES = {
-    "rms_norm": ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                  ctypes.c_int64, ctypes.c_float, ctypes.c_void_p], ctypes.c_int),
-    "silu_mul": ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p], ctypes.c_int),
-    "rope": ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-              ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p], ctypes.c_int),
-}
+from pagedllm import native
+from pagedllm.native import kernels
+from pagedllm.native.declare import Binding
 
 
 @lru_cache(maxsize=1)
-def load_elementwise_kernel() -> ctypes.CDLL | None:
+def load_elementwise_kernel() -> Binding | None:
     """The compiled kernel where the CPU has AVX-512, or AVX2 + FMA (float32 functions only; the
     bf16 ones need AVX-512); else None and torch runs the ops."""
-    lib = load_native(ELEMENTWISE_SRC, "PAGEDLLM_NATIVE_ELEMENTWISE",
-                      {f"{op}_f32": sig for op, sig in _SIGNATURES.items()})
-    if lib is not None and hasattr(lib, "rms_norm_bf16"):
-        for op, (argtypes, restype) in _SIGNATURES.items():
-            f = getattr(lib, f"{op}_bf16")
-            f.argtypes, f.restype = argtypes, restype
-    return lib
+    return native.load(kernels.ELEMENTWISE)
 
 
 @lru_cache(maxsize=None)
@@ -76,8 +59,8 @@ def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float,
         return None
     y = torch.empty(T, N, dtype=x.dtype)
     h = x if add is None else torch.empty(T, N, dtype=x.dtype)
-    rc = fn(x.data_ptr(), x.stride(0), 0 if add is None else add.data_ptr(),
-                           0 if add is None else h.data_ptr(), weight.data_ptr(), T, N, eps, y.data_ptr())
+    rc = fn(x.data_ptr(), x.stride(0), 0 if add is None else add.data_ptr(), 0 if add is None else h.data_ptr(),
+            weight.data_ptr(), T, N, eps, y.data_ptr())
     return None if rc else (h, y)
 
 
@@ -111,6 +94,6 @@ def rope_bf16(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: 
         return None
     T, W = x.shape
     y = torch.empty(T, W, dtype=x.dtype)
-    rc = fn(x.data_ptr(), x.stride(0), T, W, head_dim, positions.data_ptr(), cos.data_ptr(),
-                       sin.data_ptr(), cos.shape[0], y.data_ptr())
+    rc = fn(x.data_ptr(), x.stride(0), T, W, head_dim, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            cos.shape[0], y.data_ptr())
     return None if rc else y

@@ -1,4 +1,5 @@
-"""GEMMs of a few rows (decode steps, short prompt chunks) in float32 and bfloat16 (csrc/small_m_gemm.c).
+"""GEMMs of a few rows (decode steps, short prompt chunks) in float32 and bfloat16
+(pagedllm/native/csrc/small_m_gemm.c).
 
 A decode GEMM should be a single pass over the weights. torch's bf16 `F.linear` with one row runs
 slower than fp32 on AVX-512 (oneDNN's small-M path), and its float32 one (MKL) reads the weights at
@@ -9,16 +10,15 @@ bf16 GEMMs are emulated). Larger M keeps torch's GEMMs (layers/linear.py).
 
 from __future__ import annotations
 
-import ctypes
 from functools import lru_cache
-from pathlib import Path
 
 import torch
 
-from pagedllm.attention.cpu_kernel import load_native
+from pagedllm import native
 from pagedllm.hardware import cpu_flags
+from pagedllm.native import kernels
+from pagedllm.native.declare import Binding
 
-SMALL_M_SRC = Path(__file__).parent / "csrc" / "small_m_gemm.c"
 # Most rows of x sent to the kernel, per dtype: up to where it stops beating torch's GEMM on the
 # default model's shapes with the weights streamed from memory (benchmarks/bench_small_m_gemm.py,
 # 2-core AVX-512 machine, the four GEMMs of 30 layers): bf16 16 rows 7.3 ms against oneDNN's 13.5,
@@ -52,14 +52,9 @@ _K_STEP = {torch.float32: 16, torch.bfloat16: 32, torch.float16: 32}
 
 
 @lru_cache(maxsize=1)
-def load_linear_kernel() -> ctypes.CDLL | None:
+def load_linear_kernel() -> Binding | None:
     """The compiled kernel where the CPU has AVX-512 or AVX2 + FMA (else None: torch serves every GEMM)."""
-    i64, p, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    lib = load_native(SMALL_M_SRC, "PAGEDLLM_NATIVE_LINEAR", {
-        "small_m_available": ([], i32),
-        "small_m_linear": ([p, i64, p, p, i64, i64, p, i64], i32),
-        "small_m_amx_rows": ([], i32),
-    })
+    lib = native.load(kernels.LINEAR)
     return lib if lib is not None and lib.small_m_available() else None
 
 

@@ -1,6 +1,6 @@
-"""Native linear layers on 4-bit, 8-bit and fp8 (e4m3) group-wise codes (csrc/linear_quant.c),
-where the CPU has AVX-512 BF16, or AVX2 with FMA (the same layouts and int32 sums in 8-lane
-vectors, vpmaddubsw for VNNI's dot products; see linear_quant.c).
+"""Native linear layers on 4-bit, 8-bit and fp8 (e4m3) group-wise codes
+(pagedllm/native/csrc/linear_quant.c), where the CPU has AVX-512 BF16, or AVX2 with FMA (the same
+layouts and int32 sums in 8-lane vectors, vpmaddubsw for VNNI's dot products; see linear_quant.c).
 
 The weight is kept once, in the kernel's layout: 4-bit and int8 codes tiled by 16 output rows
 (:func:`pack_int4_native`, :func:`pack_int8_native`), e4m3 as its bytes, and bfloat16 scales and
@@ -16,20 +16,17 @@ Measured against torch's kernels in benchmarks/bench_quant_kernels.py (docs/quan
 
 from __future__ import annotations
 
-import ctypes
-import os
 from functools import lru_cache
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention.cpu_kernel import load_native
+from pagedllm import envs, native
 from pagedllm.hardware import cpu_flags
+from pagedllm.native import kernels
+from pagedllm.native.declare import Binding
 from pagedllm.quantization import kernels as K
 
-_SRC = Path(__file__).parent / "csrc" / "linear_quant.c"
-QUANT_SRC = _SRC  # included by the fused decode step (pagedllm/worker/csrc/llama_decode.c)
 # Most rows of x that go through the kernel (decode batches, short prompt chunks); larger ones take
 # the batch path (the weight expanded for F.linear). Where the CPU has AVX-512 BF16: 16, above which
 # oneDNN's bf16 GEMM on the expanded weight wins. The AVX2 forms of the 4-bit, int8 and w8a8 kernels
@@ -42,7 +39,6 @@ SMALL_M = 16 if AVX512_KERNELS else 256
 E4M3_ROWS = 16
 # Output rows per tile of the 4-bit and int8 layouts (TR in linear_quant.c).
 TILE = 16
-_ACTIVATIONS = ("int8", "bf16")
 
 
 @lru_cache(maxsize=1)
@@ -50,27 +46,14 @@ def int8_activations() -> bool:
     """Whether 4-bit and int8 codes meet int8 activations (``PAGEDLLM_QUANT_ACTIVATIONS``: ``int8``,
     the default, or ``bf16``); one choice per process, so the fused decode step and the
     LinearMethods run the same kernel."""
-    mode = os.environ.get("PAGEDLLM_QUANT_ACTIVATIONS", "int8").lower()
-    if mode not in _ACTIVATIONS:
-        raise ValueError(f"PAGEDLLM_QUANT_ACTIVATIONS={mode!r}: expected one of {', '.join(_ACTIVATIONS)}")
-    return mode == "int8"
+    return envs.PAGEDLLM_QUANT_ACTIVATIONS == "int8"
 
 
 @lru_cache(maxsize=1)
-def load_quant_kernel() -> ctypes.CDLL | None:
+def load_quant_kernel() -> Binding | None:
     """The compiled kernel where the CPU has AVX-512 BF16 or AVX2 + FMA (else None: torch's kernels serve);
     ``PAGEDLLM_NATIVE_QUANT=0`` turns it off."""
-    i64, p, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    linear = ([p, i64, p, p, p, i64, i64, i64, p, i32, i32], i32)
-    return load_native(_SRC, "PAGEDLLM_NATIVE_QUANT", {
-        "int4_linear_bf16": linear, "int8_linear_bf16": linear, "e4m3_linear_bf16": linear,
-        "quant_dequant": ([i32, p, p, p, i64, i64, i64, p, i32], i32),
-        "quant_gather_rows": ([i32, p, p, p, i64, i64, i64, p, i64, p, i32], i32),
-        "quant_set_parallel_min": ([i64], i64),
-        "w8a8_linear": ([p, i64, p, p, p, i64, i64, p, i32], i32),
-        "w8a8_quantize_rows": ([p, i64, i64, i32, p, p], i32),
-        "w8a8_scale_rows": ([p, i64, i64, p, p, p, i32], i32),
-    })
+    return native.load(kernels.QUANT)
 
 
 def fits(in_features: int, group_size: int) -> bool:

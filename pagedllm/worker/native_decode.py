@@ -1,4 +1,5 @@
-"""Decode steps of a few rows as one native call (csrc/llama_decode.c): the CPU's decode graph.
+"""Decode steps of a few rows as one native call (pagedllm/native/csrc/llama_decode.c): the CPU's
+decode graph.
 
 A decode step of a small batch reads every weight once for a handful of rows; run as torch ops,
 its time is mostly per-op dispatch (about 80 ops per layer), not the weight reads. This runs the
@@ -24,21 +25,22 @@ import logging
 import time
 from collections import deque
 from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
-from pagedllm.attention.cpu_kernel import ATTENTION_SRC, load_native
+from pagedllm import native
 from pagedllm.layers.linear import UnquantizedLinearMethod
-from pagedllm.layers.native_elementwise import ELEMENTWISE_SRC
-from pagedllm.layers.native_linear import AVX512_FORM, SMALL_M_SRC, small_m_rows
-from pagedllm.quantization.native import QUANT_SRC, int8_activations, kernel_rows
+from pagedllm.layers.native_linear import AVX512_FORM, small_m_rows
+from pagedllm.native import kernels
+from pagedllm.native.declare import Binding
+from pagedllm.native.kernels import LlamaDecodeModel as _Model
+from pagedllm.native.kernels import QuantLinear as _QuantLinear
+from pagedllm.quantization.native import int8_activations, kernel_rows
 
 logger = logging.getLogger(__name__)
 
-_SRC = Path(__file__).parent / "csrc" / "llama_decode.c"
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _ARGMAX_DTYPES = (torch.float32, torch.bfloat16)  # argmax_rows' element types
 # Most rows one call takes (the C side's limit).
@@ -67,7 +69,6 @@ DTYPE_ROWS = {torch.float32: 32 if AVX512_FORM else 128, torch.bfloat16: MAX_ROW
 # kernel call).
 QUANTIZED_HEAD_ROWS = 4
 
-_p = ctypes.c_void_p
 _pp = ctypes.POINTER(ctypes.c_void_p)
 # linear_quant.c's layouts (its BITS values; 9: w8a8's row-major int8 codes); 0: the dense weight.
 _DENSE, _E4M3, _INT4, _INT8, _W8A8 = 0, 3, 4, 8, 9
@@ -76,40 +77,11 @@ _DENSE, _E4M3, _INT4, _INT8, _W8A8 = 0, 3, 4, 8, 9
 _ACT_BF16, _ACT_INT8_BLOCK, _ACT_INT8_ROW = 0, 1, 2
 
 
-class _QuantLinear(ctypes.Structure):
-    _fields_ = [("kind", ctypes.c_int64), ("group", ctypes.c_int64), ("codes", _p), ("scales", _p), ("zeros", _p),
-                ("perm", _p), ("int8_act", ctypes.c_int64)]
-
-
-class _Model(ctypes.Structure):
-    _fields_ = [
-        *((name, ctypes.c_int64) for name in (
-            "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate", "dtype",
-            "block_size", "sliding_window", "max_position")),
-        ("eps", ctypes.c_float),
-        ("attn_scale", ctypes.c_float),
-        ("embed", _p), ("final_norm", _p), ("cos", _p), ("sin", _p),
-        *((name, _pp) for name in (
-            "input_norm", "post_norm", "qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "gate_up_b", "down_w", "down_b",
-            "k_cache", "v_cache")),
-        *((name, ctypes.POINTER(_QuantLinear)) for name in ("qkv_q", "o_q", "gate_up_q", "down_q")),
-        # The LM head (llama_decode_head): NULL when the step ends at the final norm.
-        ("lm_head", _p), ("vocab", ctypes.c_int64),
-        ("lm_head_q", ctypes.POINTER(_QuantLinear)),  # NULL: the dense lm_head
-        ("embed_q", ctypes.POINTER(_QuantLinear)), ("embed_rows", ctypes.c_int64),  # NULL: the dense embed
-        ("threads", ctypes.c_int64),  # 0: torch's thread count (StallGuard sets 1 while steps stall)
-    ]
-
-
 @lru_cache(maxsize=1)
-def load_decode_kernel() -> ctypes.CDLL | None:
-    i64 = ctypes.c_int64
-    return load_native(_SRC, "PAGEDLLM_NATIVE_DECODE", {
-        "small_m_available": ([], ctypes.c_int),
-        "llama_decode_step": ([ctypes.POINTER(_Model), i64, _p, _p, _p, _p, i64, _p, _p], ctypes.c_int),
-        "llama_decode_head": ([ctypes.POINTER(_Model), i64, _p, _p, _p, _p, i64, _p, i64, _p, _p, _p], ctypes.c_int),
-        "argmax_rows": ([_p, i64, i64, i64, ctypes.c_int, _p], ctypes.c_int),
-    }, includes=(ATTENTION_SRC, ELEMENTWISE_SRC, SMALL_M_SRC, QUANT_SRC))
+def load_decode_kernel() -> Binding | None:
+    """The fused decode step's library (llama_decode.c, which includes the attention, small-M GEMM,
+    elementwise and quantized kernels), or None."""
+    return native.load(kernels.DECODE)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
@@ -278,7 +250,7 @@ class StallGuard:
 class NativeDecode:
     """The fused decode step bound to one model and its KV caches."""
 
-    def __init__(self, lib: ctypes.CDLL, model: nn.Module, kv_caches: list[torch.Tensor], dtype: torch.dtype,
+    def __init__(self, lib: Binding, model: nn.Module, kv_caches: list[torch.Tensor], dtype: torch.dtype,
                  block_size: int, sliding_window: int | None) -> None:
         self.lib = lib
         self.guard = StallGuard(torch.get_num_threads())

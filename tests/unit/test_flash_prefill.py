@@ -27,11 +27,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedllm import native
 from pagedllm.attention import cpu_kernel
 from pagedllm.attention.cpu_kernel import (
-    _FLASH_SRC, FLASH_AVX2_MAX_PAIRS, FLASH_MIN_TOKENS, dense_thresholds, flash_min_tokens, flash_prefill, flash_runs,
-    flash_supported, load_flash, load_native,
+    FLASH_AVX2_MAX_PAIRS, FLASH_MIN_TOKENS, dense_thresholds, flash_min_tokens, flash_prefill, flash_runs,
+    flash_supported, load_flash,
 )
+from pagedllm.native import kernels
 from pagedllm.attention.metadata import DenseAttention
 from pagedllm.attention.torch_backend import dense_attention, dense_attention_sdpa
 
@@ -217,7 +219,7 @@ def test_dense_attention_takes_flash_for_bf16_and_agrees_with_torch_flash():
 
 def test_switch_turns_the_kernel_off(monkeypatch):
     monkeypatch.setenv("PAGEDLLM_NATIVE_FLASH", "0")
-    assert load_native(_FLASH_SRC, "PAGEDLLM_NATIVE_FLASH", {"flash_prefill_f32": ([], None)}) is None
+    assert native.load(kernels.FLASH) is None
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The native 4/8-bit group-wise kernel (pagedllm/quantization/csrc/linear_quant.c) against a float
+"""The native 4/8-bit group-wise kernel (pagedllm/native/csrc/linear_quant.c) against a float
 reference on random matrices, on both of its paths (a few rows: one pass over the codes; more:
 the weight expanded to bfloat16 for F.linear), with either activation mode of the few-row path
 (int8 per block of 32, or bfloat16), with the tolerance bfloat16 activations, scales and zeros and

@@ -25,7 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../../attention/csrc/bf16.h"
+#include "bf16.h"
 
 #define KEY_MAX 0x3f81 /* one past the key of 1.0f (and of e_i a rounding step above it) */
 

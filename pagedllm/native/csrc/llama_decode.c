@@ -44,13 +44,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../../attention/csrc/paged_attention.c"
-#include "../../layers/csrc/elementwise_bf16.c"
-#include "../../layers/csrc/small_m_gemm.c"
+#include "paged_attention.c"
+#include "elementwise_bf16.c"
+#include "small_m_gemm.c"
 /* linear_quant.c names its own tile sizes; small_m_gemm.c's are no longer needed here. */
 #undef MR
 #undef NR
-#include "../../quantization/csrc/linear_quant.c"
+#include "linear_quant.c"
 
 /* The unit of output rows a thread's share of a dense GEMM comes in: small_m_gemm.c's W block. */
 #define SHARE_ROWS 4

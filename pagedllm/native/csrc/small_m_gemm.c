@@ -36,7 +36,7 @@
 #include <string.h>
 #include <omp.h>
 
-#include "../../attention/csrc/bf16.h"
+#include "bf16.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -66,7 +66,7 @@
 /* AMX (Sapphire Rapids and later Xeons): bf16 GEMMs of AMX_MIN_ROWS rows or more run on the tile
  * unit (gemm_rows_amx), which multiplies 16 x 32 bf16 blocks at several times the rate of AVX-512
  * BF16 dot products. */
-#include "../../attention/csrc/amx.h"
+#include "amx.h"
 
 #define NR 4
 #define MR 4

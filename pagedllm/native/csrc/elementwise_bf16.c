@@ -21,7 +21,7 @@
 #include <math.h>
 #include <stdint.h>
 
-#include "../../attention/csrc/bf16.h"
+#include "bf16.h"
 
 #define ELEMENTWISE_PARALLEL_MIN (1 << 18)
 

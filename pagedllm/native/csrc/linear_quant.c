@@ -61,7 +61,7 @@
 #define LQ_HAVE_KERNELS 1 /* the kernels below are compiled (llama_decode.c asks) */
 #include <immintrin.h>
 
-#include "../../attention/csrc/bf16.h"
+#include "bf16.h"
 
 #define MAXM 4
 #define NR 4

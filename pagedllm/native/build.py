@@ -1,0 +1,89 @@
+"""The C compiler driver: a kernel's source compiled for this CPU once, the shared library cached.
+
+Each library is one C file of `CSRC` (it may include other files of the folder: shared headers,
+its ISA forms, or whole kernels, as the fused decode step includes the attention source). The
+cached `.so` is named by the source's stem and a hash of every file it includes (followed through
+the folder), the compiler flags and the CPU (model and flags), so an edited source, a new flag or
+another CPU builds anew and a stale build is never loaded.
+
+Kernels share torch's OpenMP runtime (torch ships `libgomp.so.1`, and the kernels link the same
+soname), so `torch.set_num_threads` governs both.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from pagedllm.utils import cache_dir
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+_LOCAL_INCLUDE = re.compile(rb'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+def cpu_signature() -> str:
+    """The machine, CPU model and CPU flags: part of every build's cache key (-march=native)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))][:2]
+    except OSError:
+        lines = []
+    return platform.machine() + "|".join(lines)
+
+
+def local_includes(src: Path) -> list[Path]:
+    """`src` and every file it includes with `#include "..."`, transitively (each once, in order)."""
+    seen: list[Path] = []
+    stack = [src]
+    while stack:
+        path = stack.pop()
+        if path in seen:
+            continue
+        seen.append(path)
+        found = [path.parent / name.decode() for name in _LOCAL_INCLUDE.findall(path.read_bytes())]
+        stack.extend(reversed([p for p in found if p.exists()]))
+    return seen
+
+
+def cache_key(src: Path) -> str:
+    """Hash of the sources `src` compiles from, the flags and the CPU."""
+    text = b"".join(p.read_bytes() for p in local_includes(src))
+    return hashlib.sha256(text + " ".join(FLAGS).encode() + cpu_signature().encode()).hexdigest()[:16]
+
+
+def _build(src: Path, out: Path) -> None:
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        raise RuntimeError("no C compiler (gcc/cc) found")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        target = Path(tmp) / out.name
+        proc = subprocess.run([cc, *FLAGS, str(src), "-o", str(target), "-lm"], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[:500]}")
+        os.replace(target, out)
+
+
+def compile_native(src: Path) -> ctypes.CDLL | None:
+    """`src` compiled for this CPU (cached by its sources, flags and CPU) and opened, or None with
+    one warning (no compiler, a build error)."""
+    lib_path = cache_dir() / "kernels" / f"{src.stem}_{cache_key(src)}.so"
+    try:
+        if not lib_path.exists():
+            _build(src, lib_path)
+            logger.info("compiled %s into %s", src.name, lib_path)
+        return ctypes.CDLL(str(lib_path))
+    except (OSError, RuntimeError) as e:
+        logger.warning("native kernel %s unavailable (%s); using torch", src.name, e)
+        return None
