@@ -21,7 +21,7 @@ import torch
 from pagedllm.benchmarks.env import call_times
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.utils import tune_heap
-from pagedllm.worker.sampler import Sampler, SamplingMetadata, SamplingRow
+from pagedllm.worker.sample import Sampler, SamplingMetadata, SamplingRow
 
 SETTINGS = {
     "greedy": dict(temperature=0.0),

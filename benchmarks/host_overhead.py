@@ -34,8 +34,8 @@ PARTS: dict[str, list[str]] = {
     "forward": ["pagedllm.worker.model_runner:ModelRunner._forward"],
     "compute_logits": ["pagedllm.models.llama:LlamaForCausalLM.compute_logits"],
     "sampling_metadata": ["pagedllm.worker.model_runner:ModelRunner._sampling_metadata",
-                          "pagedllm.worker.sampler:SamplingMetadata.from_rows"],
-    "sampler": ["pagedllm.worker.sampler:Sampler.forward"],
+                          "pagedllm.worker.sample.metadata:SamplingMetadata.from_rows"],
+    "sampler": ["pagedllm.worker.sample.sampler:Sampler.forward"],
     "update_from_output": ["pagedllm.core.scheduler:Scheduler.update_from_output"],
     "process_outputs": ["pagedllm.engine.output_processor:OutputProcessor.process_outputs"],
 }
@@ -113,7 +113,7 @@ def _micro(sizes: list[int], context: int = 512, block_size: int = 16, reps: int
 
     from pagedllm.sampling_params import SamplingParams
     from pagedllm.worker.input_batch import RequestState, build_batch
-    from pagedllm.worker.sampler import SamplingMetadata, SamplingRow
+    from pagedllm.worker.sample import SamplingMetadata, SamplingRow
 
     try:
         from pagedllm.worker.input_batch import InputBatch

@@ -35,7 +35,7 @@ PARTS = {
     "native_step": ("pagedllm.worker.native_decode", "NativeDecode", "run"),
     "lm_head": ("pagedllm.models.llama", "LlamaForCausalLM", "compute_logits"),
     "sampling_metadata": ("pagedllm.worker.model_runner", "ModelRunner", "_sampling_metadata"),
-    "sampler": ("pagedllm.worker.sampler", "Sampler", "forward"),
+    "sampler": ("pagedllm.worker.sample.sampler", "Sampler", "forward"),
     "update_from_output": ("pagedllm.core.scheduler", "Scheduler", "update_from_output"),
     "process_outputs": ("pagedllm.engine.output_processor", "OutputProcessor", "process_outputs"),
 }

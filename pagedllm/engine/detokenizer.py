@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import os
+from collections.abc import Callable
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
@@ -12,15 +12,11 @@ from pagedllm.sampling_params import SamplingParams
 # Prompt tokens given to the decoder as context, so the first output piece is spaced correctly.
 _CONTEXT_TOKENS = 6
 
-# Test hook, off unless set: a token id whose decoding raises DetokenizerFaultInjected. It stands
-# for a detokenizer that fails on one request's output; the fault-isolation tests set it in the
-# API server's environment and ask for the token with a logit_bias. Read once, at import.
-DETOKENIZER_FAULT_ENV = "PAGEDLLM_TEST_DETOKENIZER_FAULT"
-_FAULT_TOKEN = int(os.environ[DETOKENIZER_FAULT_ENV]) if os.environ.get(DETOKENIZER_FAULT_ENV) else None
-
-
-class DetokenizerFaultInjected(RuntimeError):
-    """Raised by the PAGEDLLM_TEST_DETOKENIZER_FAULT test hook."""
+fault_hook: Callable[[list[int]], None] | None = None
+"""A hook point for tests, None otherwise: when set, `IncrementalDetokenizer.update` calls it with
+the token ids it is about to decode. The fault-isolation tests set it to a function that raises
+for one token id (a detokenizer that fails on one request's output) and check that the request
+fails alone."""
 
 
 class IncrementalDetokenizer:
@@ -43,8 +39,8 @@ class IncrementalDetokenizer:
         `skip_last` leaves out the final token (an EOS or stop token that ended the sequence).
         """
         ids = new_token_ids[:-1] if skip_last else new_token_ids
-        if _FAULT_TOKEN is not None and _FAULT_TOKEN in ids:
-            raise DetokenizerFaultInjected(f"injected detokenizer fault (token {_FAULT_TOKEN})")
+        if fault_hook is not None:
+            fault_hook(ids)
         for tid in ids:
             piece = self.stream.step(self.tokenizer, tid)
             if not piece:

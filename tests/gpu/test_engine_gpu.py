@@ -93,7 +93,7 @@ def test_n_samples_with_seeds_on_gpu(tiny_model_dir: str) -> None:
 
 
 def test_sampler_on_gpu_matches_cpu_for_greedy_and_processing() -> None:
-    from pagedllm.worker.sampler import Sampler, SamplingMetadata, SamplingRow
+    from pagedllm.worker.sample import Sampler, SamplingMetadata, SamplingRow
 
     torch.manual_seed(0)
     logits = torch.randn(6, 1000)

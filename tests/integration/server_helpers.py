@@ -23,12 +23,16 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, log_path: Path, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, log_path: Path, *args: str, env: dict[str, str] | None = None,
+                 entry: list[str] | None = None) -> None:
+        """`entry`: what runs the CLI after the interpreter (default `-m pagedllm.entrypoints.cli`;
+        the fault tests' launcher script, with its options)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.log = open(log_path, "wb")
-        cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(self.port),
+        entry = entry or ["-m", "pagedllm.entrypoints.cli"]
+        cmd = [sys.executable, *entry, "serve", "--port", str(self.port),
                "--disable-uvicorn-access-log", *args]
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         full_env.pop("PAGEDLLM_API_KEY", None)

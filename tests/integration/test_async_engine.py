@@ -211,16 +211,17 @@ def test_tokens_after_a_stop_string_are_dropped(engine: LLMEngine, ae: AsyncLLME
 
 def test_offline_generate_fails_for_a_request_whose_sampling_raises(tiny_model_dir: str,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """Offline, a request whose sampling raises (the PAGEDLLM_TEST_SAMPLER_FAULT hook, set here
-    in-process) makes generate() raise naming it; the other requests of the call are ended, the
-    engine is left empty and the next call gives the same tokens as an engine that never failed."""
+    """Offline, a request whose sampling raises (the sampler's fault hook, set here in-process)
+    makes generate() raise naming it; the other requests of the call are ended, the engine is left
+    empty and the next call gives the same tokens as an engine that never failed."""
+    from fault_hooks import sampler_fault
     from pagedllm import LLM
-    from pagedllm.worker import sampler as sampler_module
+    from pagedllm.worker.sample import metadata
 
     llm = LLM(model=tiny_model_dir, num_kv_blocks=64, seed=0, dtype="float32")
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in llm.generate(["a fox", "a dog"], greedy, use_tqdm=False)]
-    monkeypatch.setattr(sampler_module, "_FAULT", (77, 2))
+    monkeypatch.setattr(metadata, "fault_hook", sampler_fault(77, 2))
     faulty = SamplingParams(temperature=0.5, seed=77, max_tokens=8, ignore_eos=True)
     with pytest.raises(RuntimeError, match="injected sampler fault"):
         llm.generate(["a fox", "a cat", "a dog"], [greedy, faulty, greedy], use_tqdm=False)

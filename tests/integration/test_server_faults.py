@@ -5,10 +5,11 @@ mid-stream, HTTP 500 otherwise), while the requests running beside them finish w
 tokens they get without the faults, every KV block is freed, /health stays 200 and the engine core
 lives on.
 
-The faults come from two narrow test hooks, off unless their environment variable is set:
-PAGEDLLM_TEST_SAMPLER_FAULT (pagedllm/worker/sampler.py: building the sampling metadata raises for
-a row with a given seed once it has some tokens) and PAGEDLLM_TEST_DETOKENIZER_FAULT
-(pagedllm/engine/detokenizer.py: decoding a given token id raises), asked for with a logit_bias.
+The faults come from two narrow hook points, None in production, that the server's launcher
+tests/fault_serve.py sets in each of its processes (tests/fault_hooks.py): the sampler's
+(pagedllm/worker/sample/metadata.py: building the sampling metadata raises for a row with a given
+seed once it has some tokens) and the detokenizer's (pagedllm/engine/detokenizer.py: decoding a
+given token id raises), asked for with a logit_bias.
 """
 
 from __future__ import annotations
@@ -21,11 +22,10 @@ from typing import Any
 
 import httpx
 
-from pagedllm.engine.detokenizer import DETOKENIZER_FAULT_ENV
-from pagedllm.worker.sampler import SAMPLER_FAULT_ENV
 from server_helpers import Server, assert_error_shape, wait_idle
 
 COMP = "/v1/completions"
+FAULT_SERVE = str(Path(__file__).parent.parent / "fault_serve.py")
 FAULT_SEED, FAULT_AFTER = 4242, 3
 FAULT_TOKEN = 300
 
@@ -97,9 +97,9 @@ def test_stream_events_survive_clients_that_split_lines_like_splitlines(tmp_path
 
 
 def test_faulty_requests_fail_alone(tmp_path: Path, tiny_model_dir: str) -> None:
-    env = {"PAGEDLLM_CHECK_INTEGRITY": "1", SAMPLER_FAULT_ENV: f"{FAULT_SEED}:{FAULT_AFTER}",
-           DETOKENIZER_FAULT_ENV: str(FAULT_TOKEN)}
-    server = Server(tmp_path / "faults.log", tiny_model_dir, "--num-kv-blocks", "128", env=env)
+    launcher = [FAULT_SERVE, "--sampler-fault", f"{FAULT_SEED}:{FAULT_AFTER}", "--detokenizer-fault", str(FAULT_TOKEN)]
+    server = Server(tmp_path / "faults.log", tiny_model_dir, "--num-kv-blocks", "128",
+                    env={"PAGEDLLM_CHECK_INTEGRITY": "1"}, entry=launcher)
     try:
         server.wait_ready()
         engine = server.engine_pid()

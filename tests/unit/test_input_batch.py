@@ -13,7 +13,7 @@ import torch
 
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.input_batch import InputBatch, RequestState, build_batch
-from pagedllm.worker.sampler import Sampler, SamplingMetadata, SamplingRow
+from pagedllm.worker.sample import Sampler, SamplingMetadata, SamplingRow
 
 BS = 4
 V = 50

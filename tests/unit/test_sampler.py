@@ -7,23 +7,24 @@ import math
 import pytest
 import torch
 
+from fault_hooks import SamplingFaultInjected, parse_sampler_fault, sampler_fault
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker import sampler as sampler_module
-from pagedllm.worker.sampler import (
+from pagedllm.worker.sample import (
     Sampler,
     SamplerOutput,
-    SamplingFaultInjected,
     SamplingMetadata,
     SamplingRow,
-    _top_k_top_p_sorted,
     apply_top_k_top_p,
     compute_topk_logprobs,
     draw_uniforms,
-    parse_sampler_fault,
+    kernel,
+    metadata,
+    ops,
     pick_from_probs,
     sample_isolating_faults,
     top_candidates,
 )
+from pagedllm.worker.sample.ops import _top_k_top_p_sorted
 
 V = 50
 CPU = torch.device("cpu")
@@ -213,10 +214,10 @@ def test_candidate_cuts_equal_whole_row_sorts(monkeypatch: pytest.MonkeyPatch, n
     the rows whose cut they hold (`top_candidates`), and over the whole row for the others, by the
     native kernel (or, without it, a sort: `apply_top_k_top_p`)."""
     if native:
-        assert sampler_module._sampling_kernel() is not None  # the kernel builds here
+        assert kernel._sampling_kernel() is not None  # the kernel builds here
     else:
-        monkeypatch.setattr(sampler_module, "top_p_cuts", lambda logits, top_p: None)
-    monkeypatch.setattr(sampler_module, "TOP_CANDIDATES", 32)
+        monkeypatch.setattr(ops, "top_p_cuts", lambda logits, top_p: None)
+    monkeypatch.setattr(ops, "TOP_CANDIDATES", 32)
     vocab, rows = 4000, 96
     g = torch.Generator().manual_seed(7)
     scales = torch.tensor([0.05, 1.0, 4.0, 9.0]).repeat(rows // 4).unsqueeze(1)  # flat .. peaked rows
@@ -256,14 +257,14 @@ def test_native_top_p_cuts_match_the_definition() -> None:
     rows[2, :40] = rows[2, :40].max()  # a tie at the top, spanning the cut for a small top_p
     rows[3] = torch.round(rows[3] * 4) / 4  # many ties everywhere
     top_p = torch.tensor([0.9, 0.5, 0.01, 0.95, 0.99, 0.3, 0.999, 0.7, 0.8, 0.6, 0.9, 1.0])
-    cut = sampler_module.top_p_cuts(rows, top_p)
+    cut = kernel.top_p_cuts(rows, top_p)
     assert cut is not None
     for i in range(12):
         expected = float("-inf") if top_p[i] >= 1.0 else _walk_cut(rows[i], float(top_p[i]))
         assert float(cut[i]) == expected, (i, float(cut[i]), expected)
     nan_row = rows[:1].clone()
     nan_row[0, 5] = float("nan")
-    assert float(sampler_module.top_p_cuts(nan_row, top_p[:1])[0]) == float("-inf")  # keeps the row as it is
+    assert float(kernel.top_p_cuts(nan_row, top_p[:1])[0]) == float("-inf")  # keeps the row as it is
 
 
 def test_ties_with_the_last_kept_token_stay() -> None:
@@ -286,7 +287,7 @@ def test_sampled_rows_keep_ties_beyond_their_candidates() -> None:
 
 
 def test_candidate_and_sorted_rows_sample_their_distributions(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sampler_module, "TOP_CANDIDATES", 16)
+    monkeypatch.setattr(ops, "TOP_CANDIDATES", 16)
     vocab, draws = 400, 8000
     g = torch.Generator().manual_seed(3)
     base = torch.randn(3, vocab, generator=g) * torch.tensor([[6.0], [1.0], [6.0]])
@@ -309,7 +310,7 @@ def test_native_draws_of_odd_rows() -> None:
     logits[2, 123] = 0.0
     u = torch.rand(4, 1, dtype=torch.float64)
     for temperature in (0.5, 1.0):
-        tokens = sampler_module.sample_rows_native(logits, torch.full((4,), temperature), torch.full((4,), 0.9),
+        tokens = kernel.sample_rows_native(logits, torch.full((4,), temperature), torch.full((4,), 0.9),
                                                    None, u)
         assert tokens is not None and tokens[:3].tolist() == [7, 299, 123]
         assert 0 <= int(tokens[3]) < 300
@@ -533,7 +534,7 @@ def test_sampler_fault_hook_parses_and_fires(monkeypatch: pytest.MonkeyPatch) ->
     assert parse_sampler_fault("7:3") == (7, 3)
     with pytest.raises(ValueError, match="SEED:AFTER"):
         parse_sampler_fault("x")
-    monkeypatch.setattr(sampler_module, "_FAULT", (7, 2))
+    monkeypatch.setattr(metadata, "fault_hook", sampler_fault(7, 2))
     row = make_row(SamplingParams(temperature=0.5, seed=7), output=[1])
     sample([row], torch.randn(1, V))  # one output token: not yet
     row.output_token_ids.append(2)
