@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import ctypes
-import os
 from pathlib import Path
 from typing import Any
+
+from pagedllm import envs
 
 CACHE_ENV = "PAGEDLLM_CACHE_DIR"
 
 
 def cache_dir() -> Path:
     """``$PAGEDLLM_CACHE_DIR`` or ``~/.cache/pagedllm``: converted tokenizers, model folders, kernels."""
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "pagedllm").expanduser()
+    return Path(envs.PAGEDLLM_CACHE_DIR or Path.home() / ".cache" / "pagedllm").expanduser()
 
 
 _libc: Any = None

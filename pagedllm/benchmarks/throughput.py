@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pagedllm import envs
 from pagedllm.benchmarks.env import REPO_ROOT, PeakRSSMonitor, measure_matmul_peak, run_metadata
 from pagedllm.benchmarks.flops import FORMULA, ModelShape
 from pagedllm.benchmarks.workloads import BenchRequest, dump_workload, workload_summary
@@ -45,7 +46,7 @@ class ChildRun:
 
 def peers_python(venv: str | None) -> Path:
     """The peers' interpreter: --peers-venv, $PAGEDLLM_PEERS_VENV, ./.venv-peers, or the repo's."""
-    candidates = [venv] if venv else [os.environ.get("PAGEDLLM_PEERS_VENV"), ".venv-peers", REPO_ROOT / ".venv-peers"]
+    candidates = [venv] if venv else [envs.PAGEDLLM_PEERS_VENV, ".venv-peers", REPO_ROOT / ".venv-peers"]
     for c in candidates:
         if c and (Path(c) / "bin" / "python").exists():
             return Path(c).resolve() / "bin" / "python"

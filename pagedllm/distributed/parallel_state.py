@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 import socket
 import uuid
 import zlib
@@ -19,14 +18,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from pagedllm import envs
 from pagedllm.config import ParallelConfig
 from pagedllm.distributed.shm_allreduce import ShmAllReduce
 
 logger = logging.getLogger(__name__)
 
-# Messages up to this size go through the shared-memory path when every rank of the group is on
-# this host (measured with `pagedllm bench collective`: faster than gloo at every size up to it).
-SHM_MAX_BYTES = int(os.environ.get("PAGEDLLM_SHM_ALLREDUCE_MAX_BYTES", 16 << 20))
 
 
 @dataclass
@@ -180,8 +177,11 @@ def init_parallel_context(
         if stage == pp_rank:
             my_group = g
     group = TensorParallelGroup(rank=tp_rank, size=tp, group=my_group)
-    if tp > 1 and use_shm and backend == "gloo" and SHM_MAX_BYTES > 0 and _same_host(my_group, tp):
-        group.shm = _make_shm(my_group, tp_rank, tp, pp_rank * tp, SHM_MAX_BYTES)
+    # Messages up to this size go through the shared-memory path when every rank of the group is on
+    # this host (measured with `pagedllm bench collective`: faster than gloo at every size up to it).
+    shm_max_bytes = envs.PAGEDLLM_SHM_ALLREDUCE_MAX_BYTES
+    if tp > 1 and use_shm and backend == "gloo" and shm_max_bytes > 0 and _same_host(my_group, tp):
+        group.shm = _make_shm(my_group, tp_rank, tp, pp_rank * tp, shm_max_bytes)
     logger.info("rank %d/%d: tp %d/%d, pp stage %d/%d, layers %s, %s%s", rank, world, tp_rank, tp, pp_rank, pp,
                 layer_range, backend, " + shared-memory all-reduce" if group.shm else "")
     return ParallelContext(rank=rank, tp=group, pp_rank=pp_rank, pp_size=pp, layer_range=layer_range)

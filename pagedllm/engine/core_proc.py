@@ -21,6 +21,7 @@ from typing import Any
 
 import zmq
 
+from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.core.request import RequestStatus
 from pagedllm.core.scheduler_output import EngineCoreOutput
@@ -32,8 +33,6 @@ logger = logging.getLogger(__name__)
 # How long an idle engine waits for a request before it checks that its parent is alive.
 _IDLE_POLL_MS = 500
 _PR_SET_PDEATHSIG = 1
-# Set to 1 to check the scheduler's and block pool's invariants after every step (tests do).
-CHECK_INTEGRITY_ENV = "PAGEDLLM_CHECK_INTEGRITY"
 
 
 def _die_with_parent() -> None:
@@ -98,7 +97,7 @@ def _serve(config: EngineConfig, inbox: zmq.Socket, outbox: zmq.Socket, codec: C
 def _loop(core: Any, inbox: zmq.Socket, outbox: zmq.Socket, codec: Codec, parent_pid: int) -> None:
     from pagedllm.engine.core_io import EngineCoreOutputs
 
-    check = os.environ.get(CHECK_INTEGRITY_ENV) == "1"
+    check = envs.PAGEDLLM_CHECK_INTEGRITY  # the scheduler's and block pool's invariants after every step
     outbox.send(codec.encode(MsgKind.READY, EngineReady(core.num_blocks, os.getpid())))
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import time
 from typing import NoReturn
@@ -76,12 +75,12 @@ def sampling_params_from_args(args: argparse.Namespace):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pagedllm import __version__
+    from pagedllm import __version__, envs
     from pagedllm.engine.arg_utils import EngineArgs
 
     parser = _Parser(prog="pagedllm", description="LLM inference and serving with a paged KV cache.")
     parser.add_argument("--version", action="version", version=f"pagedllm {__version__}")
-    parser.add_argument("--log-level", default=os.environ.get("PAGEDLLM_LOG_LEVEL", "INFO"))
+    parser.add_argument("--log-level", default=envs.PAGEDLLM_LOG_LEVEL)
     sub = parser.add_subparsers(dest="command", metavar="{serve,generate,chat,bench,eval}", parser_class=_Parser)
 
     gen = sub.add_parser("generate", help="generate for prompts and print the results")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 import tempfile
@@ -19,7 +18,9 @@ from pathlib import Path
 
 
 def peer_python() -> str:
-    venv = os.environ.get("PAGEDLLM_PEERS_VENV")
+    from pagedllm import envs  # not at the top: the script part runs in the peers' Python, without pagedllm
+
+    venv = envs.PAGEDLLM_PEERS_VENV
     if not venv:
         raise ValueError("set PAGEDLLM_PEERS_VENV to the virtual environment where llama-cpp-python is installed")
     return str(Path(venv) / "bin" / "python")

@@ -12,6 +12,7 @@ import os
 import socket
 from typing import Any
 
+from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.executor.base import MultiRankExecutor
 from pagedllm.executor.messages import decode, encode
@@ -62,7 +63,7 @@ class RayExecutor(MultiRankExecutor):
         pc = config.parallel_config
         self.world_size = pc.world_size
         self.driver_rank = (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
-        threads = int(os.environ.get("PAGEDLLM_RAY_WORKER_THREADS", 1))
+        threads = envs.PAGEDLLM_RAY_WORKER_THREADS
         self.pg = placement_group([{"CPU": 1}] * self.world_size, strategy="PACK")
         ray.get(self.pg.ready(), timeout=120)
         actor = ray.remote(num_cpus=1)(_RayRank)

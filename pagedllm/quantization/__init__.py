@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-import os
 from typing import Any
 
 import torch
 from torch import nn
 
+from pagedllm import envs
 from pagedllm.config import ModelConfig, QuantizationConfig
 from pagedllm.quantization.compressed import CompressedConfig, WeightScheme
 from pagedllm.quantization.formats import GGUF_TYPES
@@ -70,7 +70,7 @@ class QuantizationSetup:
         """Whether the LM head runs from int8 codes: where the model is a GGUF file that keeps the
         output tensor (or the tied embedding) in a quantized type, as llama.cpp then does, whatever
         the scheme of the linear layers (``PAGEDLLM_QUANT_LM_HEAD=0`` keeps it dense)."""
-        if os.environ.get("PAGEDLLM_QUANT_LM_HEAD", "1") == "0" or self.config.embeddings:
+        if not envs.PAGEDLLM_QUANT_LM_HEAD or self.config.embeddings:
             return False
         head = self._gguf_types.get("lm_head", self._gguf_types.get("model.embed_tokens"))
         return head in GGUF_TYPES
