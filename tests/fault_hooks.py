@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pagedllm.worker.sample.metadata import SamplingRow
+from pagedllm.worker.sample.row import SamplingRow
 
 
 class SamplingFaultInjected(RuntimeError):

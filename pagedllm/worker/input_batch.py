@@ -381,7 +381,7 @@ class InputBatch:
 
     def sampling_row(self, i: int) -> Any:
         """Row i as the sampler's per-request view (used where rows are sampled one by one)."""
-        from pagedllm.worker.sample import SamplingRow
+        from pagedllm.worker.sample.row import SamplingRow
 
         n, p = int(self.num_tokens[i]), int(self.num_prompt_tokens[i])
         return SamplingRow(params=self.params[i], generator=self.generators[i],

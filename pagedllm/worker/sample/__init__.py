@@ -1,7 +1,7 @@
 """Turns one step's logits into next tokens.
 
 The model runner gathers the S rows that sample a token this step, builds a `SamplingMetadata`
-once (`metadata`: from its persistent batch, or from per-row `SamplingRow`s), and calls
+once (`metadata`: from its persistent batch, or from per-row `SamplingRow`s, `row`), and calls
 `Sampler()(logits, metadata)` (`sampler`), through `sample_isolating_faults` (`isolation`), which
 fails only the requests whose rows raise on their own. The algorithms are in `ops` (penalties,
 top-k / top-p / min-p cuts, inverse-CDF draws) and `logprobs`; `kernel` binds the native sampling
@@ -10,7 +10,7 @@ kernel (pagedllm/native/csrc/sampling.c) that `ops` calls where it runs.
 
 from pagedllm.worker.sample.isolation import IsolatedSample, sample_isolating_faults
 from pagedllm.worker.sample.logprobs import compute_topk_logprobs
-from pagedllm.worker.sample.metadata import PenaltyMetadata, SamplingMetadata, SamplingRow, sampler_fault_hook
+from pagedllm.worker.sample.metadata import PenaltyMetadata, SamplingMetadata, sampler_fault_hook
 from pagedllm.worker.sample.ops import (
     apply_min_p,
     apply_penalties,
@@ -20,6 +20,7 @@ from pagedllm.worker.sample.ops import (
     row_argmax,
     top_candidates,
 )
+from pagedllm.worker.sample.row import SamplingRow
 from pagedllm.worker.sample.sampler import Sampler, SamplerOutput
 
 __all__ = [

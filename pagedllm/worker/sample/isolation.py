@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.worker.sample.metadata import SamplingMetadata, SamplingRow, sampler_fault_hook
+from pagedllm.worker.sample.metadata import SamplingMetadata, sampler_fault_hook
+from pagedllm.worker.sample.row import SamplingRow
 from pagedllm.worker.sample.sampler import Sampler, SamplerOutput
 
 logger = logging.getLogger(__name__)

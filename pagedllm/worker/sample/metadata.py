@@ -9,13 +9,14 @@ Every optional part is None when no row uses it, and the sampler then skips it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from pagedllm.sampling_params import SamplingParams, SamplingType
+from pagedllm.worker.sample.row import SamplingRow
 
 if TYPE_CHECKING:
     from pagedllm.worker.input_batch import InputBatch
@@ -38,22 +39,6 @@ def _tensor(values: object, dtype: torch.dtype, device: torch.device) -> torch.T
     list is staged before this returns), so building a step's metadata never waits for the
     forward pass still running on the GPU."""
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
-
-@dataclass
-class SamplingRow:
-    """One sampling row's inputs for this step, built by the model runner."""
-
-    params: SamplingParams
-    """The request's sampling parameters."""
-    generator: torch.Generator | None
-    """Set when `params.seed` is not None; the runner owns it and keeps it across steps."""
-    prompt_token_ids: list[int]
-    """The prompt (for the repetition penalty)."""
-    output_token_ids: list[int]
-    """Tokens generated so far (for penalties and min_tokens)."""
-    eos_token_ids: set[int] = field(default_factory=set)
-    """The model's EOS ids, blocked together with stop_token_ids while fewer than min_tokens are generated."""
 
 
 @dataclass
