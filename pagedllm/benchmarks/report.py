@@ -18,6 +18,7 @@ from pagedllm.benchmarks.report_extra import (
     amx_section,
     host_overhead_section,
     later_throughput_section,
+    runs_appendix,
     scheduling_section,
 )
 from pagedllm.benchmarks.report_headline import headline_section
@@ -145,6 +146,7 @@ def render(res: Path = RESULTS, img_dir: Path = DOC.parent / "img", draw: bool =
     sched = load(res / "bench_scheduling.json") or load(res / "bench_scheduling_quick.json")
     if sched is not None:
         parts.append(scheduling_section(sched))
+    parts.append(runs_appendix(res))
     if missing:
         parts.append("## Not yet measured\n\nNo results in benchmarks/results/ yet for: " + ", ".join(missing)
                      + ". Produce them with `benchmarks/run_all.sh " + " ".join(STEP_OF[m] for m in missing)

@@ -134,3 +134,58 @@ def amx_section(res: Path, img_dir: Path, draw: bool = True) -> str:
     return "\n".join(parts)
 
 
+
+
+def _metas(node: Any) -> list[dict[str, Any]]:
+    """Every run record (`meta` / `env` with a commit) inside a result file, in file order."""
+    out: list[dict[str, Any]] = []
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key in ("meta", "env") and isinstance(value, dict) and value.get("commit"):
+                out.append(value)
+            else:
+                out += _metas(value)
+    elif isinstance(node, list):
+        for value in node:
+            out += _metas(value)
+    return out
+
+
+def runs_appendix(res: Path) -> str:
+    """One row per result file and run record: the commit, time and CPU each figure on this page
+    comes from, and whether it is citable (a clean tree)."""
+    import json
+
+    from pagedllm.benchmarks.report_render import citable, cpu, short_commit
+
+    prov_path = res / "provenance.json"
+    provenance = json.loads(prov_path.read_text())["files"] if prov_path.exists() else {}
+    rows, unrecorded = [], []
+    for path in sorted(res.glob("*.json")):
+        if path.name in ("hosts.json", "provenance.json") or (data := load(path)) is None:
+            continue
+        metas = _metas(data) or ([dict(provenance[path.name], _source=path.name)] if path.name in provenance else [])
+        if not metas:
+            unrecorded.append(path.name)
+            continue
+        seen = []
+        for m in metas:
+            key = (m.get("commit"), m.get("cpu_model"))
+            if key in seen:
+                continue
+            seen.append(key)
+            name, isa = cpu(m, path.name)
+            times = sorted(str(x.get("time", "?")) for x in metas if (x.get("commit"), x.get("cpu_model")) == key)
+            when = times[0] if times[0] == times[-1] else f"{times[0]} to {times[-1][11:]}"
+            rows.append([f"`{path.name}`", short_commit(m.get("commit")), when, name, isa,
+                         "yes" if citable(m.get("commit")) else "no (+dirty)"])
+    out = ["## The runs behind this page\n\n"
+           "Every result file in benchmarks/results with a run record: the commit it ran at, when, on which CPU "
+           "(hosts.json), and whether its figures are citable (a run from a tree with uncommitted changes is "
+           "not). A figure quoted in a hand-written section comes from the file that section names.\n\n",
+           table(["file", "commit", "run (UTC)", "CPU", "ISA", "citable"], rows)]
+    if unrecorded:
+        out.append("\nWithout a run record of their own (written before the scripts recorded one; the sections that "
+                   "quote them name the host and the commit that added them): "
+                   + ", ".join(f"`{n}`" for n in unrecorded) + ".\n")
+    return "".join(out)
