@@ -22,7 +22,7 @@ from pagedllm.benchmarks.report_extra import (
     scheduling_section,
 )
 from pagedllm.benchmarks.report_headline import headline_section
-from pagedllm.benchmarks.report_render import load
+from pagedllm.benchmarks.report_render import load, with_record
 from pagedllm.benchmarks.report_sections import (
     kv_quality_section,
     latency_matrix_table,
@@ -135,14 +135,14 @@ def render(res: Path = RESULTS, img_dir: Path = DOC.parent / "img", draw: bool =
     if (pf := load(res / "prefill.json")) is not None:
         parts.append("## Long-context prefill\n\n" + latency_matrix_table(pf))
     if (kq := load(res / "kv_cache_dtype_quality.json")) is not None:
-        parts.append(kv_quality_section(kq))
+        parts.append(kv_quality_section(with_record(kq, "kv_cache_dtype_quality.json", res)))
     for name in NOTES:
         if (note := res / name).exists():
             parts.append(note.read_text())
     if (res / "amx.md").exists() or (res / "amx_throughput.json").exists():
         parts.append(amx_section(res, img_dir, draw))
     if (host := load(res / "host_overhead.json")) is not None:
-        parts.append(host_overhead_section(host))
+        parts.append(host_overhead_section(with_record(host, "host_overhead.json", res)))
     sched = load(res / "bench_scheduling.json") or load(res / "bench_scheduling_quick.json")
     if sched is not None:
         parts.append(scheduling_section(sched))

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pagedllm.benchmarks.report_render import fmt, load, run_block, table
+from pagedllm.benchmarks.report_render import fmt, load, machine, run_block, table
 from pagedllm.benchmarks.report_sections import latency_matrix_table, throughput_section
 
 
@@ -100,7 +100,9 @@ def host_overhead_section(r: dict[str, Any]) -> str:
         "Median microseconds per decode step (all N requests decode one token), bfloat16, SmolLM2-135M; "
         "`host` is the step's wall time minus the model forward (attention included) and the LM head. "
         "Before: " + r["before"]["tree"] + "; after: " + r["after"]["tree"] + ". Same machine, one sitting "
-        "(shared 2 cores, load average " + r.get("load", "?") + "), one script run per tree:\n",
+        "(shared 2 cores, load average " + r.get("load", "?") + "), one script run per tree"
+        + (f"; machine {machine(r['meta'])}, results committed in {r['meta']['commit']}" if r.get("meta") else "")
+        + ":\n",
         f"```\n{r['command']}\n```\n",
         table(["N", "part", "before (µs)", "after (µs)", "before / after"], rows),
     ]
@@ -154,17 +156,14 @@ def _metas(node: Any) -> list[dict[str, Any]]:
 def runs_appendix(res: Path) -> str:
     """One row per result file and run record: the commit, time and CPU each figure on this page
     comes from, and whether it is citable (a clean tree)."""
-    import json
+    from pagedllm.benchmarks.report_render import citable, cpu, provenance, short_commit
 
-    from pagedllm.benchmarks.report_render import citable, cpu, short_commit
-
-    prov_path = res / "provenance.json"
-    provenance = json.loads(prov_path.read_text())["files"] if prov_path.exists() else {}
+    records = provenance(res)
     rows, unrecorded = [], []
     for path in sorted(res.glob("*.json")):
         if path.name in ("hosts.json", "provenance.json") or (data := load(path)) is None:
             continue
-        metas = _metas(data) or ([dict(provenance[path.name], _source=path.name)] if path.name in provenance else [])
+        metas = _metas(data) or ([dict(records[path.name], _source=path.name)] if path.name in records else [])
         if not metas:
             unrecorded.append(path.name)
             continue

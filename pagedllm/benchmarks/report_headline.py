@@ -10,14 +10,13 @@ runs, and keep a dirty one only where no clean run of that figure exists on that
 
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from pagedllm.benchmarks import report_render as rr
-from pagedllm.benchmarks.report_render import GIB, citable, command, cpu, load, short_commit, table
+from pagedllm.benchmarks.report_render import GIB, citable, command, cpu, load, short_commit, table, with_record
 
 
 @dataclass
@@ -114,22 +113,14 @@ ROWS: tuple[tuple[str, str, str, Callable[[dict[str, Any]], Figure]], ...] = (
 )
 
 
-def _with_record(data: dict[str, Any], name: str, provenance: dict[str, Any]) -> dict[str, Any]:
-    if "meta" not in data and name in provenance:
-        data = dict(data, meta=dict(provenance[name], _source=name, provenance=True))
-    return data
-
-
 def headline_rows(results: Path) -> list[dict[str, Any]]:
-    prov_path = results / "provenance.json"
-    provenance = json.loads(prov_path.read_text())["files"] if prov_path.exists() else {}
     rows = []
     for what, peer, name, figure in ROWS:
         data = load(results / name)
         if data is None:
             continue
         try:
-            f = figure(_with_record(data, name, provenance))
+            f = figure(with_record(data, name, results))
         except (KeyError, StopIteration, TypeError, ZeroDivisionError):
             continue  # a result file of another shape under that name: no headline row from it
         name_, isa = cpu(f.meta, name)

@@ -137,3 +137,17 @@ def use_hosts(results: Path) -> None:
     """Classify runs with `results`/hosts.json from now on."""
     global HOSTS
     HOSTS = Hosts(results)
+
+
+def provenance(results: Path) -> dict[str, Any]:
+    """benchmarks/results/provenance.json: run records for result files that carry none."""
+    path = results / "provenance.json"
+    return json.loads(path.read_text())["files"] if path.exists() else {}
+
+
+def with_record(data: dict[str, Any], name: str, results: Path) -> dict[str, Any]:
+    """`data` with a `meta` from provenance.json where the file has none of its own."""
+    records = provenance(results)
+    if "meta" not in data and name in records:
+        data = dict(data, meta=dict(records[name], _source=name, provenance=True))
+    return data

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pagedllm.benchmarks.report_render import GIB, fmt, pyplot, run_block, table
+from pagedllm.benchmarks.report_render import GIB, fmt, machine, pyplot, run_block, table
 
 
 def throughput_section(r: dict[str, Any], img: Path, draw: bool = True) -> str:
@@ -251,8 +251,12 @@ def kv_quality_section(q: dict[str, Any]) -> str:
     rows = [[r["dtype"], r["kv_cache_dtype"] + (" (calculated scales)" if r["calculate_kv_scales"] else " (scale 1.0)"),
              f"{r['exact_sequences']}/{r['num_prompts']}", f"{100 * r['mean_agreement']:.1f}%",
              f"{r['mean_abs_delta_logprob']:.4f}", f"{r['max_abs_delta_logprob']:.3f}"] for r in q["rows"]]
+    rec = q.get("meta") or {}
+    where = (f"Machine: {machine(rec)}. Commit {rec['commit']} (the commit that added the results; the run recorded "
+             f"none), {rec.get('time', '?')}.\n") if rec.get("commit") else ""
     return ("## KV cache dtype: correctness cost\n\n```\nPYTHONPATH=. python benchmarks/kv_cache_dtype_quality.py "
             "--dtype bfloat16 --calculate-kv-scales --output-json benchmarks/results/kv_cache_dtype_quality.json\n```\n"
+            + where +
             "Greedy decoding of the 64 HF correctness prompts (chat template, 32 tokens) with each cache dtype "
             "against the model dtype's own cache; agreement = tokens before the first difference; |Δlogprob| of the "
             "same chosen token while the runs agree.\n\n"
