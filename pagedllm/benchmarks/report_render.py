@@ -54,6 +54,9 @@ class Hosts:
                 continue
             if any(fnmatch.fnmatch(source, pattern) for pattern in host.get("files", ["*"])):
                 return host
+        for host in self.hosts:  # a file named for no host: the first host with that CPU model
+            if model and host.get("cpu_model") == model:
+                return host
         return {"label": model or "?", "isa": "?", "cpu_model": model}
 
 

@@ -364,6 +364,7 @@ def memory_section(r: dict[str, Any], img: Path, draw: bool = True) -> str:
         f"{r['contiguous_max_concurrency']} requests at max_model_len, against the mean batch below.\n\n"
         + table(["block size", "paged utilization", "paged waste", "contiguous waste (prompt+max_tokens)",
                  f"contiguous waste (max_model_len)", "mean batch", "preemptions"], rows)
+        + (f"\n{r['note']}\n" if r.get("note") else "")
         + f"\n![KV waste](img/{img.name})\n"
     )
 
