@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Prepares, on a machine with network and the project's venv, what the GPU machine lacks for the
 # default-model part of `make gpu-check`: the pure-Python `gguf` wheel and the default model's GGUF
-# file, split into parts that each fit one device call's 64 MiB carry limit. Everything goes to
-# .gpu-carry/ (git-ignored). See docs/gpu.md for the calls that reassemble it there.
+# file, split into parts of 40 MB for transfers that limit a file's size. Everything goes to
+# .gpu-carry/ (git-ignored). See docs/gpu.md for the commands that reassemble it there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}

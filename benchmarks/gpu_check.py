@@ -324,8 +324,8 @@ def greedy(model: str, prompts: list[str], tokens: int, **engine_args: Any) -> t
 
 
 def agreement(ours: list[list[int]], our_tops: list[list[set]], ref: list[list[int]], ref_tops: list[list[set]]) -> dict:
-    """Exact greedy matches, and DESIGN.md's closeness rule at the first difference (each side's
-    token in the other's top 5)."""
+    """Exact greedy matches, and the closeness rule of docs/architecture.md at the first difference
+    (each side's token in the other's top 5)."""
     exact = close = 0
     matched = []
     for a, ta, b, tb in zip(ours, our_tops, ref, ref_tops):
