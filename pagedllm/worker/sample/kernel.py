@@ -5,24 +5,16 @@ PAGEDLLM_NATIVE_SAMPLING=0); the caller then takes its torch path."""
 
 from __future__ import annotations
 
-import ctypes
-from functools import lru_cache
-from pathlib import Path
+from typing import Any
 
 import torch
 
-from pagedllm.attention.cpu_kernel import load_native
+from pagedllm import native
+from pagedllm.native import kernels
 
-_SAMPLING_SRC = Path(__file__).resolve().parents[2] / "native" / "csrc" / "sampling.c"
 
-
-@lru_cache(maxsize=1)
-def _sampling_kernel() -> ctypes.CDLL | None:
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    return load_native(_SAMPLING_SRC, "PAGEDLLM_NATIVE_SAMPLING", {
-        "top_p_cuts": ([p, i64, i64, i64, p, p], ctypes.c_int),
-        "sample_rows": ([p, i64, i64, i64, p, p, p, p, p], ctypes.c_int),
-    })
+def _sampling_kernel() -> Any:
+    return native.load(kernels.SAMPLING)
 
 
 def top_p_cuts_apply(logits: torch.Tensor) -> bool:
