@@ -9,7 +9,7 @@
  *                   with r = [-x2, x1], cos/sin rows of the token's position (bf16 tables).
  *
  * Rows are split over the OpenMP team only when there are enough of them to pay for waking it.
- * The fused decode step (pagedllm/worker/csrc/llama_decode.c) includes this file and calls the
+ * The fused decode step (llama_decode.c) includes this file and calls the
  * per-row functions (rms_norm_bf16_row, silu_mul_bf16_span, rope_bf16_row) inside its own team,
  * so that its bf16 results are these kernels' to the bit (and silu_mul_f32_span for float32).
  * Layouts: x [T, N] with row stride ldx (elements); add, h_out and y [T, N] contiguous; all bf16
@@ -26,211 +26,15 @@
 #define ELEMENTWISE_PARALLEL_MIN (1 << 18)
 
 #if defined(__AVX512F__)
-/* The bf16 ops (written once, below) on 16 float32 lanes. */
-typedef __m512 vbf;
-#define BF_LANES 16
-#define BF_LOAD(p) bf16x16_load(p)
-#define BF_STORE(p, v) _mm256_storeu_si256((__m256i *)(p), bf16x16_from_f32(v))
-#define BF_ROUND(v) round_bf16(v)
-#define BF_ADD _mm512_add_ps
-#define BF_SUB _mm512_sub_ps
-#define BF_MUL _mm512_mul_ps
-#define BF_DIV _mm512_div_ps
-#define BF_FMA _mm512_fmadd_ps
-#define BF_SET1 _mm512_set1_ps
-#define BF_ZERO _mm512_setzero_ps
-#define BF_EXP exp512
-#define BF_SUM lane_sum
-
-/* ---- float32: the same three ops, one pass each (the torch formulas take 2-7 passes and as many
- * allocations). Products and sums are rounded one by one (no fused multiply-adds), as the torch
- * formulas round them; the RMSNorm statistics and exp differ from torch's in the last bits. */
-#define RN (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-
-static inline __mmask16 tail16(int64_t n, int64_t i) {
-    return n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1u);
-}
-
-/* One row of N: h = xr + add (written to hr) when add is given, else h = xr;
- * yr = w * (h * rsqrt(mean(h^2) + eps)). The fused decode step calls it on its rows too. */
-static inline void rms_norm_f32_row(const float *xr, const float *add, float *hr, const float *w, int64_t N,
-                                    float eps, float *yr) {
-    __m512 ss = _mm512_setzero_ps();
-    for (int64_t i = 0; i < N; i += 16) {
-        const __mmask16 k = tail16(N, i);
-        __m512 h = _mm512_maskz_loadu_ps(k, xr + i);
-        if (add) {
-            h = _mm512_add_round_ps(h, _mm512_maskz_loadu_ps(k, add + i), RN);
-            _mm512_mask_storeu_ps(hr + i, k, h);
-        }
-        ss = _mm512_fmadd_ps(h, h, ss);
-    }
-    const __m512 inv = _mm512_set1_ps(1.f / sqrtf(_mm512_reduce_add_ps(ss) / (float)N + eps));
-    const float *src = add ? hr : xr;
-    for (int64_t i = 0; i < N; i += 16) {
-        const __mmask16 k = tail16(N, i);
-        const __m512 n = _mm512_mul_round_ps(_mm512_maskz_loadu_ps(k, src + i), inv, RN);
-        _mm512_mask_storeu_ps(yr + i, k, _mm512_mul_round_ps(_mm512_maskz_loadu_ps(k, w + i), n, RN));
-    }
-}
-
-/* y[i] = silu(g[i]) * u[i] for i in [lo, hi), any range (the last lanes masked); the fused decode
- * step calls it on its threads' shares of the gate rows. */
-static inline void silu_mul_f32_span(const float *g, const float *u, int64_t lo, int64_t hi, float *y) {
-    for (int64_t i = lo; i < hi; i += 16) {
-        const __mmask16 k = tail16(hi, i);
-        const __m512 gv = _mm512_maskz_loadu_ps(k, g + i);
-        const __m512 sv = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f),
-                                                          exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-        _mm512_mask_storeu_ps(y + i, k, _mm512_mul_round_ps(sv, _mm512_maskz_loadu_ps(k, u + i), RN));
-    }
-}
-
-/* One row's W / hd heads of rotate-half RoPE in float32, read from xr and written to yr (may be
- * xr): y = x * cos + r * sin, r = [-x2, x1], each product rounded before the sum; c and s are
- * the position's table rows; (hd / 2) % 16 == 0. The fused decode step calls it on its rows too. */
-static inline void rope_f32_row(const float *xr0, int64_t W, int64_t hd, const float *c, const float *s,
-                                float *yr0) {
-    const int64_t half = hd / 2;
-    for (int64_t h0 = 0; h0 < W; h0 += hd) {
-        const float *xr = xr0 + h0;
-        float *yr = yr0 + h0;
-        for (int64_t i = 0; i < half; i += 16) {
-            const __m512 x1 = _mm512_loadu_ps(xr + i), x2 = _mm512_loadu_ps(xr + half + i);
-            const __m512 lo = _mm512_add_round_ps(
-                _mm512_mul_round_ps(x1, _mm512_loadu_ps(c + i), RN),
-                _mm512_mul_round_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), _mm512_loadu_ps(s + i), RN), RN);
-            const __m512 hi = _mm512_add_round_ps(
-                _mm512_mul_round_ps(x2, _mm512_loadu_ps(c + half + i), RN),
-                _mm512_mul_round_ps(x1, _mm512_loadu_ps(s + half + i), RN), RN);
-            _mm512_storeu_ps(yr + i, lo);
-            _mm512_storeu_ps(yr + half + i, hi);
-        }
-    }
-}
-
-#undef RN
-#define ELEMENTWISE_F32 1
+#include "elementwise_avx512.h"
 #elif defined(__AVX2__) && defined(__FMA__)
-/* float32 on CPUs with AVX2 + FMA and no AVX-512: the same three ops on 8 lanes, with the rounding
- * points of the AVX-512 forms (each product through mul_rn8, so none is contracted into an FMA with
- * the sum after it). RMSNorm and SiLU rows whose length is not a multiple of 8 finish in scalar
- * code; RoPE rows come with (hd / 2) % 16 == 0, as for the AVX-512 form (both callers check it). */
-
-/* exp256: bf16.h */
-
-static inline void rms_norm_f32_row(const float *xr, const float *add, float *hr, const float *w, int64_t N,
-                                    float eps, float *yr) {
-    __m256 ss = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= N; i += 8) {
-        __m256 h = _mm256_loadu_ps(xr + i);
-        if (add) {
-            h = _mm256_add_ps(h, _mm256_loadu_ps(add + i));
-            _mm256_storeu_ps(hr + i, h);
-        }
-        ss = _mm256_fmadd_ps(h, h, ss);
-    }
-    float tail = 0.f;
-    for (int64_t j = i; j < N; j++) {
-        const float h = add ? (hr[j] = xr[j] + add[j]) : xr[j];
-        tail += h * h;
-    }
-    const float inv = 1.f / sqrtf((lane_sum8(ss) + tail) / (float)N + eps);
-    const __m256 iv = _mm256_set1_ps(inv);
-    const float *src = add ? hr : xr;
-    for (i = 0; i + 8 <= N; i += 8)
-        _mm256_storeu_ps(yr + i, mul_rn8(_mm256_loadu_ps(w + i), mul_rn8(_mm256_loadu_ps(src + i), iv)));
-    for (; i < N; i++) {
-        const __m256 n = mul_rn8(_mm256_set1_ps(src[i]), iv);
-        yr[i] = _mm256_cvtss_f32(mul_rn8(_mm256_set1_ps(w[i]), n));
-    }
-}
-
-/* silu(g) = g / (1 + e^-g) on 8 lanes. */
-static inline __m256 silu8(__m256 g) {
-    return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-}
-
-static inline void silu_mul_f32_span(const float *g, const float *u, int64_t lo, int64_t hi, float *y) {
-    int64_t i = lo;
-    for (; i + 8 <= hi; i += 8)
-        _mm256_storeu_ps(y + i, mul_rn8(silu8(_mm256_loadu_ps(g + i)), _mm256_loadu_ps(u + i)));
-    for (; i < hi; i++) y[i] = _mm256_cvtss_f32(mul_rn8(silu8(_mm256_set1_ps(g[i])), _mm256_set1_ps(u[i])));
-}
-
-static inline void rope_f32_row(const float *xr0, int64_t W, int64_t hd, const float *c, const float *s,
-                                float *yr0) {
-    const int64_t half = hd / 2;
-    for (int64_t h0 = 0; h0 < W; h0 += hd) {
-        const float *xr = xr0 + h0;
-        float *yr = yr0 + h0;
-        for (int64_t i = 0; i < half; i += 8) {
-            const __m256 x1 = _mm256_loadu_ps(xr + i), x2 = _mm256_loadu_ps(xr + half + i);
-            const __m256 lo = _mm256_add_ps(mul_rn8(x1, _mm256_loadu_ps(c + i)),
-                                            mul_rn8(_mm256_sub_ps(_mm256_setzero_ps(), x2), _mm256_loadu_ps(s + i)));
-            const __m256 hi = _mm256_add_ps(mul_rn8(x2, _mm256_loadu_ps(c + half + i)),
-                                            mul_rn8(x1, _mm256_loadu_ps(s + half + i)));
-            _mm256_storeu_ps(yr + i, lo);
-            _mm256_storeu_ps(yr + half + i, hi);
-        }
-    }
-}
-
-/* The bf16 ops (written once, below) on 8 float32 lanes. */
-typedef __m256 vbf;
-#define BF_LANES 8
-#define BF_LOAD(p) bf16x8_load(p)
-#define BF_STORE(p, v) _mm_storeu_si128((__m128i *)(p), bf16x8_from_f32(v))
-#define BF_ROUND(v) round_bf16_8(v)
-#define BF_ADD _mm256_add_ps
-#define BF_SUB _mm256_sub_ps
-#define BF_MUL _mm256_mul_ps
-#define BF_DIV _mm256_div_ps
-#define BF_FMA _mm256_fmadd_ps
-#define BF_SET1 _mm256_set1_ps
-#define BF_ZERO _mm256_setzero_ps
-#define BF_EXP exp256
-#define BF_SUM lane_sum8
-#define ELEMENTWISE_F32 1
+#include "elementwise_avx2.h"
 #else
-/* Neither AVX-512 nor AVX2 + FMA: the float32 row functions the fused decode step calls, as plain
- * loops the compiler vectorizes (expf through the vector math library under -ffast-math). Same
- * formulas as above; nothing is exported, so the torch path keeps torch's ops on these CPUs. */
-static inline void rms_norm_f32_row(const float *xr, const float *add, float *hr, const float *w, int64_t N,
-                                    float eps, float *yr) {
-    const float *src = xr;
-    if (add) {
-        for (int64_t i = 0; i < N; i++) hr[i] = xr[i] + add[i];
-        src = hr;
-    }
-    float ss = 0.f;
-    for (int64_t i = 0; i < N; i++) ss += src[i] * src[i];
-    const float inv = 1.f / sqrtf(ss / (float)N + eps);
-    for (int64_t i = 0; i < N; i++) yr[i] = w[i] * (src[i] * inv);
-}
-
-static inline void silu_mul_f32_span(const float *g, const float *u, int64_t lo, int64_t hi, float *y) {
-    for (int64_t i = lo; i < hi; i++) y[i] = g[i] / (1.f + expf(-g[i])) * u[i];
-}
-
-static inline void rope_f32_row(const float *xr0, int64_t W, int64_t hd, const float *c, const float *s,
-                                float *yr0) {
-    const int64_t half = hd / 2;
-    for (int64_t h0 = 0; h0 < W; h0 += hd) {
-        const float *xr = xr0 + h0;
-        float *yr = yr0 + h0;
-        for (int64_t i = 0; i < half; i++) {
-            const float x1 = xr[i], x2 = xr[half + i];
-            yr[i] = x1 * c[i] + (-x2) * s[i];
-            yr[half + i] = x2 * c[half + i] + x1 * s[half + i];
-        }
-    }
-}
+#include "elementwise_scalar.h"
 #endif
 
 #if defined(ELEMENTWISE_F32)
-/* ---- float32 entry points (the AVX-512 or AVX2 row functions above). */
+/* ---- float32 entry points (elementwise_avx512.h's or elementwise_avx2.h's row functions). */
 /* h = x + add (written to h_out) when add is given, else h = x; y = w * (h * rsqrt(mean(h^2) + eps)). */
 int rms_norm_f32(const float *x, int64_t ldx, const float *add, float *h_out, const float *w, int64_t T, int64_t N,
                  float eps, float *y) {

@@ -31,13 +31,12 @@
  * llama_decode_head runs the same step on to the LM head: the logits of the rows that sample and,
  * for batches that sample greedily with nothing else, their argmax.
  *
- * GEMMs are the small-M kernel of pagedllm/layers/csrc/small_m_gemm.c (included below), which
- * the torch path also uses for decode rows. Each of a layer's four linear layers may instead be
- * quantized (4-bit group codes of int4 / GGUF / AWQ / GPTQ, int8 codes, fp8 e4m3, w8a8's
- * row-major int8 codes): then it runs the same function of pagedllm/quantization/csrc/linear_quant.c
- * (included below) that the torch path's LinearMethod calls, on the same bf16 activations (w8a8: on
- * the activations in dt, quantized per row as the torch path does), so a quantized layer's output
- * is the torch path's to the bit whenever its input is.
+ * GEMMs are the small-M kernel of small_m_gemm.c (included below), which the torch path also uses
+ * for decode rows. Each of a layer's four linear layers may instead be quantized (4-bit group codes
+ * of int4 / GGUF / AWQ / GPTQ, int8 codes, fp8 e4m3, w8a8's row-major int8 codes): then it runs the
+ * same function of linear_quant.c (included below) that the torch path's LinearMethod calls, on
+ * the same bf16 activations (w8a8: on the activations in dt, quantized per row as the torch path
+ * does), so a quantized layer's output is the torch path's to the bit whenever its input is.
  */
 #include <math.h>
 #include <stdint.h>

@@ -1,0 +1,88 @@
+/* small_m_gemm.c's tiles on CPUs with AVX-512F and AVX512BW: float32 FMAs, and bf16 dot products
+ * where the CPU has AVX-512 BF16. Included by small_m_gemm.c; small_m_gemm_avx2.h is the AVX2 + FMA
+ * form of the same tile functions. */
+
+/* y rows m0 .. m0 + 3, columns n0 .. n0 + 3 from the sums of a whole tile's accumulators
+ * (acc[m][r] for x row m0 + m and W row n0 + r), the bias added in float32, stored in dtype dt. */
+static inline __attribute__((always_inline)) void store_tile(const __m512 acc[4][4], int64_t m0, int64_t n0, int64_t N,
+                                                            const void *bias, void *y, int dt) {
+    __m512 v = lane_sums16(&acc[0][0]);
+    if (bias != NULL) {
+        const __m128 b = dt == LD_F32 ? _mm_loadu_ps((const float *)bias + n0)
+                                      : _mm_castsi128_ps(_mm_slli_epi32(
+                                            _mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i *)((const uint16_t *)bias + n0))), 16));
+        v = _mm512_add_ps(v, _mm512_broadcast_f32x4(b));
+    }
+    if (dt == LD_F32) {
+        for (int m = 0; m < 4; m++)
+            _mm_storeu_ps((float *)y + (m0 + m) * N + n0, _mm512_extractf32x4_ps(v, m));
+        return;
+    }
+    const __m256i h = bf16x16_from_f32(v);
+    const __m128i lo = _mm256_castsi256_si128(h), hi = _mm256_extracti128_si256(h, 1);
+    _mm_storel_epi64((__m128i *)((uint16_t *)y + m0 * N + n0), lo);
+    _mm_storel_epi64((__m128i *)((uint16_t *)y + (m0 + 1) * N + n0), _mm_unpackhi_epi64(lo, lo));
+    _mm_storel_epi64((__m128i *)((uint16_t *)y + (m0 + 2) * N + n0), hi);
+    _mm_storel_epi64((__m128i *)((uint16_t *)y + (m0 + 3) * N + n0), _mm_unpackhi_epi64(hi, hi));
+}
+
+/* Rows n0 .. n0 + nr - 1 of y for x rows m0 .. m0 + mr - 1 (mr <= MR, nr <= NR); K % 16 == 0 for
+ * float32, K % 32 == 0 for bf16 (the callers check). pf: the next W block's first row (NR rows of
+ * K), or NULL; its lines are prefetched at steps pf_phase, pf_phase + pf_every, ... of K. */
+static inline __attribute__((always_inline)) void gemm_tile_f32(const float *x, int64_t m0, int64_t mr, const float *w, int64_t n0, int64_t nr,
+                                 int64_t N, int64_t K, const float *bias, float *y, const float *pf, int64_t pf_phase, int64_t pf_every) {
+    __m512 acc[MR][NR];
+    for (int m = 0; m < MR; m++)
+        for (int r = 0; r < NR; r++) acc[m][r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        __m512 wv[NR];
+        for (int r = 0; r < NR; r++) wv[r] = _mm512_loadu_ps(w + (n0 + (r < nr ? r : 0)) * K + k);
+        if (pf != NULL && pf_phase-- == 0) {
+            for (int r = 0; r < NR; r++) _mm_prefetch((const char *)(pf + r * K + k), _MM_HINT_T0);
+            pf_phase = pf_every - 1;
+        }
+        for (int64_t m = 0; m < mr; m++) {
+            const __m512 xv = _mm512_loadu_ps(x + (m0 + m) * K + k);
+            for (int r = 0; r < NR; r++) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
+        }
+    }
+    if (mr == MR && nr == NR) {
+        store_tile((const __m512(*)[NR])acc, m0, n0, N, bias, y, LD_F32);
+        return;
+    }
+    for (int64_t m = 0; m < mr; m++)
+        for (int64_t r = 0; r < nr; r++)
+            y[(m0 + m) * N + n0 + r] = lane_sum(acc[m][r]) + (bias ? bias[n0 + r] : 0.0f);
+}
+
+#if HAVE_AVX512_BF16
+static inline __attribute__((always_inline)) void gemm_tile_bf16(const uint16_t *x, int64_t m0, int64_t mr, const uint16_t *w, int64_t n0,
+                                  int64_t nr, int64_t N, int64_t K, const uint16_t *bias, uint16_t *y,
+                                  const uint16_t *pf, int64_t pf_phase, int64_t pf_every) {
+    __m512 acc[MR][NR];
+    for (int m = 0; m < MR; m++)
+        for (int r = 0; r < NR; r++) acc[m][r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        __m512bh wv[NR];
+        for (int r = 0; r < NR; r++) wv[r] = (__m512bh)_mm512_loadu_si512((const void *)(w + (n0 + (r < nr ? r : 0)) * K + k));
+        if (pf != NULL && pf_phase-- == 0) {
+            for (int r = 0; r < NR; r++) _mm_prefetch((const char *)(pf + r * K + k), _MM_HINT_T0);
+            pf_phase = pf_every - 1;
+        }
+        for (int64_t m = 0; m < mr; m++) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + (m0 + m) * K + k));
+            for (int r = 0; r < NR; r++) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
+        }
+    }
+    if (mr == MR && nr == NR) {
+        store_tile((const __m512(*)[NR])acc, m0, n0, N, bias, y, LD_BF16);
+        return;
+    }
+    for (int64_t m = 0; m < mr; m++)
+        for (int64_t r = 0; r < nr; r++) {
+            float s = lane_sum(acc[m][r]);
+            if (bias) s += bf16_to_f32(bias[n0 + r]);
+            y[(m0 + m) * N + n0 + r] = f32_to_bf16(s);
+        }
+}
+#endif
