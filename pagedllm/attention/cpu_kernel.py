@@ -7,14 +7,12 @@ by pagedllm.native (declared in pagedllm.native.kernels); the torch backend is t
 
 from __future__ import annotations
 
-import ctypes
 from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from pagedllm import envs, native
+from pagedllm import native
 from pagedllm.native import kernels
 from pagedllm.native.declare import Binding
 
@@ -273,19 +271,3 @@ def paged_attention_native(
     )
     return out
 
-
-def load_native(src: Path, switch_env: str, signatures: dict[str, tuple[list[Any], Any]],
-                includes: tuple[Path, ...] = ()) -> ctypes.CDLL | None:
-    """Transitional entry for the sampler, which has not moved to pagedllm.native yet: `src` (found
-    by its name in pagedllm/native/csrc) built, with each function of `signatures` (name ->
-    (argtypes, restype)) typed; None where `switch_env` turns it off, it cannot be built, or it
-    lacks one of the functions. New code calls native.load with a declared Library."""
-    if not getattr(envs, switch_env):
-        return None
-    lib = native.compile_native(src if src.exists() else native.CSRC / src.name)
-    if lib is None or not all(hasattr(lib, name) for name in signatures):
-        return None
-    for name, (argtypes, restype) in signatures.items():
-        f = getattr(lib, name)
-        f.argtypes, f.restype = argtypes, restype
-    return lib

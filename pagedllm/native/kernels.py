@@ -9,7 +9,7 @@ from __future__ import annotations
 import ctypes
 
 from pagedllm import envs
-from pagedllm.native.declare import F32, I32, I64, PTR, VOID, Arg, Kernel, Library, f32, i32, i64, ptr
+from pagedllm.native.declare import I32, I64, PTR, VOID, Arg, Kernel, Library, f32, i32, i64, ptr
 
 
 def _ints(*names: str) -> tuple[Arg, ...]:
