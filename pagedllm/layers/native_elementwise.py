@@ -59,8 +59,17 @@ def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float,
         return None
     y = torch.empty(T, N, dtype=x.dtype)
     h = x if add is None else torch.empty(T, N, dtype=x.dtype)
-    rc = fn(x.data_ptr(), x.stride(0), 0 if add is None else add.data_ptr(), 0 if add is None else h.data_ptr(),
-            weight.data_ptr(), T, N, eps, y.data_ptr())
+    rc = fn(
+        x.data_ptr(),  # x
+        x.stride(0),  # ldx
+        0 if add is None else add.data_ptr(),  # add
+        0 if add is None else h.data_ptr(),  # h_out
+        weight.data_ptr(),  # w
+        T,  # T
+        N,  # N
+        eps,  # eps
+        y.data_ptr(),  # y
+    )
     return None if rc else (h, y)
 
 
@@ -94,6 +103,16 @@ def rope_bf16(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: 
         return None
     T, W = x.shape
     y = torch.empty(T, W, dtype=x.dtype)
-    rc = fn(x.data_ptr(), x.stride(0), T, W, head_dim, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-            cos.shape[0], y.data_ptr())
+    rc = fn(
+        x.data_ptr(),  # x
+        x.stride(0),  # ldx
+        T,  # T
+        W,  # W
+        head_dim,  # hd
+        positions.data_ptr(),  # pos
+        cos.data_ptr(),  # cos
+        sin.data_ptr(),  # sin
+        cos.shape[0],  # max_pos
+        y.data_ptr(),  # y
+    )
     return None if rc else y

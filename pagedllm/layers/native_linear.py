@@ -101,6 +101,14 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     N = weight.shape[0]
     y = torch.empty(M, N, dtype=dt)
     b = None if bias is None else bias.contiguous().data_ptr()
-    if lib.small_m_linear(x.data_ptr(), M, weight.data_ptr(), b, N, K, y.data_ptr(), _DTYPE_CODES[dt]) != 0:
-        return None
-    return y
+    rc = lib.small_m_linear(
+        x.data_ptr(),  # x
+        M,  # M
+        weight.data_ptr(),  # w
+        b,  # bias
+        N,  # N
+        K,  # K
+        y.data_ptr(),  # y
+        _DTYPE_CODES[dt],  # dt
+    )
+    return None if rc else y

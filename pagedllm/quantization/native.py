@@ -128,8 +128,20 @@ def small_m_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, z
     out_f32 = x.dtype == torch.float32
     y = torch.empty(m, n, dtype=torch.float32 if out_f32 else torch.bfloat16)
     f = {4: lib.int4_linear_bf16, 8: lib.int8_linear_bf16, 3: lib.e4m3_linear_bf16}[bits]
-    if f(x2.data_ptr(), m, codes.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n, k, k // scales.shape[1],
-         y.data_ptr(), int(out_f32), int(int8_activations())) != 0:
+    rc = f(
+        x2.data_ptr(),  # x
+        m,  # M
+        codes.data_ptr(),  # codes
+        scales.data_ptr(),  # scales
+        zeros.data_ptr(),  # zeros
+        n,  # N
+        k,  # K
+        k // scales.shape[1],  # G
+        y.data_ptr(),  # y
+        int(out_f32),  # y_f32
+        int(int8_activations()),  # int8_act
+    )
+    if rc != 0:
         raise ValueError(f"quantized kernel: group size {k // scales.shape[1]} does not fit {k} inputs")
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
@@ -156,8 +168,18 @@ def w8a8_small_m_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tens
     xk = _w8a8_rows(x, k)
     n = codes.shape[0]
     y = torch.empty(m, n, dtype=xk.dtype)
-    if load_quant_kernel().w8a8_linear(xk.data_ptr(), m, codes.data_ptr(), scales.data_ptr(), wsum.data_ptr(), n, k,
-                                       y.data_ptr(), int(xk.dtype == torch.float32)) != 0:
+    rc = load_quant_kernel().w8a8_linear(
+        xk.data_ptr(),  # x
+        m,  # M
+        codes.data_ptr(),  # codes
+        scales.data_ptr(),  # scales
+        wsum.data_ptr(),  # wsum
+        n,  # N
+        k,  # K
+        y.data_ptr(),  # y
+        int(xk.dtype == torch.float32),  # f32
+    )
+    if rc != 0:
         raise ValueError(f"w8a8 kernel: {m} x {k} activations do not fit")
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
@@ -191,8 +213,18 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, b
     """The weight [n, K] in `dtype` (bfloat16 or float32), expanded from the kernel's layout."""
     k = _in_features(codes, bits)
     w = torch.empty(n, k, dtype=dtype)
-    if load_quant_kernel().quant_dequant(bits, codes.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n, k,
-                                         k // scales.shape[1], w.data_ptr(), int(dtype == torch.float32)) != 0:
+    rc = load_quant_kernel().quant_dequant(
+        bits,  # bits
+        codes.data_ptr(),  # codes
+        scales.data_ptr(),  # scales
+        zeros.data_ptr(),  # zeros
+        n,  # N
+        k,  # K
+        k // scales.shape[1],  # G
+        w.data_ptr(),  # w
+        int(dtype == torch.float32),  # w_f32
+    )
+    if rc != 0:
         raise ValueError(f"quantized kernel: group size {k // scales.shape[1]} does not fit {k} inputs")
     return w
 
@@ -206,9 +238,20 @@ def gather_rows(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, 
     flat = ids.reshape(-1).to(torch.int64).contiguous()
     out_f32 = dtype != torch.bfloat16
     out = torch.empty(flat.numel(), k, dtype=torch.float32 if out_f32 else torch.bfloat16)
-    if load_quant_kernel().quant_gather_rows(bits, codes.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n, k,
-                                             k // scales.shape[1], flat.data_ptr(), flat.numel(), out.data_ptr(),
-                                             int(out_f32)) != 0:
+    rc = load_quant_kernel().quant_gather_rows(
+        bits,  # bits
+        codes.data_ptr(),  # codes
+        scales.data_ptr(),  # scales
+        zeros.data_ptr(),  # zeros
+        n,  # N
+        k,  # K
+        k // scales.shape[1],  # G
+        flat.data_ptr(),  # ids
+        flat.numel(),  # M
+        out.data_ptr(),  # out
+        int(out_f32),  # out_f32
+    )
+    if rc != 0:
         raise ValueError(f"quantized kernel: group size {k // scales.shape[1]} does not fit {k} inputs")
     return out.to(dtype).reshape(*ids.shape, k)
 

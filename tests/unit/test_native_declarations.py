@@ -2,8 +2,9 @@
 read from the library's sources (the C file and everything it includes), and every definition of a
 declared function (one per ISA form where a file has several) must have the declaration's number
 of arguments, argument names and compatible types, and its return type. The fused decode step's
-ctypes structs are checked against their C typedefs the same way; and the wrappers that call a
-kernel with one argument per line, each named in a comment, name them in the declaration's order.
+ctypes structs are checked against their C typedefs the same way. Wrappers call the kernels with
+positional arguments (ctypes' cheapest call), one a line, each named in a comment: those names
+must be the declaration's, in its order.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ import pytest
 
 from pagedllm import native
 from pagedllm.attention import cpu_kernel
+from pagedllm.layers import native_elementwise, native_linear
 from pagedllm.native import kernels
 from pagedllm.native.declare import Arg, Kernel, Library
+from pagedllm.quantization import native as quant_native
 
 _DEFINITION = re.compile(r"^(?!static\b)([A-Za-z_][\w \t*]*?)\b(\w+)\s*\(([^()]*)\)\s*\{", re.MULTILINE)
 _STRUCT = re.compile(r"typedef\s+struct\s*\{(.*?)\}\s*(\w+)\s*;", re.DOTALL)
@@ -138,13 +141,23 @@ def _commented_args(source: str, call: str) -> list[str]:
     return re.findall(r",\s*# (\w+)$", source[start:end], flags=re.MULTILINE)
 
 
-@pytest.mark.parametrize("call, kernel", [
-    ("lib.paged_attention(", kernels.PAGED_ATTENTION),
-    ("lib.kv_cache_write(", kernels.KV_CACHE_WRITE),
-    ("rc = fn(", kernels.FLASH_PREFILL_F32),
-])
-def test_wrapper_calls_name_the_arguments_in_order(call: str, kernel: Kernel):
-    assert _commented_args(inspect.getsource(cpu_kernel), call) == list(kernel.arg_names)
+_CALLS = [
+    (cpu_kernel.paged_attention_native, "lib.paged_attention(", kernels.PAGED_ATTENTION),
+    (cpu_kernel.kv_cache_write, "lib.kv_cache_write(", kernels.KV_CACHE_WRITE),
+    (cpu_kernel.flash_prefill, "rc = fn(", kernels.FLASH_PREFILL_F32),
+    (native_linear.small_m_linear, "lib.small_m_linear(", kernels.SMALL_M_LINEAR),
+    (native_elementwise.rms_norm_bf16, "rc = fn(", kernels.RMS_NORM_F32),
+    (native_elementwise.rope_bf16, "rc = fn(", kernels.ROPE_F32),
+    (quant_native.small_m_linear, "rc = f(", kernels.INT4_LINEAR_BF16),
+    (quant_native.w8a8_small_m_linear, ".w8a8_linear(", kernels.W8A8_LINEAR),
+    (quant_native.dequantize, ".quant_dequant(", kernels.QUANT_DEQUANT),
+    (quant_native.gather_rows, ".quant_gather_rows(", kernels.QUANT_GATHER_ROWS),
+]
+
+
+@pytest.mark.parametrize("wrapper, call, kernel", _CALLS, ids=[f"{w.__module__}.{w.__name__}" for w, _, _ in _CALLS])
+def test_wrapper_calls_name_the_arguments_in_order(wrapper, call: str, kernel: Kernel):
+    assert _commented_args(inspect.getsource(wrapper), call) == list(kernel.arg_names)
 
 
 def test_cache_key_follows_included_files():
