@@ -170,3 +170,12 @@ def test_cache_key_follows_included_files():
 def test_no_source_includes_across_folders():
     for path in native.CSRC.iterdir():
         assert '#include "../' not in path.read_text(), path.name
+
+
+def test_cache_key_changes_with_an_included_header(tmp_path):
+    (tmp_path / "k.c").write_text('#include "form.h"\nint k(void) { return F; }\n')
+    (tmp_path / "form.h").write_text("#define F 1\n")
+    before = native.cache_key(tmp_path / "k.c")
+    assert native.cache_key(tmp_path / "k.c") == before
+    (tmp_path / "form.h").write_text("#define F 2\n")
+    assert native.cache_key(tmp_path / "k.c") != before
