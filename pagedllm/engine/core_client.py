@@ -102,7 +102,11 @@ class MultiProcessClient:
 
     def __init__(self, config: EngineConfig, log_level: str = "INFO") -> None:
         from pagedllm.engine.core_proc import run_engine_core
+        from pagedllm.executor.start_method import check_spawn_allowed
 
+        # Spawned, so that it inherits none of the front end's event loop, sockets and threads: a main
+        # script that starts the engine outside `if __name__ == "__main__":` is refused here, in one line.
+        check_spawn_allowed("the engine core process")
         self.codec = Codec()
         self._dir = tempfile.mkdtemp(prefix="pagedllm-")
         self.ctx = zmq.Context()

@@ -11,7 +11,6 @@ the others are stopped.
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import os
 import socket
 import time
@@ -22,16 +21,15 @@ from typing import Any
 
 import torch
 
+from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.shm_broadcast import ShmBroadcastWriter
 from pagedllm.executor.base import MultiRankExecutor
 from pagedllm.executor.messages import decode, encode
+from pagedllm.executor.start_method import process_context
 from pagedllm.executor.worker_proc import worker_main
 
 logger = logging.getLogger(__name__)
-
-# Seconds for the workers to load the model and join the process group.
-STARTUP_TIMEOUT_S = float(os.environ.get("PAGEDLLM_WORKER_STARTUP_TIMEOUT", 600))
 
 
 class WorkerDiedError(RuntimeError):
@@ -71,7 +69,9 @@ class MultiprocExecutor(MultiRankExecutor):
         pc = config.parallel_config
         self.world_size = pc.world_size
         self.driver_rank = (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
-        ctx = mp.get_context("spawn")
+        # Forked where that is safe, so that a script without an `if __name__ == "__main__":` guard works.
+        ctx = process_context(f"the engine's {self.world_size} worker processes (tensor_parallel_size="
+                              f"{pc.tensor_parallel_size}, pipeline_parallel_size={pc.pipeline_parallel_size})")
         self.writer = ShmBroadcastWriter(ctx, self.world_size)
         init_method = f"tcp://127.0.0.1:{free_port()}"
         threads = max(1, torch.get_num_threads() // self.world_size)
@@ -90,7 +90,7 @@ class MultiprocExecutor(MultiRankExecutor):
             self.conns.append(recv)
         self._finalizer = weakref.finalize(self, _stop, self.procs, self.writer)
         for rank in range(self.world_size):
-            self._recv(rank, timeout_s=STARTUP_TIMEOUT_S)
+            self._recv(rank, timeout_s=envs.PAGEDLLM_WORKER_STARTUP_TIMEOUT)
         self.writer.unlink()  # every worker has mapped it
         logger.info("%d worker processes ready (tp=%d, pp=%d), pids %s", self.world_size, pc.tensor_parallel_size,
                     pc.pipeline_parallel_size, self.worker_pids)

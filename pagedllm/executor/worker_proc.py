@@ -52,7 +52,8 @@ class RankWorker:
 
 def worker_main(rank: int, config: EngineConfig, init_method: str, reader_args: tuple[Any, ...],
                 conn: Connection, num_threads: int, parent_pid: int, log_level: int) -> None:
-    logging.basicConfig(level=log_level, format=f"%(levelname)s rank{rank} %(name)s: %(message)s")
+    # force: a forked worker has the engine's handlers; its lines go to stderr with its rank, as a spawned one's
+    logging.basicConfig(level=log_level, format=f"%(levelname)s rank{rank} %(name)s: %(message)s", force=True)
     torch.set_num_threads(num_threads)
 
     def check_parent() -> None:

@@ -1,7 +1,8 @@
 """Tensor and pipeline parallelism against one rank: the same tokens (or a difference the
 closeness rule of docs/architecture.md explains) and the same logprobs within 1e-4, under chunked prefill and
 forced preemption; n > 1 with copy-on-write, swap preemption and aborts across ranks; the
-divisibility error; a killed worker ends the engine.
+divisibility error; a killed worker ends the engine; a script without the `__main__` guard forks
+its workers (and, where forking is unsafe, is refused in one line that names the guard).
 
 The default model at PP=2 and TP=3 x PP=2 (six processes) runs with `make test-distributed`.
 """
@@ -26,7 +27,8 @@ from test_correctness_hf import PROMPTS
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 HEAVY = pytest.mark.skipif(not os.environ.get("PAGEDLLM_TEST_DISTRIBUTED"),
-                           reason="six-process runs: make test-distributed")
+                           reason="the default model's pipeline runs (2 and 6 processes, minutes on 2 cores): "
+                                  "make test-distributed")
 TOP = 5
 # Chunked prefill (16 tokens a step) and a cache too small for the batch: preemption is certain.
 TIGHT = {"dtype": "float32", "max_num_batched_tokens": 16, "num_kv_blocks": 10, "block_size": 8,
@@ -92,7 +94,7 @@ def tiny_tp1(tiny8: str) -> list[list]:
     {"tensor_parallel_size": 2},
     {"tensor_parallel_size": 4},
     {"tensor_parallel_size": 2, "pipeline_parallel_size": 2},
-    pytest.param({"pipeline_parallel_size": 2}, marks=HEAVY),
+    {"pipeline_parallel_size": 2},
 ])
 def test_tiny_llama_matches_one_rank(tiny8: str, tiny_tp1: list[list], parallel: dict) -> None:
     for ref, got in zip(tiny_tp1, run(tiny8, PROMPTS[:12], **TINY_ROOM, **parallel)):
@@ -189,6 +191,70 @@ def test_killed_worker_ends_the_engine(tiny8: str, tmp_path) -> None:
             proc.kill()
 
 
+# A user's script as vLLM's users write them: the engine at the top level, no `__main__` guard.
+UNGUARDED_SCRIPT = textwrap.dedent("""\
+    import json, sys
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(tensor_parallel_size=3, dtype="float32", max_model_len=256)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=5)
+    outs = llm.generate(json.loads(sys.argv[1]), params, use_tqdm=False)
+    print(json.dumps([[o.outputs[0].token_ids, [{t: [lp.logprob, lp.rank] for t, lp in pos.items()}
+                                                for pos in o.outputs[0].logprobs]] for o in outs]))
+""")
+
+
+def _outputs_from_json(rows: list) -> list:
+    """RequestOutput-shaped objects from the script's JSON, for assert_same."""
+    from types import SimpleNamespace as NS
+
+    return [NS(outputs=[NS(token_ids=ids, logprobs=[{int(t): NS(logprob=v[0], rank=v[1]) for t, v in pos.items()}
+                                                    for pos in lps])]) for ids, lps in rows]
+
+
+@pytest.mark.slow
+def test_unguarded_script_forks_its_workers(tmp_path) -> None:
+    """The default model (9 heads: TP=3) in a script without the guard: the workers are forked,
+    not spawned (which would run the script again in each), and compute what one rank does."""
+    import json
+
+    prompts = PROMPTS[:4]
+    script = tmp_path / "unguarded.py"
+    script.write_text(UNGUARDED_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), json.dumps(prompts)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = _outputs_from_json(json.loads(proc.stdout.strip().splitlines()[-1]))
+    llm = LLM(dtype="float32", max_model_len=256)
+    ref = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=5),
+                       use_tqdm=False)
+    assert_same(ref, got)
+
+
+@pytest.mark.slow
+def test_unguarded_script_that_cannot_fork_says_so(tmp_path) -> None:
+    """Once torch's OpenMP threads run, forking would hang the workers, and spawning would run the
+    unguarded script again in each: the engine stops at once with one line naming the guard."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(textwrap.dedent("""\
+        import torch
+        torch.set_num_threads(2)
+        torch.randn(512, 512) @ torch.randn(512, 512)
+        torch.randn(1 << 22).exp().sum()
+        from pagedllm import LLM
+        LLM(tensor_parallel_size=3, dtype="float32")
+    """))
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert proc.returncode == 1 and time.monotonic() - t0 < 60
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("pagedllm.executor.start_method.UnguardedMainError: the engine's 3 worker processes"), \
+        proc.stderr[-3000:]
+    assert f"{script}, line 6 again" in last and 'if __name__ == "__main__":' in last
+    assert "worker rank" not in proc.stderr  # refused before any worker started
+
+
 TORCHRUN_SCRIPT = textwrap.dedent("""
     import json, os, sys, torch
     torch.set_num_threads(1)
@@ -243,7 +309,7 @@ def test_ray_executor_matches_one_process(tiny8: str, tiny_tp1: list[list]) -> N
 
 @pytest.mark.slow
 @pytest.mark.skipif(load_quant_kernel() is None, reason="--quantize-embeddings needs the native quantized kernel "
-                                                       "(AVX-512 BF16)")
+                                                       "(a C compiler; AVX-512 BF16, or AVX2 + FMA + F16C)")
 def test_quantized_embeddings_shard_the_vocabulary(tiny8: str) -> None:
     """--quantize-embeddings under TP=2: each rank keeps its vocabulary rows' codes (per row, so the
     same codes as one rank's), looks up the ids it holds and gathers its logits. The linear layers
@@ -257,7 +323,8 @@ def test_quantized_embeddings_shard_the_vocabulary(tiny8: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(load_quant_kernel() is None, reason="the quantized kernels need AVX-512 BF16 or AVX2 + FMA")
+@pytest.mark.skipif(load_quant_kernel() is None, reason="the native quantized kernel needs a C compiler and "
+                                                       "AVX-512 BF16, or AVX2 + FMA + F16C")
 def test_stored_codes_split_over_ranks(tiny8: str, tmp_path) -> None:
     """compressed-tensors codes under TP=2: row-parallel layers take their share of the codes'
     columns and of the per-group scales, column-parallel ones their rows. Same tokens and logprobs within 1e-3 as one rank (the all-reduce's sum order
