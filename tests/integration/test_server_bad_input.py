@@ -1,11 +1,13 @@
 """Bad input against a real `pagedllm serve` (tiny random model), tried as a new user would: each
 bad request gets the OpenAI error object with the right status, and a good request right after
-it still works. Also: bodies over the limit are refused without being read, slow headers are cut
-off, and the API docs follow --api-key."""
+it still works. Also: bodies over the limit are refused as soon as their headers are in, and the
+refusal reaches a client that sends the whole body; slow headers are cut off, and the API docs
+follow --api-key."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import time
 from pathlib import Path
@@ -94,8 +96,8 @@ def test_bad_request_then_good(http: httpx.Client, name: str, path: str, body, h
 
 
 def test_huge_body_is_refused_unread(server: Server, http: httpx.Client) -> None:
-    """A 40 MB body: 413 with the error object as soon as the headers are in, without the server
-    reading the body (here it is never sent)."""
+    """A 40 MB body: 413 with the error object as soon as the headers are in, before the body is
+    read (here it is never sent)."""
     size = 40 << 20
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
         s.sendall(f"POST {COMP} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: "
@@ -109,6 +111,65 @@ def test_huge_body_is_refused_unread(server: Server, http: httpx.Client) -> None
     head, _, body = data.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 413"), data[:300]
     assert b"request_too_large" in body and b"--max-request-body-size" in body
+    good(http)
+
+
+def assert_too_large(r: httpx.Response) -> None:
+    assert r.status_code == 413, r.text
+    assert_error_shape(r.json())
+    assert r.json()["error"]["code"] == "request_too_large" and "--max-request-body-size" in r.text
+
+
+def test_huge_body_sent_whole_gets_413(server: Server, http: httpx.Client) -> None:
+    """Clients that send all of a 40 MB body before they read the answer get the 413 and its error
+    object, not a reset connection or a broken pipe: the server drains the body before it closes.
+    The standard library's http.client (which requests and urllib3 use) fails at the first write
+    that fails; httpx and the openai client read on after a failed write, which works only while
+    the reset has not dropped the answer. Sized (Content-Length) and chunked bodies."""
+    from http.client import HTTPConnection
+
+    import openai
+
+    big = b'{"prompt": "' + b"x" * (40 << 20) + b'", "max_tokens": 1}'
+    conn = HTTPConnection("127.0.0.1", server.port, timeout=60)
+    try:
+        conn.request("POST", COMP, body=big, headers={**AUTH, **JSON})
+        r = conn.getresponse()
+        body = r.read()
+    finally:
+        conn.close()
+    assert r.status == 413 and r.getheader("Connection") == "close", body[:300]
+    assert_error_shape(json.loads(body))
+    assert_too_large(http.post(COMP, content=big, headers=JSON))
+
+    def chunks():
+        for i in range(0, len(big), 1 << 20):
+            yield big[i:i + (1 << 20)]
+
+    assert_too_large(http.post(COMP, content=chunks(), headers=JSON))
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    with pytest.raises(openai.APIStatusError) as e:
+        client.completions.create(model=client.models.list().data[0].id, prompt="x" * (40 << 20), max_tokens=1)
+    assert e.value.status_code == 413 and e.value.code == "request_too_large"
+    good(http)
+
+
+def test_endless_body_is_cut_off(server: Server, http: httpx.Client) -> None:
+    """A client that keeps sending after the 413 has its connection closed once the server has
+    drained 64 MiB past the limit (or after 30 s), not held open."""
+    from pagedllm.entrypoints.openai.api_server import DRAIN_MAX_BYTES
+
+    sent = 0
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(f"POST {COMP} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: "
+                  "application/json\r\nTransfer-Encoding: chunked\r\n\r\n".encode())
+        chunk = b"%x\r\n%s\r\n" % (1 << 20, b"x" * (1 << 20))
+        t0 = time.monotonic()
+        with pytest.raises(OSError):  # reset or broken pipe once the server has closed
+            while time.monotonic() - t0 < 20:
+                s.sendall(chunk)
+                sent += 1 << 20
+    assert sent < (8 << 20) + DRAIN_MAX_BYTES + (32 << 20)  # the limit, the drain, socket buffers
     good(http)
 
 

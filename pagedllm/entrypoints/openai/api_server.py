@@ -30,7 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pagedllm import __version__
+from pagedllm import __version__, envs
 from pagedllm.engine.async_engine import AsyncLLMEngine
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -58,6 +58,12 @@ from pagedllm.metrics import PrometheusStatLogger
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
+# After a 413 the server reads and drops the rest of the body, at most this much for this long,
+# so that the client, which reads the answer once it has sent its body, gets it (a server that
+# closes with bytes unread resets the connection, and the client loses the answer); a client
+# that sends more, or for longer, has its connection closed.
+DRAIN_MAX_BYTES = 64 << 20
+DRAIN_MAX_S = 30.0
 # After an engine fault the server answers (503) for this long, then exits with code 1.
 ENGINE_DEAD_EXIT_DELAY_S = 1.0
 # Routes open without an API key; every other route is guarded when keys are configured.
@@ -68,12 +74,15 @@ GUARDED_PATHS = frozenset({"/tokenize", "/detokenize", "/docs", "/docs/oauth2-re
 # ---- API keys and body size: plain ASGI, before any routing or body parsing -----------------
 class GuardMiddleware:
     """Checks `Authorization: Bearer <key>` on guarded routes (401), then caps the request body
-    (413, from Content-Length or while reading a chunked body), and replays the body to the app."""
+    (413, from Content-Length or while reading a chunked body: answered at once, then the rest is
+    drained, see `reject`), and replays the body to the app."""
 
-    def __init__(self, app: ASGIApp, api_keys: list[str], max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, api_keys: list[str], max_body_bytes: int, drain_max_bytes: int = DRAIN_MAX_BYTES,
+                 drain_max_s: float = DRAIN_MAX_S) -> None:
         self.app = app
         self.api_keys = [k.encode() for k in api_keys]
         self.max_body_bytes = max_body_bytes
+        self.drain_max_bytes, self.drain_max_s = drain_max_bytes, drain_max_s
 
     @staticmethod
     def guarded(path: str) -> bool:
@@ -110,7 +119,7 @@ class GuardMiddleware:
             f"the request body is larger than the server's limit of {self.max_body_bytes} bytes "
             "(--max-request-body-size)",
             code="request_too_large",
-            # The rest of the body is never read: the connection cannot carry another request.
+            # The connection carries no other request: it closes once the body has been drained.
             headers={"Connection": "close"},
         )
         if length is not None:
@@ -122,7 +131,7 @@ class GuardMiddleware:
                 )
                 return
             if declared > self.max_body_bytes:
-                await error_response(too_large)(scope, receive, send)
+                await self.reject(too_large, scope, receive, send)
                 return
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
@@ -149,7 +158,7 @@ class GuardMiddleware:
             body = message.get("body", b"")
             size += len(body)
             if size > self.max_body_bytes:
-                await error_response(too_large)(scope, receive, send)
+                await self.reject(too_large, scope, receive, send, more_body=message.get("more_body", False))
                 return
             chunks.append(body)
             if not message.get("more_body", False):
@@ -170,6 +179,35 @@ class GuardMiddleware:
             return await receive()  # after the body: http.disconnect when the client leaves
 
         await self.app(scope, replay, send)
+
+    async def reject(self, err: OpenAIError, scope: Scope, receive: Receive, send: Send,
+                     more_body: bool = True) -> None:
+        """Answers `err` before the body is read, then reads and drops the body (up to
+        drain_max_bytes, for up to drain_max_s) before the response ends and the connection
+        closes. The answer goes out first (a client that waits for `100 Continue`, or reads while
+        it sends, stops sending), but its end waits for the drain: uvicorn closes the connection
+        when the response ends, and closing with the client's bytes unread resets it. A client
+        still sending its body then fails on a write before it reads the answer (http.client,
+        requests), or reads it only if the reset has not dropped it (httpx, the openai client)."""
+
+        async def send_open(message: Message) -> None:
+            if message["type"] == "http.response.body":
+                message = {**message, "more_body": True}
+            await send(message)
+
+        await error_response(err)(scope, receive, send_open)
+        loop = asyncio.get_running_loop()
+        deadline, drained = loop.time() + self.drain_max_s, 0
+        while more_body and drained <= self.drain_max_bytes:
+            try:
+                message = await asyncio.wait_for(receive(), deadline - loop.time())
+            except asyncio.TimeoutError:
+                break
+            if message["type"] != "http.request":  # the client has gone
+                break
+            drained += len(message.get("body", b""))
+            more_body = message.get("more_body", False)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def lone_surrogate(body: bytes) -> str | None:
@@ -470,8 +508,9 @@ def run_server(args: argparse.Namespace) -> int:
     args.uvicorn_http, args.uvicorn_loop = resolve_http_impl(args.uvicorn_http), resolve_loop(args.uvicorn_loop)
     chat_template = load_chat_template(args.chat_template)
     api_keys = list(args.api_key or [])
-    if not api_keys and os.environ.get("PAGEDLLM_API_KEY"):
-        api_keys = [os.environ["PAGEDLLM_API_KEY"]]
+    env_key = envs.PAGEDLLM_API_KEY
+    if not api_keys and env_key:
+        api_keys = [env_key]
     engine_args = EngineArgs.from_cli_args(args)
     # Claim the address first (a busy port fails before a long model load); connections are
     # refused until uvicorn starts listening on it, after the engine is ready.
