@@ -9,12 +9,11 @@ import struct
 import time
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 
 from pagedllm.models.loader import ModelLoadError, read_gguf_header, resolve_model
-
-gguf = pytest.importorskip("gguf")
 
 
 def _tiny_gguf(path: Path) -> bytes:

@@ -8,6 +8,7 @@ import shutil
 import struct
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -15,8 +16,6 @@ import torch
 from pagedllm.models import loader as L
 from pagedllm.models.loader import ModelLoadError, ModelSource
 from pagedllm.models.testing import make_tiny_checkpoint
-
-gguf = pytest.importorskip("gguf")
 
 
 # --------------------------------------------------------------------------- #

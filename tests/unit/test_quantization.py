@@ -3,6 +3,7 @@ checkpoint decoders against independent producers (the gguf package, auto-round'
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -171,8 +172,6 @@ def test_int4_group_falls_back_to_a_divisor() -> None:
 
 
 # ---- GGUF blocks ------------------------------------------------------------------------------ #
-
-gguf = pytest.importorskip("gguf")
 
 
 @pytest.mark.parametrize("qtype", [2, 3, 6, 7, 8])
