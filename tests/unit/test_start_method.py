@@ -12,6 +12,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 HAZARDS = textwrap.dedent("""
     import json, threading, time
     import numpy, torch
@@ -43,6 +45,10 @@ def run_python(path: Path, cwd: Path | None = None) -> subprocess.CompletedProce
     return subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=120, env=env, cwd=cwd)
 
 
+LINUX_ONLY = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pagedllm forks its workers on Linux only")
+
+
+@LINUX_ONLY
 def test_fork_hazards(tmp_path: Path) -> None:
     script = tmp_path / "hazards.py"
     script.write_text(HAZARDS)
@@ -87,6 +93,7 @@ def test_unguarded_main_line(tmp_path: Path) -> None:
     assert proc.stdout.strip() == "None", proc.stderr[-3000:]
 
 
+@LINUX_ONLY
 def test_spawn_refused_for_an_unguarded_script(tmp_path: Path) -> None:
     """A thread that forking leaves behind is running: spawn it would be, and the script's top
     level would run again, so the check says what to change, in one line."""
