@@ -50,11 +50,7 @@ def measure(dtype: str, rows: list[int], context: int) -> list[dict]:
                         np.arange(m), greedy=True)
 
         def torch_path() -> None:
-            runner.native_decode = None
-            try:
-                runner._forward([], [1] * m, batch)
-            finally:
-                runner.native_decode = nd
+            runner.paths.eager.forward(batch)
 
         with torch.inference_mode():
             t_fused, t_torch = _best_ms(fused), _best_ms(torch_path)

@@ -36,7 +36,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pagedllm import LLM, SamplingParams  # noqa: E402
-from pagedllm.core.scheduler_output import SchedulerOutput  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 BLOCK = 16
@@ -177,12 +176,10 @@ def bench_preemption(quick: bool) -> dict[str, Any]:
         recompute = max(min(timed_generate(llm, [prompt], one)[1] for _ in range(reps)) - fixed, 1e-6)
         nb = -(-n // BLOCK)
         pairs = [(i, i) for i in range(nb)]
-        out_so = SchedulerOutput([], [], {}, 0, blocks_to_swap_out=pairs)
-        in_so = SchedulerOutput([], [], {}, 0, blocks_to_swap_in=pairs)
 
         def swap() -> None:
-            runner._move_blocks(out_so)
-            runner._move_blocks(in_so)
+            runner.kv.move_blocks(swap_out=pairs)
+            runner.kv.move_blocks(swap_in=pairs)
 
         swap()
         t0 = time.perf_counter()

@@ -8,7 +8,8 @@ For each batch size N it runs LLM.generate on N greedy requests (random prompts 
 tokens, ignore_eos) and times, with perf_counter, every engine step in which all N requests
 decode one token. The parts are timed by wrapping the functions that do them; a part that does
 not exist in the code being measured is left out. `host` is the step's wall time minus the model
-forward (`_forward`, attention included) and the LM head (`compute_logits`).
+forward (the forward paths' `run` that return hidden states, or `_forward` in older trees;
+attention included) and the LM head (`compute_logits`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from collections import defaultdict
 
 import numpy as np
 
-# part -> "module:Class.method" candidates (the first that exists is wrapped)
+# part -> "module:Class.method" candidates (the first that exists is wrapped; "module:A.m,B.m"
+# wraps each of them, a call nested in another of the part's calls counting once)
 PARTS: dict[str, list[str]] = {
     "step": ["pagedllm.engine.llm_engine:LLMEngine.step"],
     "schedule": ["pagedllm.core.scheduler:Scheduler.schedule"],
@@ -31,7 +33,8 @@ PARTS: dict[str, list[str]] = {
     "update_states": ["pagedllm.worker.model_runner:ModelRunner._update_states"],
     "build_batch": ["pagedllm.worker.model_runner:build_batch",
                     "pagedllm.worker.input_batch:InputBatch.prepare"],
-    "forward": ["pagedllm.worker.model_runner:ModelRunner._forward"],
+    "forward": ["pagedllm.worker.forward:EagerPath.run,NativeDecodePath.run,CudaGraphPath.run,PipelinePath.run",
+                "pagedllm.worker.model_runner:ModelRunner._forward"],
     "compute_logits": ["pagedllm.models.llama:LlamaForCausalLM.compute_logits"],
     "sampling_metadata": ["pagedllm.worker.model_runner:ModelRunner._sampling_metadata",
                           "pagedllm.worker.sample.metadata:SamplingMetadata.from_rows"],
@@ -42,6 +45,7 @@ PARTS: dict[str, list[str]] = {
 DEVICE_PARTS = ("forward", "compute_logits")
 
 current: dict[str, float] = defaultdict(float)
+depth: dict[str, int] = defaultdict(int)
 state = {"decode_n": -1, "n": 0}
 totals: dict[str, list[float]] = defaultdict(list)
 
@@ -51,11 +55,14 @@ def _wrap(part: str, owner: object, attr: str) -> None:
 
     @functools.wraps(fn)
     def timed(*a: object, **k: object) -> object:
+        depth[part] += 1
         t0 = time.perf_counter()
         try:
             return fn(*a, **k)
         finally:
-            current[part] += time.perf_counter() - t0
+            depth[part] -= 1
+            if depth[part] == 0:
+                current[part] += time.perf_counter() - t0
 
     setattr(owner, attr, timed)
 
@@ -64,17 +71,22 @@ def install() -> list[str]:
     found = []
     for part, candidates in PARTS.items():
         for cand in candidates:
-            mod_name, path = cand.split(":")
+            mod_name, paths = cand.split(":")
             try:
-                owner: object = importlib.import_module(mod_name)
+                module = importlib.import_module(mod_name)
             except ImportError:
                 continue
-            *outer, attr = path.split(".")
-            for o in outer:
-                owner = getattr(owner, o, None)
-            if owner is None or not hasattr(owner, attr):
+            targets = []
+            for path in paths.split(","):
+                *outer, attr = path.split(".")
+                owner: object = module
+                for o in outer:
+                    owner = getattr(owner, o, None)
+                targets.append((owner, attr))
+            if any(owner is None or not hasattr(owner, attr) for owner, attr in targets):
                 continue
-            _wrap(part, owner, attr)
+            for owner, attr in targets:
+                _wrap(part, owner, attr)
             found.append(f"{part}={cand}")
             break
     # A step counts when the scheduler hands every one of the N requests exactly one token.

@@ -21,7 +21,6 @@ import json
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -98,17 +97,17 @@ def main() -> None:
 
     engine = LLMEngine.from_engine_args(EngineArgs(dtype=args.dtype, enable_prefix_caching=False,
                                                    kv_cache_memory="1GiB"))
-    runner = engine.executor.runner
-    head = runner._native_head
-    variants: dict[str, Callable[..., Any]] = {"head": head, "no-head": lambda *a: None}
+    paths = engine.executor.runner.paths
+    head = paths.native_head
+    variants: dict[str, Any] = {"head": head, "no-head": None}  # without the head path: native_decode runs
     prompt = np.random.default_rng(0).integers(100, 40000, args.input_len).tolist()
     run_request(engine, prompt, 8, "warmup")
     steps: dict[str, list[dict[str, int]]] = defaultdict(list)
     for r in range(args.rounds):
-        for name, fn in variants.items():
-            runner._native_head = fn
+        for name, path in variants.items():
+            paths.native_head = path
             steps[name] += run_request(engine, prompt, args.output_len, f"{name}-{r}")
-    runner._native_head = head
+    paths.native_head = head
     result, fastest = {}, {}
     for name, rows in steps.items():
         keys = ["step", *(p for p in PARTS if any(p in s for s in rows))]

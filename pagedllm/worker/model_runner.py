@@ -1,35 +1,50 @@
-"""Turns a SchedulerOutput into tensors, runs the model, samples: the only place that does so."""
+"""Turns a SchedulerOutput into tensors, runs the model, samples: the only place that does so.
+
+A step is prepared (request states, KV block moves, the batch's arrays), runs on the one forward
+path ForwardPaths.select_path picks for it (worker/forward/), is sampled, and is returned as a
+ModelRunnerOutput. The KV cache and swap pool live in worker/kv_memory.py, the preemption cost
+measurements in worker/preemption_cost.py.
+"""
 
 from __future__ import annotations
 
 import logging
-import math
 import mmap
-import os
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import psutil
 import torch
 
+from pagedllm import envs
 from pagedllm.attention.backend import TritonAttentionBackend, select_attention_backend
 from pagedllm.attention.cpu_kernel import dense_thresholds
-from pagedllm.attention.metadata import AttentionGroup, AttentionMetadata, DenseAttention, ForwardContext
+from pagedllm.attention.metadata import ForwardContext
 from pagedllm.config import CacheConfig, DeviceConfig, ModelConfig
 from pagedllm.distributed.parallel_state import ParallelContext
 from pagedllm.core.scheduler_output import Logprobs, ModelRunnerOutput, SchedulerOutput
 from pagedllm.layers.attention import Attention
-from pagedllm.layers.linear import Linear, dense_linear
+from pagedllm.layers.linear import Linear
 from pagedllm.models.loader import ModelSource, iterate_weights
 from pagedllm.models.registry import get_model_class
-from pagedllm.quantization import QuantizationSetup, process_model
+from pagedllm.models.loader.quantized import quantization_setup
+from pagedllm.quantization import process_model
 from pagedllm.utils import trim_heap, tune_heap
 from pagedllm.worker import device as dev
+from pagedllm.worker import preemption_cost
 from pagedllm.worker.cuda_graph import CudaGraphRunner
-from pagedllm.worker.host_memory import anonymous_zeros, move_weights_to_huge_pages
+from pagedllm.worker.forward import (
+    CudaGraphPath,
+    EagerPath,
+    ForwardPaths,
+    NativeDecodePath,
+    NativeHeadPath,
+    PipelinePath,
+    PreparedStep,
+)
+from pagedllm.worker.host_memory import move_weights_to_huge_pages
 from pagedllm.worker.input_batch import BatchArrays, InputBatch
+from pagedllm.worker.kv_memory import KVMemory
 from pagedllm.worker.native_decode import NativeDecode
 from pagedllm.worker.sampler import (
     Sampler,
@@ -37,43 +52,15 @@ from pagedllm.worker.sampler import (
     SamplingMetadata,
     compute_topk_logprobs,
     sample_isolating_faults,
-    sampler_fault_hook,
 )
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _KV_DTYPES = {**_DTYPES, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
-# Default KV budget: this share of the memory available after loading, at most this many bytes.
-_DEFAULT_KV_FRACTION = 0.3
-_DEFAULT_KV_MAX_BYTES = 4 << 30
 
-
-def _best_time(fn: Callable[[], object], reps: int = 5) -> float:
-    """Fastest of `reps` timed calls after one warm-up call, in seconds."""
-    fn()
-    best = math.inf
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return max(best, 1e-9)
-
-
-def _micro_batches(counts: list[int], n: int) -> list[tuple[int, int]]:
-    """Cuts requests into at most n contiguous runs of about equal tokens, as [start, end) indices.
-
-    counts [4, 1, 1, 1, 1], n 2 -> total 8, cut once 4 tokens are reached -> [(0, 1), (1, 5)].
-    """
-    total = sum(counts)
-    bounds, start, acc = [], 0, 0
-    for i, c in enumerate(counts):
-        acc += c
-        if acc * n >= total * (len(bounds) + 1) and i + 1 < len(counts) and len(bounds) + 1 < n:
-            bounds.append((start, i + 1))
-            start = i + 1
-    bounds.append((start, len(counts)))
-    return bounds
+# A step's samples: (req_ids of the output, each one's sampled tokens, logprobs, failed requests).
+_Sampled = tuple[list[str], list[list[int]], dict[str, Logprobs], dict[str, str]]
 
 
 def parameter_count(model: torch.nn.Module) -> int:
@@ -109,9 +96,9 @@ class ModelRunner:
         self.is_cuda = self.device.type == "cuda"
         if not self.is_cuda:
             tune_heap()
-        self.cuda_graphs: CudaGraphRunner | None = None
+        self._cuda_graphs: CudaGraphRunner | None = None
         # Small decode-only steps as one native call (CPU; set once the KV cache exists).
-        self.native_decode: NativeDecode | None = None
+        self._native_decode: NativeDecode | None = None
         # The requests this worker holds, in preallocated arrays updated as they change.
         self.input_batch = InputBatch(model_config.max_model_len, self.block_size)
         self._static_sampling: tuple[tuple[int, int, bytes], SamplingMetadata] | None = None
@@ -121,18 +108,13 @@ class ModelRunner:
         self.prompt_logprobs_done: dict[str, int] = {}
         self.sampler = Sampler()
         self.model: torch.nn.Module | None = None
-        self.kv_caches: list[torch.Tensor] = []
-        # Host pool for swapped-out blocks: per layer, the same layout with num_swap_blocks blocks.
-        self.swap_caches: list[torch.Tensor] = []
-        self._kv_buffers: list[mmap.mmap] = []
+        self.kv = KVMemory(model_config, cache_config, self.device_config, self.kv_dtype, self.device)
         self._weight_arena: mmap.mmap | None = None  # holds the weights where huge pages are offered
-        self.num_blocks = 0
-        self.num_swap_blocks = 0
         # Chosen once; bound with this runner's forward context to every attention layer. Triton
         # attention on the GPU (and, for tests, on the CPU under Triton's interpreter); on the CPU
         # the native kernel (every dtype and KV cache dtype), or the torch reference where it
         # cannot be compiled.
-        triton = self.is_cuda or os.environ.get("PAGEDLLM_ATTENTION_BACKEND", "").lower() == "triton"
+        triton = self.is_cuda or envs.PAGEDLLM_ATTENTION_BACKEND == "triton"
         self.attn_backend = select_attention_backend(
             triton=triton, block_size=self.block_size,
             num_queries_per_kv=model_config.num_heads // model_config.num_kv_heads)
@@ -148,6 +130,8 @@ class ModelRunner:
             "dense_min_tokens": dense_tokens,
             "dense_min_pairs": dense_pairs,
         }
+        # The forward paths, built once the model is loaded (see _build_paths).
+        self.paths: ForwardPaths | None = None
 
     @property
     def native_kernel(self) -> Any:
@@ -158,12 +142,49 @@ class ModelRunner:
     def triton_attention(self) -> bool:
         return isinstance(self.attn_backend, TritonAttentionBackend)
 
+    @property
+    def native_decode(self) -> NativeDecode | None:
+        """The fused decode step (CPU), or None; setting it (None: the torch path) rebuilds the paths."""
+        return self._native_decode
+
+    @native_decode.setter
+    def native_decode(self, nd: NativeDecode | None) -> None:
+        self._native_decode = nd
+        self._build_paths()
+
+    @property
+    def cuda_graphs(self) -> CudaGraphRunner | None:
+        """The captured decode graphs (GPU), or None; setting them rebuilds the paths."""
+        return self._cuda_graphs
+
+    @cuda_graphs.setter
+    def cuda_graphs(self, graphs: CudaGraphRunner | None) -> None:
+        self._cuda_graphs = graphs
+        self._build_paths()
+
+    # The KV cache and swap pool (kv_memory.KVMemory).
+    @property
+    def kv_caches(self) -> list[torch.Tensor]:
+        return self.kv.kv_caches
+
+    @property
+    def swap_caches(self) -> list[torch.Tensor]:
+        return self.kv.swap_caches
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv.num_blocks
+
+    @property
+    def num_swap_blocks(self) -> int:
+        return self.kv.num_swap_blocks
+
     # ---- set-up ---------------------------------------------------------------------------
     def load_model(self) -> None:
         mc = self.model_config
         t0 = time.perf_counter()
         cls = get_model_class(mc.hf_config)
-        quant = QuantizationSetup(mc) if mc.quantization is not None else None
+        quant = quantization_setup(mc) if mc.quantization is not None else None
         with torch.device(self.device):
             model = cls(mc.hf_config, dtype=self.dtype, parallel=self.parallel, quant_config=quant)
         if mc.load_format == "dummy":
@@ -176,9 +197,12 @@ class ModelRunner:
             self._weight_arena = move_weights_to_huge_pages(model)
             trim_heap()  # the loaded copies' pages, freed into a heap that keeps its free pages
         model.eval()
-        for layer in self._attention_layers(model):
+        attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
+        for layer in attn_layers:
             layer.context, layer.backend = self.forward_context, self.attn_backend
+        self.kv.layers = attn_layers
         self.model = model
+        self._build_paths()
         n_params = parameter_count(model)
         logger.info(
             "Loaded %s (%s, %.1fM parameters, %s) in %.1f s",
@@ -189,44 +213,37 @@ class ModelRunner:
             time.perf_counter() - t0,
         )
 
-    @staticmethod
-    def _attention_layers(model: torch.nn.Module) -> list[Attention]:
-        return [m for m in model.modules() if isinstance(m, Attention)]
+    def _build_paths(self) -> None:
+        """The forward paths of this runner's model, parallel layout, CUDA graphs and native step."""
+        if self.model is None:
+            return
+        eager = EagerPath(self.model, self.forward_context, self.attn_backend, self.device, self.model_config)
+        if self.parallel.pp_size > 1:
+            pipeline = PipelinePath(eager, self.parallel, self.input_batch, self.model_config.sliding_window,
+                                    self.batch_options, int(self.model_config.hf_config.hidden_size), self.dtype)
+            self.paths = ForwardPaths(eager, pipeline=pipeline)
+            return
+        nd = self._native_decode
+        native = NativeDecodePath(nd, eager) if nd is not None else None
+        if self._cuda_graphs is not None:
+            graph = CudaGraphPath(self._cuda_graphs, ForwardPaths(eager, native=native))
+            self.paths = ForwardPaths(eager, cuda_graph=graph)
+            return
+        head = None
+        if native is not None:
+            head = NativeHeadPath(nd, native, self.input_batch, self._sampling_metadata,  # type: ignore[arg-type]
+                                  self.model, self.device)
+        self.paths = ForwardPaths(eager, native=native, native_head=head)
 
     def kv_bytes_per_token(self) -> int:
         """KV bytes of one token on this rank: its stage's layers and its KV heads."""
-        layers = self._attention_layers(self.model)  # type: ignore[arg-type]
-        itemsize = torch.empty(0, dtype=self.kv_dtype).element_size()
-        return sum(2 * a.num_kv_heads * a.head_dim * itemsize for a in layers)
+        return self.kv.bytes_per_token()
 
     def determine_num_blocks(self) -> int:
-        cc = self.cache_config
-        per_block = self.kv_bytes_per_token() * self.block_size
-        if cc.num_kv_blocks is not None:
-            return cc.num_kv_blocks
-        budget = cc.kv_cache_memory
-        if budget is None and self.is_cuda:
-            budget = dev.gpu_kv_cache_budget(self.device, self.device_config.gpu_memory_utilization, self.model_config)
-        if budget is None:
-            budget = min(int(psutil.virtual_memory().available * _DEFAULT_KV_FRACTION), _DEFAULT_KV_MAX_BYTES)
-        num_blocks = budget // per_block
-        if num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_memory={budget} bytes holds no block: one block of {self.block_size} tokens "
-                f"needs {per_block} bytes for this model"
-            )
-        return int(num_blocks)
+        return self.kv.determine_num_blocks()
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        attn_layers = self._attention_layers(self.model)  # type: ignore[arg-type]
-        # Per layer of this stage, this rank's KV heads only.
-        self.kv_caches = [
-            self._zeroed((2, num_blocks, self.block_size, a.num_kv_heads, a.head_dim)) for a in attn_layers
-        ]
-        for layer, cache in zip(attn_layers, self.kv_caches):
-            layer.kv_cache = cache
-            layer.calculate_kv_scales = self.cache_config.calculate_kv_scales
-        self.num_blocks = num_blocks
+        self.kv.allocate(num_blocks)
         if self.device_config.use_cuda_graphs:
             self.capture_cuda_graphs()
         if not self.is_cuda and self.native_kernel is not None:
@@ -241,7 +258,7 @@ class ModelRunner:
         mc = self.model_config
         sizes = self.device_config.cuda_graph_sizes
         sms = dev.num_sms(self.device)
-        self.cuda_graphs = CudaGraphRunner(
+        graphs = CudaGraphRunner(
             self.model,  # type: ignore[arg-type]
             sizes,
             max_blocks_per_seq=-(-mc.max_model_len // self.block_size),
@@ -250,100 +267,61 @@ class ModelRunner:
             device=self.device,
             context=self.forward_context,
         )
-        self.cuda_graphs.capture()
+        graphs.capture()
+        self.cuda_graphs = graphs
 
     def determine_num_swap_blocks(self) -> int:
         """Blocks that fit in `swap_space` GiB of host memory."""
-        per_block = self.kv_bytes_per_token() * self.block_size
-        return int(self.cache_config.swap_space * (1 << 30)) // per_block
+        return self.kv.determine_num_swap_blocks()
 
     def initialize_swap_space(self, num_swap_blocks: int) -> None:
-        """The host pool: on the CPU backend a second set of tensors shaped like the KV cache
-        (lazily committed, so unused swap space costs no memory)."""
-        shapes = [(2, num_swap_blocks, *kv.shape[2:]) for kv in self.kv_caches]
-        if self.is_cuda:
-            self.swap_caches = [dev.pinned_zeros(shape, self.kv_dtype) for shape in shapes] if num_swap_blocks else []
-        else:
-            self.swap_caches = [self._zeroed(shape) for shape in shapes] if num_swap_blocks else []
-        self.num_swap_blocks = num_swap_blocks
-
-    def _move_blocks(self, so: SchedulerOutput) -> None:
-        """Swap-out, swap-in and copy-on-write pairs, in every layer, before the forward pass.
-
-        Every source is read before any destination is written: a device block freed by a
-        swap-out may be the destination of a swap-in or a copy in the same step (and a host block
-        freed by a swap-in the destination of a swap-out).
-        """
-        moves = [
-            (pairs, src_pool, dst_pool)
-            for pairs, src_pool, dst_pool in (
-                (so.blocks_to_swap_out, self.kv_caches, self.swap_caches),
-                (so.blocks_to_swap_in, self.swap_caches, self.kv_caches),
-                (so.blocks_to_copy, self.kv_caches, self.kv_caches),
-            )
-            if pairs
-        ]
-        if not moves:
-            return
-        index = [
-            (
-                torch.tensor([p[0] for p in pairs], device=src_pool[0].device),
-                torch.tensor([p[1] for p in pairs], device=dst_pool[0].device),
-                src_pool,
-                dst_pool,
-            )
-            for pairs, src_pool, dst_pool in moves
-        ]
-        def raw(t: torch.Tensor) -> torch.Tensor:  # fp8 blocks move as bytes (no fp8 index_copy_)
-            return t.view(torch.uint8) if t.element_size() == 1 else t
-
-        for layer in range(len(self.kv_caches)):
-            # Cache layout [2, num_blocks, block_size, heads, head_dim]: blocks on dim 1.
-            data = [raw(src_pool[layer]).index_select(1, src) for src, _, src_pool, _ in index]
-            for (_, dst, _, dst_pool), d in zip(index, data):
-                raw(dst_pool[layer]).index_copy_(1, dst, d.to(dst_pool[layer].device))
+        self.kv.allocate_swap(num_swap_blocks)
 
     def flops_per_token(self) -> float:
         """Linear-layer work of one token through the decoder layers (2 FLOPs per weight)."""
         assert self.model is not None
-        return 2.0 * sum(m.in_features * m.out_features for name, m in self.model.named_modules()
-                         if isinstance(m, Linear) and "layers." in name)
+        return preemption_cost.flops_per_token(self.model)
 
     def measure_preemption_rates(self) -> tuple[float, float]:
-        """(FLOP/s of a prefill-sized matmul, bytes/s of swapping KV blocks out and back in).
-
-        Run once at startup for preemption mode auto; the copy moves blocks of the idle cache
-        through the real swap path (its contents are garbage before the first request anyway).
-        """
-        hidden = int(self.model_config.hf_config.hidden_size)
-        a = torch.randn(256, hidden, dtype=self.dtype, device=self.device)
-        w = torch.randn(4 * hidden, hidden, dtype=self.dtype, device=self.device)
-        sync = torch.cuda.synchronize if self.is_cuda else (lambda: None)
-        # The GEMM path the model's own prefill takes (oneDNN for float32 on the CPU, where torch.mm's
-        # MKL path runs at about half that rate).
-        flops = 2.0 * 256 * hidden * 4 * hidden / _best_time(lambda: (dense_linear(a, w), sync()))
-        k = min(16, self.num_blocks, self.num_swap_blocks)
-        if k == 0:
-            return flops, 1.0  # no swap pool: nothing can be swapped, whatever the rate
-        pairs = [(i, i) for i in range(k)]
-        so = SchedulerOutput([], [], {}, 0, blocks_to_swap_out=pairs, blocks_to_swap_in=pairs)
-        per_block = self.kv_bytes_per_token() * self.block_size
-        copy = 2.0 * k * per_block / _best_time(lambda: (self._move_blocks(so), sync()))
-        return flops, copy
-
-    def _zeroed(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """A zero tensor, its pages committed on first write (host_memory.anonymous_zeros on the CPU)."""
-        if self.is_cuda:
-            return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-        t, buf = anonymous_zeros(shape, self.kv_dtype)
-        self._kv_buffers.append(buf)
-        return t
+        """(FLOP/s of a prefill-sized matmul, bytes/s of swapping KV blocks out and back in), run
+        once at startup for preemption mode auto."""
+        return preemption_cost.measure_preemption_rates(
+            self.kv, int(self.model_config.hf_config.hidden_size), self.dtype)
 
     # ---- per step -------------------------------------------------------------------------
     @property
     def requests(self) -> dict[str, int]:
         """The requests this worker holds: req_id -> its row in the persistent batch."""
         return self.input_batch.req_index
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        step = self._prepare(so)
+        if step is None:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        path = self.paths.select_path(step)  # type: ignore[union-attr]
+        out = path.run(step)
+        forks = self._fork(so, step.rows)
+        if out is None:  # an earlier pipeline stage: the next stage carries on
+            self._advance(step, forks)
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        hidden = None if path.head else out
+        sampled = self._sample(step, forks, out if path.head else None, hidden)
+        return self._output(step, forks, hidden, sampled)
+
+    def _prepare(self, so: SchedulerOutput) -> PreparedStep | None:
+        """The scheduler's changes applied to the persistent batch, this step's KV block moves
+        done, and the scheduled requests' arrays; None when nothing is scheduled."""
+        self._update_states(so)
+        if so.blocks_to_swap_out or so.blocks_to_swap_in or so.blocks_to_copy:
+            self.kv.move_blocks(so.blocks_to_swap_out, so.blocks_to_swap_in, so.blocks_to_copy)
+        req_ids = list(so.num_scheduled_tokens)
+        if not req_ids:
+            return None
+        rows = self.input_batch.rows_of(req_ids)
+        counts = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
+        batch = self.input_batch.prepare(rows, counts, self.model_config.sliding_window, **self.batch_options)
+        return PreparedStep(so, req_ids, rows, counts, batch)
 
     def _generator(self, req_id: str, params: Any) -> torch.Generator | None:
         """The request's generator, created on first sight (kept across a preemption)."""
@@ -374,76 +352,6 @@ class ModelRunner:
             ib.append_blocks(i, cached.new_block_ids)
             ib.num_computed_tokens[i] = cached.num_computed_tokens
 
-    def _attention_metadata(self, batch: BatchArrays) -> AttentionMetadata:
-        def t(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a).to(self.device, non_blocking=True)
-
-        groups = [
-            AttentionGroup(
-                batch_size=g.batch_size,
-                max_query_len=g.max_query_len,
-                query_index=t(g.query_index),
-                out_rows=t(g.out_rows),
-                out_dest=t(g.out_dest),
-                block_tables=t(g.block_tables),
-                mask=t(g.mask),
-            )
-            for g in batch.groups
-        ]
-        return AttentionMetadata(
-            num_tokens=len(batch.input_ids),
-            slot_mapping=t(batch.slot_mapping),
-            block_tables=t(batch.block_tables),
-            query_start_loc=t(batch.query_start_loc),
-            seq_lens=t(batch.seq_lens),
-            work=t(batch.work),
-            sliding_window=self.model_config.sliding_window or 0,
-            groups=groups,
-            native=self.native_kernel,
-            dense=[
-                DenseAttention(d.query_start, d.query_len, t(d.blocks), d.seq_len)
-                for d in batch.dense
-            ],
-            **self._gpu_attention_fields(batch),
-        )
-
-    def _gpu_attention_fields(self, batch: BatchArrays) -> dict[str, int]:
-        """Launch shape of the Triton kernel: longest work item, key-range splits."""
-        if not self.triton_attention:
-            return {}
-        from pagedllm.attention.triton_attention import choose_num_splits
-
-        counts = batch.work[:, 2]
-        max_seq = int(batch.seq_lens.max()) if len(batch.seq_lens) else 0
-        sms = dev.num_sms(self.device) if self.is_cuda else dev.INTERPRETER_SMS
-        splits = choose_num_splits(len(counts), self.model_config.num_kv_heads, max_seq, sms)
-        return {"max_query_len": int(counts.max()) if len(counts) else 0, "num_splits": splits, "triton": True}
-
-    def _prompt_logprob_rows(
-        self, rows: np.ndarray, batch: BatchArrays
-    ) -> list[tuple[str, np.ndarray, np.ndarray, int]]:
-        """For requests asking prompt_logprobs: (req_id, flat rows, next-token ids, k) of this chunk.
-
-        The logits at prompt position p score prompt token p + 1, so a chunk covering positions
-        [s, e) yields logprobs for tokens s + 1 .. min(e, num_prompt - 1).
-        """
-        ib = self.input_batch
-        out = []
-        for i in np.nonzero(ib.prompt_logprobs[rows] >= 0)[0]:
-            r = rows[i]
-            rid, k = ib.req_ids[r], int(ib.prompt_logprobs[r])
-            first = int(batch.seq_lens[i] - (batch.query_start_loc[i + 1] - batch.query_start_loc[i]))
-            # After a preemption the prompt is computed again: skip positions already returned.
-            start = max(first, self.prompt_logprobs_done.get(rid, 0))
-            end = min(int(batch.seq_lens[i]), int(ib.num_prompt_tokens[r]) - 1)
-            if end <= start:
-                continue
-            self.prompt_logprobs_done[rid] = end
-            flat = np.arange(start, end) - first + batch.query_start_loc[i]
-            targets = ib.token_ids[r, start + 1 : end + 1].copy()
-            out.append((rid, flat, targets, k))
-        return out
-
     def _fork(self, so: SchedulerOutput, rows: np.ndarray) -> list[tuple[int, int]]:
         """Creates this step's forked samples: (index of the parent in the batch, child's row)."""
         if not so.forked_reqs:
@@ -458,9 +366,10 @@ class ModelRunner:
             out.append((index[parent], child))
         return out
 
-    def _advance(self, rows: np.ndarray, counts: np.ndarray, forks: list[tuple[int, int]]) -> None:
+    def _advance(self, step: PreparedStep, forks: list[tuple[int, int]]) -> None:
         ib = self.input_batch
-        ib.num_computed_tokens[rows] += counts
+        rows = step.rows
+        ib.num_computed_tokens[rows] += step.counts
         for i, child in forks:  # the parent computed the prompt: its prompt logprobs are done
             self.prompt_logprobs_done[ib.req_ids[child]] = self.prompt_logprobs_done.get(ib.req_ids[rows[i]], 0)
 
@@ -472,80 +381,6 @@ class ModelRunner:
             if i is not None and tokens:
                 ib.extend_tokens(i, tokens)
 
-    def _model_inputs(self, batch: BatchArrays) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = torch.from_numpy(batch.input_ids).to(self.device, non_blocking=True)
-        return ids, torch.from_numpy(batch.positions).to(self.device, non_blocking=True)
-
-    def _forward(self, rows: np.ndarray, counts: np.ndarray, batch: BatchArrays) -> torch.Tensor | None:
-        """Runs this rank's layers; the final hidden states on the last stage, else None.
-        `rows`: the scheduled requests' rows in the persistent batch, in batch order; `counts`:
-        their scheduled tokens.
-
-        With pipeline stages the requests are cut into up to pp_size micro-batches of about equal
-        tokens; each stage sends a micro-batch on as soon as it is done and starts the next, so
-        the stages work at the same time (stage 0 on micro-batch 1 while stage 1 runs
-        micro-batch 0). The last stage concatenates them back into the batch's row order.
-        """
-        p = self.parallel
-        if p.pp_size == 1:
-            hidden = self.cuda_graphs.run(batch) if self.cuda_graphs is not None else None
-            nd = self.native_decode
-            if hidden is None and nd is not None and nd.applies(len(batch.input_ids), len(batch.seq_lens),
-                                                                bool(batch.dense)):
-                hidden = nd.run(batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables,
-                                batch.seq_lens)
-            if hidden is not None:
-                return hidden
-            with self.forward_context.set(self._attention_metadata(batch)):
-                return self.model(*self._model_inputs(batch))  # type: ignore[misc]
-        hidden_size = int(self.model_config.hf_config.hidden_size)
-        outs, sends = [], []
-        for a, b in _micro_batches(counts.tolist(), p.pp_size):
-            mb = batch if (a, b) == (0, len(counts)) else self.input_batch.prepare(
-                rows[a:b], counts[a:b], self.model_config.sliding_window, **self.batch_options)
-            h_in = None
-            if not p.is_first_stage:
-                h_in = p.recv_from_prev_stage([(len(mb.input_ids), hidden_size)], self.dtype)[0]
-            with self.forward_context.set(self._attention_metadata(mb)):
-                h = self.model(*self._model_inputs(mb), h_in)  # type: ignore[misc]
-            if p.is_last_stage:
-                outs.append(h)
-            else:
-                sends.append((h, p.send_to_next_stage([h])))
-        for _, works in sends:
-            for w in works:
-                w.wait()
-        return torch.cat(outs) if outs else None
-
-    def _native_head(self, so: SchedulerOutput, rows: np.ndarray,
-                     batch: BatchArrays) -> np.ndarray | torch.Tensor | None:
-        """This step through the native decode call on to the LM head, where it applies: the
-        sampled rows' token ids when they all sample greedily with no logits processing and no
-        logprobs (the sampler would take the argmax of the same logits), else their logits; None
-        where the step takes the usual path (the forward pass, then the LM head in torch).
-
-        It applies to decode-only steps the fused step takes, on one rank, with no forked samples
-        and no prompt logprobs (both need hidden states), whose sampled rows are few enough that
-        the torch path's LM head is the same GEMM."""
-        nd = self.native_decode
-        if (nd is None or self.cuda_graphs is not None or self.parallel.pp_size != 1 or so.forked_reqs
-                or not nd.applies(len(batch.input_ids), len(batch.seq_lens), bool(batch.dense))
-                or not nd.head_applies(len(batch.sample_rows))):
-            return None
-        ib = self.input_batch
-        if (ib.prompt_logprobs[rows] >= 0).any():
-            return None
-        sample_slots = rows[batch.sample_req_indices]
-        greedy = False
-        if sampler_fault_hook() is None:
-            try:
-                md = self._sampling_metadata(sample_slots, nd.vocab)
-            except Exception:  # the sampler reports it (and fails the row) from the logits
-                md = None
-            greedy = md is not None and md.argmax_only
-        return nd.run_head(batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables,
-                           batch.seq_lens, batch.sample_rows, greedy)
-
     def _sampling_metadata(self, rows: np.ndarray, vocab_size: int) -> SamplingMetadata:
         """Sampling tensors for these rows: the parameter part is reused while the same rows hold
         the same requests (a plain greedy batch then costs nothing per step)."""
@@ -555,34 +390,21 @@ class ModelRunner:
             self._static_sampling = (key, SamplingMetadata.static_from_batch(ib, rows, vocab_size, self.device))
         return self._static_sampling[1].with_token_state(ib, rows, self.device)
 
-    @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        self._update_states(so)
-        self._move_blocks(so)
+    def _sample(self, step: PreparedStep, forks: list[tuple[int, int]], head: torch.Tensor | np.ndarray | None,
+                hidden: torch.Tensor | None) -> _Sampled:
+        """Samples each request that completes its tokens, then each forked sample (from its
+        parent's row, with its own parameters and generator), from `hidden` through the LM head,
+        or from a head path's output `head` (logits, or greedy token ids). Their tokens go into
+        the persistent batch."""
         ib = self.input_batch
-        req_ids = list(so.num_scheduled_tokens)
-        if not req_ids:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        rows = ib.rows_of(req_ids)
-        counts = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
-        batch = ib.prepare(rows, counts, self.model_config.sliding_window, **self.batch_options)
-        # A small decode step may run on to the LM head (and the argmax) in one native call.
-        head = self._native_head(so, rows, batch)
-        hidden = self._forward(rows, counts, batch) if head is None else None
-        forks = self._fork(so, rows)
-        if hidden is None and head is None:  # an earlier pipeline stage: the next stage carries on
-            self._advance(rows, counts, forks)
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-
-        # Rows to sample: each request that completes its tokens, then each forked sample, which
-        # samples from its parent's row with its own parameters and generator.
-        sample_slots = rows[batch.sample_req_indices]
+        batch = step.batch
+        sample_slots = step.rows[batch.sample_req_indices]
         sample_rows = batch.sample_rows
         if forks:
             parents = np.asarray([i for i, _ in forks], dtype=np.int64)
             sample_slots = np.concatenate([sample_slots, np.asarray([c for _, c in forks], dtype=np.int64)])
             sample_rows = np.concatenate([sample_rows, batch.query_start_loc[parents + 1] - 1])
-        out_ids = req_ids + [ib.req_ids[c] for _, c in forks]
+        out_ids = step.req_ids + [ib.req_ids[c] for _, c in forks]
         sampled: list[list[int]] = [[] for _ in out_ids]
         logprobs: dict[str, Logprobs] = {}
         failed: dict[str, str] = {}
@@ -595,7 +417,7 @@ class ModelRunner:
             rows_t = torch.from_numpy(sample_rows).to(self.device, non_blocking=True)
             logits = self.model.compute_logits(hidden[rows_t])  # type: ignore[index, union-attr]
         # where each sampled row's request sits in out_ids: the scheduled ones, then the forks
-        out_pos = batch.sample_req_indices.tolist() + list(range(len(req_ids), len(out_ids)))
+        out_pos = batch.sample_req_indices.tolist() + list(range(len(step.req_ids), len(out_ids)))
         if isinstance(head, np.ndarray):  # greedy rows, nothing else: the native call's argmax
             result = SamplerOutput(torch.from_numpy(head), None, None, None)
         elif len(sample_slots) and self.parallel.is_driver:
@@ -625,20 +447,50 @@ class ModelRunner:
                         logprobs=[result.logprobs[j, : k + 1].tolist()],
                         ranks=[int(result.sampled_token_ranks[j])],  # type: ignore[index]
                     )
+        return out_ids, sampled, logprobs, failed
 
+    def _output(self, step: PreparedStep, forks: list[tuple[int, int]], hidden: torch.Tensor | None,
+                sampled: _Sampled) -> ModelRunnerOutput:
+        """The step's prompt logprobs (from `hidden`), the batch advanced past its tokens, and the
+        runner's output."""
         prompt_logprobs: dict[str, Logprobs] = {}
-        for rid, rows_np, targets, k in self._prompt_logprob_rows(rows, batch):
-            plogits = self.model.compute_logits(hidden[torch.from_numpy(rows_np).to(self.device)])  # type: ignore[union-attr]
+        for rid, rows_np, targets, k in self._prompt_logprob_rows(step.rows, step.batch):
+            plogits = self.model.compute_logits(hidden[torch.from_numpy(rows_np).to(self.device)])  # type: ignore[union-attr, index]
             if not self.parallel.is_driver:
                 continue
             ids, lps, ranks = compute_topk_logprobs(plogits, torch.from_numpy(targets).to(self.device), k)
             prompt_logprobs[rid] = Logprobs(token_ids=ids.tolist(), logprobs=lps.tolist(), ranks=ranks.tolist())
-
-        self._advance(rows, counts, forks)
+        self._advance(step, forks)
+        out_ids, tokens, logprobs, failed = sampled
         return ModelRunnerOutput(
             req_ids=out_ids,
-            sampled_token_ids=sampled,
+            sampled_token_ids=tokens,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             failed=failed,
         )
+
+    def _prompt_logprob_rows(
+        self, rows: np.ndarray, batch: BatchArrays
+    ) -> list[tuple[str, np.ndarray, np.ndarray, int]]:
+        """For requests asking prompt_logprobs: (req_id, flat rows, next-token ids, k) of this chunk.
+
+        The logits at prompt position p score prompt token p + 1, so a chunk covering positions
+        [s, e) yields logprobs for tokens s + 1 .. min(e, num_prompt - 1).
+        """
+        ib = self.input_batch
+        out = []
+        for i in np.nonzero(ib.prompt_logprobs[rows] >= 0)[0]:
+            r = rows[i]
+            rid, k = ib.req_ids[r], int(ib.prompt_logprobs[r])
+            first = int(batch.seq_lens[i] - (batch.query_start_loc[i + 1] - batch.query_start_loc[i]))
+            # After a preemption the prompt is computed again: skip positions already returned.
+            start = max(first, self.prompt_logprobs_done.get(rid, 0))
+            end = min(int(batch.seq_lens[i]), int(ib.num_prompt_tokens[r]) - 1)
+            if end <= start:
+                continue
+            self.prompt_logprobs_done[rid] = end
+            flat = np.arange(start, end) - first + batch.query_start_loc[i]
+            targets = ib.token_ids[r, start + 1 : end + 1].copy()
+            out.append((rid, flat, targets, k))
+        return out

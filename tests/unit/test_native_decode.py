@@ -60,13 +60,12 @@ def _decode_batch(runner, seq_lens: list[int], seed: int):
 def _both_paths(runner, batch):
     """(torch hidden, torch KV), (native hidden, native KV), each from the same starting cache."""
     start = [kv.clone() for kv in runner.kv_caches]
-    nd, runner.native_decode = runner.native_decode, None
+    nd = runner.native_decode
     with torch.inference_mode():
-        ref = runner._forward([], [1] * len(batch.seq_lens), batch)
+        ref = runner.paths.eager.forward(batch)
     ref_kv = [kv.clone() for kv in runner.kv_caches]
     for kv, s in zip(runner.kv_caches, start):
         kv.copy_(s)
-    runner.native_decode = nd
     out = nd.run(batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables, batch.seq_lens)
     return (ref, ref_kv), (out, [kv.clone() for kv in runner.kv_caches])
 

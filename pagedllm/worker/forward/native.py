@@ -1,0 +1,79 @@
+"""Small decode-only steps as one native call (worker/native_decode.py), on one CPU rank."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedllm.worker.forward.base import ForwardPath, PreparedStep
+from pagedllm.worker.input_batch import InputBatch
+from pagedllm.worker.native_decode import NativeDecode
+from pagedllm.worker.sampler import sampler_fault_hook
+
+
+class NativeDecodePath(ForwardPath):
+    """The decoder stack of a decode-only step the fused call takes (NativeDecode.applies), ending
+    at the final norm. A step the kernel declines (the KV cache then untouched) runs on `fallback`."""
+
+    name = "native_decode"
+
+    def __init__(self, nd: NativeDecode, fallback: ForwardPath) -> None:
+        self.nd = nd
+        self.fallback = fallback
+
+    def applies(self, step: PreparedStep) -> bool:
+        b = step.batch
+        return self.nd.applies(len(b.input_ids), len(b.seq_lens), bool(b.dense))
+
+    def run(self, step: PreparedStep) -> torch.Tensor:
+        b = step.batch
+        hidden = self.nd.run(b.input_ids, b.positions, b.slot_mapping, b.block_tables, b.seq_lens)
+        return self.fallback.run(step) if hidden is None else hidden
+
+
+class NativeHeadPath(ForwardPath):
+    """A step the native decode path takes, run on through the LM head in the same call: the
+    sampled rows' token ids when they all sample greedily with no logits processing and no
+    logprobs (the sampler would take the argmax of the same logits), else their logits.
+
+    Where the native decode path applies, it applies to steps with no forked samples and no
+    prompt logprobs (both need hidden states) whose sampled rows are few enough that the torch
+    path's LM head is the same GEMM. A step the kernel declines runs on `fallback` (the native
+    decode path) and then the torch LM head, which gives the same logits."""
+
+    name = "native_head"
+    head = True
+
+    def __init__(self, nd: NativeDecode, fallback: ForwardPath, input_batch: InputBatch,
+                 sampling_metadata: Callable[[np.ndarray, int], Any], model: torch.nn.Module,
+                 device: torch.device) -> None:
+        self.nd = nd
+        self.fallback = fallback
+        self.input_batch = input_batch
+        self.sampling_metadata = sampling_metadata
+        self.model = model
+        self.device = device
+
+    def applies(self, step: PreparedStep) -> bool:
+        """Given that the native decode path applies to the step."""
+        return (not step.so.forked_reqs and self.nd.head_applies(len(step.batch.sample_rows))
+                and not (self.input_batch.prompt_logprobs[step.rows] >= 0).any())
+
+    def run(self, step: PreparedStep) -> np.ndarray | torch.Tensor:
+        b = step.batch
+        greedy = False
+        if sampler_fault_hook() is None:
+            try:
+                md = self.sampling_metadata(step.rows[b.sample_req_indices], self.nd.vocab)
+            except Exception:  # the sampler reports it (and fails the row) from the logits
+                md = None
+            greedy = md is not None and md.argmax_only
+        out = self.nd.run_head(b.input_ids, b.positions, b.slot_mapping, b.block_tables, b.seq_lens,
+                               b.sample_rows, greedy)
+        if out is not None:
+            return out
+        hidden = self.fallback.run(step)
+        return self.model.compute_logits(hidden[torch.from_numpy(b.sample_rows).to(self.device, non_blocking=True)])
