@@ -67,3 +67,19 @@ $(PEERS)/.installed:
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# llama.cpp alone in $(PEERS) (llama-cpp-python built from source: several minutes on 2 cores, a
+# no-op afterwards): the oracle of tests/integration/test_llamacpp_oracle.py and of the llama.cpp
+# cases of tests/integration/test_quantized_greedy.py, which skip without it. CI: run it before
+# the tests and export PAGEDLLM_PEERS_VENV=$(CURDIR)/$(PEERS).
+LLAMA_CPP_PYTHON ?= llama-cpp-python==0.3.36
+
+.PHONY: peers-llamacpp
+
+peers-llamacpp: $(PEERS)/.llamacpp-installed
+
+$(PEERS)/.llamacpp-installed:
+	test -x $(PEERS)/bin/python || $(PYTHON) -m venv $(PEERS)
+	$(PEERS)/bin/pip install -q $(LLAMA_CPP_PYTHON)
+	$(PEERS)/bin/python -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"
+	touch $@

@@ -1,7 +1,9 @@
 """Perplexity with llama.cpp's convention (``llama-perplexity``).
 
-The text is tokenized once; it is cut into windows of ``ctx`` tokens (the last partial window is
-dropped); when the vocabulary asks for a BOS token, each window's first token is replaced by BOS;
+The text is tokenized once, as llama-perplexity tokenizes it (:func:`tokenize_text`: BOS first
+when the vocabulary asks for it, special-token text such as ``<|im_start|>`` kept as plain text);
+it is cut into windows of ``ctx`` tokens (the last partial window is dropped); when the vocabulary
+asks for a BOS token, each window's first token is replaced by BOS;
 only the second half of each window is scored: with ``first = ctx // 2``, the logits at positions
 ``first .. ctx-2`` predict tokens ``first+1 .. ctx-1``, so a window of 512 scores 255 tokens.
 ``PPL = exp(mean NLL)``, and its uncertainty is ``PPL * sqrt(var(NLL) / (n - 1))``, as
@@ -85,6 +87,15 @@ def wants_bos(tokenizer: Any) -> int | None:
     return bos if ids and ids[0] == bos else None
 
 
+def tokenize_text(tokenizer: Any, text: str) -> list[int]:
+    """The token ids llama-perplexity scores for ``text``: BOS first when the vocabulary asks for
+    it (:func:`wants_bos`), then the text with special-token strings cut like any other text
+    (llama.cpp tokenizes the file with ``parse_special`` off)."""
+    ids = list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+    bos = wants_bos(tokenizer)
+    return ([bos] if bos is not None else []) + ids
+
+
 def perplexity(model: str | None = None, file: str | Path | None = None, ctx: int = 512,
                chunks: int | None = None, progress: bool = True, llm: Any = None,
                **engine_args: Any) -> PerplexityResult:
@@ -96,7 +107,6 @@ def perplexity(model: str | None = None, file: str | Path | None = None, ctx: in
     """
     from pagedllm.eval.corpus import default_corpus
     from pagedllm.llm import LLM
-    from pagedllm.sampling_params import SamplingParams
 
     if ctx < 4:
         raise ValueError(f"ctx must be at least 4 tokens, got {ctx}")
@@ -111,10 +121,19 @@ def perplexity(model: str | None = None, file: str | Path | None = None, ctx: in
         engine_args.setdefault("max_model_len", ctx + 1)
         llm = LLM(model, **engine_args)
     tok = llm.get_tokenizer().hf
-    tokens = tok.encode(text, add_special_tokens=False)
+    tokens = tokenize_text(tok, text)
     windows = windows_of(tokens, ctx, wants_bos(tok), chunks)
     if not windows:
         raise ValueError(f"text file {str(path)!r} has {len(tokens)} tokens, fewer than one window of ctx={ctx}")
+    return perplexity_of_windows(llm, windows, progress)
+
+
+def perplexity_of_windows(llm: Any, windows: list[list[int]], progress: bool = False) -> PerplexityResult:
+    """Score token windows (from :func:`windows_of`) with ``llm`` (:class:`pagedllm.LLM`): one batch
+    with prompt logprobs, the second half of each window scored."""
+    from pagedllm.sampling_params import SamplingParams
+
+    ctx = len(windows[0])
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": w} for w in windows], params, use_tqdm=progress)

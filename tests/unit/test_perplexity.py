@@ -50,3 +50,17 @@ def test_too_short_a_text_is_one_error(tiny_model_dir: str, tmp_path: Path, caps
                  "--dtype", "float32", "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("pagedllm eval: error:") and "fewer than one window" in err[-1]
+
+
+def test_text_is_tokenized_as_llama_perplexity_does() -> None:
+    # special-token text stays text (llama.cpp tokenizes the file with parse_special off), no BOS
+    # where the GGUF says add_bos_token: false, and each digit is its own piece (tokenizer.ggml.pre)
+    from pagedllm.eval.perplexity import tokenize_text
+    from pagedllm.models.loader import resolve_model
+    from pagedllm.models.loader.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(resolve_model(None))
+    ids = tokenize_text(tok, "a <|im_start|>\n   2")
+    assert tok.convert_tokens_to_string(tok.convert_ids_to_tokens(ids)) == "a <|im_start|>\n   2"
+    assert tok.convert_tokens_to_string(tok.convert_ids_to_tokens(ids[-2:])) == "\n   2"
+    assert not set(ids) & set(tok.all_special_ids)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pagedllm.models.loader.config import load_hf_config
+from pagedllm.models.loader.gguf_tokenizer import TOKENIZER_FORMAT
 from pagedllm.models.loader.resolve import gguf_source, resolve_model
 from pagedllm.models.loader.source import file_cache_key, publish_dir
 from pagedllm.models.loader.tokenizer import load_tokenizer
@@ -37,9 +38,10 @@ def convert_gguf_to_hf(gguf_path: str, out_dir: str) -> str:
 
 
 def default_hf_folder() -> str:
-    """The default GGUF converted once into a Hugging Face folder in the cache."""
+    """The default GGUF converted once into a Hugging Face folder in the cache (the key names the
+    tokenizer conversion's version, so that a folder saved with an older tokenizer is not reused)."""
     source = resolve_model(None)
-    final = cache_dir() / "hf" / f"{source.name}-{file_cache_key(source.path)}"
+    final = cache_dir() / "hf" / f"{source.name}-{file_cache_key(source.path)}-t{TOKENIZER_FORMAT}"
     if not final.is_dir():
         publish_dir(final, lambda tmp: convert_gguf_to_hf(source.path, str(tmp)))
     return str(final)

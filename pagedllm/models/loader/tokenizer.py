@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.models.loader.gguf_reader import read_gguf_header
+from pagedllm.models.loader.gguf_tokenizer import TOKENIZER_FORMAT, apply_gguf_pre_tokenizer
 from pagedllm.models.loader.resolve import gguf_source
 from pagedllm.models.loader.source import ModelLoadError, ModelSource, file_cache_key, publish_dir
 from pagedllm.utils import cache_dir
@@ -54,7 +55,8 @@ def _auto_tokenizer(path: str, kwargs: dict[str, Any]) -> PreTrainedTokenizerBas
 
 def _cached_gguf_tokenizer(gguf_path: str) -> Path:
     """Folder with the GGUF's tokenizer saved in Hugging Face format (built once)."""
-    final = cache_dir() / "tokenizers" / f"{Path(gguf_path).stem}-{file_cache_key(gguf_path)}"
+    key = f"{file_cache_key(gguf_path)}-t{TOKENIZER_FORMAT}"
+    final = cache_dir() / "tokenizers" / f"{Path(gguf_path).stem}-{key}"
     if final.is_dir():
         return final
     start = time.perf_counter()
@@ -65,10 +67,15 @@ def _cached_gguf_tokenizer(gguf_path: str) -> Path:
 
 
 def _convert_gguf_tokenizer(gguf_path: str, out_dir: Path) -> None:
-    """Build a tokenizer from GGUF metadata via transformers and save it."""
+    """Build a tokenizer from GGUF metadata via transformers and save it, with the pre-tokenizer
+    that ``tokenizer.ggml.pre`` names (see :mod:`pagedllm.models.loader.gguf_tokenizer`)."""
     path = Path(gguf_path)
     tok = _auto_tokenizer(str(path.parent), {"gguf_file": path.name})
-    template = read_gguf_header(gguf_path).metadata.get("tokenizer.chat_template")
+    metadata = read_gguf_header(gguf_path).metadata
+    pre = metadata.get("tokenizer.ggml.pre")
+    if apply_gguf_pre_tokenizer(tok, str(pre) if pre is not None else None):
+        logger.info("tokenizer of %s: pre-tokenizer %r (each digit cut out, then GPT-2's regex)", gguf_path, pre)
+    template = metadata.get("tokenizer.chat_template")
     if template and not getattr(tok, "chat_template", None):
         tok.chat_template = str(template)
     tok.save_pretrained(str(out_dir))
