@@ -1,4 +1,4 @@
-"""The small-M GEMM kernel (pagedllm/layers/csrc/small_m_gemm.c) against torch's GEMM, by rows.
+"""The small-M GEMM kernel (pagedllm/native/csrc/small_m_gemm.c) against torch's GEMM, by rows.
 
 Usage: PYTHONPATH=. .venv/bin/python benchmarks/bench_small_m_gemm.py [--dtype bfloat16] [--rows 1,4,8,16,32,48,64]
 

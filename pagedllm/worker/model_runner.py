@@ -46,7 +46,7 @@ from pagedllm.worker.host_memory import move_weights_to_huge_pages
 from pagedllm.worker.input_batch import BatchArrays, InputBatch
 from pagedllm.worker.kv_memory import KVMemory
 from pagedllm.worker.native_decode import NativeDecode
-from pagedllm.worker.sampler import (
+from pagedllm.worker.sample import (
     Sampler,
     SamplerOutput,
     SamplingMetadata,

@@ -11,7 +11,7 @@ import torch
 from pagedllm.worker.forward.base import ForwardPath, PreparedStep
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.native_decode import NativeDecode
-from pagedllm.worker.sampler import sampler_fault_hook
+from pagedllm.worker.sample import sampler_fault_hook
 
 
 class NativeDecodePath(ForwardPath):
