@@ -68,6 +68,8 @@ _VARS: tuple[EnvVar, ...] = (
     _native("SAMPLING", "sampling kernel (temperature, top-k/top-p draws)"),
     EnvVar("PAGEDLLM_QUANT_ACTIVATIONS", str, "int8",
            "activations met by 4-bit and int8 codes: `int8` (VNNI dot products) or `bf16`", ("int8", "bf16")),
+    EnvVar("PAGEDLLM_QUANT_PARALLEL_MIN", int, 1 << 18,
+           "weights from which a quantized GEMM splits over threads (read by the C kernel, once)"),
     EnvVar("PAGEDLLM_QUANT_LM_HEAD", _bool, True,
            "0 keeps a GGUF model's quantized LM head dense instead of running it from int8 codes"),
     EnvVar("PAGEDLLM_SHM_ALLREDUCE_MAX_BYTES", int, 16 << 20,
