@@ -5,6 +5,7 @@ PAGEDLLM_NATIVE_SAMPLING=0); the caller then takes its torch path."""
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -13,7 +14,9 @@ from pagedllm import native
 from pagedllm.native import kernels
 
 
+@lru_cache(maxsize=1)
 def _sampling_kernel() -> Any:
+    """The bound kernel, or None; its switch is read once per process, as for the other kernels."""
     return native.load(kernels.SAMPLING)
 
 
