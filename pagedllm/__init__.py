@@ -5,18 +5,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineArgs", "LLMEngine", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "EngineArgs", "LLMEngine", "__version__"]
 
 if TYPE_CHECKING:
     from pagedllm.engine.arg_utils import EngineArgs
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.llm import LLM
     from pagedllm.outputs import CompletionOutput, RequestOutput
-    from pagedllm.sampling_params import SamplingParams
+    from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 _LAZY = {
     "LLM": "pagedllm.llm",
     "SamplingParams": "pagedllm.sampling_params",
+    "StructuredOutputsParams": "pagedllm.sampling_params",
     "RequestOutput": "pagedllm.outputs",
     "CompletionOutput": "pagedllm.outputs",
     "EngineArgs": "pagedllm.engine.arg_utils",

@@ -21,6 +21,70 @@ class SamplingType(enum.IntEnum):
     RANDOM_SEED = 2
 
 
+@dataclass
+class StructuredOutputsParams:
+    """Constrains a request's output to a structure (vLLM's `StructuredOutputsParams`).
+
+    Exactly one of `json`, `regex`, `choice`, `grammar`, `json_object` and `structural_tag` is set.
+    The engine compiles it into a grammar (xgrammar or llguidance, see `--structured-outputs-config`)
+    and masks, at every step, the tokens that would leave it.
+    """
+
+    json: str | dict[str, Any] | None = None
+    """A JSON schema (as a dict or its JSON text) the output must validate against."""
+    regex: str | None = None
+    """A regular expression the whole output must match."""
+    choice: list[str] | None = None
+    """The output is exactly one of these strings."""
+    grammar: str | None = None
+    """A context-free grammar in EBNF (GBNF / Lark syntax)."""
+    json_object: bool | None = None
+    """The output is any JSON object."""
+    structural_tag: str | None = None
+    """A structural tag (JSON text): free text in which tagged regions follow their schemas."""
+    disable_fallback: bool = False
+    """Fail instead of trying the other backend when the chosen one cannot compile this."""
+    disable_any_whitespace: bool = False
+    """JSON without free whitespace between tokens (the compact form)."""
+    disable_additional_properties: bool = False
+    """Treat JSON objects as if the schema said `additionalProperties: false`."""
+    whitespace_pattern: str | None = None
+    """A regex for the whitespace allowed between JSON tokens (llguidance only)."""
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+    def __post_init__(self) -> None:
+        if self.json_object is False:
+            self.json_object = None
+        given = [k for k in self.KINDS if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of json, regex, choice, grammar, json_object and "
+                f"structural_tag, got {given or 'none'}."
+            )
+        if self.choice is not None:
+            if not isinstance(self.choice, list) or not self.choice or not all(isinstance(c, str) for c in self.choice):
+                raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}.")
+        for name in ("regex", "grammar", "structural_tag"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {value!r}.")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (object or string), got {self.json!r}.")
+
+    @property
+    def kind(self) -> str:
+        """Which of the KINDS this is."""
+        return next(k for k in self.KINDS if getattr(self, k) is not None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if v is not None and v is not False}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> StructuredOutputsParams:
+        return cls(**d)
+
+
 class RequestOutputKind(enum.Enum):
     """How `RequestOutput`s report text: the whole text so far, only the new part, or only at the end."""
 
@@ -79,6 +143,11 @@ class SamplingParams:
     """If set, only these token ids may be sampled."""
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     """What each RequestOutput carries (used by streaming front ends)."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrains the output to a JSON schema, regex, choice or grammar (see StructuredOutputsParams)."""
+    thinking_token_budget: int | None = None
+    """With a reasoning model: end the thinking section after this many tokens (the engine then
+    forces the end-of-thinking token, and the answer follows)."""
     _all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
     def __post_init__(self) -> None:
@@ -154,6 +223,18 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}.")
         if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
             raise ValueError("allowed_token_ids is not None and empty!")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            if isinstance(self.structured_outputs, dict):
+                self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+            else:
+                raise ValueError(
+                    f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}."
+                )
+        if self.thinking_token_budget is not None and (
+            not isinstance(self.thinking_token_budget, int) or isinstance(self.thinking_token_budget, bool)
+            or self.thinking_token_budget < 0
+        ):
+            raise ValueError(f"thinking_token_budget must be a non-negative integer, got {self.thinking_token_budget!r}.")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings are only supported when detokenize is True.")
 
@@ -184,4 +265,7 @@ class SamplingParams:
         return copy.deepcopy(self)
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+        d = {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+        if self.structured_outputs is not None:
+            d["structured_outputs"] = self.structured_outputs.to_dict()
+        return d
