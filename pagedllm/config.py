@@ -311,6 +311,30 @@ class ParallelConfig:
         return start, start + sizes[stage]
 
 
+STRUCTURED_OUTPUT_BACKENDS = ("auto", "xgrammar", "guidance")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """Constrained decoding: which grammar library compiles the requests' structures, and the
+    reasoning parser that tells the engine where a reasoning model's thinking ends (the structure
+    applies to the answer after it)."""
+
+    backend: str = "auto"
+    """'xgrammar', 'guidance' (llguidance), or 'auto': xgrammar, and llguidance for what xgrammar
+    cannot compile (a JSON schema feature it does not support)."""
+    reasoning_parser: str | None = None
+    """Name of the reasoning parser (deepseek_r1, qwen3), or None for a model that does not think."""
+    enable_in_reasoning: bool = False
+    """Constrain the thinking too (by default the structure starts after the thinking ends)."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in STRUCTURED_OUTPUT_BACKENDS:
+            raise ValueError(
+                f"structured outputs backend must be one of {STRUCTURED_OUTPUT_BACKENDS}, got {self.backend!r}"
+            )
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
@@ -318,3 +342,4 @@ class EngineConfig:
     scheduler_config: SchedulerConfig
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)

@@ -50,6 +50,8 @@ class StructuredOutputsParams:
     """Treat JSON objects as if the schema said `additionalProperties: false`."""
     whitespace_pattern: str | None = None
     """A regex for the whitespace allowed between JSON tokens (llguidance only)."""
+    _backend: str | None = field(default=None, repr=False)
+    """The backend that enforces it, chosen when the request is validated."""
 
     KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
@@ -78,6 +80,7 @@ class StructuredOutputsParams:
         return next(k for k in self.KINDS if getattr(self, k) is not None)
 
     def to_dict(self) -> dict[str, Any]:
+        """The fields that are set (the wire form, and the key of the compiled grammar)."""
         return {k: v for k, v in self.__dict__.items() if v is not None and v is not False}
 
     @classmethod

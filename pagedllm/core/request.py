@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pagedllm.sampling_params import SamplingParams
@@ -84,6 +84,10 @@ class Request:
         # steps run since admission while a request of another user waited (fair share's time
         # slice); `aged` is set once waiting_steps reaches max_waiting_steps and stays set.
         self.first_scheduled_time: float | None = None
+        # Structured output (grammar, matcher, thinking state): set by the engine core for requests
+        # that ask for a structure or a thinking budget (pagedllm/structured_output); the scheduler
+        # only asks it `ready` and feeds it the sampled tokens.
+        self.structured: Any = None
         self.waiting_steps = 0
         self.running_steps = 0
         self.aged = False

@@ -299,6 +299,8 @@ class Scheduler:
             candidates = [*self.swapped, *self.waiting] if self.swapped else self.waiting
             if skip:
                 candidates = [r for r in candidates if r.request_id not in skip]
+            # A request whose grammar is still compiling waits; the others go on.
+            candidates = [r for r in candidates if r.structured is None or r.structured.ready]
             if not candidates:
                 break
             req = self.policy.next_waiting(candidates)
@@ -461,6 +463,10 @@ class Scheduler:
                 appended.append(t)
                 if req.check_stop(max_len):
                     break
+                if req.structured is not None and req.structured.accept(t, req.all_token_ids):
+                    # The structure is complete (or the token broke it, a fault of the mask).
+                    req.status = RequestStatus.FINISHED_STOPPED
+                    break
             result = EngineCoreOutput(
                 req_id=rid,
                 new_token_ids=appended,
@@ -470,6 +476,9 @@ class Scheduler:
                 first_scheduled_time=req.first_scheduled_time,
             )
             if req.is_finished:
+                if req.structured is not None and req.structured.error is not None:
+                    req.status = RequestStatus.FINISHED_ERROR
+                    result.error = req.structured.error
                 result.finish_reason = req.get_finished_reason()
                 result.stop_reason = req.stop_reason
                 self._release(req)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pagedllm.sampling_params import SamplingParams
@@ -69,6 +69,11 @@ class SchedulerOutput:
     # Samples of n > 1 requests forked off their parent this step (see ForkedRequestData).
     forked_reqs: list[ForkedRequestData] = field(default_factory=list)
     num_preempted: int = 0
+    # Structured output: one int32 row of token bits (bit i of word j allows token 32j+i) per
+    # constrained sequence that samples this step, and req_id -> its row. The driver applies the
+    # rows to those sequences' logits before sampling. A torch tensor, filled by the engine core.
+    grammar_bitmask: Any = None
+    structured_rows: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -30,6 +30,7 @@ from pagedllm.config import (
     ParallelConfig,
     QuantizationConfig,
     SchedulerConfig,
+    StructuredOutputsConfig,
 )
 
 
@@ -49,6 +50,26 @@ def parse_size(text: str | int) -> int:
     except ValueError:
         raise ValueError(f"cannot read {text!r} as a size in bytes (e.g. 2GiB, 512MiB, 1000000)") from None
     return int(value * units[unit])
+
+
+def parse_structured_outputs_config(text: str | dict[str, Any] | StructuredOutputsConfig) -> StructuredOutputsConfig:
+    """'{"backend": "xgrammar"}' (JSON, vLLM's form) -> StructuredOutputsConfig."""
+    if isinstance(text, StructuredOutputsConfig):
+        return text
+    if isinstance(text, str):
+        import json
+
+        try:
+            text = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f'cannot read {text!r} as JSON, e.g. {{"backend": "xgrammar"}} ({e})') from None
+    if not isinstance(text, dict):
+        raise ValueError(f"must be a JSON object, got {text!r}")
+    known = {f.name for f in dataclasses.fields(StructuredOutputsConfig)}
+    unknown = sorted(set(text) - known)
+    if unknown:
+        raise ValueError(f"unknown keys {unknown} (known: {sorted(known)})")
+    return StructuredOutputsConfig(**text)
 
 
 def parse_user_weights(text: str | dict[str, float]) -> dict[str, float]:
@@ -210,6 +231,12 @@ class EngineArgs:
     distributed_executor_backend: str = arg(
         "mp", "how ranks start: mp (worker processes on this host), ray (Ray cluster), external_launcher "
         "(one engine per rank under torchrun)", choices=EXECUTOR_BACKENDS)
+    structured_outputs_config: StructuredOutputsConfig = arg(
+        StructuredOutputsConfig(), 'constrained decoding as JSON: {"backend": "auto|xgrammar|guidance", '
+        '"enable_in_reasoning": false}', parse=parse_structured_outputs_config, shown_default='{"backend": "auto"}')
+    reasoning_parser: str | None = arg(
+        None, "where a reasoning model's thinking ends: deepseek_r1 or qwen3 (reasoning_content in chat "
+        "replies; structured output and tool calls apply to the answer after it)", shown_default="none")
     pipeline_layer_partition: tuple[int, ...] | None = arg(
         None, "decoder layers per pipeline stage, e.g. 16,14 (default: even split)", parse=parse_layer_partition,
         shown_default="even")
@@ -389,4 +416,10 @@ class EngineArgs:
             model_config.num_layers, model_config.num_heads, model_config.num_kv_heads,
             int(getattr(hf_config, "intermediate_size", 0) or 0),
         )
-        return EngineConfig(model_config, cache_config, scheduler_config, device_config, parallel_config)
+        so_config = self.structured_outputs_config
+        if self.reasoning_parser is not None:
+            from pagedllm.reasoning import get_reasoning_parser_class
+
+            get_reasoning_parser_class(self.reasoning_parser)  # names the known parsers if unknown
+            so_config = dataclasses.replace(so_config, reasoning_parser=self.reasoning_parser)
+        return EngineConfig(model_config, cache_config, scheduler_config, device_config, parallel_config, so_config)

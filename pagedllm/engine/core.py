@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import dataclass
 
 import psutil
@@ -18,9 +19,10 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.preemption import PreemptionCostModel
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
-from pagedllm.core.scheduler_output import EngineCoreOutput
+from pagedllm.core.scheduler_output import EngineCoreOutput, SchedulerOutput
 from pagedllm.engine.core_io import EngineCoreRequest, StepStats
 from pagedllm.executor import create_executor
+from pagedllm.structured_output import StructuredOutputManager
 from pagedllm.utils import HEAP_TOP_PAD
 
 logger = logging.getLogger(__name__)
@@ -96,6 +98,9 @@ class EngineCore:
         self.preemption_costs = self._measure_preemption_costs() if sc.preemption_mode == "auto" else None
         kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, num_swap_blocks)
         self.scheduler = Scheduler(sc, kv, self.preemption_costs)
+        self.structured = StructuredOutputManager(config)
+        # Requests whose grammar is compiling (waiting in the scheduler until it is ready).
+        self._compiling: list[Request] = []
         self.num_blocks = num_blocks
         capacity = num_blocks * cc.block_size
         self.memory_bound = MemoryBound(
@@ -171,6 +176,10 @@ class EngineCore:
                     req.cache_salt, req.max_tokens)
             for i, sid in enumerate(req.seq_ids)
         ]
+        if params.structured_outputs is not None or params.thinking_token_budget is not None:
+            for r in requests:
+                self.structured.init_request(r)
+            self._compiling.extend(r for r in requests if r.structured is not None and r.structured.future is not None)
         self.scheduler.add_request(requests[0], forks=requests[1:])
 
     def abort_requests(self, seq_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
@@ -184,18 +193,48 @@ class EngineCore:
     def step(self) -> tuple[list[EngineCoreOutput], StepStats]:
         """Schedule tokens, run the model on them, append the sampled tokens."""
         t0 = time.perf_counter()
+        failed = self._grammars_failed() if self._compiling else []
         so = self.scheduler.schedule()
+        if so.is_empty and self._compiling:
+            wait([r.structured.future for r in self._compiling], timeout=0.05, return_when=FIRST_COMPLETED)
+        self._grammar_bitmask(so)
         out = self.executor.execute_model(so)
-        core_outputs = self.scheduler.update_from_output(so, out)
+        core_outputs = failed + self.scheduler.update_from_output(so, out)
         stats = StepStats(self.scheduler.get_stats(), so.total_num_scheduled_tokens, so.num_preempted,
                           time.perf_counter() - t0)
         return core_outputs, stats
+
+    def _grammars_failed(self) -> list[EngineCoreOutput]:
+        """Ends the requests whose grammar failed to compile (finish_reason "error", naming why)."""
+        failed, still = [], []
+        for r in self._compiling:
+            if r.structured.compiling:
+                still.append(r)
+                continue
+            error = r.structured.compile_error()
+            if error is not None and not r.is_finished:
+                self.scheduler.finish_requests(r.request_id, RequestStatus.FINISHED_ERROR)
+                failed.append(EngineCoreOutput(r.request_id, [], finish_reason="error", error=error))
+        self._compiling = still
+        return failed
+
+    def _grammar_bitmask(self, so: SchedulerOutput) -> None:
+        """Fills the step's bitmask rows of the constrained sequences that sample this step."""
+        reqs = self.scheduler.requests
+        sampling = [r for rid in so.num_scheduled_tokens if (r := reqs[rid]).structured is not None
+                    and r.num_computed_tokens >= r.num_tokens]
+        sampling += [reqs[f.req_id] for f in so.forked_reqs if reqs[f.req_id].structured is not None]
+        if sampling:
+            mask = self.structured.grammar_bitmask(sampling)
+            if mask is not None:
+                so.grammar_bitmask, so.structured_rows = mask
 
     def stats(self) -> StepStats:
         return StepStats(self.scheduler.get_stats())
 
     def shutdown(self) -> None:
         """Stops the executor's worker processes, if it has any."""
+        self.structured.shutdown()
         stop = getattr(self.executor, "shutdown", None)
         if stop is not None:
             stop()

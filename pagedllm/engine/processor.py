@@ -13,6 +13,7 @@ from pagedllm.core.scheduler import check_request_limits
 from pagedllm.engine.core_io import EngineCoreRequest
 from pagedllm.engine.output_processor import child_id
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output import validate_structured_outputs
 from pagedllm.tokenizer import TokenizerWrapper
 
 # A prompt: text, token ids, or vLLM's dict forms {"prompt": ...} / {"prompt_token_ids": [...]}.
@@ -54,6 +55,20 @@ class Processor:
             raise ValueError(f"prompt token ids {bad[:8]} are out of vocabulary (vocab size {vocab})")
         return text, ids
 
+    def check_structured_outputs(self, params: SamplingParams) -> None:
+        """A request's structure compiles (its backend chosen, see pagedllm/structured_output), and
+        a thinking budget has a reasoning parser to end the thinking with."""
+        so_config = self.config.structured_outputs_config
+        try:
+            validate_structured_outputs(params, so_config.backend)
+        except ValueError as e:
+            raise ValueError(f"structured_outputs: {e}") from None
+        if params.thinking_token_budget is not None and so_config.reasoning_parser is None:
+            raise ValueError(
+                f"thinking_token_budget={params.thinking_token_budget} needs a reasoning model served with "
+                "--reasoning-parser (which names where the thinking ends)"
+            )
+
     def make_request(
         self,
         request_id: str,
@@ -74,6 +89,7 @@ class Processor:
             raise ValueError(f"request id {request_id!r} collides with ids already in use: {taken}")
         text, ids = self.tokenize_prompt(prompt)
         params.verify_vocab(self.model_config.vocab_size)
+        self.check_structured_outputs(params)
         max_len = self.model_config.max_model_len
         max_tokens = params.max_tokens if params.max_tokens is not None else max(max_len - len(ids), 1)
         cc = self.config.cache_config

@@ -1,5 +1,5 @@
 """msgpack encoding of the engine <-> worker messages (SchedulerOutput in, ModelRunnerOutput
-out): typed data only, never pickle."""
+out): typed data only, never pickle (a grammar bitmask goes as its shape and bytes)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from dataclasses import fields
 from typing import Any
 
 import msgspec
+import torch
 
 from pagedllm.core.scheduler_output import (
     CachedRequestData,
@@ -18,13 +19,24 @@ from pagedllm.core.scheduler_output import (
 )
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
-_encoder = msgspec.msgpack.Encoder()
+def _enc_hook(obj: Any) -> Any:
+    # The step's grammar bitmask (an int32 tensor) travels as its shape and raw bytes.
+    if isinstance(obj, torch.Tensor) and obj.dtype == torch.int32:
+        return {"shape": list(obj.shape), "int32": obj.contiguous().numpy().tobytes()}
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
+_encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 _decoder = msgspec.msgpack.Decoder()
 
 
 def encode(obj: Any) -> bytes:
-    """Dataclasses become maps, sets arrays, enums their values."""
+    """Dataclasses become maps, sets arrays, enums their values, int32 tensors shape + bytes."""
     return _encoder.encode(obj)
+
+
+def _int32_tensor(d: dict[str, Any]) -> torch.Tensor:
+    return torch.frombuffer(bytearray(d["int32"]), dtype=torch.int32).view(*d["shape"])
 
 
 def decode(data: bytes | memoryview) -> Any:
@@ -63,6 +75,8 @@ def scheduler_output_from(d: dict[str, Any]) -> SchedulerOutput:
     d["preempted_req_ids"] = set(d["preempted_req_ids"])
     for k in ("blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy"):
         d[k] = [tuple(p) for p in d[k]]
+    if d.get("grammar_bitmask") is not None:
+        d["grammar_bitmask"] = _int32_tensor(d["grammar_bitmask"])
     return SchedulerOutput(**d)
 
 

@@ -50,6 +50,7 @@ from pagedllm.worker.sample import (
     Sampler,
     SamplerOutput,
     SamplingMetadata,
+    apply_grammar_bitmask,
     compute_topk_logprobs,
     sample_isolating_faults,
 )
@@ -418,6 +419,9 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[rows_t])  # type: ignore[index, union-attr]
         # where each sampled row's request sits in out_ids: the scheduled ones, then the forks
         out_pos = batch.sample_req_indices.tolist() + list(range(len(step.req_ids), len(out_ids)))
+        if (step.so.grammar_bitmask is not None and len(sample_slots) and self.parallel.is_driver
+                and not isinstance(head, np.ndarray)):
+            self._apply_grammar(logits, step.so, [out_ids[p] for p in out_pos])
         if isinstance(head, np.ndarray):  # greedy rows, nothing else: the native call's argmax
             result = SamplerOutput(torch.from_numpy(head), None, None, None)
         elif len(sample_slots) and self.parallel.is_driver:
@@ -448,6 +452,14 @@ class ModelRunner:
                         ranks=[int(result.sampled_token_ranks[j])],  # type: ignore[index]
                     )
         return out_ids, sampled, logprobs, failed
+
+    @staticmethod
+    def _apply_grammar(logits: torch.Tensor, so: SchedulerOutput, row_ids: list[str]) -> None:
+        """Masks the logits of the constrained rows (`row_ids`: the request of each logits row)."""
+        rows = so.structured_rows
+        hits = [(j, rows[rid]) for j, rid in enumerate(row_ids) if rid in rows]
+        if hits:
+            apply_grammar_bitmask(logits, so.grammar_bitmask, [j for j, _ in hits], [m for _, m in hits])
 
     def _output(self, step: PreparedStep, forks: list[tuple[int, int]], hidden: torch.Tensor | None,
                 sampled: _Sampled) -> ModelRunnerOutput:

@@ -22,7 +22,7 @@ LAYERS: list[set[str]] = [
     {"layers"},
     {"models"},
     {"worker"},
-    {"executor"},
+    {"executor", "structured_output"},
     {"engine"},
     {"llm", "metrics"},
     {"benchmarks", "eval"},

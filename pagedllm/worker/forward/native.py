@@ -70,7 +70,7 @@ class NativeHeadPath(ForwardPath):
                 md = self.sampling_metadata(step.rows[b.sample_req_indices], self.nd.vocab)
             except Exception:  # the sampler reports it (and fails the row) from the logits
                 md = None
-            greedy = md is not None and md.argmax_only
+            greedy = md is not None and md.argmax_only and step.so.grammar_bitmask is None
         out = self.nd.run_head(b.input_ids, b.positions, b.slot_mapping, b.block_tables, b.seq_lens,
                                b.sample_rows, greedy)
         if out is not None:
