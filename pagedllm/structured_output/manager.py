@@ -59,10 +59,11 @@ class StructuredRequest:
     and where it is relative to a reasoning model's thinking."""
 
     __slots__ = ("future", "backend", "matcher", "in_reasoning", "thinking_tokens", "budget", "end_token_id",
-                 "reasoner", "error")
+                 "reasoner", "error", "complete", "stop_token_ids", "ignore_eos")
 
     def __init__(self, future: Future | None, backend: GrammarBackend | None, in_reasoning: bool,
-                 budget: int | None, end_token_id: int | None, reasoner: Any) -> None:
+                 budget: int | None, end_token_id: int | None, reasoner: Any, stop_token_ids: list[int],
+                 ignore_eos: bool = False) -> None:
         self.future = future
         self.backend = backend
         self.matcher: Matcher | None = None
@@ -72,6 +73,12 @@ class StructuredRequest:
         self.end_token_id = end_token_id
         self.reasoner = reasoner
         self.error: str | None = None
+        # The structure is whole but its last token was not a stop token (llguidance stops as soon
+        # as nothing else may follow): the next token is forced to a stop token, so the sequence
+        # ends the way every other does (by EOS, left out of its text).
+        self.complete = False
+        self.stop_token_ids = stop_token_ids
+        self.ignore_eos = ignore_eos
 
     @property
     def ready(self) -> bool:
@@ -101,7 +108,7 @@ class StructuredRequest:
 
     def constrained(self) -> bool:
         """Whether this sequence's next token is masked."""
-        return self.forces_end_of_thinking() or (not self.in_reasoning and self.future is not None)
+        return self.complete or self.forces_end_of_thinking() or (not self.in_reasoning and self.future is not None)
 
     def accept(self, token_id: int, all_token_ids: list[int]) -> bool:
         """Feeds one sampled token; True when the structure has ended (the sequence stops). Sets
@@ -121,6 +128,9 @@ class StructuredRequest:
         if not matcher.accept(token_id):
             self.error = f"token {token_id} is outside the structured output's grammar"
             return True
+        if matcher.is_terminated() and token_id not in self.stop_token_ids:
+            self.complete = True
+            return self.ignore_eos or not self.stop_token_ids  # no stop token could end it: end it now
         return matcher.is_terminated()
 
 
@@ -207,21 +217,26 @@ class StructuredOutputManager:
         if budget is not None and not in_reasoning:
             budget = None
         end_id = getattr(reasoner, "end_token_id", None) if reasoner is not None else None
-        req.structured = StructuredRequest(future, backend, in_reasoning, budget, end_id, reasoner)  # type: ignore[arg-type]
+        stop = sorted(req.eos_token_ids) or sorted(self.config.model_config.eos_token_ids)
+        req.structured = StructuredRequest(future, backend, in_reasoning, budget, end_id, reasoner,  # type: ignore[arg-type]
+                                           stop, params.ignore_eos)
 
     def grammar_bitmask(self, sampling: list[Request]) -> tuple[torch.Tensor, dict[str, int]] | None:
         """The bitmask rows of this step's constrained sequences among `sampling` (the requests that
         sample a token this step), or None when none is constrained."""
         rows: dict[str, int] = {}
-        forced: list[tuple[int, int]] = []
+        forced: list[tuple[int, list[int]]] = []
         by_backend: dict[str, list[tuple[Matcher, int]]] = {}
         for req in sampling:
             s = req.structured
             if s is None or not s.constrained():
                 continue
             row = rows[req.request_id] = len(rows)
+            if s.complete:
+                forced.append((row, s.stop_token_ids))
+                continue
             if s.forces_end_of_thinking():
-                forced.append((row, s.end_token_id))  # type: ignore[arg-type]
+                forced.append((row, [s.end_token_id]))  # type: ignore[list-item]
                 continue
             matcher = s._get_matcher()
             assert matcher is not None and s.backend is not None
@@ -231,9 +246,10 @@ class StructuredOutputManager:
         bitmask = torch.full((len(rows), self.words), -1, dtype=torch.int32)
         for name, items in by_backend.items():
             self.backend(name).fill(items, bitmask)
-        for row, token in forced:
+        for row, tokens in forced:
             bitmask[row].zero_()
-            bitmask[row, token // 32] = _bit(token % 32)
+            for token in tokens:
+                bitmask[row, token // 32] |= _bit(token % 32)
         return bitmask, rows
 
     def shutdown(self) -> None:
