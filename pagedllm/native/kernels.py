@@ -126,11 +126,13 @@ ARGMAX_ROWS = Kernel("argmax_rows", I32, (ptr("x"), i64("ldx"), i64("S"), i64("V
 DECODE = Library("llama_decode.c", (SMALL_M_AVAILABLE, LLAMA_DECODE_STEP, LLAMA_DECODE_HEAD, ARGMAX_ROWS),
                  lambda: envs.PAGEDLLM_NATIVE_DECODE)
 
-# sampling.c: top-p cut-offs and draws of sampled rows.
+# sampling.c: top-p cut-offs and draws of sampled rows; structured output's token bitmask.
 TOP_P_CUTS = Kernel("top_p_cuts", I32, (ptr("x"), i64("ldx"), i64("S"), i64("V"), ptr("top_p"), ptr("cut")))
 SAMPLE_ROWS = Kernel("sample_rows", I32, (
     ptr("x"), i64("ldx"), i64("S"), i64("V"), ptr("temperature"), ptr("top_p"), ptr("min_p"), ptr("u"),
     ptr("tokens")))
-SAMPLING = Library("sampling.c", (TOP_P_CUTS, SAMPLE_ROWS), lambda: envs.PAGEDLLM_NATIVE_SAMPLING)
+APPLY_TOKEN_BITMASK = Kernel("apply_token_bitmask", I32, (
+    ptr("x"), i64("ldx"), i64("V"), ptr("mask"), i64("ldm"), ptr("logit_rows"), ptr("mask_rows"), i64("R")))
+SAMPLING = Library("sampling.c", (TOP_P_CUTS, SAMPLE_ROWS, APPLY_TOKEN_BITMASK), lambda: envs.PAGEDLLM_NATIVE_SAMPLING)
 
 LIBRARIES = (ATTENTION, FLASH, LINEAR, ELEMENTWISE, QUANT, DECODE, SAMPLING)

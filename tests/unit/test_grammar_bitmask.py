@@ -1,5 +1,5 @@
-"""The structured-output bitmask on the logits: the vectorized pass against a row-by-row Python
-reference, its effect on sampling, and the bitmask rows the manager fills (xgrammar and llguidance)."""
+"""The structured-output bitmask on the logits: the native kernel and the vectorized torch pass
+against a row-by-row Python reference, its effect on sampling, and the bitmask rows the manager fills (xgrammar and llguidance)."""
 
 from __future__ import annotations
 
@@ -37,9 +37,21 @@ def random_bitmask(rows: int, vocab: int, rng: random.Random, density: float) ->
     return m
 
 
+@pytest.fixture(params=["native", "torch"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways the mask is applied: the native kernel and the vectorized torch pass."""
+    from pagedllm.worker.sample import grammar
+
+    if request.param == "torch":
+        monkeypatch.setattr(grammar, "_sampling_kernel", lambda: None)
+    else:
+        assert grammar._sampling_kernel() is not None, "the native sampling kernel does not build here"
+    return request.param
+
+
 @pytest.mark.parametrize("vocab", [50, 64, 97])
 @pytest.mark.parametrize("seed", range(4))
-def test_vectorized_mask_equals_row_by_row_reference(vocab: int, seed: int) -> None:
+def test_mask_equals_row_by_row_reference(vocab: int, seed: int, path: str) -> None:
     rng = random.Random(seed)
     n = rng.randint(1, 9)
     logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(seed))
@@ -52,7 +64,7 @@ def test_vectorized_mask_equals_row_by_row_reference(vocab: int, seed: int) -> N
     assert torch.equal(got, expected)
 
 
-def test_whole_batch_in_order_is_masked_in_place() -> None:
+def test_whole_batch_in_order_is_masked_in_place(path: str) -> None:
     logits = torch.randn(3, 70)
     bitmask = random_bitmask(3, 70, random.Random(1), 0.5)
     expected = reference_mask(logits, bitmask, [0, 1, 2], [0, 1, 2])

@@ -219,3 +219,34 @@ int sample_rows(const float *x, int64_t ldx, int64_t S, int64_t V, const float *
                     .tokens = tokens};
     return over_rows(S, V, sample_row, &r);
 }
+
+/*
+ * Structured output's token bitmask on the logits, in place: for each i, every token t of row
+ * x[logit_rows[i]] whose bit (bit t % 32 of word t / 32) is clear in mask[mask_rows[i]] becomes
+ * -inf. Words with every bit set (most of a row while a JSON string is open) are skipped whole.
+ * x: float32 rows ldx floats apart; mask: int32 words, rows ldm words apart.
+ */
+int apply_token_bitmask(float *x, int64_t ldx, int64_t V, const int32_t *mask, int64_t ldm,
+                        const int64_t *logit_rows, const int64_t *mask_rows, int64_t R) {
+    const float neg_inf = -INFINITY;
+    for (int64_t i = 0; i < R; i++) {
+        float *row = x + logit_rows[i] * ldx;
+        const uint32_t *m = (const uint32_t *)(mask + mask_rows[i] * ldm);
+        int64_t words = (V + 31) / 32;
+        for (int64_t w = 0; w < words; w++) {
+            uint32_t bits = m[w];
+            if (bits == 0xffffffffu)
+                continue;
+            int64_t base = w * 32, end = base + 32 < V ? base + 32 : V;
+            if (bits == 0) {
+                for (int64_t t = base; t < end; t++)
+                    row[t] = neg_inf;
+                continue;
+            }
+            for (int64_t t = base; t < end; t++)
+                if (!((bits >> (t - base)) & 1u))
+                    row[t] = neg_inf;
+        }
+    }
+    return 0;
+}
