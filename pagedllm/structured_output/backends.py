@@ -144,7 +144,8 @@ class XgrammarBackend(GrammarBackend):
         import xgrammar as xgr
 
         self._xgr = xgr
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids or None)
+        self.tokenizer_info = info
         self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
         self.batch = xgr.BatchGrammarMatcher(max_threads=1)
 
