@@ -121,7 +121,8 @@ _STEP_ARGS = (Arg("md", ctypes.POINTER(LlamaDecodeModel)), i64("M"), ptr("input_
               ptr("slot_mapping"), ptr("block_tables"), i64("bt_stride"), ptr("seq_lens"))
 LLAMA_DECODE_STEP = Kernel("llama_decode_step", I32, (*_STEP_ARGS, ptr("out")))
 LLAMA_DECODE_HEAD = Kernel("llama_decode_head", I32, (
-    *_STEP_ARGS, i64("S"), ptr("sample_rows"), ptr("logits"), ptr("tokens")))
+    *_STEP_ARGS, i64("S"), ptr("sample_rows"), ptr("logits"), ptr("tokens"), ptr("mask"), i64("ldm"),
+    ptr("mask_rows")))
 ARGMAX_ROWS = Kernel("argmax_rows", I32, (ptr("x"), i64("ldx"), i64("S"), i64("V"), i32("dt"), ptr("out")))
 DECODE = Library("llama_decode.c", (SMALL_M_AVAILABLE, LLAMA_DECODE_STEP, LLAMA_DECODE_HEAD, ARGMAX_ROWS),
                  lambda: envs.PAGEDLLM_NATIVE_DECODE)

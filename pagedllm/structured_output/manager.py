@@ -41,13 +41,37 @@ logger = logging.getLogger(__name__)
 GRAMMAR_CACHE_SIZE = 512
 
 
+# Front-end verdicts by structure key: the backend chosen, or the error (the same schema sent by
+# many requests is checked once).
+_VERDICTS: OrderedDict[str, tuple[str | None, str | None]] = OrderedDict()
+_VERDICTS_LOCK = threading.Lock()
+
+
 def validate_structured_outputs(params: SamplingParams, backend: str) -> None:
     """Front-end check of a request's structure: chooses its backend (stored in the params) and
-    compiles it without the tokenizer; ValueError naming the problem."""
+    compiles it without the tokenizer; ValueError naming the problem. Verdicts are cached by the
+    structure's key."""
     sop = params.structured_outputs
     if sop is None:
         return
-    sop._backend = choose_backend(sop, backend)
+    sop._backend = None
+    key = backend + ":" + grammar_key(sop)
+    with _VERDICTS_LOCK:
+        verdict = _VERDICTS.get(key)
+        if verdict is not None:
+            _VERDICTS.move_to_end(key)
+    if verdict is None:
+        try:
+            verdict = (choose_backend(sop, backend), None)
+        except ValueError as e:
+            verdict = (None, str(e))
+        with _VERDICTS_LOCK:
+            _VERDICTS[key] = verdict
+            while len(_VERDICTS) > GRAMMAR_CACHE_SIZE:
+                _VERDICTS.popitem(last=False)
+    if verdict[1] is not None:
+        raise ValueError(verdict[1])
+    sop._backend = verdict[0]
 
 
 def grammar_key(sop: StructuredOutputsParams) -> str:

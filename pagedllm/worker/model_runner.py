@@ -420,7 +420,7 @@ class ModelRunner:
         # where each sampled row's request sits in out_ids: the scheduled ones, then the forks
         out_pos = batch.sample_req_indices.tolist() + list(range(len(step.req_ids), len(out_ids)))
         if (step.so.grammar_bitmask is not None and len(sample_slots) and self.parallel.is_driver
-                and not isinstance(head, np.ndarray)):
+                and not step.grammar_masked):
             self._apply_grammar(logits, step.so, [out_ids[p] for p in out_pos])
         if isinstance(head, np.ndarray):  # greedy rows, nothing else: the native call's argmax
             result = SamplerOutput(torch.from_numpy(head), None, None, None)

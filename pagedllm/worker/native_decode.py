@@ -404,20 +404,27 @@ class NativeDecode:
 
     def run_head(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
                  block_tables: np.ndarray, seq_lens: np.ndarray, sample_rows: np.ndarray,
-                 greedy: bool) -> np.ndarray | torch.Tensor | None:
+                 greedy: bool, mask: torch.Tensor | None = None,
+                 mask_rows: np.ndarray | None = None) -> np.ndarray | torch.Tensor | None:
         """The step on to the LM head for the batch rows `sample_rows`: their argmax token ids [S]
         (int64) when `greedy`, else their float32 logits [S, vocab], equal to what the torch path's
-        LM head gives for the same hidden states. None when the kernel declines the step (then
-        the KV cache is untouched and the torch path runs it)."""
+        LM head gives for the same hidden states. With a structured-output `mask` (int32 [R, words])
+        and `mask_rows` [S] (each sample row's mask row, -1 for none), the tokens a row's mask does
+        not allow are -inf in its logits and never its argmax. None when the kernel declines the
+        step (then the KV cache is untouched and the torch path runs it)."""
         arrays = _step_arrays(input_ids, positions, slot_mapping, block_tables, seq_lens)
         rows = np.ascontiguousarray(sample_rows, dtype=np.int64)
         S = len(rows)
         tokens = np.empty(S, dtype=np.int64) if greedy else None
         logits = None if greedy else torch.empty(S, self.vocab, dtype=torch.float32)
+        if mask is not None:
+            mask = mask.contiguous()
+            mask_rows = np.ascontiguousarray(mask_rows, dtype=np.int64)
         rc = self._guarded(
             2 * len(input_ids) + 1, self.lib.llama_decode_head, ctypes.byref(self.model), len(input_ids),
             *_pointers(arrays), S, rows.ctypes.data, None if logits is None else logits.data_ptr(),
-            None if tokens is None else tokens.ctypes.data)
+            None if tokens is None else tokens.ctypes.data, None if mask is None else mask.data_ptr(),
+            0 if mask is None else mask.stride(0), None if mask_rows is None else mask_rows.ctypes.data)
         if rc != 0:
             return None
         return tokens if greedy else logits

@@ -10,6 +10,7 @@ The default model at PP=2 and TP=3 x PP=2 (six processes) runs with `make test-d
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -349,3 +350,27 @@ def test_stored_codes_split_over_ranks(tiny8: str, tmp_path) -> None:
     act_order_pair(qdir, refdir, 32)
     with pytest.raises(WorkerDiedError, match="act-order"):
         LLM(qdir, dtype="float32", tensor_parallel_size=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
+def test_structured_output_mask_applies_across_ranks(tiny8: str, parallel: dict) -> None:
+    """The grammar bitmask travels with the step to the rank that samples (the driver of the
+    last stage): every reply matches its regex, and greedy replies equal one rank's."""
+    from pagedllm import StructuredOutputsParams
+
+    regexes = [r"[0-9]{2,6}", r"(cat|dog|bird)s?", r"[a-f]{3}-[0-9]"]
+    params = [SamplingParams(max_tokens=12, temperature=0.0, logprobs=TOP,
+                             structured_outputs=StructuredOutputsParams(regex=r)) for r in regexes]
+    prompts = PROMPTS[:3]
+    outs = []
+    for kwargs in ({}, parallel):
+        llm = LLM(tiny8, **{**TIGHT, **TINY_ROOM, **kwargs})
+        try:
+            outs.append(llm.generate(prompts, params, use_tqdm=False))
+        finally:
+            llm.llm_engine.shutdown()
+    for r, o in zip(regexes, outs[1]):
+        text = o.outputs[0].text
+        assert o.outputs[0].finish_reason == "length" or re.fullmatch(r, text), (r, text)
+    assert_same(outs[0], outs[1])

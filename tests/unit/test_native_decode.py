@@ -360,3 +360,39 @@ def test_argmax_rows_gives_torch_argmax(dtype, threads, one_torch_thread):
         assert torch.equal(got, x.argmax(dim=-1)), width
     assert argmax_rows(torch.zeros(3, 8, dtype=torch.float16)) is None  # other dtypes: torch's
     assert argmax_rows(torch.zeros(0, 8)).shape == (0,)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_lm_head_with_a_grammar_mask_gives_the_masked_logits_and_argmax(dtype, tiny_llama_dir, one_torch_thread):
+    """Structured output on the fused head: its logits are the torch head's with the bitmask
+    applied (apply_grammar_bitmask), and its argmax is theirs; a row without a mask row is left as is."""
+    import random
+
+    from pagedllm.structured_output.manager import _bit
+    from pagedllm.worker.sample import apply_grammar_bitmask
+
+    _needs_bf16(dtype)
+    llm, runner = _runner(tiny_llama_dir, dtype)
+    nd = runner.native_decode
+    rng = random.Random(5)
+    batch = _decode_batch(runner, [9, 31, 55], seed=4)
+    sample = [2, 0, 1]
+    words = (nd.vocab + 31) // 32
+    mask = torch.zeros(2, words, dtype=torch.int32)
+    for r in range(2):
+        for t in rng.sample(range(nd.vocab), nd.vocab // 5):
+            mask[r, t // 32] |= _bit(t % 32)
+    mask[1, :words // 2] = -1  # whole words allowed, as in an open JSON string
+    mask_rows = np.asarray([1, -1, 0], dtype=np.int64)
+    start = [kv.clone() for kv in runner.kv_caches]
+    args = (batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables, batch.seq_lens)
+    with torch.inference_mode():
+        ref = runner.model.compute_logits(nd.run(*args)[torch.tensor(sample)]).float()
+    apply_grammar_bitmask(ref, mask, [0, 2], [1, 0])
+    out = []
+    for greedy in (False, True):
+        for kv, s in zip(runner.kv_caches, start):
+            kv.copy_(s)
+        out.append(nd.run_head(*args, np.asarray(sample), greedy=greedy, mask=mask, mask_rows=mask_rows))
+    assert torch.equal(out[0], ref)
+    assert out[1].tolist() == ref.argmax(dim=-1).tolist()

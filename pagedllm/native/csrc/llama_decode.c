@@ -317,6 +317,11 @@ typedef struct {
     float *logits, *part_max;
     int64_t *part_idx;
     int *part_nan;
+    /* Structured output: row mask_rows[s] of mask (int32 words, ldm apart; -1: no mask) allows
+     * the tokens of sample row s whose bits are set; the others become -inf before the argmax. */
+    const int32_t *mask;
+    int64_t ldm;
+    const int64_t *mask_rows;
 } Step;
 
 /*
@@ -471,6 +476,23 @@ int argmax_rows(const void *x, int64_t ldx, int64_t S, int64_t V, int dt, int64_
     return 0;
 }
 
+/* -inf into y[lo, hi) (dtype dt) wherever the bit of the token is clear in mask (bit t % 32 of
+ * word t / 32); words with every bit set are skipped whole. */
+static void mask_span(void *y, int64_t lo, int64_t hi, const uint32_t *mask, int dt) {
+    for (int64_t w = lo / 32; w * 32 < hi; w++) {
+        const uint32_t bits = mask[w];
+        if (bits == 0xffffffffu) continue;
+        const int64_t a = w * 32 > lo ? w * 32 : lo, b = w * 32 + 32 < hi ? w * 32 + 32 : hi;
+        for (int64_t t = a; t < b; t++) {
+            if ((bits >> (t - w * 32)) & 1u) continue;
+            if (dt == LD_F32)
+                ((uint32_t *)y)[t] = 0xff800000u;
+            else
+                ((uint16_t *)y)[t] = dt == LD_F16 ? 0xfc00u : 0xff80u;
+        }
+    }
+}
+
 /* The step for thread tid of nth: the layers, then either the final norm of its rows into out
  * [M, hidden] (S 0), or the LM head: the final norm of the sample rows, the logits of its share of
  * the vocabulary (widened into c->logits where asked) and, for c->part_idx, the argmax of each
@@ -492,6 +514,11 @@ static void step_thread(const Step *c, void *out, int tid, int nth) {
     int64_t lo, hi;
     team_share(V, SHARE_ROWS, tid, nth, &lo, &hi);
     linear(md->lm_head_q, hs, S, md->lm_head, NULL, V, Hd, c->y, dt, c->xb, c->team, lo, hi);
+    if (c->mask != NULL)
+        for (int64_t s = 0; s < S; s++)
+            if (c->mask_rows[s] >= 0)
+                mask_span((char *)c->y + s * V * es, lo, hi, (const uint32_t *)(c->mask + c->mask_rows[s] * c->ldm),
+                          dt);
     if (c->logits != NULL && c->y != (void *)c->logits)
         for (int64_t s = 0; s < S; s++)
             for (int64_t i = s * V + lo; i < s * V + hi; i++) c->logits[i] = ld(c->y, i, dt);
@@ -514,7 +541,7 @@ static int all_dense(const QuantLinear *ql, int64_t num_layers) {
 static int run_step(const LlamaDecodeModel *md, int64_t M, const int64_t *input_ids, const int64_t *positions,
                     const int64_t *slot_mapping, const int64_t *block_tables, int64_t bt_stride,
                     const int64_t *seq_lens, void *out, int64_t S, const int64_t *sample_rows, float *logits,
-                    int64_t *tokens) {
+                    int64_t *tokens, const int32_t *mask, int64_t ldm, const int64_t *mask_rows) {
     const int dt = (int)md->dtype;
     const int64_t Hd = md->hidden, D = md->head_dim, H = md->num_heads, KVH = md->num_kv_heads, V = md->vocab;
     const int64_t I = md->intermediate, qn = H * D, kvn = KVH * D, qkvn = qn + 2 * kvn;
@@ -551,7 +578,7 @@ static int run_step(const LlamaDecodeModel *md, int64_t M, const int64_t *input_
     }
     Step c = {.md = md, .M = M, .bt_stride = bt_stride, .positions = positions, .slot_mapping = slot_mapping,
               .block_tables = block_tables, .seq_lens = seq_lens, .qsl = qsl, .work = work, .team = team, .S = S,
-              .sample_rows = sample_rows, .logits = logits};
+              .sample_rows = sample_rows, .logits = logits, .mask = mask, .ldm = ldm, .mask_rows = mask_rows};
     c.x = alloc(M * Hd * es), c.xn = alloc(nth * M * Hd * es), c.qkv = alloc(M * qkvn * es);
     c.q = alloc(M * qn * es), c.attn = alloc(M * qn * es), c.o = alloc(M * Hd * es);
     c.gu = alloc(M * 2 * I * es), c.act = alloc(M * I * es), c.xb = alloc(M * widest * 2);
@@ -619,22 +646,24 @@ int llama_decode_step(const LlamaDecodeModel *md, int64_t M, const int64_t *inpu
                       const int64_t *slot_mapping, const int64_t *block_tables, int64_t bt_stride,
                       const int64_t *seq_lens, void *out) {
     return run_step(md, M, input_ids, positions, slot_mapping, block_tables, bt_stride, seq_lens, out, 0, NULL, NULL,
-                    NULL);
+                    NULL, NULL, 0, NULL);
 }
 
 /*
  * The decode step (arguments as llama_decode_step) on to the LM head, for the S rows sample_rows
  * of the batch: logits [S, vocab] float32 (the LM head's result in dtype, widened, as the torch
  * path's LMHead returns it) when logits is not NULL, and each row's argmax when tokens is not
- * NULL. Returns 0, or 1 for a request the kernel does not take (nothing written anywhere).
+ * NULL. With a mask (structured output: int32 words [*, ldm], mask_rows [S] naming each sample
+ * row's mask row or -1), the tokens a row's mask does not allow are -inf in its logits and never
+ * its argmax. Returns 0, or 1 for a request the kernel does not take (nothing written anywhere).
  */
 int llama_decode_head(const LlamaDecodeModel *md, int64_t M, const int64_t *input_ids, const int64_t *positions,
                       const int64_t *slot_mapping, const int64_t *block_tables, int64_t bt_stride,
                       const int64_t *seq_lens, int64_t S, const int64_t *sample_rows, float *logits,
-                      int64_t *tokens) {
+                      int64_t *tokens, const int32_t *mask, int64_t ldm, const int64_t *mask_rows) {
     if (md->lm_head == NULL || md->vocab < 1 || S < 1 || S > M || M > MAX_ROWS) return 1;
     for (int64_t s = 0; s < S; s++)
         if (sample_rows[s] < 0 || sample_rows[s] >= M) return 1;
     return run_step(md, M, input_ids, positions, slot_mapping, block_tables, bt_stride, seq_lens, NULL, S, sample_rows,
-                    logits, tokens);
+                    logits, tokens, mask, ldm, mask_rows);
 }

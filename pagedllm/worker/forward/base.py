@@ -22,6 +22,8 @@ class PreparedStep:
     rows: np.ndarray
     counts: np.ndarray
     batch: BatchArrays
+    grammar_masked: bool = False
+    """Set by a head path that applied the step's structured-output bitmask to what it returns."""
 
 
 class ForwardPath:

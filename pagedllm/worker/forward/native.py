@@ -70,10 +70,17 @@ class NativeHeadPath(ForwardPath):
                 md = self.sampling_metadata(step.rows[b.sample_req_indices], self.nd.vocab)
             except Exception:  # the sampler reports it (and fails the row) from the logits
                 md = None
-            greedy = md is not None and md.argmax_only and step.so.grammar_bitmask is None
+            greedy = md is not None and md.argmax_only
+        mask = mask_rows = None
+        so = step.so
+        if so.grammar_bitmask is not None:  # structured output: the kernel masks before its argmax
+            mask = so.grammar_bitmask
+            mask_rows = np.asarray([so.structured_rows.get(step.req_ids[j], -1) for j in b.sample_req_indices],
+                                   dtype=np.int64)
         out = self.nd.run_head(b.input_ids, b.positions, b.slot_mapping, b.block_tables, b.seq_lens,
-                               b.sample_rows, greedy)
+                               b.sample_rows, greedy, mask, mask_rows)
         if out is not None:
+            step.grammar_masked = mask is not None
             return out
         hidden = self.fallback.run(step)
         return self.model.compute_logits(hidden[torch.from_numpy(b.sample_rows).to(self.device, non_blocking=True)])
