@@ -6,8 +6,9 @@ C sources and checks every declaration against its function). A `Library` is one
 `pagedllm/native/csrc`, the kernels it exports, and the switch that turns it off. `bind` types each
 kernel's ctypes function once; callers then call those functions directly with positional
 arguments, the cheapest call ctypes has (no wrapper and no keyword handling per call), written one
-a line with the C argument's name in a comment (tests/unit/test_native_declarations.py checks the
-names against the declaration).
+a line with the C argument's name in a comment, or a run of arguments several kernels share
+unpacked from one tuple with each name in its comment (tests/unit/test_native_declarations.py
+checks the names against the declaration).
 """
 
 from __future__ import annotations

@@ -111,6 +111,19 @@ def _in_features(codes: torch.Tensor, bits: int) -> int:
     return codes.shape[1] * (2 if bits == 4 else 1)
 
 
+def _group_weight(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, n: int, k: int
+                  ) -> tuple[int, int, int, int, int, int]:
+    """The weight's arguments of the group-wise kernels (linear, dequant, gather), in their order:
+    codes, scales, zeros, N, K, G."""
+    return codes.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n, k, k // scales.shape[1]
+
+
+def _check_groups(rc: int, k: int, scales: torch.Tensor) -> None:
+    """A group-wise kernel's return code: non-zero when the group size does not divide K."""
+    if rc != 0:
+        raise ValueError(f"quantized kernel: group size {k // scales.shape[1]} does not fit {k} inputs")
+
+
 def small_m_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
                    n: int) -> torch.Tensor | None:
     """x [..., K] @ W^T (W: n output rows) through the kernel when x has at most kernel_rows(bits)
@@ -131,18 +144,12 @@ def small_m_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, z
     rc = f(
         x2.data_ptr(),  # x
         m,  # M
-        codes.data_ptr(),  # codes
-        scales.data_ptr(),  # scales
-        zeros.data_ptr(),  # zeros
-        n,  # N
-        k,  # K
-        k // scales.shape[1],  # G
+        *_group_weight(codes, scales, zeros, n, k),  # codes scales zeros N K G
         y.data_ptr(),  # y
         int(out_f32),  # y_f32
         int(int8_activations()),  # int8_act
     )
-    if rc != 0:
-        raise ValueError(f"quantized kernel: group size {k // scales.shape[1]} does not fit {k} inputs")
+    _check_groups(rc, k, scales)
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
@@ -215,17 +222,11 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, b
     w = torch.empty(n, k, dtype=dtype)
     rc = load_quant_kernel().quant_dequant(
         bits,  # bits
-        codes.data_ptr(),  # codes
-        scales.data_ptr(),  # scales
-        zeros.data_ptr(),  # zeros
-        n,  # N
-        k,  # K
-        k // scales.shape[1],  # G
+        *_group_weight(codes, scales, zeros, n, k),  # codes scales zeros N K G
         w.data_ptr(),  # w
         int(dtype == torch.float32),  # w_f32
     )
-    if rc != 0:
-        raise ValueError(f"quantized kernel: group size {k // scales.shape[1]} does not fit {k} inputs")
+    _check_groups(rc, k, scales)
     return w
 
 
@@ -240,19 +241,13 @@ def gather_rows(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, 
     out = torch.empty(flat.numel(), k, dtype=torch.float32 if out_f32 else torch.bfloat16)
     rc = load_quant_kernel().quant_gather_rows(
         bits,  # bits
-        codes.data_ptr(),  # codes
-        scales.data_ptr(),  # scales
-        zeros.data_ptr(),  # zeros
-        n,  # N
-        k,  # K
-        k // scales.shape[1],  # G
+        *_group_weight(codes, scales, zeros, n, k),  # codes scales zeros N K G
         flat.data_ptr(),  # ids
         flat.numel(),  # M
         out.data_ptr(),  # out
         int(out_f32),  # out_f32
     )
-    if rc != 0:
-        raise ValueError(f"quantized kernel: group size {k // scales.shape[1]} does not fit {k} inputs")
+    _check_groups(rc, k, scales)
     return out.to(dtype).reshape(*ids.shape, k)
 
 

@@ -135,10 +135,12 @@ def test_decode_structs_match_their_typedefs(struct: type[ctypes.Structure]):
 
 
 def _commented_args(source: str, call: str) -> list[str]:
-    """The `# name` comments of a call written one argument per line, in order."""
+    """The `# name` comments of a call written one argument per line, in order; a line that unpacks
+    several arguments (`*weight,  # codes scales zeros`) names each."""
     start = source.index(call)
     end = source.index("\n    )", start)
-    return re.findall(r",\s*# (\w+)$", source[start:end], flags=re.MULTILINE)
+    found = re.findall(r"^(\s*\*)?.*,\s*# (\w+(?: \w+)*)$", source[start:end], flags=re.MULTILINE)
+    return [name for star, names in found if star or " " not in names for name in names.split()]
 
 
 _CALLS = [
