@@ -14,7 +14,7 @@ PKG = Path(__file__).resolve().parents[2] / "pagedllm"
 # modules and subpackages of pagedllm.
 LAYERS: list[set[str]] = [
     {"envs", "utils", "config", "sampling_params", "outputs", "hardware"},
-    {"core", "tokenizer"},            # the scheduler and block pool import no torch
+    {"core", "tokenizer", "reasoning"},  # the scheduler and block pool import no torch
     {"native"},                       # C kernels: compiler driver, loader, declarations
     {"distributed"},
     {"attention"},
