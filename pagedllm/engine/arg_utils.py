@@ -418,8 +418,8 @@ class EngineArgs:
         )
         so_config = self.structured_outputs_config
         if self.reasoning_parser is not None:
-            from pagedllm.reasoning import get_reasoning_parser_class
+            from pagedllm.reasoning import get_reasoning_parser
 
-            get_reasoning_parser_class(self.reasoning_parser)  # names the known parsers if unknown
+            get_reasoning_parser(self.reasoning_parser)  # names the known parsers if unknown
             so_config = dataclasses.replace(so_config, reasoning_parser=self.reasoning_parser)
         return EngineConfig(model_config, cache_config, scheduler_config, device_config, parallel_config, so_config)
