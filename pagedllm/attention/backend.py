@@ -52,9 +52,12 @@ class TritonAttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 md: AttentionMetadata, scale: float, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
-        from pagedllm.attention.triton_attention import forward
+        """The step's new K/V into their slots, then attention over the cache."""
+        from pagedllm.attention.triton_attention import paged_attention, write_kv
 
-        return forward(q, k, v, kv_cache, md, scale, k_scale, v_scale)
+        write_kv(kv_cache, k, v, md.slot_mapping, k_scale, v_scale)
+        return paged_attention(q, kv_cache, md.block_tables, md.query_start_loc, md.seq_lens, md.work, scale,
+                               md.sliding_window, md.max_query_len, md.num_splits, k_scale, v_scale)
 
 
 AttentionBackend = PagedAttentionBackend | TritonAttentionBackend

@@ -21,14 +21,9 @@ as they are loaded.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import triton
 import triton.language as tl
-
-if TYPE_CHECKING:
-    from pagedllm.attention.metadata import AttentionMetadata
 
 # Query rows of one program (query tokens x heads of one GQA group) in a prompt chunk.
 _TARGET_ROWS = 64
@@ -175,6 +170,18 @@ def _work_rows(work_ptr, query_start_loc_ptr, w, kvh, QPK: tl.constexpr, BLOCK_M
 
 
 @triton.jit
+def _store_rows(out_ptr, acc, total, tok, head, offs_d, mask, stride_ot, stride_oh):
+    """The program's rows acc / total (0 where no key was seen) into the output at their token and
+    query head."""
+    out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+    tl.store(
+        out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=mask,
+    )
+
+
+@triton.jit
 def _attention_kernel(
     q_ptr,
     k_cache_ptr,
@@ -284,12 +291,7 @@ def _attention_kernel(
         tl.store(part_ml_ptr + base * 2, m_i)
         tl.store(part_ml_ptr + base * 2 + 1, l_i)
     else:
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(
-            out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=row_ok[:, None] & d_ok[None, :],
-        )
+        _store_rows(out_ptr, acc, l_i, tok, head, offs_d, row_ok[:, None] & d_ok[None, :], stride_ot, stride_oh)
 
 
 @triton.jit
@@ -326,12 +328,8 @@ def _combine_splits_kernel(
         wt = tl.sum(tl.where(offs_s[:, None] == s, weight, 0.0), 0)
         part = tl.load(part_out_ptr + ((first + s) * BLOCK_M + offs_m)[:, None] * D_PAD + offs_d[None, :])
         acc += wt[:, None] * part
-    out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
-    tl.store(
-        out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=(q_tok < q_count)[:, None] & (offs_d < HEAD_DIM)[None, :],
-    )
+    mask = (q_tok < q_count)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    _store_rows(out_ptr, acc, total, tok, head, offs_d, mask, stride_ot, stride_oh)
 
 
 def paged_attention(
@@ -426,20 +424,3 @@ def paged_attention(
         )
     return out.view(T, H * D)
 
-
-def forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kv_cache: torch.Tensor,
-    md: AttentionMetadata,
-    scale: float,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-) -> torch.Tensor:
-    """One attention layer of a step: new K/V into their slots, then attention over the cache."""
-    write_kv(kv_cache, k, v, md.slot_mapping, k_scale, v_scale)
-    return paged_attention(
-        q, kv_cache, md.block_tables, md.query_start_loc, md.seq_lens, md.work, scale,
-        md.sliding_window, md.max_query_len, md.num_splits, k_scale, v_scale,
-    )
