@@ -39,6 +39,23 @@ class ErrorResponse(ResponseModel):
 
 
 # ---- shared pieces --------------------------------------------------------------------------
+class StructuredOutputsRequest(RequestModel):
+    """vLLM's `structured_outputs` object: one structure and its options (unknown keys are a 400)."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid", populate_by_name=True)
+
+    json_schema: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+
 class StreamOptions(RequestModel):
     include_usage: bool | None = False
     """Send one last chunk with the usage of the whole request (its `choices` is empty)."""
@@ -75,6 +92,38 @@ class SamplingFields(RequestModel):
     allowed_token_ids: list[int] | None = None
     priority: int = 0
     cache_salt: str | None = None
+    # vLLM's structured-output, prompt and other extra fields (request_fields.py honours them or
+    # answers 400 naming the field).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    thinking_token_budget: int | None = None
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    request_id: str | None = None
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    watermarking: bool | None = None
+    bad_words: list[str] | None = None
+    logprob_token_ids: list[int] | None = None
+    logits_processors: list[Any] | None = None
+    session_id: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    repetition_detection: dict[str, Any] | None = None
+    stream_interval: int | None = None
+    routed_experts_prompt_start: int = 0
+    return_token_offsets: bool | None = False
+    return_mm_kwargs: bool = True
 
     @field_validator("n", mode="before")
     @classmethod
@@ -94,6 +143,7 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     add_special_tokens: bool = True
     """vLLM extension: add the tokenizer's special tokens (e.g. BOS) to text prompts."""
+    prompt_embeds: Any = None
 
 
 class TextPart(RequestModel):
@@ -115,7 +165,6 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -123,6 +172,14 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's chat extras handled by request_fields.py.
+    echo: bool = False
+    add_special_tokens: bool = False
+    documents: list[dict[str, Any]] | None = None
+    chat_template: str | None = None
+    media_io_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    return_prompt_text: bool | None = None
 
 
 class TokenizeRequest(RequestModel):
@@ -162,12 +219,36 @@ class CompletionLogProbs(ResponseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(ResponseModel):
+    """One token's entry in vLLM's `prompt_logprobs` (keyed by token id)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: None for the first prompt token, then token id -> PromptLogprob.
+PromptLogprobsOut = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(ResponseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobsOut | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked(self, handler: Any) -> dict[str, Any]:
+        # vLLM's extras appear only when asked for (OpenAI clients see OpenAI's fields).
+        d = handler(self)
+        for key in ("prompt_logprobs", "token_ids", "prompt_token_ids"):
+            if d.get(key) is None:
+                d.pop(key, None)
+        return d
 
 
 class CompletionResponse(ResponseModel):
@@ -193,9 +274,46 @@ class ChatLogProbs(ResponseModel):
     content: list[ChatLogProbsContent] | None = None
 
 
+class FunctionCall(ResponseModel):
+    name: str
+    arguments: str
+    """The arguments as JSON text."""
+
+
+class ToolCall(ResponseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class _DropNone(ResponseModel):
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_DropNone):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_DropNone):
+    """A streamed piece of a tool call: the first names it (index, id, type, function name), the
+    next ones carry fragments of its arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class ChatMessageOut(ResponseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    reasoning_content: str | None = None
+    """A reasoning model's thinking (--reasoning-parser); `reasoning` carries the same text."""
+    reasoning: str | None = None
 
 
 class ChatChoice(ResponseModel):
@@ -213,11 +331,22 @@ class ChatCompletionResponse(ResponseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobsOut | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked(self, handler: Any) -> dict[str, Any]:
+        d = handler(self)
+        if d.get("prompt_logprobs") is None:
+            d.pop("prompt_logprobs", None)
+        return d
 
 
 class DeltaMessage(ResponseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: Any) -> dict[str, Any]:
