@@ -26,6 +26,7 @@ class Processor:
         self.model_config = config.model_config
         self.tokenizer = tokenizer
         self.num_blocks = num_blocks
+        self._reasoner: Any = None
 
     def tokenize_prompt(self, prompt: PromptType, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         """(text, token ids) of a prompt, validated against the vocabulary."""
@@ -63,11 +64,25 @@ class Processor:
             validate_structured_outputs(params, so_config.backend)
         except ValueError as e:
             raise ValueError(f"structured_outputs: {e}") from None
-        if params.thinking_token_budget is not None and so_config.reasoning_parser is None:
-            raise ValueError(
-                f"thinking_token_budget={params.thinking_token_budget} needs a reasoning model served with "
-                "--reasoning-parser (which names where the thinking ends)"
-            )
+        if params.thinking_token_budget is not None:
+            if so_config.reasoning_parser is None:
+                raise ValueError(
+                    f"thinking_token_budget={params.thinking_token_budget} needs a reasoning model served with "
+                    "--reasoning-parser (which names where the thinking ends)"
+                )
+            parser = self._reasoning_parser()
+            if parser.end_token_id is None:
+                raise ValueError(
+                    f"thinking_token_budget={params.thinking_token_budget}: this tokenizer has no single token for "
+                    f"{parser.end_text!r}, so the thinking cannot be ended by forcing it"
+                )
+
+    def _reasoning_parser(self) -> Any:
+        if self._reasoner is None:
+            from pagedllm.reasoning import get_reasoning_parser
+
+            self._reasoner = get_reasoning_parser(self.config.structured_outputs_config.reasoning_parser)(self.tokenizer)
+        return self._reasoner
 
     def make_request(
         self,

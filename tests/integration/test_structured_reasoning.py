@@ -1,0 +1,72 @@
+"""Structured output with a reasoning parser, and the thinking budget, in the engine core.
+
+A tiny random Llama whose tokenizer has `<think>` and `</think>` as single tokens, served with
+`--reasoning-parser deepseek_r1` (a reply starts inside the thinking): the thinking is neither
+masked nor fed to the grammar; `thinking_token_budget` ends it by forcing `</think>`; the structure
+then holds for the answer (checked with `re.fullmatch`)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from pagedllm import LLM, SamplingParams, StructuredOutputsParams
+from pagedllm.models.testing import make_tiny_checkpoint
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory: pytest.TempPathFactory) -> tuple[LLM, int]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = make_tiny_checkpoint(str(tmp_path_factory.mktemp("thinker") / "m"), arch="llama", seed=3)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.add_tokens(["<think>", "</think>"])
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.resize_token_embeddings(len(tok))
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    llm = LLM(path, dtype="float32", reasoning_parser="deepseek_r1", num_kv_blocks=64, max_model_len=256)
+    return llm, tok.convert_tokens_to_ids("</think>")
+
+
+def test_thinking_budget_forces_the_end_then_the_structure_holds(thinker: tuple[LLM, int]) -> None:
+    llm, end = thinker
+    for budget in (0, 3, 7):
+        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, thinking_token_budget=budget,
+                                structured_outputs=StructuredOutputsParams(regex=r"[0-9]{3}"))
+        out = llm.generate(["The quick brown fox"], params, use_tqdm=False)[0].outputs[0]
+        ids = out.token_ids
+        assert end in ids[: budget + 1], (budget, ids)
+        answer = out.text.split("</think>", 1)[1]
+        assert re.fullmatch(r"[0-9]{3}", answer), out.text
+        assert out.finish_reason == "stop"
+
+
+def test_the_thinking_is_not_constrained(thinker: tuple[LLM, int]) -> None:
+    """Without a budget the random model never closes its thinking: every token is what the
+    unconstrained request draws."""
+    llm, end = thinker
+    free = llm.generate(["Hello world"], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert end not in free.token_ids
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                            structured_outputs=StructuredOutputsParams(regex=r"[0-9]{3}"))
+    constrained = llm.generate(["Hello world"], params, use_tqdm=False)[0].outputs[0]
+    assert constrained.token_ids == free.token_ids and constrained.finish_reason == "length"
+
+
+def test_thinking_budget_needs_a_reasoning_parser() -> None:
+    llm = LLM(dtype="float32", kv_cache_memory="64MiB", max_model_len=256)
+    with pytest.raises(ValueError, match="--reasoning-parser"):
+        llm.generate(["x"], SamplingParams(max_tokens=2, thinking_token_budget=4), use_tqdm=False)
+
+
+def test_thinking_budget_needs_a_single_end_of_thinking_token(tmp_path) -> None:  # noqa: ANN001
+    path = make_tiny_checkpoint(str(tmp_path / "m"), arch="llama", seed=1)
+    llm = LLM(path, dtype="float32", reasoning_parser="qwen3", num_kv_blocks=16, max_model_len=128)
+    with pytest.raises(ValueError, match="no single token for '</think>'"):
+        llm.generate(["x"], SamplingParams(max_tokens=2, thinking_token_budget=4), use_tqdm=False)
