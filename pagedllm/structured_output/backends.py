@@ -231,10 +231,9 @@ def _guidance_grammar(sop: StructuredOutputsParams) -> str:
         alternatives = " | ".join(json.dumps(c) for c in sop.choice)  # type: ignore[union-attr]
         return llg.LLMatcher.grammar_from_lark(f"start: {alternatives}")
     if kind == "grammar":
-        text = sop.grammar or ""
-        if "::=" in text:  # GBNF (as xgrammar takes it) -> Lark
-            text = llg.gbnf_to_lark(text)
-        return llg.LLMatcher.grammar_from_lark(text)
+        from llguidance.gbnf_to_lark import any_to_lark
+
+        return llg.LLMatcher.grammar_from_lark(any_to_lark(sop.grammar or ""))  # GBNF or Lark
     raise ValueError("structural_tag needs the xgrammar backend")
 
 

@@ -163,3 +163,22 @@ def test_guidance_backend_engine(llm: LLM) -> None:
     text = g.generate(["Code:"], SamplingParams(max_tokens=20, temperature=0, structured_outputs=constrained(
         regex=r"[A-Z]{3}-\d{2}")), use_tqdm=False)[0].outputs[0].text
     assert re.fullmatch(r"[A-Z]{3}-\d{2}", text)
+    for grammar in ('start: "The answer is " ("yes" | "no")', 'root ::= "The answer is " ("yes" | "no")'):
+        text = g.generate(["Answer:"], SamplingParams(max_tokens=20, temperature=0, structured_outputs=constrained(
+            grammar=grammar)), use_tqdm=False)[0].outputs[0].text  # Lark, and GBNF converted to Lark
+        assert re.fullmatch("The answer is (yes|no)", text), text
+
+
+def test_structural_tag_constrains_only_its_tagged_regions(llm: LLM) -> None:
+    tag = {"type": "structural_tag", "triggers": ["<function="], "structures": [
+        {"begin": "<function=get_weather>", "end": "</function>",
+         "schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}},
+                    "required": ["city"], "additionalProperties": False}}]}
+    prompt = 'Call get_weather for Paris: <function=get_weather>{"city": "Paris"}</function>\n' * 2
+    out = llm.generate([prompt], SamplingParams(max_tokens=60, temperature=0.0, structured_outputs=constrained(
+        structural_tag=json.dumps(tag))), use_tqdm=False)[0].outputs[0]
+    for m in re.finditer(r"<function=get_weather>(.*?)</function>", out.text, re.S):
+        assert set(json.loads(m.group(1))) == {"city"}
+    with pytest.raises(ValueError, match="structural_tag"):
+        llm.generate(["x"], SamplingParams(max_tokens=2, structured_outputs=constrained(structural_tag="{")),
+                     use_tqdm=False)
