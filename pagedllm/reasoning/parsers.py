@@ -51,8 +51,10 @@ class ReasoningParser:
 
     # ---- token ids (the engine core) ----------------------------------------------------------
     def is_reasoning_end(self, token_ids: list[int]) -> bool:
-        """Whether the last think marker in `token_ids` closes the thinking (`</think>` after the
-        last `<think>`). Called again on the same growing list, it reads only the new tokens: the
+        """Whether `token_ids` (a prompt, or a prompt and the reply so far) are past the thinking:
+        the last think marker is `</think>`; with no marker at all, False for a parser whose replies
+        start inside the thinking (deepseek_r1), True otherwise (qwen3: a reply thinks only when
+        `<think>` opens it). Called again on the same growing list, it reads only the new tokens: the
         list's progress is remembered by its identity (checked against its first and last read
         token), so the cost is O(new tokens) amortised."""
         n = len(token_ids)
@@ -63,6 +65,7 @@ class ReasoningParser:
         if st is None or st.pos > n or token_ids[0] != st.first or token_ids[st.pos - 1] != st.last:
             st = _Scan()
             st.first = token_ids[0]
+            st.ended = not self.starts_in_reasoning
         if self.start_token_id is not None and self.end_token_id is not None:
             for t in token_ids[st.pos:n]:
                 if t == self.end_token_id:
