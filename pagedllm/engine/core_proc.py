@@ -11,6 +11,7 @@ what it holds, not what a burst of differently shaped steps left free in the all
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import os
 import signal
@@ -88,6 +89,10 @@ def _serve(config: EngineConfig, inbox: zmq.Socket, outbox: zmq.Socket, codec: C
     from pagedllm.engine.core import EngineCore
 
     core = EngineCore(config)
+    # Everything loaded so far (modules, the model's Python objects) lives as long as the process:
+    # moved out of the collector's generations, no collection walks it again.
+    gc.collect()
+    gc.freeze()
     try:
         _loop(core, inbox, outbox, codec, parent_pid)
     finally:
