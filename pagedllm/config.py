@@ -210,7 +210,13 @@ class ModelConfig:
 
     @property
     def sliding_window(self) -> int | None:
-        return getattr(self.hf_config, "sliding_window", None) or None
+        """The window every layer shares, or None: no window, or one that only some layers have
+        (Gemma 3's `layer_types` mixes sliding and full attention; those layers carry their own)."""
+        window = getattr(self.hf_config, "sliding_window", None) or None
+        layer_types = getattr(self.hf_config, "layer_types", None)
+        if window and layer_types and any(t != "sliding_attention" for t in layer_types):
+            return None
+        return window
 
     def kv_bytes_per_token(self) -> int:
         itemsize = KV_CACHE_ITEMSIZE[self.kv_cache_dtype]

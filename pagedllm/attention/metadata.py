@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,6 +65,8 @@ class AttentionMetadata:
     num_splits: int = 1
     # Long prompt chunks that bypass the native kernel's work items (see DenseAttention).
     dense: list[DenseAttention] = field(default_factory=list)
+    # This step's metadata for layers with their own window (with_window), built on first use.
+    windows: dict[int, AttentionMetadata] = field(default_factory=dict)
 
 
 class ForwardContext:
@@ -86,3 +89,29 @@ class ForwardContext:
         if self._current is None:
             raise RuntimeError("attention layers run only inside ForwardContext.set()")
         return self._current
+
+
+def with_window(md: AttentionMetadata, window: int) -> AttentionMetadata:
+    """The step's metadata for a layer with its own sliding window (`window` > 0: each query sees the
+    `window` keys ending at its own position; 0: all keys), where the step was built without one
+    (models whose layers differ: Gemma 3's sliding and global layers). Built once per step and
+    window: the torch backend's group masks are narrowed; the native and Triton kernels take the
+    window as an argument. The cache (block tables, slots) is the same for every layer."""
+    if md.sliding_window == window:
+        return md
+    if md.sliding_window:
+        raise ValueError(f"a layer window of {window} over a step built with sliding_window={md.sliding_window}")
+    memo = md.windows.get(window)
+    if memo is None:
+        memo = md.windows[window] = dataclasses.replace(
+            md, sliding_window=window, groups=[_narrow(g, window) for g in md.groups], windows={})
+    return memo
+
+
+def _narrow(g: AttentionGroup, window: int) -> AttentionGroup:
+    """The group with its causal mask cut to `window` keys a query: a query at position p sees keys
+    0..p, so p is its row's count of visible keys minus one (padding rows see none and stay so)."""
+    mask = g.mask
+    qpos = mask.sum(-1, keepdim=True) - 1  # [B, 1, max_q, 1]
+    kpos = torch.arange(mask.shape[-1], device=mask.device)
+    return dataclasses.replace(g, mask=mask & (kpos > qpos - window))

@@ -9,14 +9,18 @@ from torch import nn
 
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.cpu_kernel import FP8_DTYPES
-from pagedllm.attention.metadata import ForwardContext
+from pagedllm.attention.metadata import ForwardContext, with_window
 
 logger = logging.getLogger(__name__)
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float, layer_idx: int) -> None:
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float, layer_idx: int,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
+        # This layer's own window (keys a query sees, ending at its own position), for models whose
+        # layers differ (Gemma 3); None: the model-wide window of the step's metadata, if any.
+        self.sliding_window = sliding_window
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
@@ -44,6 +48,8 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Flat q [T, H*D], k/v [T, KVH*D] -> [T, H*D]."""
         md = self.context.get()  # type: ignore[union-attr]
+        if self.sliding_window is not None:
+            md = with_window(md, self.sliding_window)
         if self.calculate_kv_scales and self.kv_cache.dtype in FP8_DTYPES:
             self._calculate_scales(k, v)
         T = q.shape[0]
