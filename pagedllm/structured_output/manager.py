@@ -237,7 +237,7 @@ class StructuredOutputManager:
             future = self._compile(sop, name)
             backend = self._backends.get(name) or _LazyBackend(self, name)  # type: ignore[assignment]
         in_reasoning = reasoner is not None and not (sop is not None and self.so_config.enable_in_reasoning) and not (
-            reasoner.is_reasoning_end(req.prompt_token_ids))
+            _prompt_closes_thinking(reasoner, req.prompt_token_ids))
         if budget is not None and not in_reasoning:
             budget = None
         end_id = getattr(reasoner, "end_token_id", None) if reasoner is not None else None
@@ -279,6 +279,21 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _prompt_closes_thinking(reasoner: Any, prompt_token_ids: list[int]) -> bool:
+    """Whether the prompt's last think marker is the end of a thinking (a template that turned
+    thinking off writes `<think></think>`); else the reply starts inside the thinking, and the
+    structure waits for its end, as in vLLM."""
+    start, end = reasoner.start_token_id, reasoner.end_token_id
+    if start is None or end is None:
+        return bool(reasoner.is_reasoning_end(prompt_token_ids))
+    for t in reversed(prompt_token_ids):
+        if t == end:
+            return True
+        if t == start:
+            return False
+    return False
 
 
 def _bit(i: int) -> int:

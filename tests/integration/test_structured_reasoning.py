@@ -70,3 +70,12 @@ def test_thinking_budget_needs_a_single_end_of_thinking_token(tmp_path) -> None:
     llm = LLM(path, dtype="float32", reasoning_parser="qwen3", num_kv_blocks=16, max_model_len=128)
     with pytest.raises(ValueError, match="no single token for '</think>'"):
         llm.generate(["x"], SamplingParams(max_tokens=2, thinking_token_budget=4), use_tqdm=False)
+
+
+def test_a_prompt_that_closes_the_thinking_constrains_from_the_first_token(thinker: tuple[LLM, int]) -> None:
+    """A template that turns thinking off ends the prompt with <think></think>: the structure holds
+    from the reply's first token."""
+    llm, _ = thinker
+    params = SamplingParams(max_tokens=10, temperature=0.0, structured_outputs=StructuredOutputsParams(regex=r"[a-c]{4}"))
+    out = llm.generate(["Hello <think> </think>"], params, use_tqdm=False)[0].outputs[0]
+    assert re.fullmatch(r"[a-c]{4}", out.text), out.text
