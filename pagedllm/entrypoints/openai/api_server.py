@@ -250,6 +250,8 @@ def build_app(
     chat_template: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     stat_logger: PrometheusStatLogger | None = None,
+    enable_auto_tool_choice: bool = False,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `async_engine` (which the caller starts and shuts down)."""
     mc, cc = async_engine.model_config, async_engine.config.cache_config
@@ -264,7 +266,8 @@ def build_app(
     prometheus = stat_logger
     state = ServerState()
     completions = OpenAIServingCompletion(async_engine, names, max_logprobs, chat_template, state)
-    chat = OpenAIServingChat(async_engine, names, max_logprobs, chat_template, state)
+    chat = OpenAIServingChat(async_engine, names, max_logprobs, chat_template, state,
+                             enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser)
     base = OpenAIServing(async_engine, names, max_logprobs, chat_template, state)
 
     @contextlib.asynccontextmanager
@@ -553,6 +556,8 @@ def _serve(
         max_logprobs=args.max_logprobs,
         chat_template=chat_template,
         max_body_bytes=args.max_request_body_size,
+        enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
+        tool_call_parser=getattr(args, "tool_call_parser", None),
     )
     if not api_keys and args.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s without --api-key: anyone who can reach it can use it", args.host)

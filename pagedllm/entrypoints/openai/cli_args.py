@@ -31,6 +31,13 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs / top_logprobs a request may ask")
     g.add_argument("--chat-template", default=None,
                    help="chat template: a file path or the Jinja template itself (default: the model's)")
+    from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
+
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model call tools on its own (tool_choice "auto", the default when a request has '
+                        "tools); needs --tool-call-parser")
+    g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="the format the model writes tool calls in (docs/structured-output.md#tool-calling)")
     g.add_argument("--max-request-body-size", type=parse_size, default=8 << 20,
                    help="largest request body accepted, e.g. 8MiB (default); larger ones get 413")
     g.add_argument("--header-read-timeout", type=float, default=10.0,
@@ -53,5 +60,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def _serve(args: argparse.Namespace) -> int:
     from pagedllm.entrypoints.openai.api_server import run_server
+
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the format the model writes calls in)")
 
     return run_server(args)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 from collections.abc import AsyncIterator
 
 from fastapi import Request
@@ -23,24 +24,43 @@ from pagedllm.entrypoints.openai.protocol import (
     UsageInfo,
     random_id,
 )
-from pagedllm.entrypoints.openai.engine_call import EngineCall
+from pagedllm.entrypoints.openai.engine_call import EngineCall, EnginePrompt
 from pagedllm.entrypoints.openai.errors import bad_request
 from pagedllm.entrypoints.openai.serving_engine import OpenAIServing, usage_info
 from pagedllm.entrypoints.openai.streaming import sse
+from pagedllm.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
+from pagedllm.entrypoints.openai.tool_parsers.chat import (
+    ChatReplyParser,
+    ChatReplyStream,
+    resolve_tool_choice,
+    tool_choice_schema,
+    validate_tools,
+)
+from pagedllm.entrypoints.openai.tool_parsers.json_formats import HermesToolParser
+from pagedllm.reasoning import ReasoningParser, get_reasoning_parser
 from pagedllm.outputs import CompletionOutput, RequestOutput
-from pagedllm.sampling_params import RequestOutputKind
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
 
 class OpenAIServingChat(OpenAIServing):
+    def __init__(self, *args: Any, enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.tool_parser_cls: type[ToolParser] | None = get_tool_parser(tool_call_parser) if tool_call_parser else None
+        so_config = getattr(self.async_engine.config, "structured_outputs_config", None)
+        name = getattr(so_config, "reasoning_parser", None)
+        self.reasoner: ReasoningParser | None = get_reasoning_parser(name)(self.tokenizer) if name else None
+
     async def create_chat_completion(self, body: ChatCompletionRequest, raw_request: Request | None) -> Response:
         model = self.model_name(body.model)
         self.log_ignored_fields(body)
-        if body.tools:
-            raise bad_request("tool calling is not supported by this server", "tools")
-        if body.tool_choice not in (None, "none"):
-            raise bad_request(f"tool_choice {body.tool_choice!r} is not supported by this server", "tool_choice")
+        tools = validate_tools(body.tools)
+        mode, tool_name = resolve_tool_choice(
+            body.tool_choice, tools, self.enable_auto_tool_choice, self.tool_parser_cls and self.tool_parser_cls.name
+        )
         if body.response_format is not None and body.response_format.get("type", "text") != "text":
             raise bad_request(
                 f"response_format type {body.response_format.get('type')!r} is not supported (only 'text')",
@@ -59,7 +79,8 @@ class OpenAIServingChat(OpenAIServing):
         size = sum(len(m.content) if isinstance(m.content, str) else 0 for m in body.messages)
         prompt = await self.run_blocking(
             lambda: self.render_chat(
-                body.messages, body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs
+                body.messages, body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs,
+                tools=tools, tool_format=self._tool_format(tools, body.messages),
             ),
             size,
         )
@@ -71,6 +92,7 @@ class OpenAIServingChat(OpenAIServing):
             prompt_logprobs=None,
             output_kind=RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY,
         )
+        replies = self._reply_parser(body, params, prompt, mode, tools, tool_name)
         request_id = random_id("chatcmpl")
         n_prompt = len(prompt.token_ids)
 
@@ -79,9 +101,9 @@ class OpenAIServingChat(OpenAIServing):
             choices = [
                 ChatChoice(
                     index=c.index,
-                    message=ChatMessageOut(role="assistant", content=c.text),
+                    message=(message := self._message("", c.text, replies)),
                     logprobs=self._logprobs(c, top) if top is not None else None,
-                    finish_reason=c.finish_reason,
+                    finish_reason=tool_finish_reason(c.finish_reason, bool(message.tool_calls)),
                     stop_reason=c.stop_reason,
                 )
                 for c in sorted(out.outputs, key=lambda c: c.index)
@@ -92,7 +114,7 @@ class OpenAIServingChat(OpenAIServing):
 
         return await self.run(
             raw_request, request_id, [prompt], params, body,
-            lambda call, firsts: self._stream(body, model, request_id, call, n_prompt, firsts[0]),
+            lambda call, firsts: self._stream(body, model, request_id, call, n_prompt, firsts[0], replies=replies),
             respond,
         )
 
@@ -122,6 +144,7 @@ class OpenAIServingChat(OpenAIServing):
         call: EngineCall,
         prompt_tokens: int,
         first: RequestOutput,
+        replies: ChatReplyParser | None = None,
     ) -> AsyncIterator[str]:
         created = int(time.time())
         top = (body.top_logprobs or 0) if body.logprobs else None
@@ -129,6 +152,7 @@ class OpenAIServingChat(OpenAIServing):
         continuous = bool(body.stream_options and body.stream_options.continuous_usage_stats)
         num_tokens = [0] * body.n
         cached = first.num_cached_tokens
+        streams = [replies.stream() if replies is not None else None for _ in range(body.n)]
 
         def chunk(choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
             if usage is None and continuous:
@@ -145,9 +169,11 @@ class OpenAIServingChat(OpenAIServing):
                 logprobs = self._logprobs(c, top) if top is not None and c.token_ids else None
                 if not c.text and logprobs is None and c.finish_reason is None:
                     continue
-                delta = DeltaMessage(content=c.text) if c.text else DeltaMessage()
+                delta, finish_reason = self._delta(streams[c.index], c)
+                if delta == DeltaMessage() and logprobs is None and finish_reason is None:
+                    continue  # text held back until it is known to be content, reasoning or a call
                 choice = ChatChunkChoice(
-                    index=c.index, delta=delta, logprobs=logprobs, finish_reason=c.finish_reason,
+                    index=c.index, delta=delta, logprobs=logprobs, finish_reason=finish_reason,
                     stop_reason=c.stop_reason,
                 )
                 result.append(chunk([choice]))
@@ -163,4 +189,62 @@ class OpenAIServingChat(OpenAIServing):
                 yield s
         if include_usage:
             yield chunk([], usage_info(prompt_tokens, sum(num_tokens), cached))
+    # ---- tools and reasoning (tool_parsers/chat.py) ---------------------------------------------
+    def _tool_format(self, tools: list[dict[str, Any]], messages: list[Any]) -> ToolParser | None:
+        """The format tools and tool history are written in for a template without tool support
+        (the --tool-call-parser's, else hermes); None when the request has neither."""
+        if not tools and not any(m.tool_calls or m.role == "tool" for m in messages):
+            return None
+        return (self.tool_parser_cls or HermesToolParser)(tools)
 
+    def _reply_parser(
+        self, body: ChatCompletionRequest, params: SamplingParams, prompt: EnginePrompt, mode: str,
+        tools: list[dict[str, Any]], tool_name: str | None,
+    ) -> ChatReplyParser | None:
+        """How the replies split (None: all content). tool_choice "required" or a named tool puts
+        its JSON schema on the request's structured output."""
+        parallel = body.parallel_tool_calls is not False
+        schema = tool_choice_schema(mode, tools, tool_name, parallel)
+        if schema is not None:
+            if params.structured_outputs is not None:
+                raise bad_request(
+                    f"tool_choice {body.tool_choice!r} enforces its own structure and cannot be combined with "
+                    "response_format, structured_outputs or guided_* fields", "tool_choice")
+            params.structured_outputs = StructuredOutputsParams(json=schema)
+            try:
+                self.processor.check_structured_outputs(params)
+            except ValueError as e:
+                raise bad_request(str(e), "tools") from None
+        auto = self.tool_parser_cls if mode == "auto" else None
+        if auto is not None and auto.needs_special_tokens:
+            params.skip_special_tokens = False  # the format's markers are special tokens
+        reasoner = self.reasoner
+        kwargs = body.chat_template_kwargs
+        if reasoner is not None and reasoner.reasoning_disabled(kwargs):
+            reasoner = None
+        in_reasoning = reasoner is not None and reasoner.prompt_in_reasoning(prompt.text, kwargs)
+        replies = ChatReplyParser(mode, tools, tool_name, auto, reasoner, in_reasoning, parallel)
+        return replies if replies.active else None
+
+    @staticmethod
+    def _message(echo: str, text: str, replies: ChatReplyParser | None) -> ChatMessageOut:
+        if replies is None:
+            return ChatMessageOut(role="assistant", content=echo + text)
+        reasoning, content, calls = replies.whole(text)
+        if echo:
+            content = echo + (content or "")
+        return ChatMessageOut(role="assistant", content=content, tool_calls=calls, reasoning_content=reasoning,
+                              reasoning=reasoning)
+
+    @staticmethod
+    def _delta(stream: ChatReplyStream | None, c: CompletionOutput) -> tuple[DeltaMessage, str | None]:
+        if stream is None:
+            return (DeltaMessage(content=c.text) if c.text else DeltaMessage()), c.finish_reason
+        reasoning, content, calls = stream.step(c.text, c.finish_reason is not None)
+        delta = DeltaMessage(content=content, reasoning_content=reasoning, reasoning=reasoning, tool_calls=calls or None)
+        return delta, tool_finish_reason(c.finish_reason, stream.called)
+
+
+def tool_finish_reason(reason: str | None, called: bool) -> str | None:
+    """"tool_calls" for a reply that ended by itself with tool calls."""
+    return "tool_calls" if called and reason == "stop" else reason

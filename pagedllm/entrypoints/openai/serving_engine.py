@@ -145,6 +145,8 @@ class OpenAIServing:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        tool_format: Any = None,
     ) -> EnginePrompt:
         if add_generation_prompt and continue_final_message:
             raise bad_request("add_generation_prompt and continue_final_message cannot both be true")
@@ -152,6 +154,12 @@ class OpenAIServing:
         if reserved:
             raise bad_request(f"chat_template_kwargs may not set {sorted(reserved)}", "chat_template_kwargs")
         conversation = [message_to_dict(m) for m in messages]
+        tool_kwargs: dict[str, Any] = {}
+        if tool_format is not None:  # tools and tool history (tool_parsers/prompt.py)
+            from pagedllm.entrypoints.openai.tool_parsers.prompt import tool_conversation
+
+            template = self.chat_template or getattr(self.tokenizer.hf, "chat_template", None)
+            conversation, tool_kwargs = tool_conversation(conversation, tools, tool_format, template)
         if continue_final_message and conversation[-1]["role"] != "assistant":
             raise bad_request("continue_final_message needs an assistant message last", "messages")
         text = self.tokenizer.apply_chat_template(
@@ -159,6 +167,7 @@ class OpenAIServing:
             add_generation_prompt=add_generation_prompt,
             chat_template=self.chat_template,
             continue_final_message=continue_final_message,
+            **tool_kwargs,
             **(template_kwargs or {}),
         )
         ids = self.tokenizer.encode(text, add_special_tokens=False)
