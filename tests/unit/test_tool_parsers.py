@@ -30,6 +30,7 @@ CASES = [
     ("llama3_json", 'Sure: {"name": "get_weather", "parameters": {"city": "Paris \\"Île\\" \\\\ ✓", "days": 3}}; {"name": "f", "parameters": {"x": 1.5}}', "Sure: ", [W, F]),
     ("llama3_json", '{"name": "f", "parameters": {"x": }', '{"name": "f", "parameters": {"x": }', []),
     ("llama3_json", 'a {"b": 1}', 'a {"b": 1}', []),
+    ("llama3_json", 'He is {"name": "Bob", "age": 3}', 'He is {"name": "Bob", "age": 3}', []),
     ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris \\"Île\\" \\\\ ✓", "days": 3}}, {"name": "f", "arguments": {"x": 1.5}}]', None, [W, F]),
     ("mistral", 'Calling.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris \\"Île\\" \\\\ ✓", "days": 3}[TOOL_CALLS]f[ARGS]{"x": 1.5}', "Calling.", [W, F]),
     ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"x": 1.5}', '[TOOL_CALLS][{"name": "f", "arguments": {"x": 1.5}', []),

@@ -75,13 +75,17 @@ class Scan:
     calls: list[PartialCall] = field(default_factory=list)
 
 
-def json_call(body: str, final: bool, args_keys: tuple[str, ...] = ("arguments", "parameters")) -> PartialCall | None:
+def json_call(body: str, final: bool, args_keys: tuple[str, ...] = ("arguments", "parameters"),
+              require_args: bool = False) -> PartialCall | None:
     """A call written as one JSON object {"name": ..., "arguments": {...}} (or under one of
-    `args_keys`). final: None when it is not such an object."""
+    `args_keys`; missing arguments are {} unless `require_args`). final: None when it is not such
+    an object."""
     if final:
         try:
             obj = json.loads(body)
         except ValueError:
+            return None
+        if require_args and not (isinstance(obj, dict) and any(k in obj for k in args_keys)):
             return None
         return _call_from_obj(obj, args_keys)
     full = try_partial(body)

@@ -95,7 +95,7 @@ class Llama3JsonToolParser(ToolParser):
                     return Scan(text)
                 calls.append(json_call(body[i:], False))  # type: ignore[arg-type]
                 break
-            c = json_call(json.dumps(obj), True)
+            c = json_call(json.dumps(obj), True, require_args=True)  # {"name": "Bob"} is not a call
             if c is None:
                 if final:
                     return Scan(text)
