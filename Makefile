@@ -42,15 +42,15 @@ test-fast: $(STAMP)
 # The device check, on a machine with an NVIDIA GPU and torch + triton preinstalled: runs from the
 # source tree with that machine's python (no install, no network), about 4 minutes on an H200.
 # Writes benchmarks/results/gpu_check.json (GPU tests, decode/prefill throughput against the
-# measured rooflines, greedy agreement with the CPU). See benchmarks/gpu_check.py and docs/gpu.md.
+# measured rooflines, greedy agreement with the CPU). See pagedllm/benchmarks/gpu_check.py and docs/gpu.md.
 GPU_PYTHON ?= python3
 GPU_CHECK_ARGS ?=
 
 gpu-check:
-	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 $(GPU_PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 $(GPU_PYTHON) -m pagedllm.benchmarks.gpu_check $(GPU_CHECK_ARGS)
 
 gpu-check-dry-run:
-	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) benchmarks/gpu_check.py --dry-run --out /tmp/gpu_check_dry_run.json
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) -m pagedllm.benchmarks.gpu_check --dry-run --out /tmp/gpu_check_dry_run.json
 
 # vLLM's CPU build in its own environment, for `pagedllm bench ... --backend/--launch vllm`
 # (about 5 minutes and 3.4 GB once; a no-op afterwards).

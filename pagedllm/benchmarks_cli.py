@@ -1,8 +1,9 @@
-"""`pagedllm bench throughput | serve | latency | scheduler | memory | collective | report`: flags and
-printing.
+"""`pagedllm bench ...`: flags and printing.
 
-The benchmarks themselves live in `pagedllm.benchmarks`; each returns a JSON-able dict that is
-printed as a table and written with `--output-json`.
+The benchmarks themselves live in `pagedllm.benchmarks`. throughput, serve, latency, scheduler,
+memory and collective return a JSON-able dict that is printed as a table and written with
+`--output-json`; report writes docs/benchmarks.md; the others (pagedllm/benchmarks/commands.py:
+kernels, profile, quant, soak, gpu-check, ...) parse the rest of the command line themselves.
 """
 
 from __future__ import annotations
@@ -19,6 +20,25 @@ def _write_json(report: dict[str, Any], path: str | None) -> None:
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
         print(f"results written to {p}", file=sys.stderr)
+
+
+def _finish(report: dict[str, Any], table: str, args: argparse.Namespace, with_meta: bool = False) -> int:
+    """Prints a benchmark's table and writes its report (with this run's metadata) to --output-json."""
+    if with_meta:
+        from pagedllm.benchmarks.env import run_metadata
+
+        report["meta"] = run_metadata()
+    print(table)
+    _write_json(report, args.output_json)
+    return 0
+
+
+def _bench_parser(sub: Any, name: str, help_text: str, description: str, func: Any) -> argparse.ArgumentParser:
+    """A `pagedllm bench NAME` parser that runs `func`, with --output-json."""
+    p = sub.add_parser(name, help=help_text, description=description)
+    p.add_argument("--output-json", default=None, help="write the results here")
+    p.set_defaults(func=func)
+    return p
 
 
 def _csv(text: str, cast=str) -> list:
@@ -140,8 +160,8 @@ def _bench_sampling(args: argparse.Namespace) -> dict[str, Any]:
 def _add_throughput(sub: Any) -> None:
     from pagedllm.engine.arg_utils import EngineArgs
 
-    p = sub.add_parser("throughput", help="offline generation throughput (pagedllm, HF transformers, vLLM)",
-                       description="Offline throughput on one workload; every backend runs in its own fresh process.")
+    p = _bench_parser(sub, "throughput", "offline generation throughput (pagedllm, HF transformers, vLLM)",
+                      "Offline throughput on one workload; every backend runs in its own fresh process.", _cmd_throughput)
     p.add_argument("--backend", default="pagedllm", choices=("pagedllm", "hf", "vllm"))
     p.add_argument("--compare", type=_csv, default=None, metavar="B1,B2",
                    help="more backends to run after --backend on the same workload, e.g. hf,vllm")
@@ -153,13 +173,11 @@ def _add_throughput(sub: Any) -> None:
     p.add_argument("--vllm-kv-cache-space", type=int, default=None,
                    help="vllm: VLLM_CPU_KVCACHE_SPACE in GiB (default: --kv-cache-memory, else 4 = pagedllm's cap)")
     p.add_argument("--timeout", type=float, default=None, help="seconds one backend may take before it is skipped")
-    p.add_argument("--output-json", default=None, help="write the results here")
     _add_sampling_args(p)
     _add_workload_args(p, None)
     EngineArgs.add_cli_args(p)
     _make_dtype_a_list(p, "dtypes to run every backend in, e.g. float32,bfloat16 (auto: each engine's own "
                           "default; ratios compare engines within one dtype)")
-    p.set_defaults(func=_cmd_throughput)
 
 
 # ---- serve ----------------------------------------------------------------------------------
@@ -289,9 +307,9 @@ def _serve_one(kind: str, args: argparse.Namespace, server_args: list[str], reqs
 
 
 def _add_serve(sub: Any) -> None:
-    p = sub.add_parser("serve", help="online serving latency and throughput against an OpenAI-compatible server",
-                       description="Streams /v1/completions requests at Poisson (or burst) arrivals and reports "
-                                   "TTFT, TPOT, ITL, end-to-end latency, throughput and goodput.")
+    p = _bench_parser(sub, "serve", "online serving latency and throughput against an OpenAI-compatible server",
+                      "Streams /v1/completions requests at Poisson (or burst) arrivals and reports TTFT, TPOT, ITL, "
+                      "end-to-end latency, throughput and goodput.", _cmd_serve)
     p.add_argument("--base-url", default=None, help="server to measure, e.g. http://127.0.0.1:8000")
     p.add_argument("--launch", type=_launch_list, default=None, metavar="pagedllm,vllm",
                    help="start each of these servers in turn on a free loopback port, measure it, stop it; "
@@ -319,10 +337,8 @@ def _add_serve(sub: Any) -> None:
                    help="with --launch: run every launched server (and the offline baseline) this many rounds, "
                         "alternating the order, and report each round's ratios and their median")
     p.add_argument("--peers-venv", default=None, help="virtual environment with vllm-cpu (default .venv-peers)")
-    p.add_argument("--output-json", default=None, help="write the results here")
     _add_sampling_args(p)
     _add_workload_args(p, 64)
-    p.set_defaults(func=_cmd_serve)
 
 
 # ---- latency --------------------------------------------------------------------------------
@@ -367,22 +383,18 @@ def _cmd_latency(args: argparse.Namespace) -> int:
     if len(dtypes) == 1 and not args.compare and args.repeat == 1:
         report = run_latency(model, kwargs, args.input_len, args.output_len, args.num_iters,
                              args.num_iters_warmup, args.workload_seed)
-        print(format_latency(report))
-    else:
-        report = run_latency_matrix(model, kwargs, dtypes, args.compare or [], args.input_len, args.output_len,
-                                    args.num_iters, args.num_iters_warmup, args.workload_seed, args.peers_venv,
-                                    args.repeat)
-        print(format_latency_matrix(report))
-    _write_json(report, args.output_json)
-    return 0
+        return _finish(report, format_latency(report), args)
+    report = run_latency_matrix(model, kwargs, dtypes, args.compare or [], args.input_len, args.output_len,
+                                args.num_iters, args.num_iters_warmup, args.workload_seed, args.peers_venv, args.repeat)
+    return _finish(report, format_latency_matrix(report), args)
 
 
 def _add_latency(sub: Any) -> None:
     from pagedllm.engine.arg_utils import EngineArgs
 
-    p = sub.add_parser("latency", help="one request: prefill time, decode time per token, FLOP/s and bandwidth",
-                       description="Times one request's prefill and decode steps, and compares the achieved "
-                                   "FLOP/s and weight bandwidth with this machine's measured peaks.")
+    p = _bench_parser(sub, "latency", "one request: prefill time, decode time per token, FLOP/s and bandwidth",
+                      "Times one request's prefill and decode steps, and compares the achieved FLOP/s and weight "
+                      "bandwidth with this machine's measured peaks.", _cmd_latency)
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens")
     p.add_argument("--output-len", type=int, default=64, help="output tokens")
     p.add_argument("--num-iters", type=int, default=5, help="measured iterations (median reported)")
@@ -395,10 +407,8 @@ def _add_latency(sub: Any) -> None:
     p.add_argument("--repeat", type=int, default=1,
                    help="rounds of the whole comparison, alternating which engine runs first; each engine's "
                         "median round and the median of the per-round speed-ups are reported")
-    p.add_argument("--output-json", default=None, help="write the results here")
     EngineArgs.add_cli_args(p)
     _make_dtype_a_list(p, "dtypes to time, e.g. float32,bfloat16 (auto: the engine's choice)")
-    p.set_defaults(func=_cmd_latency)
 
 
 # ---- scheduler ------------------------------------------------------------------------------
@@ -411,17 +421,15 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
     model, kwargs = _engine_kwargs(args)
     report = run_scheduler_bench(args.num_running, args.num_steps, args.block_size, args.model_step_ms,
                                  args.measure_model_step, model, kwargs, args.workload_seed)
-    print(format_scheduler(report))
-    _write_json(report, args.output_json)
-    return 0
+    return _finish(report, format_scheduler(report), args)
 
 
 def _add_scheduler(sub: Any) -> None:
     from pagedllm.engine.arg_utils import EngineArgs
 
-    p = sub.add_parser("scheduler", help="schedule() + update_from_output() time per step with a fake model",
-                       description="CPU time of the scheduler per step at a steady number of running requests "
-                                   "(fake model, pure Python), as µs and as a share of a model step.")
+    p = _bench_parser(sub, "scheduler", "schedule() + update_from_output() time per step with a fake model",
+                      "CPU time of the scheduler per step at a steady number of running requests (fake model, "
+                      "pure Python), as µs and as a share of a model step.", _cmd_scheduler)
     p.add_argument("--num-running", type=_int_list, default=[64, 256, 1024], help="running requests (default 64,256,1024)")
     p.add_argument("--num-steps", type=int, default=200, help="measured steps per size")
     p.add_argument("--model-step-ms", type=float, default=None,
@@ -429,9 +437,7 @@ def _add_scheduler(sub: Any) -> None:
     p.add_argument("--measure-model-step", action=argparse.BooleanOptionalAction, default=True,
                    help="measure one real decode step per size when --model-step-ms is not given")
     p.add_argument("--workload-seed", type=int, default=0, help="seed of the fake requests")
-    p.add_argument("--output-json", default=None, help="write the results here")
     EngineArgs.add_cli_args(p)
-    p.set_defaults(func=_cmd_scheduler)
 
 
 # ---- memory ---------------------------------------------------------------------------------
@@ -447,18 +453,13 @@ def _cmd_memory(args: argparse.Namespace) -> int:
     report = run_memory_bench(args.block_sizes, args.num_prompts, parse_range(args.input_len_range, "--input-len-range"),
                               parse_range(args.output_len_range, "--output-len-range"), args.num_kv_tokens,
                               args.max_model_len, args.max_num_seqs, args.workload_seed)
-    from pagedllm.benchmarks.env import run_metadata
-
-    report["meta"] = run_metadata()
-    print(format_memory(report))
-    _write_json(report, args.output_json)
-    return 0
+    return _finish(report, format_memory(report), args, with_meta=True)
 
 
 def _add_memory(sub: Any) -> None:
-    p = sub.add_parser("memory", help="KV cache utilization per block size against contiguous reservation",
-                       description="Simulates the scheduler and KV cache manager over a workload and reports "
-                                   "tokens stored over KV slots reserved, per block size and for a contiguous cache.")
+    p = _bench_parser(sub, "memory", "KV cache utilization per block size against contiguous reservation",
+                      "Simulates the scheduler and KV cache manager over a workload and reports tokens stored over "
+                      "KV slots reserved, per block size and for a contiguous cache.", _cmd_memory)
     p.add_argument("--block-sizes", type=_int_list, default=[8, 16, 32, 64], help="default 8,16,32,64")
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--input-len-range", default="32:512", help="prompt length LOW:HIGH")
@@ -467,36 +468,28 @@ def _add_memory(sub: Any) -> None:
     p.add_argument("--max-model-len", type=int, default=2048, help="what a contiguous cache reserves per request")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--workload-seed", type=int, default=0)
-    p.add_argument("--output-json", default=None, help="write the results here")
-    p.set_defaults(func=_cmd_memory)
 
 
 # ---- collective -----------------------------------------------------------------------------
 
 def _cmd_collective(args: argparse.Namespace) -> int:
     from pagedllm.benchmarks.collective import format_collective, run_collective_bench
-    from pagedllm.benchmarks.env import run_metadata
 
     if args.world_size < 2 or args.batch < 1:
         raise ValueError(f"--world-size must be at least 2 and --batch at least 1, got {args.world_size}, {args.batch}")
     report = run_collective_bench(args.world_size, args.sizes, args.batch, step=not args.no_step)
-    report["meta"] = run_metadata()
-    print(format_collective(report))
-    _write_json(report, args.output_json)
-    return 0
+    return _finish(report, format_collective(report), args, with_meta=True)
 
 
 def _add_collective(sub: Any) -> None:
-    p = sub.add_parser("collective", help="all-reduce latency/bandwidth (gloo vs shared memory), TP step overhead",
-                       description="Times all-reduce through gloo and the shared-memory path between local ranks "
-                                   "at 4 KB .. 16 MB, and the collectives of a TP=2 decode step of the default "
-                                   "model against its TP=1 step.")
+    p = _bench_parser(sub, "collective", "all-reduce latency/bandwidth (gloo vs shared memory), TP step overhead",
+                      "Times all-reduce through gloo and the shared-memory path between local ranks at 4 KB .. 16 MB, "
+                      "and the collectives of a TP=2 decode step of the default model against its TP=1 step.",
+                      _cmd_collective)
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--sizes", type=_int_list, default=None, help="message sizes in bytes (default 4 KB .. 16 MB)")
     p.add_argument("--batch", type=int, default=16, help="decoding requests in the step comparison")
     p.add_argument("--no-step", action="store_true", help="skip the decode step comparison")
-    p.add_argument("--output-json", default=None, help="write the results here")
-    p.set_defaults(func=_cmd_collective)
 
 
 # ---- report ---------------------------------------------------------------------------------
@@ -517,13 +510,41 @@ def _add_report(sub: Any) -> None:
     p.set_defaults(func=_cmd_report)
 
 
+# ---- benchmarks that parse their own flags (pagedllm/benchmarks/commands.py) ----------------
+
+def _cmd_forward(args: argparse.Namespace) -> int:
+    import importlib
+
+    return int(importlib.import_module(args.bench_module).main(args.bench_argv, args.bench_prog) or 0)
+
+
+def _add_forwarded(sub: Any, prog: str, name: str, entry: tuple) -> None:
+    """`prog name ...`: a group of commands (entry: help, {name: entry}) or one module (module, help),
+    whose own parser gets every word after the name ('-' starts no option here, so --help is its)."""
+    first, rest = entry
+    if isinstance(rest, dict):
+        group = sub.add_parser(name, help=first, description=first[:1].upper() + first[1:] + ".")
+        inner = group.add_subparsers(dest=f"bench_{name}", metavar="{" + ",".join(rest) + "}",
+                                     parser_class=type(group))
+        inner.required = True
+        for sub_name, sub_entry in rest.items():
+            _add_forwarded(inner, f"{prog} {name}", sub_name, sub_entry)
+        return
+    p = sub.add_parser(name, help=rest, add_help=False, prefix_chars="\x00")
+    p.add_argument("bench_argv", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_cmd_forward, bench_module=first, bench_prog=f"{prog} {name}")
+
+
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
-    bench = subparsers.add_parser("bench", help="benchmarks: throughput, serve, latency, scheduler, memory, collective, "
-                                                 "report",
-                                  description="Benchmarks; each prints a table and can write --output-json.")
-    sub = bench.add_subparsers(dest="bench_command",
-                               metavar="{throughput,serve,latency,scheduler,memory,collective,report}",
-                               parser_class=type(bench))
+    from pagedllm.benchmarks.commands import COMMANDS
+
+    names = ["throughput", "serve", "latency", "scheduler", "memory", "collective", "report", *COMMANDS]
+    bench = subparsers.add_parser("bench", help="benchmarks: throughput, serve, latency, kernels, profile, soak, "
+                                                 "gpu-check, ...; report writes docs/benchmarks.md",
+                                  description="Benchmarks; each prints what it measures and can write its results "
+                                              "(--output-json or its own file). `pagedllm bench NAME --help` says "
+                                              "what NAME measures.")
+    sub = bench.add_subparsers(dest="bench_command", metavar="{" + ",".join(names) + "}", parser_class=type(bench))
     sub.required = True
     _add_throughput(sub)
     _add_serve(sub)
@@ -532,4 +553,6 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     _add_memory(sub)
     _add_collective(sub)
     _add_report(sub)
+    for name, entry in COMMANDS.items():
+        _add_forwarded(sub, "pagedllm bench", name, entry)
     return bench

@@ -50,7 +50,7 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def _command_line() -> str:
+def command_line() -> str:
     """This process's command: `pagedllm ARGS` under the CLI, else the script and its arguments."""
     prog = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
     if prog in ("pagedllm", "__main__.py", ""):
@@ -65,7 +65,7 @@ def run_metadata(extra_versions: dict[str, str | None] | None = None) -> dict[st
     versions.update(extra_versions or {})
     return {
         "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "command": _command_line(),
+        "command": command_line(),
         "cpu_model": _cpu_model(),
         "cpu_cores": psutil.cpu_count(logical=False) or os.cpu_count(),
         "logical_cpus": os.cpu_count(),

@@ -15,7 +15,7 @@ def scheduling_section(r: dict[str, Any]) -> str:
     """Prefix caching, policies under a mixed workload, and the cost of each preemption mode."""
     quick = " --quick" if r.get("quick") else ""
     env = dict(r.get("env") or {})
-    env["command"] = f".venv/bin/python benchmarks/bench_scheduling.py{quick} --threads {r.get('torch_threads', 1)}"
+    env["command"] = f".venv/bin/pagedllm bench scheduling{quick} --threads {r.get('torch_threads', 1)}"
     out = ["## Scheduling: prefix caching, policies, preemption\n\n", run_block(env)]
     sp = r.get("shared_prefix")
     if sp:

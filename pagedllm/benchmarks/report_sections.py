@@ -254,7 +254,7 @@ def kv_quality_section(q: dict[str, Any]) -> str:
     rec = q.get("meta") or {}
     where = (f"Machine: {machine(rec)}. Commit {rec['commit']} (the commit that added the results; the run recorded "
              f"none), {rec.get('time', '?')}.\n") if rec.get("commit") else ""
-    return ("## KV cache dtype: correctness cost\n\n```\nPYTHONPATH=. python benchmarks/kv_cache_dtype_quality.py "
+    return ("## KV cache dtype: correctness cost\n\n```\npagedllm bench kv-quality "
             "--dtype bfloat16 --calculate-kv-scales --output-json benchmarks/results/kv_cache_dtype_quality.json\n```\n"
             + where +
             "Greedy decoding of the 64 HF correctness prompts (chat template, 32 tokens) with each cache dtype "

@@ -16,7 +16,6 @@ import os
 import random
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ from tqdm.auto import tqdm
 
 from pagedllm.benchmarks.env import PeakRSSMonitor, run_metadata
 from pagedllm.benchmarks.serve_metrics import RequestResult, compute_metrics
+from pagedllm.benchmarks.server_probe import free_port, wait_healthy
 from pagedllm.benchmarks.workloads import BenchRequest, workload_summary
 
 if TYPE_CHECKING:
@@ -164,12 +164,6 @@ def discover_model(base_url: str, api_key: str | None) -> str | None:
 
 # ---- launching a server ---------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class LaunchError(Exception):
     """The server could not be started; the message says why."""
 
@@ -242,21 +236,9 @@ class LaunchedServer:
         self.monitor = PeakRSSMonitor(self.proc.pid, interval=0.5).__enter__()
         bar = tqdm(desc=f"waiting for {self.kind} /health", unit="s", dynamic_ncols=True)
         try:
-            while True:
-                if self.proc.poll() is not None:
-                    raise LaunchError(f"the {self.kind} server exited with code {self.proc.returncode} before "
-                                      f"it was healthy; last lines of {self.log_path}:\n{self.log_tail()}")
-                elapsed = time.perf_counter() - t0
-                if elapsed > self.startup_timeout:
-                    raise LaunchError(f"the {self.kind} server was not healthy after {self.startup_timeout:.0f} s; "
-                                      f"last lines of {self.log_path}:\n{self.log_tail()}")
-                try:
-                    if httpx.get(self.base_url + "/health", timeout=5).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(1.0)
-                bar.update(1)
+            why = wait_healthy(self.base_url, self.proc, self.startup_timeout, interval=1.0, tick=lambda: bar.update(1))
+            if why is not None:
+                raise LaunchError(f"the {self.kind} server {why}; last lines of {self.log_path}:\n{self.log_tail()}")
         except BaseException:
             bar.close()
             self.stop()

@@ -32,7 +32,7 @@ MKLDNN_MIN_ROWS = 16
 # slower than float32 (AVX2 host: 0.7 GFLOP/s against 70 on a 1,024-cube product), so past the
 # small-M kernel's rows the operands are widened to float32 (exact), multiplied by oneDNN's float32
 # GEMM and the result rounded once, as a 16-bit GEMM with float32 accumulation does. The widening
-# costs about a tenth of the GEMM at 128 rows and less beyond (benchmarks/bench_small_m_gemm.py).
+# costs about a tenth of the GEMM at 128 rows and less beyond (pagedllm bench kernels small-m-gemm).
 WIDENED_DTYPES = frozenset(d for d, flags in ((torch.bfloat16, BF16_FLAGS), (torch.float16, FP16_FLAGS))
                            if not set(flags) & cpu_flags())
 

@@ -20,7 +20,7 @@ from pagedllm.native import kernels
 from pagedllm.native.declare import Binding
 
 # Most rows of x sent to the kernel, per dtype: up to where it stops beating torch's GEMM on the
-# default model's shapes with the weights streamed from memory (benchmarks/bench_small_m_gemm.py,
+# default model's shapes with the weights streamed from memory (pagedllm bench kernels small-m-gemm,
 # 2-core AVX-512 machine, the four GEMMs of 30 layers): bf16 16 rows 7.3 ms against oneDNN's 13.5,
 # 32 rows 11.4 against 17.7, 48 rows 15.9 against 23.9, 64 rows 21.9-25.9 against 26.2-28.9, 80
 # rows 1.10-1.19x, 96 rows 0.97-1.03x. float32: oneDNN takes over from 16 rows (layers/linear.py);

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,11 +14,8 @@ import httpx
 import psutil
 import pytest
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from pagedllm.benchmarks.server_probe import free_port, parse_metrics, wait_healthy
+from pagedllm.benchmarks.server_probe import wait_idle as engine_idle
 
 
 class Server:
@@ -42,17 +38,9 @@ class Server:
         return self.log_path.read_text(errors="replace")
 
     def wait_ready(self, timeout: float = 180.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"server exited with {self.proc.returncode}:\n{self.output()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        pytest.fail(f"server not ready after {timeout} s:\n{self.output()[-3000:]}")
+        why = wait_healthy(self.url, self.proc, timeout, interval=0.2)
+        if why is not None:
+            pytest.fail(f"server {why}:\n{self.output()[-3000:]}")
 
     def engine_pid(self) -> int:
         """The engine-core process (the server logs its pid when it is ready)."""
@@ -87,8 +75,7 @@ def gone(pid: int, timeout: float) -> bool:
 
 def metrics(http: httpx.Client) -> dict[str, float]:
     """Unlabelled view of /metrics: name{...} value -> {name: value} (last sample of each name)."""
-    text = http.get("/metrics").text
-    return {m[0]: float(m[1]) for m in re.findall(r"^(pagedllm:\w+)(?:\{[^}]*\})? (\S+)$", text, re.M)}
+    return parse_metrics(http.get("/metrics").text)
 
 
 def assert_error_shape(body: dict) -> None:
@@ -101,12 +88,4 @@ def assert_error_shape(body: dict) -> None:
 
 def wait_idle(http: httpx.Client, timeout: float = 20.0) -> dict[str, float]:
     """Waits until nothing runs or waits and no KV block is in use; returns the metrics."""
-    deadline = time.monotonic() + timeout
-    while True:
-        m = metrics(http)
-        busy = (m["pagedllm:num_requests_running"], m["pagedllm:num_requests_waiting"],
-                m["pagedllm:kv_cache_usage_perc"])
-        if busy == (0, 0, 0):
-            return m
-        assert time.monotonic() < deadline, f"the engine still holds requests or blocks: {busy}"
-        time.sleep(0.05)
+    return engine_idle(lambda: metrics(http), timeout, interval=0.05)

@@ -20,7 +20,7 @@ from server_helpers import Server, gone, wait_idle
 
 COMP = "/v1/completions"
 SEED = int(os.environ.get("PAGEDLLM_CHAOS_SEED", "20261201"))
-# PAGEDLLM_CHAOS_SEED and PAGEDLLM_CHAOS_REQUESTS choose the storm (benchmarks/chaos_runs.py runs
+# PAGEDLLM_CHAOS_SEED and PAGEDLLM_CHAOS_REQUESTS choose the storm (pagedllm bench chaos runs
 # it with many seeds, and with 1,000 requests).
 NUM_REQUESTS = int(os.environ.get("PAGEDLLM_CHAOS_REQUESTS", "300"))
 MOMENTS = ("before_admission", "prefill", "mid_stream", "last_token", "normal")

@@ -1,4 +1,4 @@
-"""Run metadata and the timing helper that the benchmark scripts share."""
+"""Run metadata and the timing helper that the benchmarks share."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pagedllm.benchmarks import env
 @pytest.mark.parametrize("argv,command", [
     (["/x/.venv/bin/pagedllm", "bench", "latency", "--dtype", "a b"], "pagedllm bench latency --dtype 'a b'"),
     (["/x/pagedllm/__main__.py", "bench", "serve"], "pagedllm bench serve"),
-    (["benchmarks/bench_native_decode.py", "--rows", "1,2"], "benchmarks/bench_native_decode.py --rows 1,2"),
+    (["/x/pagedllm/benchmarks/kernels/native_decode.py", "--rows", "1,2"], "/x/pagedllm/benchmarks/kernels/native_decode.py --rows 1,2"),
 ])
 def test_command_line_names_the_cli_or_the_script(monkeypatch, argv, command):
     monkeypatch.setattr(sys, "argv", argv)

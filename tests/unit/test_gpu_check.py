@@ -1,23 +1,20 @@
-"""benchmarks/gpu_check.py (the script behind `make gpu-check`) runs as written where there is no
-GPU: the dry run (arguments, meta-device shapes, the JSON) and a CPU smoke run of its whole path."""
+"""pagedllm/benchmarks/gpu_check.py (`make gpu-check`, `pagedllm bench gpu-check`) runs as written where
+there is no GPU: the dry run (arguments, meta-device shapes, the JSON) and a CPU smoke run of its whole
+path."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
+    from pagedllm.benchmarks import gpu_check
+
+    return gpu_check
 
 
 def test_dry_run_writes_the_plan_with_meta_device_shapes(gpu_check, tmp_path: Path) -> None:

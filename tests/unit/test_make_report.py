@@ -61,8 +61,8 @@ def _render(tmp_path: Path, name: str, data: dict) -> str:
     results.mkdir()
     (results / name).write_text(json.dumps(data))
     doc = tmp_path / "benchmarks.md"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "make_report.py"), "--results", str(results),
-                           "--doc", str(doc), "--no-plots"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "bench", "report", "--results",
+                           str(results), "--doc", str(doc), "--no-plots"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return doc.read_text()
 

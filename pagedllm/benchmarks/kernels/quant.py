@@ -1,0 +1,171 @@
+"""Micro-benchmark of the candidate kernels for quantized linear layers (docs/quantization.md).
+
+One SmolLM2 MLP matrix (gate_up: 3072 x 576) at decode (1 token) and prefill (256 tokens) shapes;
+the float matmul runs in the same process, and every time is reported as a ratio to it.
+
+``--decode-pass``: the native kernel over the linear layers of a SmolLM2 decode step (30 layers
+of distinct 4-bit g32 weights per shape, 33 MB for gate_up: about the L3 cache), one token,
+per layer shape, on one thread and on two (``quant_set_parallel_min``), both activation modes;
+this sets the kernel's threading threshold.
+
+``--w8a8``: w8a8's layouts per SmolLM2 layer shape, two threads: one token (30 distinct weights per
+shape) through the native kernel on the row-major codes, through the torch path (per-token
+quantization + ``torch._int_mm``), and the int8 method's tiled kernel; 256 tokens through the torch
+path on the transposed copy [K, N] and on the transpose view of the row-major codes, and the cost
+of re-laying the codes out once (a transposed copy), which a single layout would pay per call.
+Run: flock /tmp/pagedllm-bench.lock pagedllm bench kernels quant [--decode-pass | --w8a8]
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.quantization import kernels as K
+from pagedllm.quantization import native
+from pagedllm.benchmarks.script import parser
+
+
+def best(fn, reps: int = 20) -> float:
+    fn()
+    t = float("inf")
+    for _ in range(reps):
+        s = time.perf_counter()
+        fn()
+        t = min(t, time.perf_counter() - s)
+    return t
+
+
+def kernel_table() -> None:
+    torch.manual_seed(0)
+    torch.set_num_threads(2)
+    n, k = 3072, 576
+    w = torch.randn(n, k) * 0.05
+    q8, s8 = K.quantize_int8_per_channel(w)
+    q8t = q8.t().contiguous()
+    w8sum = q8.sum(dim=1, dtype=torch.int32)
+    codes, sc, zp = K.quantize_groupwise(w, 64, 4)
+    p4, sz32 = K.pack_int4(codes, sc, zp, torch.float32)
+    _, sz16 = K.pack_int4(codes, sc, zp, torch.bfloat16)
+    n4, ns, nz = native.pack_int4_native(codes, sc, zp)
+    n8, n8s, n8z = native.pack_int8_native(q8, s8[:, None], torch.zeros(n, 1))
+    z8 = torch.zeros(n, 1, dtype=torch.bfloat16)
+    reps = {1: 20, 4: 20, 256: 3}
+    f8, s_f8 = K.quantize_fp8_per_channel(w)
+    f8s = s_f8.bfloat16()[:, None]
+    qg = (codes.to(torch.int16) - 0).to(torch.int8)
+    wb = w.bfloat16()
+    for m in (1, 4, 256):
+        x = torch.randn(m, k)
+        xb = x.bfloat16()
+        best_m = lambda fn: best(fn, reps[m])  # noqa: E731
+        base = best_m(lambda: F.linear(x, w))
+        rows = {
+            "fp32 F.linear": base,
+            "bf16 F.linear": best_m(lambda: F.linear(xb, wb)),
+            "int8 _weight_int8pack_mm (fp32 x)": best_m(lambda: torch._weight_int8pack_mm(x, q8, s8)),
+            "int8 _weight_int8pack_mm (bf16 x)": best_m(lambda: K.int8_weight_linear(xb, q8, s8.bfloat16())),
+            "int8 dequantize + F.linear (unfused)": best_m(lambda: F.linear(x, q8.float() * s8[:, None])),
+            "w8a8 quantize x + torch._int_mm": best_m(lambda: K.int8_dynamic_linear(x, q8t, s8)),
+            "w8a8 native (row-major codes; <= 16 tokens)": best_m(
+                lambda: native.w8a8_small_m_linear(x, q8, s8, w8sum)) if m <= native.SMALL_M else float("nan"),
+            "int4 _weight_int4pack_mm_for_cpu (fp32 x)": best_m(lambda: K.int4_linear(x, p4, sz32, 64)),
+            "int4 _weight_int4pack_mm_for_cpu (bf16 x)": best_m(lambda: K.int4_linear(xb, p4, sz16, 64)),
+            **{f"int4 native (csrc/linear_quant.c), {a} x": best_m(
+                lambda: _mode(a, lambda: native.group_linear(xb, n4, ns, nz, 4, n))) for a in ("int8", "bf16")},
+            **{f"int8 native (csrc/linear_quant.c), {a} x": best_m(
+                lambda: _mode(a, lambda: native.group_linear(xb, n8, n8s, n8z, 8, n))) for a in ("int8", "bf16")},
+            "fp8 native (csrc/linear_quant.c), bf16 x": best_m(
+                lambda: native.group_linear(xb, f8.view(torch.uint8), f8s, z8, 3, n)),
+            "fp8 widen + F.linear": best_m(lambda: K.fp8_weight_linear(x, f8, s_f8)),
+            "int8 codes, group scales, widen + F.linear": best(
+                lambda: K.int8_group_linear(x, qg, sc, zp)),
+        }
+        print(f"\ntokens={m}  (fp32 F.linear {base * 1e6:.0f} us = 1.00)")
+        for name, t in rows.items():
+            print(f"  {name:45s} {t * 1e6:9.0f} us  {t / base:6.2f}x")
+
+
+def _mode(act: str, fn):
+    """fn() with the kernel's activations in `act` (int8 or bf16)."""
+    os.environ["PAGEDLLM_QUANT_ACTIVATIONS"] = act
+    native.int8_activations.cache_clear()
+    return fn()
+
+
+def decode_pass(reps: int = 15) -> None:
+    torch.manual_seed(0)
+    shapes = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+    layers = {name: [native.pack_int4_native(*K.quantize_groupwise(torch.randn(n, k) * 0.05, 32, 4))
+                     for _ in range(30)] for name, (n, k) in shapes.items()}
+    lib = native.load_quant_kernel()
+    for act in ("int8", "bf16"):
+        _mode(act, lambda: None)
+        for threads, label in ((1, "1 thread"), (2, "2 threads")):
+            torch.set_num_threads(threads)
+            default = lib.quant_set_parallel_min(0 if threads == 2 else 1 << 62)
+            times = {}
+            for name, (n, k) in shapes.items():
+                x = torch.randn(1, k).bfloat16()
+
+                def run() -> None:
+                    for packed, s, z in layers[name]:
+                        native.small_m_linear(x, packed, s, z, 4, n)
+
+                times[name] = best(run, reps) / 30
+            total = sum(times.values()) * 30
+            print(f"{act} activations, {label}: " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in times.items())
+                  + f"; 30 layers {total * 1e3:.2f} ms", flush=True)
+            lib.quant_set_parallel_min(default)
+
+
+def w8a8(reps: int = 15) -> None:
+    torch.manual_seed(0)
+    torch.set_num_threads(2)
+    shapes = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+    for name, (n, k) in shapes.items():
+        layers = []
+        for _ in range(30):
+            q, s = K.quantize_int8_per_channel(torch.randn(n, k) * 0.05)
+            layers.append((q, s, q.sum(dim=1, dtype=torch.int32), native.pack_int8_native(q, s[:, None],
+                                                                                          torch.zeros(n, 1))))
+        x1 = torch.randn(1, k).bfloat16()
+
+        def per_layer(fn) -> float:
+            return best(lambda: [fn(*lay) for lay in layers], reps) / 30
+
+        one = {
+            "native w8a8 (row-major codes)": per_layer(lambda q, s, ws, t: native.w8a8_small_m_linear(x1, q, s, ws)),
+            "torch w8a8 (_int_mm)": per_layer(lambda q, s, ws, t: K.int8_dynamic_linear(x1, q.t(), s)),
+            "native int8 (tiled codes)": per_layer(lambda q, s, ws, t: native.small_m_linear(x1, *t, 8, n)),
+        }
+        q, s, _, _ = layers[0]
+        qt = q.t().contiguous()
+        x256 = torch.randn(256, k).bfloat16()
+        batch = {
+            "_int_mm on [K, N] copy": best(lambda: K.int8_dynamic_linear(x256, qt, s), 5),
+            "_int_mm on [N, K].t() view": best(lambda: K.int8_dynamic_linear(x256, q.t(), s), 5),
+            "re-layout copy of the codes": best(lambda: q.t().contiguous(), 5),
+        }
+        print(f"{name} {n}x{k}: 1 token: " + ", ".join(f"{a} {t * 1e6:.1f} us" for a, t in one.items())
+              + "; 256 tokens: " + ", ".join(f"{a} {t * 1e6:.0f} us" for a, t in batch.items()), flush=True)
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    ap = parser(__doc__, prog)
+    ap.add_argument("--decode-pass", action="store_true")
+    ap.add_argument("--w8a8", action="store_true")
+    args = ap.parse_args(argv)
+    if args.decode_pass:
+        decode_pass()
+    elif args.w8a8:
+        w8a8()
+    else:
+        kernel_table()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Where the time goes: `pagedllm bench profile <name>`."""

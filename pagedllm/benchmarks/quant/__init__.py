@@ -1,0 +1,1 @@
+"""Quantization benchmarks: `pagedllm bench quant <name>` (the table of docs/quantization.md)."""

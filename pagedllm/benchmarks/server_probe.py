@@ -1,0 +1,63 @@
+"""A server process seen from outside: a free loopback port for it, waiting for its /health,
+reading its /metrics, waiting until its engine is idle. `bench serve`, `bench soak` and the server
+tests (tests/integration/server_helpers.py) share these."""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+
+import httpx
+
+_SAMPLE = re.compile(r"^(pagedllm:\w+)(?:\{[^}]*\})? (\S+)$", re.M)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Unlabelled view of a /metrics page: name{...} value -> {name: value} (last sample of each name)."""
+    return {m[0]: float(m[1]) for m in _SAMPLE.findall(text)}
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, interval: float = 0.5,
+                 tick: Callable[[], None] | None = None) -> str | None:
+    """Polls `url`/health until it answers 200 (None) or says why it never will: the process
+    exited, or `timeout` seconds passed. `tick` is called after each wait."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            return f"exited with code {proc.returncode} before it was healthy"
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return None
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            return f"was not healthy after {timeout:.0f} s"
+        time.sleep(interval)
+        if tick is not None:
+            tick()
+
+
+def wait_idle(read_metrics: Callable[[], dict[str, float]], timeout: float, interval: float = 0.1) -> dict[str, float]:
+    """Waits until nothing runs or waits and no KV block is in use; returns the last metrics.
+    TimeoutError after `timeout` seconds, naming what is still held."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = read_metrics()
+        busy = (m["pagedllm:num_requests_running"], m["pagedllm:num_requests_waiting"],
+                m["pagedllm:kv_cache_usage_perc"])
+        if busy == (0, 0, 0):
+            return m
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the engine still holds requests or KV blocks after {timeout} s "
+                               f"(running, waiting, KV usage): {busy}")
+        time.sleep(interval)
