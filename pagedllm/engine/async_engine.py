@@ -23,6 +23,7 @@ from pagedllm.engine.core_io import EngineCoreOutputs, MsgKind, StepStats
 from pagedllm.engine.llm_engine import LLMEngine, PromptType, load_frontend_tokenizer
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.processor import Processor
+from pagedllm.engine.state_feed import StateFeed
 from pagedllm.engine.stats import IterationStats
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -115,6 +116,8 @@ class AsyncLLMEngine:
         # Called once (on the event loop) when the engine core dies, e.g. to stop the server.
         self.on_dead: list[Callable[[], None]] = []
         self.last_stats = StepStats.idle()
+        # The engine view's feed: snapshots from the engine core while a viewer watches.
+        self.state_feed = StateFeed(self)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped = False
 
@@ -227,6 +230,8 @@ class AsyncLLMEngine:
             except Exception as e:
                 logger.exception("processing engine outputs failed")
                 self._die(f"{type(e).__name__}: {e}")
+        elif kind == MsgKind.SNAPSHOT:
+            self.state_feed.on_snapshot(payload)
         elif kind == MsgKind.DEAD:
             if not self._stopped:
                 self._die(payload)
@@ -251,6 +256,8 @@ class AsyncLLMEngine:
         if result.failed_seq_ids:
             self.client.abort(result.failed_seq_ids)
         scheduler_stats = step.scheduler
+        if self.state_feed.watched:
+            self.state_feed.record(scheduler_stats, stats)
         for sl in self.stat_loggers:
             try:
                 sl.record(scheduler_stats, stats)

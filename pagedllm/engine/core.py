@@ -200,6 +200,7 @@ class EngineCore:
         self._grammar_bitmask(so)
         out = self.executor.execute_model(so)
         core_outputs = failed + self.scheduler.update_from_output(so, out)
+        self.last_output = so  # read by the engine view's snapshots (engine/snapshot.py)
         stats = StepStats(self.scheduler.get_stats(), so.total_num_scheduled_tokens, so.num_preempted,
                           time.perf_counter() - t0)
         return core_outputs, stats

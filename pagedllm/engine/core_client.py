@@ -58,18 +58,26 @@ class InProcessClient:
     def abort(self, seq_ids: list[str], stopped: bool = False) -> None:
         self._commands.put((MsgKind.STOP if stopped else MsgKind.ABORT, seq_ids))
 
+    def watch(self, on: bool) -> None:
+        """Asks the engine core for snapshots of its state (engine/snapshot.py), or stops them."""
+        self._commands.put((MsgKind.WATCH, on))
+
     def shutdown(self) -> None:
         self._commands.put((MsgKind.SHUTDOWN, None))
         if self._thread is not None:
             self._thread.join(timeout=10)
 
     def _loop(self) -> None:
+        from pagedllm.engine.snapshot import SnapshotTimer
+
         core = self.core
+        view = SnapshotTimer()
         try:
             while True:
                 busy = core.has_unfinished_requests()
                 try:
-                    item = self._commands.get(timeout=1.0) if not busy else self._commands.get_nowait()
+                    wait = view.poll_ms(1000) / 1000
+                    item = self._commands.get(timeout=wait) if not busy else self._commands.get_nowait()
                 except queue.Empty:
                     item = None
                 changed = False
@@ -80,6 +88,8 @@ class InProcessClient:
                         return
                     if kind == MsgKind.ADD:
                         core.add_request(payload)
+                    elif kind == MsgKind.WATCH:
+                        view.watch(payload)
                     else:
                         status = RequestStatus.FINISHED_STOPPED if kind == MsgKind.STOP else RequestStatus.FINISHED_ABORTED
                         core.abort_requests(payload, status)
@@ -90,8 +100,12 @@ class InProcessClient:
                 if core.has_unfinished_requests():
                     outputs, stats = core.step()
                     self._deliver(MsgKind.OUTPUTS, EngineCoreOutputs(outputs, stats))
+                    if view.watching:
+                        view.stepped(stats.step_time)
                 elif changed:
                     self._deliver(MsgKind.OUTPUTS, EngineCoreOutputs([], core.stats()))
+                if view.due():
+                    self._deliver(MsgKind.SNAPSHOT, view.take(core))
         except BaseException as e:  # a real fault: the front end fails everyone in flight
             logger.exception("engine core failed")
             self._deliver(MsgKind.DEAD, f"{type(e).__name__}: {e}")
@@ -225,6 +239,11 @@ class MultiProcessClient:
 
     def abort(self, seq_ids: list[str], stopped: bool = False) -> None:
         self.input.send(self.codec.encode(MsgKind.STOP if stopped else MsgKind.ABORT, seq_ids))
+
+    def watch(self, on: bool) -> None:
+        """Asks the engine core for snapshots of its state (engine/snapshot.py), or stops them."""
+        if not self._stopping:
+            self.input.send(self.codec.encode(MsgKind.WATCH, on))
 
     def shutdown(self) -> None:
         """Stops the engine core: asks, then SIGTERM, then SIGKILL; never leaves it running."""

@@ -15,6 +15,7 @@ import msgspec
 
 from pagedllm.core.scheduler import SchedulerStats
 from pagedllm.core.scheduler_output import EngineCoreOutput
+from pagedllm.engine.snapshot import EngineSnapshot
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -75,6 +76,8 @@ class MsgKind(enum.IntEnum):
     OUTPUTS = 4
     DEAD = 5
     STOP = 6
+    WATCH = 7  # front end -> engine core: a viewer watches (True) or none does (False)
+    SNAPSHOT = 8  # engine core -> front end: an EngineSnapshot, while watched
 
 
 class EngineReady(msgspec.Struct, array_like=True):
@@ -93,6 +96,8 @@ _PAYLOADS: dict[MsgKind, Any] = {
     MsgKind.OUTPUTS: EngineCoreOutputs,
     MsgKind.DEAD: str,
     MsgKind.STOP: list[str],
+    MsgKind.WATCH: bool,
+    MsgKind.SNAPSHOT: EngineSnapshot,
 }
 
 

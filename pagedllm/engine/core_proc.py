@@ -27,6 +27,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.request import RequestStatus
 from pagedllm.core.scheduler_output import EngineCoreOutput
 from pagedllm.engine.core_io import Codec, EngineReady, MsgKind
+from pagedllm.engine.snapshot import SnapshotTimer
 from pagedllm.utils import trim_heap
 
 logger = logging.getLogger(__name__)
@@ -107,10 +108,13 @@ def _loop(core: Any, inbox: zmq.Socket, outbox: zmq.Socket, codec: Codec, parent
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
     stepped = False  # since the heap was last trimmed
+    view = SnapshotTimer()  # the engine view's snapshots: only while a viewer watches
     while True:
         busy = core.has_unfinished_requests()
         changed = False
-        if not busy and not poller.poll(_IDLE_POLL_MS):
+        if not busy and not poller.poll(view.poll_ms(_IDLE_POLL_MS)):
+            if view.due():
+                outbox.send(codec.encode(MsgKind.SNAPSHOT, view.take(core)))
             if os.getppid() != parent_pid:
                 logger.info("the API server process is gone; the engine core exits")
                 return
@@ -136,6 +140,8 @@ def _loop(core: Any, inbox: zmq.Socket, outbox: zmq.Socket, codec: Codec, parent
                 core.abort_requests(payload)
             elif kind == MsgKind.STOP:
                 core.abort_requests(payload, RequestStatus.FINISHED_STOPPED)
+            elif kind == MsgKind.WATCH:
+                view.watch(payload)
             elif kind == MsgKind.SHUTDOWN:
                 return
         if check:
@@ -145,5 +151,9 @@ def _loop(core: Any, inbox: zmq.Socket, outbox: zmq.Socket, codec: Codec, parent
             stepped = True
             wire = rejected + outputs
             outbox.send(codec.encode(MsgKind.OUTPUTS, EngineCoreOutputs(wire, stats)))
+            if view.watching:
+                view.stepped(stats.step_time)
         elif changed:  # aborts while idle free blocks: the front end's gauges hear of it
             outbox.send(codec.encode(MsgKind.OUTPUTS, EngineCoreOutputs(rejected, core.stats())))
+        if view.due():
+            outbox.send(codec.encode(MsgKind.SNAPSHOT, view.take(core)))

@@ -252,6 +252,7 @@ def build_app(
     stat_logger: PrometheusStatLogger | None = None,
     enable_auto_tool_choice: bool = False,
     tool_call_parser: str | None = None,
+    enable_ui: bool = True,
 ) -> FastAPI:
     """The FastAPI app serving `async_engine` (which the caller starts and shuts down)."""
     mc, cc = async_engine.model_config, async_engine.config.cache_config
@@ -381,6 +382,10 @@ def build_app(
         # Only what the engine core pushed with its outputs: a scrape never waits on the engine.
         return Response(generate_latest(prometheus.registry), media_type=CONTENT_TYPE_LATEST)
 
+    if enable_ui:  # the page at / and its engine feed (entrypoints/web)
+        from pagedllm.entrypoints.web.routes import add_ui_routes
+
+        add_ui_routes(app, async_engine)
     app.add_middleware(GuardMiddleware, api_keys=list(api_keys or []), max_body_bytes=max_body_bytes)
     return app
 
@@ -558,6 +563,7 @@ def _serve(
         max_body_bytes=args.max_request_body_size,
         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
         tool_call_parser=getattr(args, "tool_call_parser", None),
+        enable_ui=not getattr(args, "disable_ui", False),
     )
     if not api_keys and args.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s without --api-key: anyone who can reach it can use it", args.host)

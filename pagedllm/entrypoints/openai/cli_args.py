@@ -47,6 +47,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         f"{KEEP_ALIVE_S:g}: longer than HTTP clients keep idle pooled connections, httpx and "
                         "the openai client 5 s, aiohttp 15 s, so a client never reuses one the server is closing)")
     g.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput log line")
+    g.add_argument("--disable-ui", action="store_true", help="no web page at / and no engine feed at /v1/engine/state")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=("critical", "error", "warning", "info", "debug", "trace"))
     g.add_argument("--uvicorn-http", default="auto", choices=("auto", "h11", "httptools"),
