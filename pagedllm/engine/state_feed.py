@@ -79,6 +79,8 @@ class StateFeed:
             "max_num_seqs": sc.max_num_seqs,
             "policy": sc.policy,
             "history": list(self.history),
+            "viewers": len(self._viewers),
+            "snapshots": self.num_snapshots,
         }
 
     # ---- figures from the front end (only while watched) -----------------------------------
@@ -115,6 +117,7 @@ class StateFeed:
             "running": sum(1 for r in snap.requests if r.queue == 1),
             "waiting": sum(1 for r in snap.requests if r.queue == 0),
             "swapped": sum(1 for r in snap.requests if r.queue == 2),
+            "n": self.num_snapshots,
         }
         self._reset_interval()
         self._prev = snap

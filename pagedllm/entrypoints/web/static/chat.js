@@ -150,6 +150,7 @@
             if (first === null) { first = now; m.stats.ttft = (now - start) / 1000; }
             last = now;
             m.content += text;
+            node.dataset.chunks = (Number(node.dataset.chunks) || 0) + 1;
             body.replaceChildren(md.render(m.content));
             $("messages").scrollTop = $("messages").scrollHeight;
           }
