@@ -70,6 +70,7 @@ class PrometheusStatLogger:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.request_success = counter("request_success", "Requests finished.", ("finished_reason",))
+        self.api_requests = counter("api_requests", "Inference requests received, by endpoint.", ("endpoint",))
         self.num_preemptions = counter("num_preemptions", "Preemptions of running requests.")
         self.num_preemptions_by_mode = counter(
             "num_preemptions_by_mode", "Preemptions of running requests by how they were done.", ("mode",)
@@ -117,6 +118,10 @@ class PrometheusStatLogger:
             metric.labels(m)  # exposed as 0 before the first request
         for gauge_child in self._gauges:
             gauge_child.set(0)
+
+    def count_request(self, endpoint: str) -> None:
+        """One request on `endpoint` (completions, chat_completions, responses, messages)."""
+        self.api_requests.labels(self.model_name, endpoint).inc()
 
     def record_scheduler(self, s: SchedulerStats) -> None:
         running, waiting, swapped, usage = self._gauges

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server: a FastAPI app around one AsyncLLMEngine, run by uvicorn.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize,
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (GET /v1/responses/{id}),
+POST /v1/messages (/v1/messages/count_tokens; Anthropic's API), GET /v1/models, POST /tokenize,
 POST /detokenize, GET /docs, /redoc, /openapi.json (all behind --api-key when given), GET /health,
 GET /metrics, GET /version (open).
 Every error is the OpenAI error object {"error": {"message", "type", "param", "code"}}.
@@ -14,7 +15,6 @@ import contextlib
 import functools
 import hmac
 import importlib.util
-import json
 import logging
 import os
 import signal
@@ -42,6 +42,10 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from pagedllm.entrypoints.anthropic import protocol as anthropic_protocol
+from pagedllm.entrypoints.anthropic.serving import add_messages_routes
+from pagedllm.entrypoints.openai.json_body import lone_surrogate
+from pagedllm.entrypoints.openai.responses.serving import add_responses_routes
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.errors import (
@@ -92,9 +96,10 @@ class GuardMiddleware:
         headers = dict(scope.get("headers") or [])
         auth = headers.get(b"authorization", b"")
         scheme, _, token = auth.partition(b" ")
-        if scheme.lower() != b"bearer" or not token:
+        token = token.strip() if scheme.lower() == b"bearer" else b""
+        token = token or headers.get(b"x-api-key", b"").strip()  # Anthropic's clients send x-api-key
+        if not token:
             return False
-        token = token.strip()
         # Compare against every key so the time taken does not depend on which one matches.
         return any([hmac.compare_digest(token, key) for key in self.api_keys])
 
@@ -110,7 +115,8 @@ class GuardMiddleware:
                 code="invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"},
             )
-            await error_response(err)(scope, receive, send)
+            anthropic = scope["path"].startswith("/v1/messages")
+            await (anthropic_protocol.error_response if anthropic else error_response)(err)(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
         length = headers.get(b"content-length")
@@ -210,37 +216,6 @@ class GuardMiddleware:
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-def lone_surrogate(body: bytes) -> str | None:
-    """The path of the first string in a JSON body that holds a lone surrogate (only a \\uD8xx-
-    \\uDFxx escape can put one there), or None. Such text cannot be encoded or tokenized."""
-    if b"\\ud" not in body.lower():
-        return None
-    try:
-        doc = json.loads(body)
-    except ValueError:
-        return None  # malformed JSON: the route's parser reports it
-
-    def walk(value: object, path: str) -> str | None:
-        if isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError:
-                return path or "body"
-        elif isinstance(value, dict):
-            for k, v in value.items():
-                found = walk(k, path) or walk(v, f"{path}.{k}" if path else str(k))
-                if found:
-                    return found
-        elif isinstance(value, list):
-            for i, v in enumerate(value):
-                found = walk(v, f"{path}[{i}]")
-                if found:
-                    return found
-        return None
-
-    return walk(doc, "")
-
-
 # ---- the app ----------------------------------------------------------------------------------
 def build_app(
     async_engine: AsyncLLMEngine,
@@ -250,9 +225,7 @@ def build_app(
     chat_template: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     stat_logger: PrometheusStatLogger | None = None,
-    enable_auto_tool_choice: bool = False,
-    tool_call_parser: str | None = None,
-    enable_ui: bool = True,
+    responses_store_size: int = 1000,
 ) -> FastAPI:
     """The FastAPI app serving `async_engine` (which the caller starts and shuts down)."""
     mc, cc = async_engine.model_config, async_engine.config.cache_config
@@ -267,8 +240,7 @@ def build_app(
     prometheus = stat_logger
     state = ServerState()
     completions = OpenAIServingCompletion(async_engine, names, max_logprobs, chat_template, state)
-    chat = OpenAIServingChat(async_engine, names, max_logprobs, chat_template, state,
-                             enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser)
+    chat = OpenAIServingChat(async_engine, names, max_logprobs, chat_template, state)
     base = OpenAIServing(async_engine, names, max_logprobs, chat_template, state)
 
     @contextlib.asynccontextmanager
@@ -310,11 +282,16 @@ def build_app(
     # ---- inference ------------------------------------------------------------------------
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
+        prometheus.count_request("completions")
         return await guarded(completions.create_completion(body, raw_request))
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request) -> Response:
+        prometheus.count_request("chat_completions")
         return await guarded(chat.create_chat_completion(body, raw_request))
+
+    add_messages_routes(app, chat, prometheus.count_request)  # Anthropic's Messages API over chat
+    add_responses_routes(app, chat, responses_store_size, prometheus.count_request)  # OpenAI's Responses API
 
     @app.get("/v1/models")
     async def list_models() -> Response:
@@ -382,10 +359,6 @@ def build_app(
         # Only what the engine core pushed with its outputs: a scrape never waits on the engine.
         return Response(generate_latest(prometheus.registry), media_type=CONTENT_TYPE_LATEST)
 
-    if enable_ui:  # the page at / and its engine feed (entrypoints/web)
-        from pagedllm.entrypoints.web.routes import add_ui_routes
-
-        add_ui_routes(app, async_engine)
     app.add_middleware(GuardMiddleware, api_keys=list(api_keys or []), max_body_bytes=max_body_bytes)
     return app
 
@@ -561,9 +534,7 @@ def _serve(
         max_logprobs=args.max_logprobs,
         chat_template=chat_template,
         max_body_bytes=args.max_request_body_size,
-        enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
-        tool_call_parser=getattr(args, "tool_call_parser", None),
-        enable_ui=not getattr(args, "disable_ui", False),
+        responses_store_size=getattr(args, "responses_store_size", 1000),
     )
     if not api_keys and args.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s without --api-key: anyone who can reach it can use it", args.host)

@@ -38,6 +38,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "tools); needs --tool-call-parser")
     g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="the format the model writes tool calls in (docs/structured-output.md#tool-calling)")
+    g.add_argument("--responses-store-size", type=int, default=1000,
+                   help="responses /v1/responses keeps for previous_response_id and GET (least recently used go)")
     g.add_argument("--max-request-body-size", type=parse_size, default=8 << 20,
                    help="largest request body accepted, e.g. 8MiB (default); larger ones get 413")
     g.add_argument("--header-read-timeout", type=float, default=10.0,
