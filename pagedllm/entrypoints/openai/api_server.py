@@ -225,6 +225,9 @@ def build_app(
     chat_template: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     stat_logger: PrometheusStatLogger | None = None,
+    enable_auto_tool_choice: bool = False,
+    tool_call_parser: str | None = None,
+    enable_ui: bool = True,
     responses_store_size: int = 1000,
 ) -> FastAPI:
     """The FastAPI app serving `async_engine` (which the caller starts and shuts down)."""
@@ -240,7 +243,8 @@ def build_app(
     prometheus = stat_logger
     state = ServerState()
     completions = OpenAIServingCompletion(async_engine, names, max_logprobs, chat_template, state)
-    chat = OpenAIServingChat(async_engine, names, max_logprobs, chat_template, state)
+    chat = OpenAIServingChat(async_engine, names, max_logprobs, chat_template, state,
+                             enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser)
     base = OpenAIServing(async_engine, names, max_logprobs, chat_template, state)
 
     @contextlib.asynccontextmanager
@@ -359,6 +363,10 @@ def build_app(
         # Only what the engine core pushed with its outputs: a scrape never waits on the engine.
         return Response(generate_latest(prometheus.registry), media_type=CONTENT_TYPE_LATEST)
 
+    if enable_ui:  # the page at / and its engine feed (entrypoints/web)
+        from pagedllm.entrypoints.web.routes import add_ui_routes
+
+        add_ui_routes(app, async_engine)
     app.add_middleware(GuardMiddleware, api_keys=list(api_keys or []), max_body_bytes=max_body_bytes)
     return app
 
@@ -535,6 +543,9 @@ def _serve(
         chat_template=chat_template,
         max_body_bytes=args.max_request_body_size,
         responses_store_size=getattr(args, "responses_store_size", 1000),
+        enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
+        tool_call_parser=getattr(args, "tool_call_parser", None),
+        enable_ui=not getattr(args, "disable_ui", False),
     )
     if not api_keys and args.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s without --api-key: anyone who can reach it can use it", args.host)
