@@ -6,6 +6,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pagedllm.models.loader.gemma3 import end_of_turn_ids
 from pagedllm.models.loader.gguf_reader import GGUFHeader, read_gguf_header
 from pagedllm.models.loader.source import ModelLoadError, ModelSource, read_json
 
@@ -15,7 +16,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _GGUF_ARCHS = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
-               "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
+               "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+               "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
 
 
 def load_hf_config(source: ModelSource) -> PretrainedConfig:
@@ -48,6 +50,8 @@ def _gguf_config(header: GGUFHeader) -> PretrainedConfig:
         )
     config_name, model_class = _GGUF_ARCHS[arch]
     fields = _gguf_config_fields(header, arch)
+    if arch == "gemma3":
+        fields = _gemma3_fields(header, fields)
     try:
         config = getattr(transformers, config_name)(architectures=[model_class], **fields)
     except (ValueError, TypeError) as exc:
@@ -79,6 +83,31 @@ def _gguf_config_fields(header: GGUFHeader, arch: str) -> dict[str, Any]:
         "tie_word_embeddings": "output.weight" not in header.tensors,
         "dtype": "float32",
     }
+
+
+def _gemma3_fields(header: GGUFHeader, fields: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's config from ``gemma3.*`` metadata. llama.cpp's file keeps the global RoPE base,
+    the window and the head size; the rest is what llama.cpp's Gemma 3 graph fixes: every 6th
+    layer global, a local RoPE base of 10,000 for the sliding layers, the attention scale of the
+    head size (query_pre_attn_scalar), GeGLU with gelu's tanh form, no logit softcapping."""
+    meta = header.metadata
+    fields = dict(fields)
+    rope = fields.pop("rope_parameters")
+    head_dim = int(meta.get("gemma3.attention.key_length", fields["head_dim"]))
+    fields.update(
+        head_dim=head_dim,
+        query_pre_attn_scalar=head_dim,
+        sliding_window=int(meta.get("gemma3.attention.sliding_window", 512)),
+        sliding_window_pattern=6,
+        rope_theta=rope["rope_theta"],
+        rope_local_base_freq=10000.0,
+        hidden_activation="gelu_pytorch_tanh",
+        final_logit_softcapping=None,
+        attn_logit_softcapping=None,
+    )
+    if rope["rope_type"] == "linear":  # the global layers' scaling (Gemma 3 4B and larger: factor 8)
+        fields["rope_scaling"] = {"rope_type": "linear", "factor": rope["factor"]}
+    return fields
 
 
 def _meta_int(meta: dict[str, Any], key: str) -> int | None:
@@ -126,8 +155,12 @@ def _gguf_rope_parameters(header: GGUFHeader, arch: str) -> dict[str, Any]:
 def load_generation_eos_ids(source: ModelSource) -> list[int]:
     """End-of-sequence ids: generation_config.json (else config.json) or the GGUF eos."""
     if source.kind == "gguf":
-        eos = _meta_int(read_gguf_header(source.path).metadata, "tokenizer.ggml.eos_token_id")
-        return [] if eos is None else [eos]
+        header = read_gguf_header(source.path)
+        eos = _meta_int(header.metadata, "tokenizer.ggml.eos_token_id")
+        ids = [] if eos is None else [eos]
+        if header.arch == "gemma3":  # Gemma's turns end with <end_of_turn>, as its generation config says
+            ids += [i for i in end_of_turn_ids(header.metadata) if i not in ids]
+        return ids
     folder = Path(source.path)
     for name in ("generation_config.json", "config.json"):
         path = folder / name

@@ -29,15 +29,28 @@ _GGUF_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
                       "output_norm.weight": "model.norm.weight",
                       "output.weight": "lm_head.weight"}
 _GGUF_IGNORED = {"rope_freqs.weight"}
+# Gemma 3's layer names where they differ from the table above: QK-norm and the sandwich norms
+# (llama.cpp's `ffn_norm` is Gemma's pre-feedforward norm, its post-attention norm has its own name).
+_GEMMA3_LAYER_NAMES = {
+    **_GGUF_LAYER_NAMES,
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_LAYER_NAMES_BY_ARCH = {"gemma3": _GEMMA3_LAYER_NAMES}
+# Architectures whose norm weights llama.cpp's converter stored as 1 + w (Gemma's RMSNorm scales
+# by 1 + w; the Hugging Face checkpoint, and pagedllm's GemmaRMSNorm, hold w).
+_NORM_PLUS_ONE = frozenset({"gemma3"})
 
 
-def gguf_to_hf_name(name: str) -> str | None:
+def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
     """HF name of a GGUF tensor (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``)."""
     if name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[name]
+    layer_names = _LAYER_NAMES_BY_ARCH.get(arch, _GGUF_LAYER_NAMES)
     parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
     return None
 
 
@@ -53,7 +66,7 @@ def iterate_gguf(header: GGUFHeader, kept: frozenset[str] | set[str] = frozenset
     data = np.memmap(header.path, dtype=np.uint8, mode="r")
     start = time.perf_counter()
     for info in header.tensors.values():
-        hf_name = gguf_to_hf_name(info.name)
+        hf_name = gguf_to_hf_name(info.name, header.arch)
         if hf_name is None:
             if info.name not in _GGUF_IGNORED:
                 logger.warning("GGUF file %s: skipping unknown tensor %r", header.path, info.name)
@@ -68,6 +81,8 @@ def iterate_gguf(header: GGUFHeader, kept: frozenset[str] | set[str] = frozenset
                 parts = {"weight": dequantize_gguf(raw, info.qtype, info.torch_shape)}
             if n_head is not None:
                 parts = {k: unpermute_qk(v, n_head) for k, v in parts.items()}
+            if header.arch in _NORM_PLUS_ONE and hf_name.endswith("norm.weight"):
+                parts = {"weight": parts["weight"] - 1.0}
         except ModelLoadError:
             raise
         except Exception as exc:  # numpy/torch shape or dtype errors

@@ -113,8 +113,9 @@ def _gguf_module_tensors(path: Path) -> dict[str, Any]:
     from pagedllm.models.loader.gguf_weights import gguf_to_hf_name
 
     out: dict[str, Any] = {}
-    for t in read_gguf_header(path).tensors.values():
-        hf = gguf_to_hf_name(t.name)
+    header = read_gguf_header(path)
+    for t in header.tensors.values():
+        hf = gguf_to_hf_name(t.name, header.arch)
         if hf and hf.endswith(".weight"):
             out[hf.removesuffix(".weight")] = t
     return out

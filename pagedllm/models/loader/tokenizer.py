@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pagedllm.models.loader.gemma3 import GEMMA3_CHAT_TEMPLATE
 from pagedllm.models.loader.gguf_reader import read_gguf_header
 from pagedllm.models.loader.gguf_tokenizer import TOKENIZER_FORMAT, apply_gguf_pre_tokenizer
 from pagedllm.models.loader.resolve import gguf_source
@@ -78,5 +79,7 @@ def _convert_gguf_tokenizer(gguf_path: str, out_dir: Path) -> None:
     template = metadata.get("tokenizer.chat_template")
     if template and not getattr(tok, "chat_template", None):
         tok.chat_template = str(template)
+    if not getattr(tok, "chat_template", None) and metadata.get("general.architecture") == "gemma3":
+        tok.chat_template = GEMMA3_CHAT_TEMPLATE  # llama.cpp's files of the pretrained models carry none
     tok.save_pretrained(str(out_dir))
 

