@@ -126,11 +126,13 @@
     for (const p of pts) max = Math.max(max, p[key]);
     max = max || 1;
     ctx.strokeStyle = "#2b6cb0"; ctx.lineWidth = 1.5; ctx.beginPath();
-    let started = false;
+    let prev = null;
     for (const p of pts) {
       if (p.t < t0) continue;
       const x = (p.t - t0) / span * (w - 2) + 1, y = h - 14 - (p[key] / max) * (h - 20);
-      if (!started) { ctx.moveTo(x, y); started = true; } else ctx.lineTo(x, y);
+      // A gap (nobody watched, or the figure had no value) is left blank.
+      if (prev === null || p.t - prev.t > 2) ctx.moveTo(x, y); else ctx.lineTo(x, y);
+      prev = p;
     }
     ctx.stroke();
     ctx.fillStyle = "#555"; ctx.font = "11px sans-serif";
