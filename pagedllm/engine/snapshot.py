@@ -15,14 +15,18 @@ run covers consecutive block ids whose state and owner agree and whose table ind
 from __future__ import annotations
 
 import enum
+import re
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 
 # The fastest a viewer is sent snapshots: 4 a second.
 SNAPSHOT_INTERVAL_S = 0.25
+# The most of the engine core's time snapshots may take: a pool whose snapshot takes longer to
+# build than this share of the interval is sent snapshots less often.
+MAX_TIME_SHARE = 0.01
 
 
 class BlockState(enum.IntEnum):
@@ -117,16 +121,36 @@ def count_states(runs: Sequence[int]) -> dict[int, int]:
     return counts
 
 
-def _pool_cells(blocks: Iterable[Any], tables: dict[int, tuple[int, int]], in_use: int) -> list[tuple[int, int, int]]:
-    cells = []
-    for b in blocks:
-        ref = b.ref_cnt
-        if ref == 0:
-            cells.append((BlockState.CACHED if b.block_hash is not None else BlockState.FREE, -1, -1))
-        else:
-            owner, index = tables.get(b.block_id, (-1, -1))
-            cells.append((in_use if ref == 1 else BlockState.SHARED, owner, index))
-    return cells
+_RUNS = re.compile(rb"(.)\1*", re.S)
+
+
+def encode_pool(pool: Any, tables: dict[int, tuple[int, int]], held: int) -> list[int]:
+    """The pool's runs. Held blocks come from the block tables (`tables`: block id -> (owner, table
+    index), the first table naming it), cached-free ones from the prefix-cache table; the runs of
+    equal states are found in C (a regular expression over one byte per block), so a pool of
+    100k blocks costs what its held blocks cost, not a Python loop over every block."""
+    states = bytearray(pool.num_blocks)  # FREE
+    blocks = pool.blocks
+    for b in pool._cached.values():  # noqa: SLF001 (read only)
+        if b.ref_cnt == 0:
+            states[b.block_id] = BlockState.CACHED
+    for block_id in tables:
+        states[block_id] = held if blocks[block_id].ref_cnt == 1 else BlockState.SHARED
+    runs: list[int] = []
+    for m in _RUNS.finditer(states):
+        state, start, end = states[m.start()], m.start(), m.end()
+        if state in (BlockState.FREE, BlockState.CACHED):
+            runs += (state, -1, -1, end - start)
+            continue
+        prev_owner = prev_index = -2
+        for block_id in range(start, end):
+            owner, index = tables[block_id]
+            if owner == prev_owner and index == prev_index + 1:
+                runs[-1] += 1
+            else:
+                runs += (state, owner, index, 1)
+            prev_owner, prev_index = owner, index
+    return runs
 
 
 def _view(req: Any, queue: int, num_blocks: int) -> RequestView:
@@ -168,8 +192,8 @@ def build_snapshot(scheduler: Any, last_output: Any = None, num_steps: int = 0, 
             for i, b in enumerate(table):
                 target.setdefault(b.block_id, (owner, i))
             views.append(_view(req, queue, len(table)))
-    blocks = rle_encode(_pool_cells(kv.pool.blocks, device, BlockState.USED))
-    swap = rle_encode(_pool_cells(kv.swap_pool.blocks, host, BlockState.SWAPPED)) if kv.swap_pool else []
+    blocks = encode_pool(kv.pool, device, BlockState.USED)
+    swap = encode_pool(kv.swap_pool, host, BlockState.SWAPPED) if kv.swap_pool else []
     prefill, decode = step_split(last_output, scheduler.requests)
     kvs = kv.stats()
     cfg = scheduler.config
@@ -184,10 +208,11 @@ def build_snapshot(scheduler: Any, last_output: Any = None, num_steps: int = 0, 
 
 
 class SnapshotTimer:
-    """Whether a snapshot is due: only while watched, at most every `interval` seconds."""
+    """Whether a snapshot is due: only while watched, at most every `interval` seconds (longer
+    where building one would take more than MAX_TIME_SHARE of the engine core's time)."""
 
     def __init__(self, interval: float = SNAPSHOT_INTERVAL_S) -> None:
-        self.interval = interval
+        self.min_interval = self.interval = interval
         self.watching = False
         self._last = 0.0
         self.num_steps = 0
@@ -219,4 +244,7 @@ class SnapshotTimer:
         self.step_time = step_time
 
     def take(self, core: Any) -> EngineSnapshot:
-        return build_snapshot(core.scheduler, getattr(core, "last_output", None), self.num_steps, self.step_time)
+        t0 = time.perf_counter()
+        snap = build_snapshot(core.scheduler, getattr(core, "last_output", None), self.num_steps, self.step_time)
+        self.interval = max(self.min_interval, (time.perf_counter() - t0) / MAX_TIME_SHARE)
+        return snap

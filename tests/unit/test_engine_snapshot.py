@@ -155,3 +155,17 @@ def test_timer_sends_only_while_watched_and_at_most_every_interval() -> None:
     assert timer.due()
     timer.watch(False)
     assert not timer.due()
+
+
+def test_timer_backs_off_where_snapshots_are_costly() -> None:
+    class Core:  # what SnapshotTimer.take reads of the engine core
+        scheduler = make_sched(num_blocks=4096, block_size=4, caching=True)
+
+    timer = SnapshotTimer(interval=0.25)
+    timer.watch(True)
+    snap = timer.take(Core())
+    assert snap.num_blocks == 4096 and count_states(snap.blocks) == {BlockState.FREE: 4096}
+    assert timer.interval >= 0.25
+    timer.min_interval = 0.0
+    timer.take(Core())
+    assert 0 < timer.interval < 0.25  # the interval follows the measured cost (100x the build time)
