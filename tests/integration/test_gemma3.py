@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
@@ -21,31 +22,44 @@ MAX_TOKENS = 12
 PROMPT_LENS = (40, 5, 23, 9, 33)
 
 
-def tiny_config(vocab_size: int, sliding_window: int = WINDOW) -> Gemma3TextConfig:
+def tiny_config(vocab_size: int, sliding_window: int = WINDOW, as_llama_cpp: bool = False) -> Gemma3TextConfig:
     """6 layers (5 sliding, the 6th global), its own RoPE base per kind (linear scaling on the global
-    layer), a query_pre_attn_scalar other than the head size, a final logit softcap."""
+    layer), a query_pre_attn_scalar other than the head size, a final logit softcap; or (as_llama_cpp)
+    what llama.cpp's Gemma 3 graph fixes: the local base 10,000, the head size's scale, no softcap."""
+    if as_llama_cpp:
+        extra = {"query_pre_attn_scalar": 16, "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}
+    else:
+        extra = {"query_pre_attn_scalar": 24, "final_logit_softcapping": 30.0, "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}}
     return Gemma3TextConfig(
         architectures=["Gemma3ForCausalLM"], vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
         num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        sliding_window=sliding_window, max_position_embeddings=256, query_pre_attn_scalar=24,
-        final_logit_softcapping=30.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}},
+        sliding_window=sliding_window, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, **extra,
     )
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """(folder, HF model, prompts): Gemma3ForCausalLM built by transformers in float32, its norm
-    weights drawn at random (they start at zero, which would make every `1 + w` one)."""
-    folder = tmp_path_factory.mktemp("gemma3")
-    tok = build_tiny_tokenizer(320)
+def random_gemma3(config: Gemma3TextConfig) -> Gemma3ForCausalLM:
+    """transformers' model in float32 with its norm weights drawn at random (they start at zero,
+    which would make every `1 + w` one)."""
     torch.manual_seed(0)
-    hf = Gemma3ForCausalLM(tiny_config(len(tok))).float().eval()
+    hf = Gemma3ForCausalLM(config).float().eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if "norm" in name:
                 p.normal_(0.0, 0.5)
+    return hf
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(folder, HF model, prompts): a random Gemma3ForCausalLM saved by transformers."""
+    folder = tmp_path_factory.mktemp("gemma3")
+    tok = build_tiny_tokenizer(320)
+    hf = random_gemma3(tiny_config(len(tok)))
     hf.save_pretrained(str(folder))
     tok.save_pretrained(str(folder))
     g = torch.Generator().manual_seed(1)
@@ -93,6 +107,79 @@ def test_tiny_gemma3_matches_transformers(tiny, references, block_size):
     for _ in range(2):
         assert generate(llm, prompts) == [ref for ref, _ in references]
     assert llm.llm_engine.scheduler.kv.prefix_hits > 0
+
+
+# llama.cpp's Gemma 3 tensor names (convert_hf_to_gguf.py's mapping, as transformers' GGUF loader reads it)
+LLAMA_CPP_NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+
+
+def write_gemma3_gguf(hf: Gemma3ForCausalLM, path: str) -> None:
+    """A float32 GGUF of `hf` the way llama.cpp's converter writes Gemma 3: its names, its metadata
+    keys, the norm weights stored as 1 + w."""
+    import gguf
+
+    c = hf.config
+    w = gguf.GGUFWriter(path, "gemma3")
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_sliding_window(c.sliding_window)
+    w.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
+    w.add_uint32("gemma3.vocab_size", c.vocab_size)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_pad_token_id(0)
+    for name, t in hf.state_dict().items():
+        if name == "lm_head.weight":  # tied
+            continue
+        a = t.numpy().astype(np.float32) + (1.0 if name.endswith("norm.weight") else 0.0)
+        if name == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gname = "output_norm.weight"
+        else:
+            _, _, i, rest = name.split(".", 3)
+            gname = f"blk.{i}.{LLAMA_CPP_NAMES[rest.removesuffix('.weight')]}.weight"
+        w.add_tensor(gname, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_tiny_gemma3_gguf_matches_transformers(tiny, tmp_path):
+    """A Gemma 3 GGUF in llama.cpp's layout (transformers' own GGUF loader reads back the original
+    weights from it) generates what transformers generates from the original checkpoint."""
+    folder, _, prompts = tiny
+    hf = random_gemma3(tiny_config(320, as_llama_cpp=True))
+    write_gemma3_gguf(hf, str(tmp_path / "tiny.gguf"))
+    back = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", dtype=torch.float32)
+    original = hf.state_dict()
+    for name, t in back.state_dict().items():
+        torch.testing.assert_close(t, original[name], atol=1e-6, rtol=0)
+    llm = LLM(str(tmp_path / "tiny.gguf"), tokenizer=folder, dtype="float32", max_num_batched_tokens=16,
+              num_kv_blocks=64, block_size=8, max_model_len=256)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=5)
+    matched = []
+    for prompt, out in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)):
+        c = out.outputs[0]
+        ref, ref_top = hf_greedy(hf, prompt)
+        # The norm weights went through + 1 - 1 in float32: equal, or apart from a near-tie on.
+        tops = [sorted(d, key=lambda t: d[t].rank)[:5] for d in c.logprobs]
+        matched.append(assert_greedy_match(c.token_ids, tops, ref, ref_top))
+    assert sum(m == MAX_TOKENS for m in matched) >= len(prompts) - 1, matched
 
 
 def test_gemma_3_270m_needs_its_package(monkeypatch):
