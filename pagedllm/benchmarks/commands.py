@@ -54,6 +54,8 @@ COMMANDS: dict[str, Entry | tuple[str, dict[str, Entry]]] = {
     "kv-quality": ("pagedllm.benchmarks.kv_quality",
                    "greedy agreement and |Δlogprob| of each --kv-cache-dtype against the model dtype's cache"),
     "kv-first-writes": ("pagedllm.benchmarks.kv_first_writes", "what the KV cache's first writes cost"),
+    "ui-cost": ("pagedllm.benchmarks.ui_cost",
+                "pagedllm serve's output tokens/s under full load with and without a viewer on the engine feed"),
     "soak": ("pagedllm.benchmarks.soak",
              "pagedllm serve under rounds of requests: memory against the stated bound, exact completions"),
     "chaos": ("pagedllm.benchmarks.chaos", "the server chaos tests over many seeds, then a storm of disconnects"),

@@ -85,6 +85,8 @@ class EngineSnapshot(msgspec.Struct):
     prefix_cache_queries: int
     prefix_cache_hits: int
     policy: str = "fcfs"
+    build_time: float = 0.0
+    """Seconds the engine core took to build this snapshot."""
 
 
 def rle_encode(cells: Sequence[tuple[int, int, int]]) -> list[int]:
@@ -246,5 +248,6 @@ class SnapshotTimer:
     def take(self, core: Any) -> EngineSnapshot:
         t0 = time.perf_counter()
         snap = build_snapshot(core.scheduler, getattr(core, "last_output", None), self.num_steps, self.step_time)
-        self.interval = max(self.min_interval, (time.perf_counter() - t0) / MAX_TIME_SHARE)
+        snap.build_time = time.perf_counter() - t0
+        self.interval = max(self.min_interval, snap.build_time / MAX_TIME_SHARE)
         return snap
