@@ -63,9 +63,10 @@ def _add_workload_args(p: argparse.ArgumentParser, num_prompts_default: int | No
     g.add_argument("--input-len-range", default="32:512",
                    help="prompt length LOW:HIGH, uniform, inclusive (shared-prefix: the suffix after the prefix)")
     g.add_argument("--output-len-range", default="16:256", help="output length LOW:HIGH, uniform, inclusive")
-    g.add_argument("--prefix-len", type=int, default=256, help="shared-prefix: tokens in each shared prefix")
-    g.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: distinct prefixes")
-    g.add_argument("--workload-seed", type=int, default=0, help="seed of the workload generator")
+    for flag, default, text in (("--prefix-len", 256, "shared-prefix: tokens in each shared prefix"),
+                                ("--num-prefixes", 4, "shared-prefix: distinct prefixes"),
+                                ("--workload-seed", 0, "seed of the workload generator")):
+        g.add_argument(flag, type=int, default=default, help=text)
 
 
 def build_workload(args: argparse.Namespace, model: str | None):
@@ -102,10 +103,7 @@ def build_workload(args: argparse.Namespace, model: str | None):
 # ---- throughput -----------------------------------------------------------------------------
 
 def _cmd_throughput(args: argparse.Namespace) -> int:
-    import dataclasses
-
     from pagedllm.benchmarks.throughput import BACKENDS, format_table, run_throughput
-    from pagedllm.engine.arg_utils import EngineArgs
 
     backends = [args.backend] + [b for b in (args.compare or []) if b != args.backend]
     bad = [b for b in backends if b not in BACKENDS]
@@ -114,20 +112,20 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
     if "pagedllm" in backends and backends[0] != "pagedllm":
         backends = ["pagedllm"] + [b for b in backends if b != "pagedllm"]
     dtypes = _dtype_list(args)
-    engine_args = EngineArgs.from_cli_args(args)
-    engine_kwargs = {f.name: getattr(engine_args, f.name) for f in dataclasses.fields(engine_args) if f.name != "model"}
+    model, engine_kwargs = _engine_kwargs(args)
     kv_space = args.vllm_kv_cache_space
     if kv_space is None:
-        kv_space = max(1, round(engine_args.kv_cache_memory / (1 << 30))) if engine_args.kv_cache_memory else 4
+        kv_mem = engine_kwargs["kv_cache_memory"]
+        kv_space = max(1, round(kv_mem / (1 << 30))) if kv_mem else 4
     sampling = _bench_sampling(args)
-    reqs, info = build_workload(args, engine_args.model)
+    reqs, info = build_workload(args, model)
     opts = {
         "backends": backends,
         "sampling": sampling,
         "dtypes": dtypes,
-        "model": engine_args.model,
+        "model": model,
         "engine_args": engine_kwargs,
-        "seed": engine_args.seed,
+        "seed": engine_kwargs["seed"],
         "hf_batch_sizes": args.hf_batch_sizes,
         "hf_probe_prompts": args.hf_probe_prompts,
         "peers_venv": args.peers_venv,
@@ -344,12 +342,12 @@ def _add_serve(sub: Any) -> None:
 # ---- latency --------------------------------------------------------------------------------
 
 def _engine_kwargs(args: argparse.Namespace) -> tuple[str | None, dict[str, Any]]:
-    import dataclasses
-
+    """The model and the engine's keyword arguments (JSON-able, for the benchmarks' child processes)."""
+    from pagedllm.benchmarks.throughput import child_engine_args
     from pagedllm.engine.arg_utils import EngineArgs
 
     ea = EngineArgs.from_cli_args(args)
-    return ea.model, {f.name: getattr(ea, f.name) for f in dataclasses.fields(ea) if f.name != "model"}
+    return ea.model, child_engine_args(ea)
 
 
 def _dtype_list(args: argparse.Namespace) -> list[str]:

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import psutil
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from pagedllm.benchmarks.script import ROOT as REPO_ROOT
 
 
 def _cpu_model() -> str:

@@ -165,10 +165,10 @@ def _micro(sizes: list[int], context: int = 512, block_size: int = 16, reps: int
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap = parser(__doc__, prog)
-    ap.add_argument("--batch-sizes", default="1,16,64,128")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--prompt-len", type=int, default=32)
-    ap.add_argument("--decode-steps", type=int, default=24)
+    ap.add_argument("--batch-sizes", default="1,16,64,128", help="requests decoding together, comma-separated")
+    ap.add_argument("--dtype", default="bfloat16", help="model dtype")
+    ap.add_argument("--prompt-len", type=int, default=32, help="tokens of each random prompt")
+    ap.add_argument("--decode-steps", type=int, default=24, help="decode steps timed per batch size")
     ap.add_argument("--micro", action="store_true",
                     help="also time the batch layout and sampling metadata alone: per-request objects "
                          "(build_batch, SamplingMetadata.from_rows) against the persistent batch")

@@ -35,8 +35,8 @@ from pagedllm.benchmarks.report_sections import (
     throughput_section,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
-RESULTS = ROOT / "benchmarks" / "results"
+from pagedllm.benchmarks.script import RESULTS, ROOT
+
 DOC = ROOT / "docs" / "benchmarks.md"
 
 # Hand-written notes (benchmarks/results/*.md) rendered after the generated sections, in this order.

@@ -8,8 +8,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pagedllm.benchmarks.script import ROOT as REPO
+
 GIB = 1 << 30
-REPO = Path(__file__).resolve().parents[2]
 SOURCE = "_source"  # key added to every run's meta: the result file it was read from
 
 

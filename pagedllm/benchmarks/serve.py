@@ -411,13 +411,11 @@ def run_offline_baseline(reqs: list[BenchRequest], model: str | None, server_arg
     ignore_eos, the same output lengths, detokenized as the server does) in a fresh process with the
     server's engine flags; the child's timing covers the generate call alone. Raises
     BackendUnavailable if it fails."""
-    import dataclasses
-
-    from pagedllm.benchmarks.throughput import run_backend
+    from pagedllm.benchmarks.throughput import child_engine_args, run_backend
     from pagedllm.benchmarks.workloads import dump_workload
 
     ea = server_engine_args(model, server_args)
-    engine_kwargs = {f.name: getattr(ea, f.name) for f in dataclasses.fields(ea) if f.name != "model"}
+    engine_kwargs = child_engine_args(ea)
     opts = {"model": ea.model, "engine_args": engine_kwargs, "seed": ea.seed, "timeout": timeout, "sampling": sampling}
     with tempfile.TemporaryDirectory(prefix="pagedllm-bench-offline-") as workdir:
         wl_path = str(Path(workdir) / "workload.json")

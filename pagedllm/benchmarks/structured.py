@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm.benchmarks.env import REPO_ROOT, run_metadata
+from pagedllm.benchmarks.peer_child import constrained_then_free
 from pagedllm.benchmarks.schemas import CHOICES, REGEXES, schema_prompt, varied_schemas
 from pagedllm.benchmarks.throughput import (
     BackendUnavailable,
@@ -105,26 +106,7 @@ def _child_pagedllm(spec: dict[str, Any]) -> dict[str, Any]:
 
     llm = LLM(model=spec.get("model"), seed=0, **spec["engine_args"])
     load_s = time.perf_counter() - t_load
-    reqs = json.loads(Path(spec["workload"]).read_text())
-    prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs]
-
-    def constrained() -> list[SamplingParams]:
-        return [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0,
-                               structured_outputs=StructuredOutputsParams(**r["structured"])) for r in reqs]
-
-    llm.generate(prompts, constrained(), use_tqdm=False)  # warm-up: grammars compiled and cached
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, constrained(), use_tqdm=False)
-    constrained_s = time.perf_counter() - t0
-    counts = [len(o.outputs[0].token_ids) for o in outs]
-    free = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in counts]
-    t0 = time.perf_counter()
-    free_outs = llm.generate(prompts, free, use_tqdm=False)
-    free_s = time.perf_counter() - t0
-    return {"load_s": load_s, "constrained_s": constrained_s, "unconstrained_s": free_s,
-            "output_tokens": sum(counts), "unconstrained_output_tokens": sum(len(o.outputs[0].token_ids)
-                                                                                for o in free_outs),
-            "texts": [o.outputs[0].text for o in outs], "finish": [o.outputs[0].finish_reason for o in outs],
+    return {"load_s": load_s, **constrained_then_free(llm, spec["workload"], SamplingParams, StructuredOutputsParams),
             "dtype": llm.llm_engine.config.model_config.dtype}
 
 

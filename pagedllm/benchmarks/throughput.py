@@ -72,6 +72,15 @@ def hf_model_dir(model: str | None) -> str:
     )
 
 
+def child_engine_args(engine_args: Any) -> dict[str, Any]:
+    """An EngineArgs as the keyword arguments a child process's `LLM(model, **kwargs)` takes through
+    its JSON spec: every field but the model, config objects as dicts (EngineArgs parses them back)."""
+    import dataclasses
+
+    return {f.name: dataclasses.asdict(v) if dataclasses.is_dataclass(v := getattr(engine_args, f.name)) else v
+            for f in dataclasses.fields(engine_args) if f.name != "model"}
+
+
 def run_child(cmd: list[str], env: dict[str, str], spec: dict[str, Any], workdir: str,
               timeout: float | None) -> ChildRun:
     """Runs one backend's child, echoing its output to stderr (progress bars included)."""

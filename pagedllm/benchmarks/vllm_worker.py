@@ -7,42 +7,33 @@ The spec names the Hugging Face model folder, the workload JSON and where to wri
 
 from __future__ import annotations
 
-import json
 import sys
-import time
 
 
 def run(spec: dict) -> dict:
-    t_load = time.perf_counter()
-    import vllm
-    from vllm import LLM, SamplingParams
+    from peer_child import timed_generate  # this script's folder is first on sys.path
 
-    kwargs = {"model": spec["hf_model_dir"], "dtype": spec.get("dtype", "auto"), "seed": spec.get("seed", 0)}
-    if spec.get("max_model_len"):
-        kwargs["max_model_len"] = spec["max_model_len"]
-    llm = LLM(**kwargs)
-    load_s = time.perf_counter() - t_load
-    ready = time.time()
-    with open(spec["workload"]) as f:
-        reqs = json.load(f)
-    prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs]
-    params = [SamplingParams(max_tokens=r["output_len"], ignore_eos=True, **spec["sampling"]) for r in reqs]
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=True)
-    elapsed = time.perf_counter() - t0
-    return {
-        "ready_time": ready,
-        "load_s": load_s,
-        "elapsed_s": elapsed,
-        "num_requests": len(outs),
-        "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
-        "output_tokens": sum(len(c.token_ids) for o in outs for c in o.outputs),
-        "vllm_version": vllm.__version__,
-        "dtype": str(llm.llm_engine.model_config.dtype).removeprefix("torch."),
-    }
+    def make_llm():
+        from vllm import LLM
+
+        kwargs = {"model": spec["hf_model_dir"], "dtype": spec.get("dtype", "auto"), "seed": spec.get("seed", 0)}
+        if spec.get("max_model_len"):
+            kwargs["max_model_len"] = spec["max_model_len"]
+        return LLM(**kwargs)
+
+    def make_params(output_len: int):
+        from vllm import SamplingParams
+
+        return SamplingParams(max_tokens=output_len, ignore_eos=True, **spec["sampling"])
+
+    llm, result = timed_generate(make_llm, make_params, spec["workload"])
+    import vllm
+
+    return {**result, "vllm_version": vllm.__version__,
+            "dtype": str(llm.llm_engine.model_config.dtype).removeprefix("torch.")}
 
 
 if __name__ == "__main__":
-    from peer_child import child_main  # this script's folder is first on sys.path
+    from peer_child import child_main
 
     sys.exit(child_main(sys.argv[1:], run))

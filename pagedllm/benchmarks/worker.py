@@ -17,6 +17,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from pagedllm.benchmarks.peer_child import timed_generate
 from pagedllm.benchmarks.workloads import BenchRequest
 
 
@@ -25,30 +26,18 @@ def _load_workload(path: str) -> list[BenchRequest]:
 
 
 def run_pagedllm(spec: dict[str, Any]) -> dict[str, Any]:
-    t_load = time.perf_counter()
-    from pagedllm.llm import LLM
-    from pagedllm.sampling_params import SamplingParams
+    def make_llm() -> Any:
+        from pagedllm.llm import LLM
 
-    llm = LLM(spec.get("model"), **spec.get("engine_args", {}))
-    load_s = time.perf_counter() - t_load
-    ready = time.time()
-    reqs = _load_workload(spec["workload"])
-    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
-    params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True, detokenize=True, **spec["sampling"])
-              for r in reqs]
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=True)
-    elapsed = time.perf_counter() - t0
-    return {
-        "ready_time": ready,
-        "load_s": load_s,
-        "elapsed_s": elapsed,
-        "num_requests": len(outs),
-        "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
-        "output_tokens": sum(len(c.token_ids) for o in outs for c in o.outputs),
-        "num_kv_blocks": llm.llm_engine.num_blocks,
-        "dtype": llm.llm_engine.model_config.dtype,
-    }
+        return LLM(spec.get("model"), **spec.get("engine_args", {}))
+
+    def make_params(output_len: int) -> Any:
+        from pagedllm.sampling_params import SamplingParams
+
+        return SamplingParams(max_tokens=output_len, ignore_eos=True, detokenize=True, **spec["sampling"])
+
+    llm, result = timed_generate(make_llm, make_params, spec["workload"])
+    return {**result, "num_kv_blocks": llm.llm_engine.num_blocks, "dtype": llm.llm_engine.model_config.dtype}
 
 
 def _hf_sampling(sampling: dict[str, Any]) -> dict[str, Any]:

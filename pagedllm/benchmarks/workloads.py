@@ -65,13 +65,8 @@ def _token_sampler(rng: random.Random, vocab: VocabInfo):
     return draw
 
 
-def random_workload(
-    num_prompts: int,
-    input_len_range: tuple[int, int],
-    output_len_range: tuple[int, int],
-    vocab: VocabInfo,
-    seed: int = 0,
-) -> list[BenchRequest]:
+def random_workload(num_prompts: int, input_len_range: tuple[int, int], output_len_range: tuple[int, int],
+                    vocab: VocabInfo, seed: int = 0) -> list[BenchRequest]:
     """Prompt and output lengths uniform in their inclusive ranges; random non-special token ids."""
     if num_prompts < 1:
         raise ValueError(f"num_prompts must be at least 1, got {num_prompts}")
@@ -85,15 +80,8 @@ def random_workload(
     return reqs
 
 
-def shared_prefix_workload(
-    num_prompts: int,
-    prefix_len: int,
-    num_prefixes: int,
-    suffix_len_range: tuple[int, int],
-    output_len_range: tuple[int, int],
-    vocab: VocabInfo,
-    seed: int = 0,
-) -> list[BenchRequest]:
+def shared_prefix_workload(num_prompts: int, prefix_len: int, num_prefixes: int, suffix_len_range: tuple[int, int],
+                           output_len_range: tuple[int, int], vocab: VocabInfo, seed: int = 0) -> list[BenchRequest]:
     """`num_prefixes` random prefixes of `prefix_len` tokens, shared round-robin by the prompts;
     each prompt appends its own random suffix (length uniform in `suffix_len_range`)."""
     if num_prompts < 1 or num_prefixes < 1 or prefix_len < 0:

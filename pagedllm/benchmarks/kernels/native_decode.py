@@ -66,10 +66,11 @@ def measure(dtype: str, rows: list[int], context: int) -> list[dict]:
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap = parser(__doc__, prog)
-    ap.add_argument("--dtype", default="float32,bfloat16")
-    ap.add_argument("--rows", default="1,2,4,8,16,24,32,48,64,96,128,192,256")
-    ap.add_argument("--context", type=int, default=256)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--dtype", default="float32,bfloat16", help="model dtypes, comma-separated")
+    ap.add_argument("--rows", default="1,2,4,8,16,24,32,48,64,96,128,192,256",
+                    help="decode batch rows to time, comma-separated")
+    ap.add_argument("--context", type=int, default=256, help="tokens of context per row")
+    ap.add_argument("--out", default=None, help="write the results (with this run's metadata) here as JSON")
     a = ap.parse_args(argv)
     bw = measure_copy_bandwidth()
     print(f"copy bandwidth {bw / 1e9:.1f} GB/s, {torch.get_num_threads()} threads")
