@@ -113,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
         from pagedllm.simulator.cli import add_simulate_parser
 
         add_simulate_parser(sub)
+        sub.choices["simulate"].set_defaults(ui_replay=_simulate_ui_replay)
     except ImportError:
         pass
     from pagedllm.eval.cli import add_eval_parser
@@ -210,6 +211,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 print(piece, end="", flush=True)
         print(flush=True)
         history.append({"role": "assistant", "content": "".join(reply)})
+
+
+def _simulate_ui_replay(recorder: object, args: argparse.Namespace) -> int:
+    """`pagedllm simulate --ui`: the recorded run in the web page's engine view."""
+    from pagedllm.entrypoints.web.replay import serve_replay
+
+    return serve_replay(recorder, args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -61,6 +61,10 @@ def add_simulate_parser(sub: Any) -> None:
     o.add_argument("--plot", default=None, help="write a PNG: KV usage, queues, latency CDFs (or the sweep)")
     o.add_argument("--sweep", nargs="+", default=None, metavar="FIELD=V1,V2",
                    help="grid over engine fields, e.g. block_size=8,16,32,64 max_num_batched_tokens=512,2048")
+    o.add_argument("--ui", action="store_true",
+                   help="then replay the run in the web page's engine view (KV blocks, queues, budget) at --ui-port")
+    o.add_argument("--ui-port", type=int, default=8000, help="--ui: the page's port on 127.0.0.1")
+    o.add_argument("--ui-speed", type=float, default=1.0, help="--ui: simulated seconds replayed per second")
     o.add_argument("--check-integrity", action="store_true",
                    help="run the scheduler's and the worker's integrity checks after every step")
     EngineArgs.add_cli_args(p)
@@ -158,13 +162,26 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                   slo_ttft=args.slo_ttft, slo_tpot=args.slo_tpot)
     meta = {"model": model.to_dict(), "profile": profile.name, "num_trace_requests": len(trace),
             "tensor_parallel_size": tp, "pipeline_parallel_size": pp}
+    ui = getattr(args, "ui", False)
+    if ui and args.sweep:
+        raise SimulateError("--ui replays one run: it cannot go with --sweep")
+    if ui and not args.ui_speed > 0:
+        raise SimulateError(f"--ui-speed must be positive, got {args.ui_speed}")
     if not args.sweep:
-        rep = run_one(ea, tp=tp, pp=pp, **common)
+        recorder = None
+        if ui:
+            from pagedllm.simulator.recording import SnapshotRecorder
+
+            recorder = SnapshotRecorder()
+        rep = run_one(ea, tp=tp, pp=pp, on_step=recorder.on_step if recorder else None, **common)
         _print_summary(rep)
         out = {**rep, **meta, "engine_args": _engine_args_json(ea)}
         if args.plot:
             plot_run(rep, args.plot, f"{model.name} on {tp * pp} x {profile.name}")
         _write_json(out, args.output_json)
+        if recorder is not None:  # the web page lives above this package: the CLI hands its replay in
+            recorder.hello["model"] = f"{model.name} on {tp * pp} x {profile.name} (simulated)"
+            return int(args.ui_replay(recorder, args) or 0)
         return 0
     grid = _parse_sweep(args.sweep)
     keys = [k for k, _ in grid]

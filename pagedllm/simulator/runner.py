@@ -94,9 +94,11 @@ class Simulation:
         self.check = check_integrity
         self.num_kv_blocks, self.num_swap_blocks = num_kv_blocks, num_swap_blocks
 
-    def run(self, trace: list[TraceRequest], max_timeline_points: int = 2000, track_tokens: bool = False) -> SimResult:
+    def run(self, trace: list[TraceRequest], max_timeline_points: int = 2000, track_tokens: bool = False,
+            on_step: Any = None) -> SimResult:
         """Replays `trace`. With `track_tokens` the timeline also holds the tokens whose K/V the
-        running requests hold (for memory utilization: live tokens / allocated block slots)."""
+        running requests hold (for memory utilization: live tokens / allocated block slots).
+        `on_step(clock, scheduler_output, scheduler)` is called after every step (simulate --ui)."""
         sched, worker, cost = self.scheduler, self.worker, self.cost
         times = [RequestTimes(r.arrival_s, r.prompt_len, r.output_len, priority=r.priority, user=r.user)
                  for r in trace]
@@ -159,6 +161,8 @@ class Simulation:
             if track_tokens:
                 tl["kv_tokens"].append(sum(r.num_computed_tokens for r in sched.running))
             steps += 1
+            if on_step is not None:
+                on_step(clock, so, sched)
         if len(tl["t"]) > max_timeline_points:
             stride = -(-len(tl["t"]) // max_timeline_points)
             tl = {k: v[::stride] for k, v in tl.items()}
@@ -173,7 +177,7 @@ class Simulation:
 
 
 def run_one(ea: Any, model: Any, profile: Any, trace: list, tp: int, pp: int, check: bool,
-            slo_ttft: float, slo_tpot: float) -> dict[str, Any]:
+            slo_ttft: float, slo_tpot: float, on_step: Any = None) -> dict[str, Any]:
     """One simulation: the report dict (summary at the top level, then details)."""
     from pagedllm.simulator.report import summarize
 
@@ -186,7 +190,7 @@ def run_one(ea: Any, model: Any, profile: Any, trace: list, tp: int, pp: int, ch
         # As the engine sizes it: swap_space GiB of host memory per device.
         num_swap = int(cc.swap_space * (1 << 30) // (cost.block_bytes / (tp * pp)))
     sim = Simulation(sc, cc, cost, num_blocks, num_swap, check_integrity=check)
-    res = sim.run(trace)
+    res = sim.run(trace, on_step=on_step)
     summary = summarize(res.requests, res.sim_elapsed_s, slo_ttft, slo_tpot)
     done = [r for r in res.requests if r.finish_s >= 0]
     return {

@@ -38,7 +38,7 @@
     const style = getComputedStyle(canvas.parentElement);
     const width = canvas.parentElement.clientWidth - parseFloat(style.paddingLeft) - parseFloat(style.paddingRight);
     const n = Math.max(cells.length, 1);
-    let size = Math.max(3, Math.min(18, Math.floor(Math.sqrt(width * 240 / n))));
+    let size = Math.max(1, Math.min(18, Math.floor(Math.sqrt(width * 240 / n))));
     const cols = Math.max(1, Math.floor(width / size));
     const rows = Math.ceil(n / cols);
     canvas.width = cols * size;
