@@ -72,8 +72,16 @@ class ResponsesServing:
         self.chat = chat
         self.store = ResponseStore(store_size)
 
-    def reasoning_tokens(self, text: str) -> int:
-        return len(self.chat.tokenizer.encode(text, add_special_tokens=False)) if text else 0
+    def reasoning_tokens(self, output: list[dict[str, Any]], completion_tokens: int) -> int:
+        """The output's reasoning tokens: all of them when the output is reasoning only, else the
+        reasoning text re-tokenized (at most the output's tokens)."""
+        texts = [c["text"] for o in output if o["type"] == "reasoning" for c in o.get("content") or []]
+        if not texts:
+            return 0
+        if all(o["type"] == "reasoning" for o in output):
+            return completion_tokens
+        n = len(self.chat.tokenizer.encode("".join(texts), add_special_tokens=False))
+        return min(n, completion_tokens)
 
     async def create(self, raw: Any, raw_request: Request | None) -> Response:
         if not isinstance(raw, dict):
@@ -103,7 +111,7 @@ class ResponsesServing:
         status = "incomplete" if choice.get("finish_reason") == "length" else "completed"
         output = output_items(choice["message"], status)
         u = result.body.get("usage") or {}
-        reasoning = self.reasoning_tokens(choice["message"].get("reasoning_content") or "")
+        reasoning = self.reasoning_tokens(output, u.get("completion_tokens", 0))
         usage_obj = usage(u.get("prompt_tokens", 0), u.get("completion_tokens", 0),
                           (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0), reasoning)
         obj = response_object(body, resp_id, model, created, status, output, usage_obj)
@@ -224,8 +232,7 @@ class ResponsesServing:
             status = "incomplete" if finish == "length" else "completed"
             for s in close_item(status):
                 yield s
-            reasoning = self.reasoning_tokens("".join(
-                c["text"] for o in output if o["type"] == "reasoning" for c in o["content"]))
+            reasoning = self.reasoning_tokens(output, u.get("completion_tokens", 0))
             usage_obj = usage(u.get("prompt_tokens", 0), u.get("completion_tokens", 0),
                               (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0), reasoning)
             final = snapshot(status, usage_obj)
