@@ -1,6 +1,6 @@
 """The engine view's feed with the engine core on a thread of this process (tiny random model):
 snapshots flow only while someone watches, show the request that runs, and agree with the
-scheduler's own figures; the last viewer leaving turns them off."""
+scheduler's own figures; the last viewer leaving turns them off; --disable-ui removes the page and the feed."""
 
 from __future__ import annotations
 
@@ -65,6 +65,30 @@ def test_feed_runs_only_while_watched(tiny_model_dir: str) -> None:
         n = feed.num_snapshots
         await asyncio.sleep(0.8)
         assert feed.num_snapshots == n  # the last viewer left: no more snapshots
+
+    try:
+        asyncio.run(main())
+    finally:
+        ae.shutdown()
+
+
+def test_disable_ui_removes_the_page_and_the_feed(tiny_model_dir: str) -> None:
+    import httpx
+
+    from pagedllm.entrypoints.openai.api_server import build_app
+
+    engine = LLMEngine.from_engine_args(EngineArgs(model=tiny_model_dir, num_kv_blocks=64, seed=0))
+    ae = AsyncLLMEngine.from_llm_engine(engine)
+
+    async def get(app, path: str) -> int:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return (await c.get(path)).status_code
+
+    async def main() -> None:
+        on, off = build_app(ae, served_model_names=["tiny"]), build_app(ae, served_model_names=["tiny"], enable_ui=False)
+        assert await get(on, "/") == 307 and await get(on, "/ui/") == 200 and await get(on, "/ui/engine.js") == 200
+        assert await get(off, "/") == 404 and await get(off, "/ui/") == 404 and await get(off, "/v1/engine/state") == 404
+        assert await get(off, "/v1/models") == 200
 
     try:
         asyncio.run(main())
