@@ -76,13 +76,18 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Pre-norm decoder layer. Other families reuse it with their own attention class
+    (`attention_cls`) or feed-forward block (`make_mlp`)."""
+
+    attention_cls: type[LlamaAttention] = LlamaAttention
+
     def __init__(self, config, layer_idx: int, dtype: torch.dtype, qkv_bias: bool, o_bias: bool, mlp_bias: bool,
                  rotary_emb: RotaryEmbedding, tp: TensorParallelGroup, quant_config=None):
         super().__init__()
         prefix = f"model.layers.{layer_idx}"
-        self.self_attn = LlamaAttention(config, layer_idx, dtype, qkv_bias, o_bias, rotary_emb, tp, quant_config,
-                                        f"{prefix}.self_attn")
-        self.mlp = LlamaMLP(config, dtype, mlp_bias, tp, quant_config, f"{prefix}.mlp")
+        self.self_attn = self.attention_cls(config, layer_idx, dtype, qkv_bias, o_bias, rotary_emb, tp, quant_config,
+                                            f"{prefix}.self_attn")
+        self.mlp = self.make_mlp(config, layer_idx, dtype, mlp_bias, tp, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -96,6 +101,10 @@ class LlamaDecoderLayer(nn.Module):
             residual, y = self.input_layernorm.add_and_norm(residual, x)
         h, y = self.post_attention_layernorm.add_and_norm(residual, self.self_attn(positions, y))
         return h, self.mlp(y)
+
+    def make_mlp(self, config, layer_idx: int, dtype: torch.dtype, bias: bool, tp: TensorParallelGroup,
+                 quant_config, prefix: str) -> nn.Module:
+        return LlamaMLP(config, dtype, bias, tp, quant_config, prefix)
 
 
 class PPMissingLayer(nn.Module):
@@ -112,6 +121,7 @@ class LlamaForCausalLM(nn.Module):
         ".up_proj.": (".gate_up_proj.", 1),
     }
     qkv_bias_default = False
+    layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
 
     def __init__(self, config, dtype: torch.dtype = torch.float32, parallel: ParallelContext | None = None,
                  quant_config=None) -> None:
@@ -126,9 +136,9 @@ class LlamaForCausalLM(nn.Module):
         if parallel.is_first_stage:
             self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, tp)
         # One RoPE table for the whole model, shared by its layers.
-        rotary = RotaryEmbedding(config, head_dim_of(config), config.max_position_embeddings, dtype)
+        rotary = self.make_rotary(config, dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, dtype, qkv_bias, attn_bias, mlp_bias, rotary, tp, quant_config)
+            self.layer_cls(config, i, dtype, qkv_bias, attn_bias, mlp_bias, rotary, tp, quant_config)
             if self.start_layer <= i < self.end_layer else PPMissingLayer()
             for i in range(config.num_hidden_layers)
         )
@@ -156,6 +166,21 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    def make_rotary(self, config, dtype: torch.dtype) -> RotaryEmbedding:
+        return RotaryEmbedding(config, head_dim_of(config), config.max_position_embeddings, dtype)
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors as load_weights maps them (a family with fused checkpoint
+        tensors splits them here into the per-projection names)."""
+        return weights
+
+    def map_param(self, name: str) -> tuple[str, object]:
+        """(parameter name, shard id) of checkpoint tensor `name` (without `model.`)."""
+        for frag, (fused, shard_id) in self.stacked_params.items():
+            if frag in name:
+                return name.replace(frag, fused), shard_id
+        return name, None
+
     def _param_name(self, name: str) -> str:
         name = name.removeprefix("model.")
         return name
@@ -177,21 +202,18 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         tied = getattr(self.config, "tie_word_embeddings", False)
-        for ckpt_name, tensor in weights:
+        for ckpt_name, tensor in self.checkpoint_tensors(weights):
             if "rotary_emb.inv_freq" in ckpt_name:
                 continue
             if tied and ckpt_name == "lm_head.weight":
                 continue
-            name, shard = self._param_name(ckpt_name), None
+            name = self._param_name(ckpt_name)
             p = self.parallel
             if tied and name == "embed_tokens.weight" and p.is_last_stage and not p.is_first_stage:
                 name = "lm_head.weight"  # a tied LM head on a stage without the embedding loads its own copy
             elif self._on_other_stage(name):
                 continue
-            for frag, (fused, shard_id) in self.stacked_params.items():
-                if frag in name:
-                    name, shard = name.replace(frag, fused), shard_id
-                    break
+            name, shard = self.map_param(name)
             param = params.get(name)
             if param is None:
                 raise ValueError(f"checkpoint tensor {ckpt_name!r} has no matching parameter in {type(self).__name__}")

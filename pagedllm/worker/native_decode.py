@@ -147,7 +147,8 @@ def _linear_layout(lin: nn.Module, dtype: torch.dtype
 
 def _unsupported_reason(model: nn.Module, dtype: torch.dtype, kv_dtype: torch.dtype) -> str | None:
     """Why the fused step cannot run this model, or None when it can."""
-    from pagedllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+    from pagedllm.layers.rotary import RotaryEmbedding
+    from pagedllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
     if not isinstance(model, LlamaForCausalLM) or type(model).forward is not LlamaForCausalLM.forward:
         return f"{type(model).__name__} is not a Llama-family decoder"
@@ -159,7 +160,10 @@ def _unsupported_reason(model: nn.Module, dtype: torch.dtype, kv_dtype: torch.dt
     if p.tp.size != 1 or p.pp_size != 1:
         return "tensor or pipeline parallelism"
     for layer in model.layers:
-        if not isinstance(layer, LlamaDecoderLayer):
+        # Exactly the Llama layer: families built on it (Qwen3's q/k norms, Phi-3's partial rotary,
+        # mixture-of-experts blocks) change what the C step would have to compute.
+        if (type(layer) is not LlamaDecoderLayer or type(layer.self_attn) is not LlamaAttention
+                or type(layer.mlp) is not LlamaMLP or type(layer.self_attn.rotary_emb) is not RotaryEmbedding):
             return f"layer type {type(layer).__name__}"
         a, mlp = layer.self_attn, layer.mlp
         for lin in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj):
