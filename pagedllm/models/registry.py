@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from torch import nn
 
+from pagedllm.models.gemma3 import Gemma3ForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from pagedllm.models.moe import MixtralForCausalLM, OlmoeForCausalLM, Qwen3MoeForCausalLM
 from pagedllm.models.phi3 import Phi3ForCausalLM
 from pagedllm.models.qwen3 import Qwen3ForCausalLM
 
 _MODELS: dict[str, type[nn.Module]] = {
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
@@ -40,6 +42,8 @@ def get_model_class(config) -> type[nn.Module]:
     archs = list(getattr(config, "architectures", None) or [])
     if not archs and getattr(config, "model_type", None) in _MODEL_TYPES:
         archs = [_MODEL_TYPES[config.model_type]]
+    if not archs and getattr(config, "model_type", None) == "gemma3_text":
+        archs = ["Gemma3ForCausalLM"]
     for arch in archs:
         if arch in _MODELS:
             return _MODELS[arch]
