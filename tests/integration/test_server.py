@@ -342,7 +342,7 @@ BAD_REQUESTS = [
     ("max-completion-tokens-zero", CHATP, {"messages": MSG, "max_completion_tokens": 0}, 400),
     ("chat-too-long", CHATP, {"messages": MSG, "max_tokens": 9000}, 400),
     ("tools", CHATP, {"messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400),
-    ("response-format", CHATP, {"messages": MSG, "response_format": {"type": "json_object"}}, 400),
+    ("response-format", CHATP, {"messages": MSG, "response_format": {"type": "xml"}}, 400),
     ("chat-unknown-model", CHATP, {"messages": MSG, "model": "nope"}, 404),
     ("template-kwargs-reserved", CHATP, {"messages": MSG, "chat_template_kwargs": {"tokenize": True}}, 400),
     ("tokenize-both", "/tokenize", {"prompt": "hi", "messages": MSG}, 400),

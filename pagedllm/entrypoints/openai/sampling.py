@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
+from pagedllm.entrypoints.openai import request_fields
 from pagedllm.entrypoints.openai.errors import bad_request
 from pagedllm.entrypoints.openai.protocol import SamplingFields
+from pagedllm.config import StructuredOutputsConfig
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 T = TypeVar("T")
@@ -18,8 +20,14 @@ def sampling_params_from_request(
     logprobs: int | None,
     prompt_logprobs: int | None,
     output_kind: RequestOutputKind,
+    structured_outputs_config: StructuredOutputsConfig | None = None,
 ) -> SamplingParams:
-    """The request's sampling fields as SamplingParams (400 naming the field on a bad value)."""
+    """The request's sampling fields as SamplingParams (400 naming the field on a bad value), with
+    vLLM's structured-output fields and thinking budget; vLLM fields this server cannot honour are
+    a 400 naming them (request_fields.py)."""
+    so_config = structured_outputs_config or StructuredOutputsConfig()
+    request_fields.reject_unsupported(body)
+    structure, structure_param = request_fields.structured_outputs(body, so_config.backend)
     if body.best_of is not None and body.best_of != body.n:
         raise bad_request(f"best_of={body.best_of} is not supported (only best_of == n={body.n})", "best_of")
     if body.stream_options is not None and not body.stream:
@@ -60,6 +68,8 @@ def sampling_params_from_request(
         logit_bias=logit_bias,
         allowed_token_ids=body.allowed_token_ids,
         output_kind=output_kind,
+        structured_outputs=structure,
+        thinking_token_budget=request_fields.thinking_token_budget(body, so_config.reasoning_parser),
     )
     try:
         params = SamplingParams(**kwargs)
@@ -68,6 +78,7 @@ def sampling_params_from_request(
         # SamplingParams names the field first ("top_p must be in (0, 1], got 0.0.").
         first = str(e).split(" ", 1)[0]
         raise bad_request(str(e), first if first in type(body).model_fields else None) from None
+    request_fields.check_structure(params, structure_param, so_config.backend)
     return params
 
 

@@ -7,6 +7,11 @@ choices 0-2 for the first prompt and 3-5 for the second).
 only: the engine needs at least one new token, so it generates one and the server drops it
 (its text, token and logprob); usage reports 0 completion tokens and finish_reason "length".
 Such a prompt must therefore leave room for one token within max_model_len.
+
+vLLM's extras (request_fields.py): `prompt_logprobs` on each choice (not with stream),
+`truncate_prompt_tokens`, `request_id` (the response's id is `cmpl-<request_id>`),
+`return_token_ids` (each choice's `token_ids` and `prompt_token_ids`; streamed, the prompt's ids
+come with a choice's first chunk), and the structured-output fields (sampling.py).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import Response
 
+from pagedllm.entrypoints.openai import request_fields
 from pagedllm.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionChunk,
@@ -55,6 +61,8 @@ class _ChoiceStream:
     offset: int = 0
     num_tokens: int = 0
     done: bool = False
+    token_ids: list[int] = field(default_factory=list)
+    prompt_ids_sent: bool = False
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -70,6 +78,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if echo_only and not body.echo:
             raise bad_request("max_tokens must be at least 1 (0 is allowed only with echo)", "max_tokens")
         self.check_logprobs(body.logprobs, "logprobs")
+        prompt_lp = request_fields.prompt_logprobs(body, self.max_logprobs)
         engine_max_tokens = 1 if echo_only else max_tokens
         raw_prompts = _prompt_list(body.prompt)
         size = sum(len(p) if isinstance(p, str) else 0 for p in raw_prompts)
@@ -80,16 +89,18 @@ class OpenAIServingCompletion(OpenAIServing):
             ],
             size,
         )
+        prompts = [request_fields.truncate(p, body, self.max_model_len, engine_max_tokens) for p in prompts]
         self.check_length(prompts, engine_max_tokens)
         want_logprobs = body.logprobs is not None
+        wanted = [k for k in (body.logprobs if body.echo else None, prompt_lp) if k is not None]
         params = self.sampling_params(
             body,
             engine_max_tokens,
             logprobs=body.logprobs,
-            prompt_logprobs=body.logprobs if body.echo and want_logprobs else None,
+            prompt_logprobs=max(wanted) if wanted else None,
             output_kind=RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY,
         )
-        request_id = random_id("cmpl")
+        request_id = request_fields.response_id("cmpl", body, random_id("cmpl"))
         return await self.run(
             raw_request, request_id, prompts, params, body,
             lambda call, firsts: self._stream(body, model, request_id, call, prompts, firsts, echo_only),
@@ -114,7 +125,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 if body.echo:
                     text = self.prompt_text(p)
                     if body.logprobs is not None:
-                        entries += self._prompt_entries(p, out)
+                        entries += self._prompt_entries(p, out, body.logprobs)
                 if not echo_only:
                     text += c.text
                     completion_tokens += len(c.token_ids)
@@ -127,6 +138,15 @@ class OpenAIServingCompletion(OpenAIServing):
                         logprobs=_legacy_logprobs(entries, 0) if body.logprobs is not None else None,
                         finish_reason="length" if echo_only else c.finish_reason,
                         stop_reason=None if echo_only else c.stop_reason,
+                        prompt_logprobs=(
+                            request_fields.prompt_logprobs_out(
+                                p.token_ids, out.prompt_logprobs, body.prompt_logprobs, self.token_text
+                            )
+                            if body.prompt_logprobs is not None
+                            else None
+                        ),
+                        token_ids=([] if echo_only else list(c.token_ids)) if body.return_token_ids else None,
+                        prompt_token_ids=list(p.token_ids) if body.return_token_ids else None,
                     )
                 )
         choices.sort(key=lambda ch: ch.index)
@@ -144,16 +164,18 @@ class OpenAIServingCompletion(OpenAIServing):
         return usage_info(prompt_tokens, completion_tokens, sum(o.num_cached_tokens for o in outputs))
 
     # ---- logprobs -------------------------------------------------------------------------
-    def _entry(self, tid: int, d: dict[int, Logprob] | None) -> LogprobEntry:
+    def _entry(self, tid: int, d: dict[int, Logprob] | None, k: int | None = None) -> LogprobEntry:
+        if d is not None and k is not None:
+            d = request_fields.top_of(d, k, tid)  # the engine may hold more (for prompt_logprobs)
         text, lp = self.token_entry(tid, d)
         top = None if d is None else dict(self.top_entries(d, len(d)))
         return text, lp, top
 
-    def _prompt_entries(self, p: EnginePrompt, out: RequestOutput) -> list[LogprobEntry]:
+    def _prompt_entries(self, p: EnginePrompt, out: RequestOutput, k: int) -> list[LogprobEntry]:
         # The first prompt token has no logprob (nothing precedes it): None, as OpenAI reports it.
         plp = list(out.prompt_logprobs or [])
         plp += [None] * (len(p.token_ids) - len(plp))
-        return [self._entry(tid, d) for tid, d in zip(p.token_ids, plp)]
+        return [self._entry(tid, d, k) for tid, d in zip(p.token_ids, plp)]
 
     def _output_entries(self, c: CompletionOutput) -> list[LogprobEntry]:
         lps = list(c.logprobs or [])
@@ -196,7 +218,7 @@ class OpenAIServingCompletion(OpenAIServing):
             result = []
             # Every choice of the prompt: one held back for the echoed prompt's logprobs may be ready now.
             for j in range(n):
-                ch = self._flush(states[i * n + j], out, want_lp, final)
+                ch = self._flush(states[i * n + j], out, body, final)
                 if ch is not None:
                     chunk = CompletionChunk(id=request_id, created=created, model=model, choices=[ch])
                     if continuous:
@@ -228,13 +250,17 @@ class OpenAIServingCompletion(OpenAIServing):
         if not echo_only:
             st.text += c.text
             st.num_tokens += len(c.token_ids)
+            st.token_ids += c.token_ids
             if want_lp:
                 st.entries += self._output_entries(c)
         if c.finish_reason is not None:
             st.finish_reason = "length" if echo_only else c.finish_reason
             st.stop_reason = None if echo_only else c.stop_reason
 
-    def _flush(self, st: _ChoiceStream, out: RequestOutput, want_lp: bool, final: bool) -> CompletionChoice | None:
+    def _flush(
+        self, st: _ChoiceStream, out: RequestOutput, body: CompletionRequest, final: bool
+    ) -> CompletionChoice | None:
+        want_lp = body.logprobs is not None
         if st.done:
             return None
         prefix_text, prefix_entries = "", []
@@ -244,19 +270,26 @@ class OpenAIServingCompletion(OpenAIServing):
                 return None  # hold everything back until the prompt's logprobs are in
             prefix_text = self.prompt_text(st.prompt)
             if want_lp:
-                prefix_entries = self._prompt_entries(st.prompt, out)
+                prefix_entries = self._prompt_entries(st.prompt, out, body.logprobs)
             st.echo_pending = False
         text, entries = prefix_text + st.text, prefix_entries + st.entries
-        st.text, st.entries = "", []
-        if not text and not entries and st.finish_reason is None:
+        token_ids = st.token_ids
+        st.text, st.entries, st.token_ids = "", [], []
+        if not text and not entries and not (token_ids and body.return_token_ids) and st.finish_reason is None:
             return None
         logprobs = _legacy_logprobs(entries, st.offset) if want_lp else None
         st.offset += sum(len(e[0]) for e in entries)
         if st.finish_reason is not None:
             st.done = True
-        return CompletionChoice(
+        choice = CompletionChoice(
             index=st.index, text=text, logprobs=logprobs, finish_reason=st.finish_reason, stop_reason=st.stop_reason
         )
+        if body.return_token_ids:
+            choice.token_ids = token_ids
+            if not st.prompt_ids_sent:
+                choice.prompt_token_ids = list(st.prompt.token_ids)
+                st.prompt_ids_sent = True
+        return choice
 
 
 def _prompt_list(prompt: str | list) -> list[str | list[int]]:
