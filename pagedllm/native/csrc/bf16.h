@@ -1,5 +1,6 @@
 /* What the native kernels share: bfloat16 <-> float32 conversions (bf16 is the top half of fp32),
- * and their vector forms and lane sums of accumulators: 16 lanes on AVX-512, 8 on AVX2 + FMA. */
+ * and their vector forms and lane sums of accumulators: 16 lanes on AVX-512 (bf16_avx512.h), 8 on
+ * AVX2 + FMA (bf16_avx2.h). */
 #ifndef PAGEDLLM_BF16_H
 #define PAGEDLLM_BF16_H
 #include <stdint.h>
@@ -20,145 +21,9 @@ static inline uint16_t f32_to_bf16(float f) {
 }
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
-
-/* 16 bf16 values widened to float32 (exact). */
-static inline __m512 bf16x16_load(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
-/* e^x on 16 lanes: 2^n e^r with |r| <= ln2/2 and a degree-6 Taylor polynomial (relative error
- * below 2e-7, about one float32 ulp); inputs below -87 give about 1e-38. */
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-    x = _mm512_min_ps(x, _mm512_set1_ps(88.f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.f / 720.f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, n);
-}
-
-/* The bf16 value of each lane (round to nearest even, as f32_to_bf16), back in float32. */
-static inline __m512 round_bf16(__m512 v) {
-    __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    u = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
-    return _mm512_castsi512_ps(_mm512_and_si512(u, _mm512_set1_epi32((int)0xffff0000u)));
-}
-
-/* 16 float32 lanes to bf16 (f32_to_bf16 on each lane). */
-static inline __m256i bf16x16_from_f32(__m512 v) {
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round_bf16(v)), 16));
-}
-
-/* The sum of a's 16 lanes, pairing them as lane_sums16 does: lanes i and i + 8, then i and i + 4 of
- * those sums, then i and i + 2, then the last two (the pairing of GCC's _mm512_reduce_add_ps,
- * written out so that -ffast-math cannot regroup it differently at different call sites). */
-static inline __attribute__((always_inline)) float lane_sum(__m512 a) {
-    const __m256 s = _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
-    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-    const __m128 r = _mm_add_ps(q, _mm_movehl_ps(q, q));
-    return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
-}
-
-/* The lane sums of 16 accumulators at once: result lane t = lane_sum(a[t]), to the bit (the same
- * pairs added in the same order), by a tree of 128-bit and in-lane shuffles: 31 instructions
- * where 16 separate sums take about 130. */
-static inline __attribute__((always_inline)) __m512 lane_sums16(const __m512 a[16]) {
-    __m512 s[8], q[4], r[2];
-    for (int p = 0; p < 8; p++) /* lanes i + i+8: a[2p] in lanes 0-7, a[2p+1] in 8-15 */
-        s[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    for (int p = 0; p < 4; p++) /* + 4: 128-bit quarter u holds a[4p + u]'s four sums */
-        q[p] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * p], s[2 * p + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                             _mm512_shuffle_f32x4(s[2 * p], s[2 * p + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-    for (int p = 0; p < 2; p++) /* + 2, within each quarter */
-        r[p] = _mm512_add_ps(_mm512_shuffle_ps(q[2 * p], q[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(q[2 * p], q[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    /* + 1: lane 4u + e holds a[4e + u]'s sum; the permutation puts a[t]'s in lane t */
-    const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(r[0], r[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                   _mm512_shuffle_ps(r[0], r[1], _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), f);
-}
+#include "bf16_avx512.h"
 #endif
-
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-
-/* 8 bf16 values widened to float32 (exact). */
-static inline __m256 bf16x8_load(const uint16_t *p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-
-/* The sum of a's 8 lanes: lanes i and i + 4, then i and i + 2 of those sums, then the last two
- * (written out, so that -ffast-math cannot regroup it differently at different call sites). */
-static inline __attribute__((always_inline)) float lane_sum8(__m256 a) {
-    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    const __m128 r = _mm_add_ps(q, _mm_movehl_ps(q, q));
-    return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
-}
-
-/* The largest of a's 8 lanes. */
-static inline float lane_max8(__m256 a) {
-    __m128 q = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    q = _mm_max_ps(q, _mm_movehl_ps(q, q));
-    return _mm_cvtss_f32(_mm_max_ss(q, _mm_movehdup_ps(q)));
-}
-
-/* e^x on 8 lanes, exp512's method (2^n e^r, degree-6 polynomial), 2^n built in the exponent bits;
- * inputs are clamped to [-87, 88]. */
-static inline __m256 exp256(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-    x = _mm256_min_ps(x, _mm256_set1_ps(88.f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.f / 720.f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
-/* a * b on 8 lanes, rounded as written: the compiler cannot contract it with a later add into an
- * FMA (-ffast-math allows that for _mm256_mul_ps), so callers keep torch's rounding points. */
-static inline __m256 mul_rn8(__m256 a, __m256 b) {
-    __asm__("vmulps %1, %0, %0" : "+x"(a) : "x"(b));
-    return a;
-}
-
-/* The bf16 value of each lane (round to nearest even, as f32_to_bf16), back in float32. */
-static inline __m256 round_bf16_8(__m256 v) {
-    __m256i u = _mm256_castps_si256(v);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    u = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
-    return _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xffff0000u)));
-}
-
-/* 8 float32 lanes to bf16 (f32_to_bf16 on each lane). */
-static inline __m128i bf16x8_from_f32(__m256 v) {
-    const __m256i u = _mm256_srli_epi32(_mm256_castps_si256(round_bf16_8(v)), 16);
-    return _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
-}
-
-/* The sum of a's 8 int32 lanes (exact, wrapping as int32 does). */
-static inline int32_t lane_sum8_epi32(__m256i a) {
-    __m128i q = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
-    q = _mm_add_epi32(q, _mm_unpackhi_epi64(q, q));
-    return _mm_cvtsi128_si32(_mm_add_epi32(q, _mm_shuffle_epi32(q, 1)));
-}
+#include "bf16_avx2.h"
 #endif
 #endif

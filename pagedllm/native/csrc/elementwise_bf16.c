@@ -33,6 +33,15 @@
 #include "elementwise_scalar.h"
 #endif
 
+/* The rope entry points' arguments: 1 when hd / 2 is not a multiple of 16 or W not a multiple of hd,
+ * 2 when a position is outside the tables [0, max_pos), else 0. */
+static inline int rope_args_error(int64_t T, int64_t W, int64_t hd, const int64_t *pos, int64_t max_pos) {
+    if (hd % 2 || (hd / 2) % 16 || W % hd) return 1;
+    for (int64_t t = 0; t < T; t++)
+        if (pos[t] < 0 || pos[t] >= max_pos) return 2;
+    return 0;
+}
+
 #if defined(ELEMENTWISE_F32)
 /* ---- float32 entry points (elementwise_avx512.h's or elementwise_avx2.h's row functions). */
 /* h = x + add (written to h_out) when add is given, else h = x; y = w * (h * rsqrt(mean(h^2) + eps)). */
@@ -55,9 +64,8 @@ int silu_mul_f32(const float *x, int64_t ldx, int64_t T, int64_t I, float *y) {
  * Returns 2, writing nothing, when a position is outside the tables. */
 int rope_f32(const float *x, int64_t ldx, int64_t T, int64_t W, int64_t hd, const int64_t *pos, const float *cos,
              const float *sin, int64_t max_pos, float *y) {
-    if (hd % 2 || (hd / 2) % 16 || W % hd) return 1;
-    for (int64_t t = 0; t < T; t++)
-        if (pos[t] < 0 || pos[t] >= max_pos) return 2;
+    const int err = rope_args_error(T, W, hd, pos, max_pos);
+    if (err) return err;
 #pragma omp parallel for schedule(static) if (T * W >= ELEMENTWISE_PARALLEL_MIN)
     for (int64_t t = 0; t < T; t++) rope_f32_row(x + t * ldx, W, hd, cos + pos[t] * hd, sin + pos[t] * hd, y + t * W);
     return 0;
@@ -141,10 +149,8 @@ int silu_mul_bf16(const uint16_t *x, int64_t ldx, int64_t T, int64_t I, uint16_t
  * Returns 2, writing nothing, when a position is outside the tables. */
 int rope_bf16(const uint16_t *x, int64_t ldx, int64_t T, int64_t W, int64_t hd, const int64_t *pos,
               const uint16_t *cos, const uint16_t *sin, int64_t max_pos, uint16_t *y) {
-    const int64_t half = hd / 2;
-    if (hd % 2 || half % 16 || W % hd) return 1;
-    for (int64_t t = 0; t < T; t++)
-        if (pos[t] < 0 || pos[t] >= max_pos) return 2;
+    const int err = rope_args_error(T, W, hd, pos, max_pos);
+    if (err) return err;
 #pragma omp parallel for schedule(static) if (T * W >= ELEMENTWISE_PARALLEL_MIN)
     for (int64_t t = 0; t < T; t++) rope_bf16_row(x + t * ldx, W, hd, cos + pos[t] * hd, sin + pos[t] * hd, y + t * W);
     return 0;

@@ -110,6 +110,17 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
     return dot_n(a, b, d);
 }
 
+/* a[r][j] += sum_d q[r][d] * kt[d][j] for r < NR (in scores_rb: RB, a constant trip count the compiler
+ * unrolls, or the nr rows of a last partial set). */
+#define SCORES_ACC(NR)                                                                                             \
+    for (int64_t d = 0; d < D; d++) {                                                                              \
+        const float *k = kt + d * KB;                                                                              \
+        for (int64_t r = 0; r < (NR); r++) {                                                                       \
+            const float qd = q[r * D + d];                                                                         \
+            _Pragma("omp simd") for (int j = 0; j < KB; j++) a[r][j] += qd * k[j];                                 \
+        }                                                                                                          \
+    }
+
 /* Scores of up to RB rows against the run's KB keys: s[r][j] = sum_d q[r][d] * kt[d][j]. */
 static inline void scores_rb(float *restrict s, const float *restrict q, int64_t nr, const float *restrict kt,
                              int64_t D) {
@@ -117,26 +128,13 @@ static inline void scores_rb(float *restrict s, const float *restrict q, int64_t
     for (int r = 0; r < RB; r++)
         for (int j = 0; j < KB; j++) a[r][j] = 0.f;
     if (nr == RB) {
-        for (int64_t d = 0; d < D; d++) {
-            const float *k = kt + d * KB;
-            for (int r = 0; r < RB; r++) {
-                const float qd = q[r * D + d];
-#pragma omp simd
-                for (int j = 0; j < KB; j++) a[r][j] += qd * k[j];
-            }
-        }
+        SCORES_ACC(RB)
     } else {
-        for (int64_t d = 0; d < D; d++) {
-            const float *k = kt + d * KB;
-            for (int64_t r = 0; r < nr; r++) {
-                const float qd = q[r * D + d];
-#pragma omp simd
-                for (int j = 0; j < KB; j++) a[r][j] += qd * k[j];
-            }
-        }
+        SCORES_ACC(nr)
     }
     for (int64_t r = 0; r < nr; r++) memcpy(s + r * KB, a[r], sizeof(float) * KB);
 }
+#undef SCORES_ACC
 
 /* The run of keys from k0 that decode_rows() takes next: inside one cache block, at most KB keys
  * and none past last; its length in *kn. Its K and V rows as float32 start at *kf and *vf, *kst and
