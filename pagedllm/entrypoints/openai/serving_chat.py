@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response
 
+from pagedllm.entrypoints.openai import request_fields
 from pagedllm.entrypoints.openai.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -26,7 +27,7 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.engine_call import EngineCall, EnginePrompt
 from pagedllm.entrypoints.openai.errors import bad_request
-from pagedllm.entrypoints.openai.serving_engine import OpenAIServing, usage_info
+from pagedllm.entrypoints.openai.serving_engine import OpenAIServing, message_to_dict, usage_info
 from pagedllm.entrypoints.openai.streaming import sse
 from pagedllm.entrypoints.openai.tool_parsers import ToolParser, get_tool_parser
 from pagedllm.entrypoints.openai.tool_parsers.chat import (
@@ -61,11 +62,7 @@ class OpenAIServingChat(OpenAIServing):
         mode, tool_name = resolve_tool_choice(
             body.tool_choice, tools, self.enable_auto_tool_choice, self.tool_parser_cls and self.tool_parser_cls.name
         )
-        if body.response_format is not None and body.response_format.get("type", "text") != "text":
-            raise bad_request(
-                f"response_format type {body.response_format.get('type')!r} is not supported (only 'text')",
-                "response_format",
-            )
+        request_fields.check_chat(body)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         if max_tokens is not None and max_tokens < 1:
@@ -80,20 +77,24 @@ class OpenAIServingChat(OpenAIServing):
         prompt = await self.run_blocking(
             lambda: self.render_chat(
                 body.messages, body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs,
+                body.documents, body.add_special_tokens,
                 tools=tools, tool_format=self._tool_format(tools, body.messages),
             ),
             size,
         )
+        prompt_lp = request_fields.prompt_logprobs(body, self.max_logprobs)
+        prompt = request_fields.truncate(prompt, body, self.max_model_len, max_tokens)
+        echo = request_fields.chat_echo(body, message_to_dict(body.messages[-1]))
         self.check_length([prompt], max_tokens, "messages")
         params = self.sampling_params(
             body,
             max_tokens,
             logprobs=top,
-            prompt_logprobs=None,
+            prompt_logprobs=prompt_lp,
             output_kind=RequestOutputKind.DELTA if body.stream else RequestOutputKind.FINAL_ONLY,
         )
         replies = self._reply_parser(body, params, prompt, mode, tools, tool_name)
-        request_id = random_id("chatcmpl")
+        request_id = request_fields.response_id("chatcmpl", body, random_id("chatcmpl"))
         n_prompt = len(prompt.token_ids)
 
         def respond(outputs: list[RequestOutput]) -> Response:
@@ -101,7 +102,7 @@ class OpenAIServingChat(OpenAIServing):
             choices = [
                 ChatChoice(
                     index=c.index,
-                    message=(message := self._message("", c.text, replies)),
+                    message=(message := self._message(echo, c.text, replies)),
                     logprobs=self._logprobs(c, top) if top is not None else None,
                     finish_reason=tool_finish_reason(c.finish_reason, bool(message.tool_calls)),
                     stop_reason=c.stop_reason,
@@ -110,11 +111,15 @@ class OpenAIServingChat(OpenAIServing):
             ]
             usage = usage_info(n_prompt, sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens)
             resp = ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+            if prompt_lp is not None:
+                resp.prompt_logprobs = request_fields.prompt_logprobs_out(
+                    prompt.token_ids, out.prompt_logprobs, prompt_lp, self.token_text
+                )
             return Response(content=resp.model_dump_json(), media_type="application/json")
 
         return await self.run(
             raw_request, request_id, [prompt], params, body,
-            lambda call, firsts: self._stream(body, model, request_id, call, n_prompt, firsts[0], replies=replies),
+            lambda call, firsts: self._stream(body, model, request_id, call, n_prompt, firsts[0], echo, replies),
             respond,
         )
 
@@ -144,6 +149,7 @@ class OpenAIServingChat(OpenAIServing):
         call: EngineCall,
         prompt_tokens: int,
         first: RequestOutput,
+        echo: str = "",
         replies: ChatReplyParser | None = None,
     ) -> AsyncIterator[str]:
         created = int(time.time())
@@ -182,6 +188,8 @@ class OpenAIServingChat(OpenAIServing):
         # The first chunk of every choice names the role.
         for j in range(body.n):
             yield chunk([ChatChunkChoice(index=j, delta=DeltaMessage(role="assistant", content=""))])
+            if echo:  # chat echo: the echoed message comes right after the role
+                yield chunk([ChatChunkChoice(index=j, delta=DeltaMessage(content=echo))])
         for s in chunks_for(first):
             yield s
         while (item := await call.next()) is not None:
@@ -189,6 +197,7 @@ class OpenAIServingChat(OpenAIServing):
                 yield s
         if include_usage:
             yield chunk([], usage_info(prompt_tokens, sum(num_tokens), cached))
+
     # ---- tools and reasoning (tool_parsers/chat.py) ---------------------------------------------
     def _tool_format(self, tools: list[dict[str, Any]], messages: list[Any]) -> ToolParser | None:
         """The format tools and tool history are written in for a template without tool support

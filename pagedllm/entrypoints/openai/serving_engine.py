@@ -145,9 +145,13 @@ class OpenAIServing:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         template_kwargs: dict[str, Any] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        add_special_tokens: bool = False,
         tools: list[dict[str, Any]] | None = None,
         tool_format: Any = None,
     ) -> EnginePrompt:
+        """The conversation through the chat template (vLLM's `documents` are the template's RAG
+        documents; `add_special_tokens` adds the tokenizer's BOS on top of the template's)."""
         if add_generation_prompt and continue_final_message:
             raise bad_request("add_generation_prompt and continue_final_message cannot both be true")
         reserved = RESERVED_TEMPLATE_KWARGS.intersection(template_kwargs or {})
@@ -167,10 +171,11 @@ class OpenAIServing:
             add_generation_prompt=add_generation_prompt,
             chat_template=self.chat_template,
             continue_final_message=continue_final_message,
+            **({"documents": documents} if documents is not None else {}),
             **tool_kwargs,
             **(template_kwargs or {}),
         )
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         if not ids:
             raise bad_request("the rendered conversation is empty", "messages")
         _, ids = self.processor.tokenize_prompt({"prompt": text, "prompt_token_ids": ids})
@@ -192,7 +197,8 @@ class OpenAIServing:
         output_kind: RequestOutputKind,
     ) -> SamplingParams:
         return sampling_params_from_request(
-            body, self.async_engine.model_config.vocab_size, max_tokens, logprobs, prompt_logprobs, output_kind
+            body, self.async_engine.model_config.vocab_size, max_tokens, logprobs, prompt_logprobs, output_kind,
+            self.async_engine.config.structured_outputs_config,
         )
 
     async def run(
