@@ -25,6 +25,15 @@ EMBEDDING_QUANTIZATION_METHODS = ("int8", "w8a8", "int4", "fp8", "gguf")
 SKIP_PRESETS = {"attention": ("*.self_attn.*",)}
 
 
+def _check_at_least(config: Any, minimum: int, *names: str) -> None:
+    """ValueError naming the first of the fields `names` of `config` below `minimum`."""
+    for name in names:
+        value = getattr(config, name)
+        if value < minimum:
+            bound = "non-negative" if minimum == 0 else f"at least {minimum}"
+            raise ValueError(f"{name} must be {bound}, got {value}")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """How the paged KV cache is laid out and sized."""
@@ -84,26 +93,13 @@ class SchedulerConfig:
     other one and is no longer preempted for younger ones (bound in pagedllm/core/policies.py)."""
 
     def __post_init__(self) -> None:
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
-        if self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
+        _check_at_least(self, 1, "max_num_batched_tokens", "max_num_seqs", "max_model_len")
         if self.policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
-        if self.long_prefill_token_threshold < 0:
-            raise ValueError(
-                f"long_prefill_token_threshold must be non-negative, got {self.long_prefill_token_threshold}"
-            )
-        if self.max_num_partial_prefills < 0:
-            raise ValueError(f"max_num_partial_prefills must be non-negative, got {self.max_num_partial_prefills}")
-        if self.time_slice < 1:
-            raise ValueError(f"time_slice must be at least 1, got {self.time_slice}")
-        if self.max_waiting_steps < 1:
-            raise ValueError(f"max_waiting_steps must be at least 1, got {self.max_waiting_steps}")
+        _check_at_least(self, 0, "long_prefill_token_threshold", "max_num_partial_prefills")
+        _check_at_least(self, 1, "time_slice", "max_waiting_steps")
         for user, w in self.user_weights.items():
             if not w > 0:
                 raise ValueError(f"user weight must be positive, got {w} for user {user!r}")
