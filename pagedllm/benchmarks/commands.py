@@ -54,6 +54,9 @@ COMMANDS: dict[str, Entry | tuple[str, dict[str, Entry]]] = {
     "kv-quality": ("pagedllm.benchmarks.kv_quality",
                    "greedy agreement and |Δlogprob| of each --kv-cache-dtype against the model dtype's cache"),
     "kv-first-writes": ("pagedllm.benchmarks.kv_first_writes", "what the KV cache's first writes cost"),
+    "structured": ("pagedllm.benchmarks.structured",
+                   "constrained decoding (JSON schemas, regexes, choices) against the same workload unconstrained "
+                   "and against vLLM's CPU build; grammar compile times"),
     "ui-cost": ("pagedllm.benchmarks.ui_cost",
                 "pagedllm serve's output tokens/s under full load with and without a viewer on the engine feed"),
     "soak": ("pagedllm.benchmarks.soak",

@@ -198,7 +198,37 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    """`pagedllm bench structured`: flags, the run, the table, and the JSON report."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--structured", choices=KINDS, default="json-schema", help="the workload's structure")
+    ap.add_argument("--num-prompts", type=int, default=64, help="requests, all submitted at once")
+    ap.add_argument("--max-tokens", type=int, default=256, help="most tokens per reply")
+    ap.add_argument("--seed", type=int, default=0, help="picks the bundled schemas (pagedllm/benchmarks/schemas.py)")
+    ap.add_argument("--backend", default="pagedllm,vllm", help="comma-separated: pagedllm, vllm")
+    ap.add_argument("--model", default=None, help="model (default: the embedded default model)")
+    ap.add_argument("--kv-cache-memory", default="2GiB", help="pagedllm's KV cache")
+    ap.add_argument("--vllm-kv-cache-space", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE in GiB")
+    ap.add_argument("--peers-venv", default=None, help="vLLM's environment (default: .venv-peers)")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds each engine may take")
+    ap.add_argument("--output-json", default=None, help="write the report here")
+    args = ap.parse_args(argv)
+    backends = [b.strip() for b in args.backend.split(",") if b.strip()]
+    bad = [b for b in backends if b not in BACKENDS]
+    if bad:
+        ap.error(f"--backend {','.join(bad)} is not one of {', '.join(BACKENDS)}")
+    report = run_structured({
+        "kind": args.structured, "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "seed": args.seed,
+        "model": args.model, "engine_args": {"kv_cache_memory": args.kv_cache_memory}, "backends": backends,
+        "peers_venv": args.peers_venv, "vllm_kv_cache_space": args.vllm_kv_cache_space, "timeout": args.timeout})
+    print(format_table(report))
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":  # the pagedllm child of a run (the CLI calls main)
     from pagedllm.benchmarks.peer_child import child_main
 
     sys.exit(child_main(sys.argv[1:], _child_pagedllm))
