@@ -15,6 +15,7 @@ from pathlib import Path
 
 from pagedllm.benchmarks import report_render
 from pagedllm.benchmarks.report_extra import (
+    structured_section,
     amx_section,
     host_overhead_section,
     later_throughput_section,
@@ -165,6 +166,8 @@ def render(res: Path = RESULTS, img_dir: Path = DOC.parent / "img", draw: bool =
             parts.append(note.read_text())
     if (res / "amx.md").exists() or (res / "amx_throughput.json").exists():
         parts.append(amx_section(res, img_dir, draw))
+    if (st := load(res / "amx_structured.json")) is not None:
+        parts.append(structured_section(with_record(st, "amx_structured.json", res)))
     if (host := load(res / "host_overhead.json")) is not None:
         parts.append(host_overhead_section(with_record(host, "host_overhead.json", res)))
     sched = load(res / "bench_scheduling.json") or load(res / "bench_scheduling_quick.json")

@@ -188,3 +188,35 @@ def runs_appendix(res: Path) -> str:
                    "quote them name the host and the commit that added them): "
                    + ", ".join(f"`{n}`" for n in unrecorded) + ".\n")
     return "".join(out)
+
+
+def structured_section(r: dict[str, Any]) -> str:
+    """`pagedllm bench structured`: constrained decoding against the same workload unconstrained and
+    against vLLM's CPU build, with the grammar compile times."""
+    wl = r["workload"]
+    rows = []
+    for x in r["results"]:
+        if not x.get("ok"):
+            rows.append([x["backend"], "skipped: " + x.get("reason", ""), "", "", "", ""])
+            continue
+        rows.append([x["backend"], str(x.get("dtype")), f"{x['constrained_tokens_per_s']:.1f}",
+                     f"{x['unconstrained_tokens_per_s']:.1f}", f"{x['constrained_vs_unconstrained']:.3f}",
+                     f"{x['stopped'] - x['invalid']} / {x['stopped']}"])
+    out = [
+        "## Structured output\n",
+        f"{wl['num_requests']} {wl['kind']} requests at once (the bundled schemas of "
+        "pagedllm/benchmarks/schemas.py: nested objects, arrays with bounds, enums, anyOf, patterns, numeric "
+        f"bounds, $ref), greedy, up to {wl['max_tokens']} tokens each. Each engine runs the constrained requests "
+        "(after one warm-up pass), then the same prompts unconstrained with each reply's token count and "
+        "ignore_eos: the same tokens from the same prompts in the same batch. Valid: replies that ended with "
+        "\"stop\" and validate with `jsonschema`.\n",
+        table(["engine", "dtype", "constrained tok/s", "unconstrained tok/s", "constrained / unconstrained",
+               "valid / stopped"], rows),
+    ]
+    c = r.get("compile")
+    if c:
+        out.append(f"\nGrammar compilation per schema (xgrammar, {c['schemas']} schemas): cold p50 "
+                   f"{c['cold_p50_ms']:.2f} ms, p99 {c['cold_p99_ms']:.2f} ms; from the cache p50 "
+                   f"{c['cached_p50_ms']:.3f} ms, p99 {c['cached_p99_ms']:.3f} ms.")
+    out.append("\n" + run_block(r["meta"]))
+    return "\n".join(out) + "\n"

@@ -86,6 +86,12 @@ def _kv_memory(block_size: int) -> Callable[[dict[str, Any]], Figure]:
     return get
 
 
+def _structured(r: dict[str, Any]) -> Figure:
+    rows = {x["backend"]: x for x in r["results"] if x.get("ok")}
+    a, b = rows["pagedllm"]["constrained_tokens_per_s"], rows["vllm"]["constrained_tokens_per_s"]
+    return Figure(f"{a:.1f} tok/s", f"{b:.1f} tok/s", a / b, r["meta"])
+
+
 # (what, peer, result file, figure); the rows prefer each CPU's newest clean run of the figure.
 ROWS: tuple[tuple[str, str, str, Callable[[dict[str, Any]], Figure]], ...] = (
     ("Offline throughput, 128 requests, bf16 (output)", "vLLM", "amx_throughput.json",
@@ -106,6 +112,7 @@ ROWS: tuple[tuple[str, str, str, Callable[[dict[str, Any]], Figure]], ...] = (
      _latency("bfloat16", "hf", "prefill")),
     ("Quantized, 4-bit (int4 g32 vs Q4_0), one stream decode", "llama.cpp", "quantization_speed_final.json",
      _quantized("int4-g32", "llama.cpp q4_0")),
+    ("Structured output, 64 JSON-schema requests, bf16 (output)", "vLLM", "amx_structured.json", _structured),
     ("Start-up to ready, bf16", "vLLM", "amx_throughput.json", _throughput("bfloat16", "startup")),
     ("Peak memory (RSS), 128 requests, bf16", "vLLM", "amx_throughput.json", _throughput("bfloat16", "rss")),
     ("KV cache slots holding tokens, block 16 (simulated)", "contiguous at max_model_len", "memory.json",
