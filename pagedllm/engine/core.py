@@ -99,8 +99,10 @@ class EngineCore:
         kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, num_swap_blocks)
         self.scheduler = Scheduler(sc, kv, self.preemption_costs)
         self.structured = StructuredOutputManager(config)
-        # Requests whose grammar is compiling (waiting in the scheduler until it is ready).
+        # Requests whose grammar is compiling (waiting in the scheduler until it is ready), and every
+        # unfinished request with structured-output state (the step's bitmask looks at these only).
         self._compiling: list[Request] = []
+        self._structured: dict[str, Request] = {}
         self.num_blocks = num_blocks
         capacity = num_blocks * cc.block_size
         self.memory_bound = MemoryBound(
@@ -179,6 +181,8 @@ class EngineCore:
         if params.structured_outputs is not None or params.thinking_token_budget is not None:
             for r in requests:
                 self.structured.init_request(r)
+                if r.structured is not None:
+                    self._structured[r.request_id] = r
             self._compiling.extend(r for r in requests if r.structured is not None and r.structured.future is not None)
         self.scheduler.add_request(requests[0], forks=requests[1:])
 
@@ -197,7 +201,8 @@ class EngineCore:
         so = self.scheduler.schedule()
         if so.is_empty and self._compiling:
             wait([r.structured.future for r in self._compiling], timeout=0.05, return_when=FIRST_COMPLETED)
-        self._grammar_bitmask(so)
+        if self._structured:
+            self._grammar_bitmask(so)
         out = self.executor.execute_model(so)
         core_outputs = failed + self.scheduler.update_from_output(so, out)
         self.last_output = so  # read by the engine view's snapshots (engine/snapshot.py)
@@ -220,11 +225,15 @@ class EngineCore:
         return failed
 
     def _grammar_bitmask(self, so: SchedulerOutput) -> None:
-        """Fills the step's bitmask rows of the constrained sequences that sample this step."""
-        reqs = self.scheduler.requests
-        sampling = [r for rid in so.num_scheduled_tokens if (r := reqs[rid]).structured is not None
-                    and r.num_computed_tokens >= r.num_tokens]
-        sampling += [reqs[f.req_id] for f in so.forked_reqs if reqs[f.req_id].structured is not None]
+        """Fills the step's bitmask rows of the constrained sequences that sample this step (the
+        structured requests only; finished ones are dropped from the table here)."""
+        scheduled, forked = so.num_scheduled_tokens, {f.req_id for f in so.forked_reqs}
+        sampling = []
+        for rid, r in list(self._structured.items()):
+            if r.is_finished:
+                del self._structured[rid]
+            elif rid in forked or (rid in scheduled and r.num_computed_tokens >= r.num_tokens):
+                sampling.append(r)
         if sampling:
             mask = self.structured.grammar_bitmask(sampling)
             if mask is not None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 from typing import Any
 
 import torch
@@ -26,8 +25,6 @@ from pagedllm.structured_output.schema import (
     without_additional_properties,
     xgrammar_unsupported,
 )
-
-BACKENDS = ("xgrammar", "guidance")
 
 
 _LOCATION = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
@@ -250,7 +247,6 @@ class GuidanceBackend(GrammarBackend):
         self._fill = llguidance.torch.fill_next_token_bitmask_par
         self.lltokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=stop_token_ids)
         self.executor = llg.LLExecutor(1)
-        self._lock = threading.Lock()
 
     @classmethod
     def unsupported(cls, sop: StructuredOutputsParams) -> str | None:

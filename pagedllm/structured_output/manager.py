@@ -23,7 +23,9 @@ import json
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -82,14 +84,15 @@ class StructuredRequest:
     """One sequence's structured-output state: its grammar (compiling or compiled), its matcher,
     and where it is relative to a reasoning model's thinking."""
 
-    __slots__ = ("future", "backend", "matcher", "in_reasoning", "thinking_tokens", "budget", "end_token_id",
+    __slots__ = ("future", "backend", "new_matcher", "matcher", "in_reasoning", "thinking_tokens", "budget", "end_token_id",
                  "reasoner", "error", "complete", "stop_token_ids", "ignore_eos")
 
-    def __init__(self, future: Future | None, backend: GrammarBackend | None, in_reasoning: bool,
-                 budget: int | None, end_token_id: int | None, reasoner: Any, stop_token_ids: list[int],
-                 ignore_eos: bool = False) -> None:
+    def __init__(self, future: Future | None, backend: str | None, new_matcher: Callable[[Any], Matcher] | None,
+                 in_reasoning: bool, budget: int | None, end_token_id: int | None, reasoner: Any,
+                 stop_token_ids: list[int], ignore_eos: bool = False) -> None:
         self.future = future
-        self.backend = backend
+        self.backend = backend  # the backend's name
+        self.new_matcher = new_matcher  # compiled grammar -> Matcher (the backend is built on first use)
         self.matcher: Matcher | None = None
         self.in_reasoning = in_reasoning
         self.thinking_tokens = 0
@@ -122,8 +125,8 @@ class StructuredRequest:
         return None if e is None else f"cannot compile the structured output: {e}"
 
     def _get_matcher(self) -> Matcher | None:
-        if self.matcher is None and self.future is not None and self.backend is not None:
-            self.matcher = self.backend.matcher(self.future.result())
+        if self.matcher is None and self.future is not None and self.new_matcher is not None:
+            self.matcher = self.new_matcher(self.future.result())
         return self.matcher
 
     def forces_end_of_thinking(self) -> bool:
@@ -231,19 +234,22 @@ class StructuredOutputManager:
         reasoner = self.reasoner() if (sop is not None or budget is not None) else None
         if sop is None and (budget is None or reasoner is None):
             return
-        future = backend = None
+        future = name = new_matcher = None
         if sop is not None:
             name = sop._backend or choose_backend(sop, self.so_config.backend)
             future = self._compile(sop, name)
-            backend = self._backends.get(name) or _LazyBackend(self, name)  # type: ignore[assignment]
+            new_matcher = partial(self._new_matcher, name)
         in_reasoning = reasoner is not None and not (sop is not None and self.so_config.enable_in_reasoning) and not (
             _prompt_closes_thinking(reasoner, req.prompt_token_ids))
         if budget is not None and not in_reasoning:
             budget = None
         end_id = getattr(reasoner, "end_token_id", None) if reasoner is not None else None
         stop = sorted(req.eos_token_ids) or sorted(self.config.model_config.eos_token_ids)
-        req.structured = StructuredRequest(future, backend, in_reasoning, budget, end_id, reasoner,  # type: ignore[arg-type]
-                                           stop, params.ignore_eos)
+        req.structured = StructuredRequest(future, name, new_matcher, in_reasoning, budget, end_id, reasoner, stop,
+                                           params.ignore_eos)
+
+    def _new_matcher(self, backend: str, compiled: Any) -> Matcher:
+        return self.backend(backend).matcher(compiled)
 
     def grammar_bitmask(self, sampling: list[Request]) -> tuple[torch.Tensor, dict[str, int]] | None:
         """The bitmask rows of this step's constrained sequences among `sampling` (the requests that
@@ -258,13 +264,12 @@ class StructuredOutputManager:
             row = rows[req.request_id] = len(rows)
             if s.complete:
                 forced.append((row, s.stop_token_ids))
-                continue
-            if s.forces_end_of_thinking():
+            elif s.in_reasoning:  # constrained while thinking only to end it (thinking_token_budget)
                 forced.append((row, [s.end_token_id]))  # type: ignore[list-item]
-                continue
-            matcher = s._get_matcher()
-            assert matcher is not None and s.backend is not None
-            by_backend.setdefault(s.backend.name, []).append((matcher, row))
+            else:
+                matcher = s._get_matcher()
+                assert matcher is not None and s.backend is not None
+                by_backend.setdefault(s.backend, []).append((matcher, row))
         if not rows:
             return None
         bitmask = torch.full((len(rows), self.words), -1, dtype=torch.int32)
@@ -301,13 +306,3 @@ def _bit(i: int) -> int:
     v = 1 << i
     return v - (1 << 32) if v >= 1 << 31 else v
 
-
-class _LazyBackend:
-    """A backend named before it exists (it is built on the compile thread on first use)."""
-
-    def __init__(self, manager: StructuredOutputManager, name: str) -> None:
-        self.manager = manager
-        self.name = name
-
-    def matcher(self, compiled: Any) -> Matcher:
-        return self.manager.backend(self.name).matcher(compiled)
