@@ -5,12 +5,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "EngineArgs", "LLMEngine", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "EngineArgs", "LLMEngine", "LoRARequest", "__version__"]
 
 if TYPE_CHECKING:
     from pagedllm.engine.arg_utils import EngineArgs
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.llm import LLM
+    from pagedllm.lora.request import LoRARequest
     from pagedllm.outputs import CompletionOutput, RequestOutput
     from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -22,6 +23,7 @@ _LAZY = {
     "CompletionOutput": "pagedllm.outputs",
     "EngineArgs": "pagedllm.engine.arg_utils",
     "LLMEngine": "pagedllm.engine.llm_engine",
+    "LoRARequest": "pagedllm.lora.request",
 }
 
 

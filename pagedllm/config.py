@@ -337,6 +337,36 @@ class StructuredOutputsConfig:
             )
 
 
+LORA_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Batched LoRA serving (docs/lora.md): adapters resident in one step, their padded rank, the
+    adapters kept loaded in host memory, and their dtype."""
+
+    max_loras: int = 1
+    """Distinct adapters in one step (the layers' LoRA slots)."""
+    max_lora_rank: int = 16
+    """Largest adapter rank; every slot is padded to it."""
+    max_cpu_loras: int | None = None
+    """Adapters kept loaded in host memory, least recently used dropped first (None: max_loras)."""
+    lora_dtype: str = "auto"
+    """The adapters' dtype (auto: the model's compute dtype)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_cpu_loras is None:
+            object.__setattr__(self, "max_cpu_loras", self.max_loras)
+        elif self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras={self.max_cpu_loras} must be at least max_loras={self.max_loras}")
+        if self.lora_dtype not in LORA_DTYPES:
+            raise ValueError(f"lora_dtype must be one of {LORA_DTYPES}, got {self.lora_dtype!r}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
@@ -345,3 +375,5 @@ class EngineConfig:
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    lora_config: LoRAConfig | None = None
+    """Set where LoRA adapters are served (--enable-lora)."""

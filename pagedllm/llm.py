@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.tokenizer import TokenizerWrapper
@@ -45,6 +46,7 @@ class LLM:
         priority: Sequence[int] | None = None,
         user: Sequence[str | None] | None = None,
         cache_salt: Sequence[str | None] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         prompt_list = self._as_prompt_list(prompts)
         n = len(prompt_list)
@@ -54,12 +56,13 @@ class LLM:
         prio = self._per_prompt(priority, n, "priority") if priority is not None else [0] * n
         users = self._per_prompt(user, n, "user") if user is not None else [None] * n
         salts = self._per_prompt(cache_salt, n, "cache_salt") if cache_salt is not None else [None] * n
+        loras = self._per_prompt(lora_request, n, "lora_request")
         ids = []
         try:
             for i, prompt in enumerate(prompt_list):
                 rid = str(next(self._counter))
                 self.llm_engine.add_request(rid, prompt, params_list[i], priority=prio[i], user=users[i],
-                                            cache_salt=salts[i])
+                                            cache_salt=salts[i], lora_request=loras[i])
                 ids.append(rid)
         except ValueError:
             self.llm_engine.abort_request(ids)  # reject the batch as a whole: nothing half-queued stays

@@ -106,7 +106,9 @@ class KVCacheManager:
         tokens = request.all_token_ids
         while (len(hashes) + 1) * bs <= len(tokens):
             i = len(hashes)
-            extra = (request.cache_salt,) if i == 0 and request.cache_salt else ()
+            # The first block's key names the salt and the LoRA adapter: the rest chain from it.
+            extra = ((request.cache_salt,) if request.cache_salt else ()) + (
+                (f"lora:{request.lora_int_id}",) if request.lora_int_id else ()) if i == 0 else ()
             parent = hashes[-1] if hashes else None
             hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], extra))
 

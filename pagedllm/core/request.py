@@ -58,6 +58,7 @@ class Request:
         user: str | None = None,
         cache_salt: str | None = None,
         max_tokens: int | None = None,
+        lora_request: tuple[str, int, str] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -67,6 +68,9 @@ class Request:
         self.priority = priority
         self.user = user
         self.cache_salt = cache_salt
+        # The LoRA adapter (name, id, folder) it runs with; None: the base model.
+        self.lora_request = tuple(lora_request) if lora_request else None
+        self.lora_int_id = int(lora_request[1]) if lora_request else 0
         # Resolved limit on generated tokens (the engine fills in max_model_len - prompt when unset).
         self.max_tokens = max_tokens if max_tokens is not None else (sampling_params.max_tokens or 1)
 

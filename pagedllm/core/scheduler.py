@@ -119,6 +119,8 @@ class Scheduler:
         self._forget: dict[str, bool] = {}
         self.num_preemptions = 0
         self.num_preemptions_by_mode = {"recompute": 0, "swap": 0}
+        # Distinct LoRA adapters the running requests may use at once (--max-loras; 0: no LoRA).
+        self.max_loras = 0
 
     # ---- admission ------------------------------------------------------------------------
     def check_request(self, request: Request) -> None:
@@ -301,12 +303,22 @@ class Scheduler:
                 candidates = [r for r in candidates if r.request_id not in skip]
             # A request whose grammar is still compiling waits; the others go on.
             candidates = [r for r in candidates if r.structured is None or r.structured.ready]
+            if self.max_loras:
+                candidates = self._lora_admissible(candidates)
             if not candidates:
                 break
             req = self.policy.next_waiting(candidates)
             if not self._admit(req, step):
                 break
             skip.update(r.request_id for r in step.preempted)
+
+    def _lora_admissible(self, candidates: list[Request]) -> list[Request]:
+        """The candidates whose LoRA adapter can run beside the running requests' (at most
+        max_loras distinct adapters run at once); the others wait without blocking these."""
+        active = {r.lora_int_id for r in self.running if r.lora_int_id}
+        if len(active) < self.max_loras:
+            return candidates
+        return [r for r in candidates if not r.lora_int_id or r.lora_int_id in active]
 
     def _admit(self, req: Request, step: _Step) -> bool:
         """Admits (or resumes) one request, displacing running ones if its policy allows."""
@@ -385,6 +397,7 @@ class Scheduler:
                         eos_token_ids=req.eos_token_ids,
                         block_ids=self.kv.get_block_ids(rid),
                         num_computed_tokens=req.num_computed_tokens,
+                        lora_request=req.lora_request,
                     )
                 )
                 ordered[rid] = n

@@ -20,6 +20,8 @@ class NewRequestData:
     eos_token_ids: set[int] | frozenset[int]
     block_ids: list[int]
     num_computed_tokens: int
+    # The LoRA adapter it runs with: (name, id, folder), or None for the base model.
+    lora_request: tuple[str, int, str] | None = None
 
 
 @dataclass

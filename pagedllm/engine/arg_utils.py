@@ -18,6 +18,7 @@ from pagedllm.config import (
     DTYPES,
     EXECUTOR_BACKENDS,
     KV_CACHE_DTYPES,
+    LORA_DTYPES,
     PREEMPTION_MODES,
     QUANTIZATION_GROUP_SIZES,
     QUANTIZATION_METHODS,
@@ -26,6 +27,7 @@ from pagedllm.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     QuantizationConfig,
@@ -133,6 +135,7 @@ def parse_layer_partition(text: str | list[int] | tuple[int, ...]) -> tuple[int,
 # one declaration each (pagedllm/config.py).
 _CACHE = CacheConfig
 _SCHED = SchedulerConfig
+_LORA = LoRAConfig
 
 
 def arg(
@@ -240,6 +243,12 @@ class EngineArgs:
     pipeline_layer_partition: tuple[int, ...] | None = arg(
         None, "decoder layers per pipeline stage, e.g. 16,14 (default: even split)", parse=parse_layer_partition,
         shown_default="even")
+    enable_lora: bool = arg(False, "serve LoRA adapters (docs/lora.md): requests name one, batches mix them")
+    max_loras: int = arg(_LORA.max_loras, "LoRA: distinct adapters in one step", parse=int)
+    max_lora_rank: int = arg(_LORA.max_lora_rank, "LoRA: largest adapter rank (every slot is padded to it)", parse=int)
+    max_cpu_loras: int | None = arg(None, "LoRA: adapters kept loaded in host memory, least recently used "
+                                    "dropped first", parse=int, shown_default="--max-loras")
+    lora_dtype: str = arg(_LORA.lora_dtype, "LoRA: the adapters' dtype (auto: the compute dtype)", choices=LORA_DTYPES)
 
     def __post_init__(self) -> None:
         # Values given from Python go through the same parsers as the command line, so
@@ -422,4 +431,14 @@ class EngineArgs:
 
             get_reasoning_parser(self.reasoning_parser)  # names the known parsers if unknown
             so_config = dataclasses.replace(so_config, reasoning_parser=self.reasoning_parser)
-        return EngineConfig(model_config, cache_config, scheduler_config, device_config, parallel_config, so_config)
+        return EngineConfig(model_config, cache_config, scheduler_config, device_config, parallel_config, so_config,
+                            self._lora_config(parallel_config))
+
+    def _lora_config(self, parallel_config: ParallelConfig) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        if parallel_config.pipeline_parallel_size > 1:
+            raise ValueError(f"enable_lora=True runs with pipeline_parallel_size=1, got "
+                             f"{parallel_config.pipeline_parallel_size} (tensor parallel is supported)")
+        return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank,
+                          max_cpu_loras=self.max_cpu_loras, lora_dtype=self.lora_dtype)

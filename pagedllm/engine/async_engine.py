@@ -25,6 +25,7 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.processor import Processor
 from pagedllm.engine.state_feed import StateFeed
 from pagedllm.engine.stats import IterationStats
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import TokenizerWrapper
@@ -179,6 +180,7 @@ class AsyncLLMEngine:
         priority: int = 0,
         user: str | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Streams the request's outputs; raises ValueError (bad input), EngineOverloadedError or
         EngineDeadError. Leaving the iteration early aborts the request."""
@@ -188,7 +190,7 @@ class AsyncLLMEngine:
                 f"the waiting queue is full ({self.max_queued_requests} requests); retry later"
             )
         text, req = self.processor.make_request(
-            request_id, prompt, sampling_params, self.output_processor, None, priority, user, cache_salt
+            request_id, prompt, sampling_params, self.output_processor, None, priority, user, cache_salt, lora_request
         )
         self.start()
         stream: asyncio.Queue = asyncio.Queue()

@@ -98,6 +98,7 @@ class EngineCore:
         self.preemption_costs = self._measure_preemption_costs() if sc.preemption_mode == "auto" else None
         kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, num_swap_blocks)
         self.scheduler = Scheduler(sc, kv, self.preemption_costs)
+        self.scheduler.max_loras = config.lora_config.max_loras if config.lora_config is not None else 0
         self.structured = StructuredOutputManager(config)
         # Requests whose grammar is compiling (waiting in the scheduler until it is ready), and every
         # unfinished request with structured-output state (the step's bitmask looks at these only).
@@ -175,7 +176,7 @@ class EngineCore:
         eos = self.model_config.eos_token_ids
         requests = [
             Request(sid, req.prompt_token_ids, child_params[i], eos, req.arrival_time, req.priority, req.user,
-                    req.cache_salt, req.max_tokens)
+                    req.cache_salt, req.max_tokens, req.lora_request)
             for i, sid in enumerate(req.seq_ids)
         ]
         if params.structured_outputs is not None or params.thinking_token_budget is not None:

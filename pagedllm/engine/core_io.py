@@ -31,6 +31,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     priority: int = 0
     user: str | None = None
     cache_salt: str | None = None
+    lora_request: tuple[str, int, str] | None = None
+    """The LoRA adapter (name, id, folder), checked by the front end; None: the base model."""
 
     @staticmethod
     def params_to_wire(params: SamplingParams) -> dict[str, Any]:

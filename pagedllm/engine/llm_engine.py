@@ -17,6 +17,7 @@ from pagedllm.engine.core import EngineCore
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.processor import Processor, PromptType
 from pagedllm.engine.stats import IterationStats
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import TokenizerWrapper
@@ -71,11 +72,12 @@ class LLMEngine:
         priority: int = 0,
         user: str | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Validates and queues a request; raises ValueError (queuing nothing) on bad input."""
         params = params or SamplingParams()
         text, req = self.processor.make_request(
-            request_id, prompt, params, self.output_processor, arrival_time, priority, user, cache_salt
+            request_id, prompt, params, self.output_processor, arrival_time, priority, user, cache_salt, lora_request
         )
         self.output_processor.add_request(request_id, text, req.prompt_token_ids, params, req.arrival_time, priority)
         self.core.add_request(req)

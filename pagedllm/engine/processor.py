@@ -27,6 +27,7 @@ class Processor:
         self.tokenizer = tokenizer
         self.num_blocks = num_blocks
         self._reasoner: Any = None
+        self.lora_checker: Any = None  # pagedllm.lora.registry.LoRAChecker, made on the first adapter
 
     def tokenize_prompt(self, prompt: PromptType, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         """(text, token ids) of a prompt, validated against the vocabulary."""
@@ -94,6 +95,7 @@ class Processor:
         priority: int = 0,
         user: str | None = None,
         cache_salt: str | None = None,
+        lora_request: Any = None,
     ) -> tuple[str | None, EngineCoreRequest]:
         """Validates everything about a request; raises ValueError and changes nothing on bad input.
         `in_use` holds the ids of requests and of their samples already in flight."""
@@ -105,6 +107,12 @@ class Processor:
         text, ids = self.tokenize_prompt(prompt)
         params.verify_vocab(self.model_config.vocab_size)
         self.check_structured_outputs(params)
+        if lora_request is not None:
+            if self.lora_checker is None:
+                from pagedllm.lora.registry import LoRAChecker
+
+                self.lora_checker = LoRAChecker(self.config)
+            self.lora_checker.check(lora_request)
         max_len = self.model_config.max_model_len
         max_tokens = params.max_tokens if params.max_tokens is not None else max(max_len - len(ids), 1)
         cc = self.config.cache_config
@@ -119,5 +127,6 @@ class Processor:
             priority=priority,
             user=user,
             cache_salt=cache_salt,
+            lora_request=lora_request.to_wire() if lora_request is not None else None,
         )
         return text, req

@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from pagedllm.config import CacheConfig, DeviceConfig, ModelConfig
+from pagedllm.config import CacheConfig, DeviceConfig, LoRAConfig, ModelConfig
 from pagedllm.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -15,10 +15,11 @@ logger = logging.getLogger(__name__)
 
 class InProcessExecutor:
     def __init__(
-        self, model_config: ModelConfig, cache_config: CacheConfig, device_config: DeviceConfig | None = None
+        self, model_config: ModelConfig, cache_config: CacheConfig, device_config: DeviceConfig | None = None,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         torch.manual_seed(model_config.seed)
-        self.runner = ModelRunner(model_config, cache_config, device_config)
+        self.runner = ModelRunner(model_config, cache_config, device_config, lora_config=lora_config)
         self.runner.load_model()
 
     def determine_num_blocks(self) -> int:

@@ -20,7 +20,7 @@ from pagedllm import envs
 from pagedllm.attention.backend import TritonAttentionBackend, select_attention_backend
 from pagedllm.attention.cpu_kernel import dense_thresholds
 from pagedllm.attention.metadata import ForwardContext
-from pagedllm.config import CacheConfig, DeviceConfig, ModelConfig
+from pagedllm.config import CacheConfig, DeviceConfig, LoRAConfig, ModelConfig
 from pagedllm.distributed.parallel_state import ParallelContext
 from pagedllm.core.scheduler_output import Logprobs, ModelRunnerOutput, SchedulerOutput
 from pagedllm.layers.attention import Attention
@@ -83,8 +83,11 @@ class ModelRunner:
         cache_config: CacheConfig,
         device_config: DeviceConfig | None = None,
         parallel: ParallelContext | None = None,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         self.model_config = model_config
+        self.lora_config = lora_config
+        self.lora: Any = None  # the LoRA slots and adapters (pagedllm/lora/manager.py), with --enable-lora
         # This rank's place among the tensor/pipeline-parallel ranks (a single rank by default).
         self.parallel = parallel or ParallelContext()
         self.cache_config = cache_config
@@ -198,6 +201,10 @@ class ModelRunner:
             self._weight_arena = move_weights_to_huge_pages(model)
             trim_heap()  # the loaded copies' pages, freed into a heap that keeps its free pages
         model.eval()
+        if self.lora_config is not None:
+            from pagedllm.lora.manager import LoRAManager
+
+            self.lora = LoRAManager(model, self.lora_config, self.dtype, self.device)
         attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
         for layer in attn_layers:
             layer.context, layer.backend = self.forward_context, self.attn_backend
@@ -322,7 +329,8 @@ class ModelRunner:
         rows = self.input_batch.rows_of(req_ids)
         counts = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
         batch = self.input_batch.prepare(rows, counts, self.model_config.sliding_window, **self.batch_options)
-        return PreparedStep(so, req_ids, rows, counts, batch)
+        lora = self.lora is not None and self.lora.prepare(req_ids, batch.query_start_loc)
+        return PreparedStep(so, req_ids, rows, counts, batch, lora=lora)
 
     def _generator(self, req_id: str, params: Any) -> torch.Generator | None:
         """The request's generator, created on first sight (kept across a preemption)."""
@@ -337,6 +345,8 @@ class ModelRunner:
         ib = self.input_batch
         for rid in so.finished_req_ids:
             ib.remove(rid)
+            if self.lora is not None:
+                self.lora.remove_request(rid)
         for rid in so.finished_req_ids - so.preempted_req_ids:
             self.generators.pop(rid, None)
             self.prompt_logprobs_done.pop(rid, None)
@@ -345,6 +355,8 @@ class ModelRunner:
             ib.add(new.req_id, list(new.prompt_token_ids) + list(new.output_token_ids), len(new.prompt_token_ids),
                    new.block_ids, new.num_computed_tokens, params, self._generator(new.req_id, params),
                    new.eos_token_ids)
+            if self.lora is not None:
+                self.lora.add_request(new.req_id, new.lora_request)
         index = ib.req_index
         for cached in so.cached_reqs:
             i = index[cached.req_id]
@@ -364,6 +376,8 @@ class ModelRunner:
             parent = ib.req_index[f.parent_id]
             child = ib.fork(parent, f.req_id, f.block_ids, f.sampling_params,
                             self._generator(f.req_id, f.sampling_params))
+            if self.lora is not None:
+                self.lora.fork(f.parent_id, f.req_id)
             out.append((index[parent], child))
         return out
 

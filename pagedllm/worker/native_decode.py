@@ -121,6 +121,7 @@ def _linear_layout(lin: nn.Module, dtype: torch.dtype
     )
 
     qm = lin.quant_method
+    qm = getattr(qm, "base_method", qm)  # under a LoRA wrapper: the base layer (adapter steps run eager)
     if type(qm) is UnquantizedLinearMethod:
         if lin.weight.dtype != dtype:
             return f"a linear weight in {lin.weight.dtype}"

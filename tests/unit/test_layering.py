@@ -20,7 +20,7 @@ LAYERS: list[set[str]] = [
     {"attention"},
     {"quantization"},
     {"layers"},
-    {"models"},
+    {"models", "lora"},
     {"worker"},
     {"executor", "structured_output"},
     {"engine"},

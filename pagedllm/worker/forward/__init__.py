@@ -43,6 +43,8 @@ class ForwardPaths:
         """The path this step takes."""
         if self.pipeline is not None:
             return self.pipeline
+        if (self.cuda_graph is None and self.native is None) or step.lora:
+            return self.eager  # adapter rows run through the torch layers
         if self.cuda_graph is not None:
             return self.cuda_graph
         native = self.native

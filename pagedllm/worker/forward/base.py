@@ -24,6 +24,8 @@ class PreparedStep:
     batch: BatchArrays
     grammar_masked: bool = False
     """Set by a head path that applied the step's structured-output bitmask to what it returns."""
+    lora: bool = False
+    """Some rows run with a LoRA adapter (the torch layers apply it: eager or pipeline path only)."""
 
 
 class ForwardPath:

@@ -1,0 +1,141 @@
+"""The worker's adapters: every linear layer's LoRA slots (`--max-loras` of them, each padded to
+`--max-lora-rank`), a CPU cache of loaded adapters in slot layout (`--max-cpu-loras`, least
+recently used dropped first and read again from its folder when next needed), the adapter of each
+request it holds, and once per step the rows of each adapter in the batch."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagedllm.config import LoRAConfig
+from pagedllm.lora.layers import LoRALinearMethod, LoRAStep
+from pagedllm.lora.layout import lay_out, lora_target_layers
+from pagedllm.lora.peft import read_peft_adapter
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+AdapterWeights = dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+def lora_dtype(config: LoRAConfig, model_dtype: torch.dtype) -> torch.dtype:
+    """The adapters' dtype: --lora-dtype, or the model's compute dtype for auto."""
+    return model_dtype if config.lora_dtype == "auto" else _DTYPES[config.lora_dtype]
+
+
+class LoRAManager:
+    def __init__(self, model: nn.Module, config: LoRAConfig, model_dtype: torch.dtype, device: torch.device) -> None:
+        self.model = model
+        self.config = config
+        self.device = device
+        self.dtype = lora_dtype(config, model_dtype)
+        self.step = LoRAStep()
+        self.layers = lora_target_layers(model)
+        self.methods: dict[str, LoRALinearMethod] = {}
+        for name, layer in self.layers.items():
+            method = LoRALinearMethod(layer.quant_method, layer, self.step, config.max_loras, config.max_lora_rank,
+                                      self.dtype)
+            layer.quant_method = method
+            self.methods[name] = method
+        self.cpu_cache: OrderedDict[int, AdapterWeights] = OrderedDict()
+        self.slots: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, least recently used first
+        self.req_lora: dict[str, tuple[int, str]] = {}  # req_id -> (adapter id, folder)
+        self.num_loads = 0
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(self, req_id: str, lora: Sequence | None) -> None:
+        """Records a request's adapter ((name, id, path) as the scheduler sends it, or None)."""
+        if lora:
+            self.req_lora[req_id] = (int(lora[1]), str(lora[2]))
+        else:
+            self.req_lora.pop(req_id, None)
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        if parent_id in self.req_lora:
+            self.req_lora[child_id] = self.req_lora[parent_id]
+
+    def remove_request(self, req_id: str) -> None:
+        self.req_lora.pop(req_id, None)
+
+    # ---- adapters -------------------------------------------------------------------------
+    def _weights(self, lora_id: int, path: str) -> AdapterWeights:
+        w = self.cpu_cache.get(lora_id)
+        if w is not None:
+            self.cpu_cache.move_to_end(lora_id)
+            return w
+        t0 = time.perf_counter()
+        adapter = read_peft_adapter(path, self.config.max_lora_rank)
+        w = lay_out(adapter, self.model, self.config.max_lora_rank, self.dtype, self.layers)
+        self.num_loads += 1
+        logger.info("Loaded LoRA adapter %d from %s (rank %d, %d layers) in %.0f ms", lora_id, path, adapter.rank,
+                    len(w), (time.perf_counter() - t0) * 1e3)
+        self.cpu_cache[lora_id] = w
+        while len(self.cpu_cache) > self.config.max_cpu_loras:
+            self.cpu_cache.popitem(last=False)
+        return w
+
+    def _slot(self, lora_id: int, path: str, needed: set[int]) -> int:
+        slot = self.slots.get(lora_id)
+        if slot is not None:
+            self.slots.move_to_end(lora_id)
+            return slot
+        used = set(self.slots.values())
+        free = [s for s in range(self.config.max_loras) if s not in used]
+        if free:
+            slot = free[0]
+        else:
+            victim = next((i for i in self.slots if i not in needed), None)
+            if victim is None:
+                raise ValueError(f"a step holds more than max_loras={self.config.max_loras} adapters")
+            slot = self.slots.pop(victim)
+        weights = self._weights(lora_id, path)
+        for name, method in self.methods.items():
+            method.set_slot(slot, weights.get(name))
+        self.slots[lora_id] = slot
+        return slot
+
+    # ---- the step -------------------------------------------------------------------------
+    def prepare(self, req_ids: Sequence[str], query_start_loc: np.ndarray) -> bool:
+        """Groups this step's token rows by adapter slot (requests in batch order, request i's
+        tokens at rows query_start_loc[i]:query_start_loc[i + 1]); True when any row has an adapter."""
+        rows: dict[int, list[tuple[int, int]]] = {}
+        paths: dict[int, str] = {}
+        get = self.req_lora.get
+        for i, rid in enumerate(req_ids):
+            lora = get(rid)
+            if lora is not None:
+                rows.setdefault(lora[0], []).append((int(query_start_loc[i]), int(query_start_loc[i + 1])))
+                paths[lora[0]] = lora[1]
+        if not rows:
+            self.step.groups = ()
+            return False
+        needed = set(rows)
+        groups = []
+        for lora_id, spans in rows.items():
+            slot = self._slot(lora_id, paths[lora_id], needed)
+            merged = _merge(spans)
+            if len(merged) == 1:
+                idx: slice | torch.Tensor = slice(*merged[0])
+            else:
+                idx = torch.from_numpy(np.concatenate([np.arange(a, b) for a, b in merged])).to(self.device)
+            groups.append((slot, idx))
+        self.step.groups = tuple(groups)
+        return True
+
+
+def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for a, b in spans:
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
