@@ -84,6 +84,9 @@ _VARS: tuple[EnvVar, ...] = (
     EnvVar("PAGEDLLM_CHAOS_SEED", int, 20261201,
            "seed of the chaos tests' request storm (tests/integration/test_server_chaos.py; `bench chaos` sets it)"),
     EnvVar("PAGEDLLM_CHAOS_REQUESTS", int, 300, "requests in the chaos tests' storm (`bench chaos` raises it)"),
+    EnvVar("PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING", _bool, False,
+           "1 adds POST /v1/load_lora_adapter and /v1/unload_lora_adapter to the server (vLLM's "
+           "VLLM_ALLOW_RUNTIME_LORA_UPDATING; behind --api-key)"),
 )
 
 VARIABLES: dict[str, EnvVar] = {v.name: v for v in _VARS}

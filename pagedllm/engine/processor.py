@@ -78,6 +78,14 @@ class Processor:
                     f"{parser.end_text!r}, so the thinking cannot be ended by forcing it"
                 )
 
+    def check_lora(self, lora_request: Any) -> None:
+        """Raises ValueError for a LoRA adapter the engine cannot serve (pagedllm/lora/registry.py)."""
+        if self.lora_checker is None:
+            from pagedllm.lora.registry import LoRAChecker
+
+            self.lora_checker = LoRAChecker(self.config)
+        self.lora_checker.check(lora_request)
+
     def _reasoning_parser(self) -> Any:
         if self._reasoner is None:
             from pagedllm.reasoning import get_reasoning_parser
@@ -108,11 +116,7 @@ class Processor:
         params.verify_vocab(self.model_config.vocab_size)
         self.check_structured_outputs(params)
         if lora_request is not None:
-            if self.lora_checker is None:
-                from pagedllm.lora.registry import LoRAChecker
-
-                self.lora_checker = LoRAChecker(self.config)
-            self.lora_checker.check(lora_request)
+            self.check_lora(lora_request)
         max_len = self.model_config.max_model_len
         max_tokens = params.max_tokens if params.max_tokens is not None else max(max_len - len(ids), 1)
         cc = self.config.cache_config

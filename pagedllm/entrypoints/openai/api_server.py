@@ -44,6 +44,7 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.anthropic import protocol as anthropic_protocol
 from pagedllm.entrypoints.anthropic.serving import add_messages_routes
+from pagedllm.entrypoints.openai.lora import LoRAAdapters, add_lora_routes
 from pagedllm.entrypoints.openai.json_body import lone_surrogate
 from pagedllm.entrypoints.openai.responses.serving import add_responses_routes
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -229,6 +230,7 @@ def build_app(
     tool_call_parser: str | None = None,
     enable_ui: bool = True,
     responses_store_size: int = 1000,
+    lora_modules: list[Any] | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `async_engine` (which the caller starts and shuts down)."""
     mc, cc = async_engine.model_config, async_engine.config.cache_config
@@ -242,6 +244,7 @@ def build_app(
         async_engine.stat_loggers.append(stat_logger)
     prometheus = stat_logger
     state = ServerState()
+    state.loras = LoRAAdapters.create(async_engine, names, lora_modules)  # None without --enable-lora
     completions = OpenAIServingCompletion(async_engine, names, max_logprobs, chat_template, state)
     chat = OpenAIServingChat(async_engine, names, max_logprobs, chat_template, state,
                              enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser)
@@ -300,12 +303,15 @@ def build_app(
     @app.get("/v1/models")
     async def list_models() -> Response:
         cards = [ModelCard(id=n, root=mc.path, max_model_len=mc.max_model_len) for n in names]
+        cards += state.loras.cards(ModelCard, mc.max_model_len) if state.loras is not None else []
         return Response(ModelList(data=cards).model_dump_json(), media_type="application/json")
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> Response:
         name = base.model_name(model_id)
-        card = ModelCard(id=name, root=mc.path, max_model_len=mc.max_model_len)
+        cards = state.loras.cards(ModelCard, mc.max_model_len) if state.loras is not None else []
+        card = next((c for c in cards if c.id == name), None) or ModelCard(id=name, root=mc.path,
+                                                                           max_model_len=mc.max_model_len)
         return Response(card.model_dump_json(), media_type="application/json")
 
     @app.post("/tokenize")
@@ -363,6 +369,8 @@ def build_app(
         # Only what the engine core pushed with its outputs: a scrape never waits on the engine.
         return Response(generate_latest(prometheus.registry), media_type=CONTENT_TYPE_LATEST)
 
+    if state.loras is not None:
+        add_lora_routes(app, state.loras)
     if enable_ui:  # the page at / and its engine feed (entrypoints/web)
         from pagedllm.entrypoints.web.routes import add_ui_routes
 
@@ -546,6 +554,7 @@ def _serve(
         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
         tool_call_parser=getattr(args, "tool_call_parser", None),
         enable_ui=not getattr(args, "disable_ui", False),
+        lora_modules=getattr(args, "lora_modules", None),
     )
     if not api_keys and args.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s without --api-key: anyone who can reach it can use it", args.host)

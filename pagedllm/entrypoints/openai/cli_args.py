@@ -11,6 +11,15 @@ from typing import Any
 KEEP_ALIVE_S = 20.0
 
 
+def _lora_module(text: str) -> Any:
+    from pagedllm.entrypoints.openai.lora import parse_lora_module
+
+    try:
+        return parse_lora_module(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     from pagedllm.engine.arg_utils import EngineArgs, parse_size
 
@@ -26,6 +35,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--api-key", action="append", default=None,
                    help="key clients must send as 'Authorization: Bearer <key>' (repeatable; "
                         "default: the PAGEDLLM_API_KEY environment variable, if set)")
+    g.add_argument("--lora-modules", nargs="+", default=None, type=_lora_module, metavar="NAME=PATH",
+                   help="LoRA adapters served by name (with --enable-lora): name=path or JSON "
+                        '{"name": ..., "path": ..., "base_model_name": ...}')
     g.add_argument("--max-queued-requests", type=int, default=None,
                    help="most requests waiting for the engine; more are answered 429 (default: no limit)")
     g.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs / top_logprobs a request may ask")

@@ -67,12 +67,14 @@ class EngineCall:
         priority: int = 0,
         user: str | None = None,
         cache_salt: str | None = None,
+        lora_request: Any = None,
     ) -> list[RequestOutput]:
         for i, p in enumerate(prompts):
             rid = f"{self.base_id}-{i}"
             self.request_ids.append(rid)
             self._gens.append(
-                self.engine.generate(p.as_engine_input(), params.clone(), rid, priority, user, cache_salt)
+                self.engine.generate(p.as_engine_input(), params.clone(), rid, priority, user, cache_salt,
+                                     lora_request)
             )
         results = await asyncio.gather(*(g.__anext__() for g in self._gens), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -69,6 +70,8 @@ class ServerState:
     graceful shutdown does not wait for long generations."""
 
     shutting_down: bool = False
+    loras: Any = None
+    """The served LoRA adapters by name (entrypoints/openai/lora.py's LoRAAdapters), with --enable-lora."""
 
 
 def shutting_down_error() -> OpenAIError:

@@ -74,12 +74,15 @@ class OpenAIServing:
 
     # ---- checks ---------------------------------------------------------------------------
     def model_name(self, requested: str | None) -> str:
+        """The served name a request asks for: the base model's or a LoRA adapter's (404 otherwise)."""
         if requested is None or requested == "":
             return self.served_model_names[0]
-        if requested not in self.served_model_names:
+        loras = self.state.loras
+        if requested not in self.served_model_names and (loras is None or loras.get(requested) is None):
+            available = self.served_model_names + (list(loras.by_name) if loras is not None else [])
             raise OpenAIError(
                 404,
-                f"The model `{requested}` does not exist. Available: {', '.join(self.served_model_names)}",
+                f"The model `{requested}` does not exist. Available: {', '.join(available)}",
                 type="not_found_error",
                 param="model",
                 code="model_not_found",
@@ -216,12 +219,16 @@ class OpenAIServing:
         a client gone meanwhile gets 499 and its requests are aborted. Then either stream server-sent
         events from `stream` (an error mid-stream becomes an error event; [DONE] ends every stream)
         or wait for the final outputs and answer with `respond`."""
+        model = getattr(body, "model", None)
+        lora = self.state.loras.get(model) if self.state.loras is not None else None
+        if model and lora is None:
+            self.model_name(model)  # 404 for a name unloaded since the request's check
         call = EngineCall(self.async_engine, request_id, self.state)
         try:
             firsts = await await_unless_disconnected(
                 raw_request,
                 self.async_engine,
-                call.start(prompts, params, body.priority, body.user, body.cache_salt),
+                call.start(prompts, params, body.priority, body.user, body.cache_salt, lora),
                 self.state,
             )
         except ClientDisconnected:
