@@ -1,4 +1,4 @@
-"""`pagedllm serve | generate | chat | bench`."""
+"""`pagedllm serve | run-batch | generate | chat | bench | eval | simulate`."""
 
 from __future__ import annotations
 
@@ -81,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="pagedllm", description="LLM inference and serving with a paged KV cache.")
     parser.add_argument("--version", action="version", version=f"pagedllm {__version__}")
     parser.add_argument("--log-level", default=envs.PAGEDLLM_LOG_LEVEL)
-    sub = parser.add_subparsers(dest="command", metavar="{serve,generate,chat,bench,eval}", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="{serve,run-batch,generate,chat,bench,eval,simulate}",
+                                parser_class=_Parser)
 
     gen = sub.add_parser("generate", help="generate for prompts and print the results")
     gen.add_argument("prompts", nargs="*", help="prompts (read from stdin, one per line, when none are given)")
@@ -101,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
         from pagedllm.entrypoints.openai.cli_args import add_serve_parser
 
         add_serve_parser(sub)
+        from pagedllm.entrypoints.openai.run_batch import add_run_batch_parser
+
+        add_run_batch_parser(sub)
     except ImportError:
         pass
     try:

@@ -45,7 +45,7 @@ from pagedllm.entrypoints.openai.protocol import (
 from pagedllm.entrypoints.anthropic import protocol as anthropic_protocol
 from pagedllm.entrypoints.anthropic.serving import add_messages_routes
 from pagedllm.entrypoints.openai.lora import LoRAAdapters, add_lora_routes
-from pagedllm.entrypoints.openai.json_body import lone_surrogate
+from pagedllm.entrypoints.openai.json_body import surrogate_error
 from pagedllm.entrypoints.openai.responses.serving import add_responses_routes
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -171,10 +171,9 @@ class GuardMiddleware:
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
-        bad = lone_surrogate(body)
+        bad = surrogate_error(body)
         if bad is not None:
-            await error_response(bad_request(f"{bad} is not valid Unicode text: it holds a lone surrogate"
-                                              " (an unpaired \\uD800-\\uDFFF escape)", bad))(scope, receive, send)
+            await error_response(bad)(scope, receive, send)
             return
         replayed = False
 
@@ -493,8 +492,6 @@ def run_server(args: argparse.Namespace) -> int:
 
     if args.max_queued_requests is not None and args.max_queued_requests < 1:
         raise ValueError(f"--max-queued-requests must be at least 1, got {args.max_queued_requests}")
-    if args.max_logprobs < 0:
-        raise ValueError(f"--max-logprobs must be non-negative, got {args.max_logprobs}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if not args.header_read_timeout > 0:

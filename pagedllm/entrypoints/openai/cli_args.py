@@ -40,16 +40,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                         '{"name": ..., "path": ..., "base_model_name": ...}')
     g.add_argument("--max-queued-requests", type=int, default=None,
                    help="most requests waiting for the engine; more are answered 429 (default: no limit)")
-    g.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs / top_logprobs a request may ask")
-    g.add_argument("--chat-template", default=None,
-                   help="chat template: a file path or the Jinja template itself (default: the model's)")
-    from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
-
-    g.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help='let the model call tools on its own (tool_choice "auto", the default when a request has '
-                        "tools); needs --tool-call-parser")
-    g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
-                   help="the format the model writes tool calls in (docs/structured-output.md#tool-calling)")
+    add_serving_args(g)
     g.add_argument("--responses-store-size", type=int, default=1000,
                    help="responses /v1/responses keeps for previous_response_id and GET (least recently used go)")
     g.add_argument("--max-request-body-size", type=parse_size, default=8 << 20,
@@ -73,10 +64,30 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from pagedllm.entrypoints.openai.api_server import run_server
+def add_serving_args(g: Any) -> None:
+    """The flags of the OpenAI serving layer (chat template, logprobs, tools) that `serve` and
+    `run-batch` share."""
+    g.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs / top_logprobs a request may ask")
+    g.add_argument("--chat-template", default=None,
+                   help="chat template: a file path or the Jinja template itself (default: the model's)")
+    from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model call tools on its own (tool_choice "auto", the default when a request has '
+                        "tools); needs --tool-call-parser")
+    g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="the format the model writes tool calls in (docs/structured-output.md#tool-calling)")
+
+
+def check_serving_args(args: argparse.Namespace) -> None:
+    if args.max_logprobs < 0:
+        raise ValueError(f"--max-logprobs must be non-negative, got {args.max_logprobs}")
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the format the model writes calls in)")
 
+
+def _serve(args: argparse.Namespace) -> int:
+    from pagedllm.entrypoints.openai.api_server import run_server
+
+    check_serving_args(args)
     return run_server(args)

@@ -4,6 +4,17 @@ from __future__ import annotations
 
 import json
 
+from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request
+
+
+def surrogate_error(body: bytes) -> OpenAIError | None:
+    """The 400 for a JSON body that holds a lone surrogate, or None."""
+    bad = lone_surrogate(body)
+    if bad is None:
+        return None
+    return bad_request(f"{bad} is not valid Unicode text: it holds a lone surrogate (an unpaired \\uD800-\\uDFFF "
+                       "escape)", bad)
+
 
 def lone_surrogate(body: bytes) -> str | None:
     """The path of the first string in a JSON body that holds a lone surrogate (only a \\uD8xx-
