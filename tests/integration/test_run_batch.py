@@ -156,7 +156,8 @@ def test_bodies_are_what_the_server_answers(batch, server: Server) -> None:
             out.setdefault(x["custom_id"], x)
     assert len(out) == len(sent) == len(TOPICS) * 2 + len(REFUSED)
     with httpx.Client(base_url=server.url, timeout=120) as http, ThreadPoolExecutor(8) as pool:
-        answers = pool.map(lambda line: http.post(line["url"], json=line["body"]), sent.values())
+        answers = pool.map(lambda line: http.post(line["url"], content=json.dumps(line["body"]),
+                                                  headers={"Content-Type": "application/json"}), sent.values())
         for (custom_id, line), r in zip(sent.items(), answers):
             got = out[custom_id]["response"]
             assert got["status_code"] == r.status_code, (custom_id, got, r.text)
