@@ -35,9 +35,6 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--api-key", action="append", default=None,
                    help="key clients must send as 'Authorization: Bearer <key>' (repeatable; "
                         "default: the PAGEDLLM_API_KEY environment variable, if set)")
-    g.add_argument("--lora-modules", nargs="+", default=None, type=_lora_module, metavar="NAME=PATH",
-                   help="LoRA adapters served by name (with --enable-lora): name=path or JSON "
-                        '{"name": ..., "path": ..., "base_model_name": ...}')
     g.add_argument("--max-queued-requests", type=int, default=None,
                    help="most requests waiting for the engine; more are answered 429 (default: no limit)")
     add_serving_args(g)
@@ -65,8 +62,11 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def add_serving_args(g: Any) -> None:
-    """The flags of the OpenAI serving layer (chat template, logprobs, tools) that `serve` and
-    `run-batch` share."""
+    """The flags of the OpenAI serving layer (chat template, logprobs, tools, LoRA adapters by
+    name) that `serve` and `run-batch` share."""
+    g.add_argument("--lora-modules", nargs="+", default=None, type=_lora_module, metavar="NAME=PATH",
+                   help="LoRA adapters served by name (with --enable-lora): name=path or JSON "
+                        '{"name": ..., "path": ..., "base_model_name": ...}')
     g.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs / top_logprobs a request may ask")
     g.add_argument("--chat-template", default=None,
                    help="chat template: a file path or the Jinja template itself (default: the model's)")

@@ -240,6 +240,7 @@ class BatchRunner:
 def build_endpoints(engine: AsyncLLMEngine, args: argparse.Namespace) -> dict[str, Endpoint]:
     """The serving classes of `pagedllm serve`, configured by the same flags, keyed by url."""
     from pagedllm.entrypoints.openai.api_server import load_chat_template
+    from pagedllm.entrypoints.openai.lora import LoRAAdapters
     from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
     from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
     from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -247,6 +248,7 @@ def build_endpoints(engine: AsyncLLMEngine, args: argparse.Namespace) -> dict[st
     names = [engine.model_config.served_model_name]
     chat_template = load_chat_template(args.chat_template)
     state = ServerState()
+    state.loras = LoRAAdapters.create(engine, names, args.lora_modules)  # None without --enable-lora
     completions = OpenAIServingCompletion(engine, names, args.max_logprobs, chat_template, state)
     chat = OpenAIServingChat(engine, names, args.max_logprobs, chat_template, state,
                              enable_auto_tool_choice=args.enable_auto_tool_choice,
