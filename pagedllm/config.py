@@ -51,6 +51,10 @@ class CacheConfig:
     calculate_kv_scales: bool = False
     """fp8 KV cache: set each layer's K and V scales from the first batch's absolute maxima
     (otherwise 1.0)."""
+    disable_hybrid_kv_cache_manager: bool = False
+    """Keep every block of every layer for the whole sequence, sliding-window layers too (by default
+    the layers of each sliding window form their own groups, whose blocks that fall wholly outside
+    the window are freed: core/kv_groups.py)."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:
@@ -214,9 +218,47 @@ class ModelConfig:
             return None
         return window
 
+    def layer_windows(self) -> list[int]:
+        """Each layer's sliding window (0: full attention), as the model's attention layers apply it."""
+        return layer_sliding_windows(self.hf_config)
+
     def kv_bytes_per_token(self) -> int:
         itemsize = KV_CACHE_ITEMSIZE[self.kv_cache_dtype]
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+
+SLIDING_ATTENTION, FULL_ATTENTION = "sliding_attention", "full_attention"
+
+
+def attention_layer_types(hf_config: Any) -> list[str]:
+    """Each layer's kind (Gemma 3): `layer_types`, else every `sliding_window_pattern`-th layer (6)
+    global."""
+    types = getattr(hf_config, "layer_types", None)
+    n = int(hf_config.num_hidden_layers)
+    if types:
+        if len(types) != n or any(t not in (SLIDING_ATTENTION, FULL_ATTENTION) for t in types):
+            raise ValueError(f"layer_types {list(types)} must name {SLIDING_ATTENTION!r} or {FULL_ATTENTION!r} "
+                             f"for each of the {n} layers")
+        return list(types)
+    pattern = int(getattr(hf_config, "sliding_window_pattern", None) or 6)
+    return [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION for i in range(n)]
+
+
+# model_type of the families whose layers carry their own windows (models/gemma3.py).
+PER_LAYER_WINDOW_TYPES = ("gemma3_text", "gemma3")
+
+
+def layer_sliding_windows(hf_config: Any) -> list[int]:
+    """Each layer's sliding window in tokens (0: full attention): per layer kind for the families
+    of PER_LAYER_WINDOW_TYPES, else the model-wide `sliding_window` (Mistral) or none."""
+    n = int(hf_config.num_hidden_layers)
+    window = int(getattr(hf_config, "sliding_window", None) or 0)
+    if getattr(hf_config, "model_type", None) in PER_LAYER_WINDOW_TYPES:
+        return [window if t == SLIDING_ATTENTION else 0 for t in attention_layer_types(hf_config)]
+    layer_types = getattr(hf_config, "layer_types", None)
+    if window and layer_types and any(t != SLIDING_ATTENTION for t in layer_types):
+        return [0] * n
+    return [window] * n
 
 
 @dataclass(frozen=True)

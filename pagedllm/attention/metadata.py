@@ -67,6 +67,8 @@ class AttentionMetadata:
     dense: list[DenseAttention] = field(default_factory=list)
     # This step's metadata for layers with their own window (with_window), built on first use.
     windows: dict[int, AttentionMetadata] = field(default_factory=dict)
+    # KV layer groups 1 .. G - 1 (core/kv_groups.py): the same step over their own block tables.
+    kv_groups: list[AttentionMetadata] = field(default_factory=list)
 
 
 class ForwardContext:
@@ -91,6 +93,11 @@ class ForwardContext:
         return self._current
 
 
+def for_kv_group(md: AttentionMetadata, group: int) -> AttentionMetadata:
+    """The step's metadata over the block tables of KV layer group `group` (0: the step's own)."""
+    return md.kv_groups[group - 1] if group else md
+
+
 def with_window(md: AttentionMetadata, window: int) -> AttentionMetadata:
     """The step's metadata for a layer with its own sliding window (`window` > 0: each query sees the
     `window` keys ending at its own position; 0: all keys), where the step was built without one
@@ -104,7 +111,7 @@ def with_window(md: AttentionMetadata, window: int) -> AttentionMetadata:
     memo = md.windows.get(window)
     if memo is None:
         memo = md.windows[window] = dataclasses.replace(
-            md, sliding_window=window, groups=[_narrow(g, window) for g in md.groups], windows={})
+            md, sliding_window=window, groups=[_narrow(g, window) for g in md.groups], windows={}, kv_groups=[])
     return memo
 
 

@@ -54,6 +54,8 @@ COMMANDS: dict[str, Entry | tuple[str, dict[str, Entry]]] = {
     "kv-quality": ("pagedllm.benchmarks.kv_quality",
                    "greedy agreement and |Δlogprob| of each --kv-cache-dtype against the model dtype's cache"),
     "kv-first-writes": ("pagedllm.benchmarks.kv_first_writes", "what the KV cache's first writes cost"),
+    "kv-window": ("pagedllm.benchmarks.kv_window",
+                  "KV memory of one long request with sliding-window layer groups against every block kept"),
     "structured": ("pagedllm.benchmarks.structured",
                    "constrained decoding (JSON schemas, regexes, choices) against the same workload unconstrained "
                    "and against vLLM's CPU build; grammar compile times"),

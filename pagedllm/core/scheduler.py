@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_groups import KVCacheGroups
 from pagedllm.core.policies import make_policy
 from pagedllm.core.preemption import PreemptionCostModel
 from pagedllm.core.request import Request, RequestStatus
@@ -33,10 +34,12 @@ logger = logging.getLogger(__name__)
 
 
 def check_request_limits(
-    num_prompt_tokens: int, max_tokens: int, n: int, config: SchedulerConfig, num_blocks: int, block_size: int
+    num_prompt_tokens: int, max_tokens: int, n: int, config: SchedulerConfig, num_blocks: int, block_size: int,
+    groups: KVCacheGroups | None = None,
 ) -> None:
     """Rejects a request that could never complete (ValueError naming the numbers). The front end
-    runs it before any engine state changes; the scheduler runs it again as a guard."""
+    runs it before any engine state changes; the scheduler runs it again as a guard. With layer
+    groups (`groups`) a request needs blocks in each, window groups only their window's."""
     max_len = config.max_model_len
     total = num_prompt_tokens + max_tokens
     if total > max_len:
@@ -46,6 +49,9 @@ def check_request_limits(
             f"to generate). Please reduce the length of the prompt or of max_tokens."
         )
     need = -(-total // block_size)
+    if groups is not None and groups.hybrid:
+        need = groups.request_blocks(total, config.max_num_batched_tokens, block_size)
+        num_blocks -= 1  # the null block
     if need > num_blocks:
         raise ValueError(
             f"the request needs {total} tokens of KV cache ({need} blocks of {block_size}) but the "
@@ -127,7 +133,7 @@ class Scheduler:
         """Rejects a request that could never complete, naming the numbers."""
         check_request_limits(
             request.num_prompt_tokens, request.max_tokens, request.sampling_params.n, self.config,
-            self.kv.num_blocks, self.kv.block_size,
+            self.kv.num_blocks, self.kv.block_size, self.kv.groups,
         )
 
     def add_request(self, request: Request, forks: Sequence[Request] = ()) -> None:
@@ -499,6 +505,11 @@ class Scheduler:
             results.append(result)
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
+        if self.kv.groups.hybrid:  # window groups give back the blocks their next queries skip
+            for rid in so.num_scheduled_tokens:
+                req = self.requests.get(rid)
+                if req is not None and req.status == RequestStatus.RUNNING:
+                    self.kv.free_outside_windows(req)
         return results
 
     # ---- introspection --------------------------------------------------------------------
@@ -530,11 +541,12 @@ class Scheduler:
         assert self._num_seqs() <= self.config.max_num_seqs
         for r in self.running:
             assert r.status == RequestStatus.RUNNING
-            nblocks = len(self.kv.req_blocks.get(r.request_id, ()))
+            nblocks = len(self.kv.req_blocks.get(r.request_id, ())) // self.kv.num_groups
             assert nblocks >= self.kv.blocks_needed(r.num_computed_tokens), f"{r} has too few blocks"
+            self.kv.check_windows(r)
         for r in self.swapped:
             assert r.status == RequestStatus.SWAPPED
-            assert len(self.kv.swapped_blocks[r.request_id]) == self.kv.blocks_needed(r.num_computed_tokens)
+            assert len(self.kv.swapped_blocks[r.request_id]) == self.kv.held_entries(r.num_computed_tokens)
         for r in self.waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             assert r.num_computed_tokens == 0

@@ -202,6 +202,9 @@ class EngineArgs:
     num_kv_blocks: int | None = arg(None, "exact number of KV cache blocks (overrides --kv-cache-memory)",
                                     flags=("--num-gpu-blocks-override",), parse=int)
     enable_prefix_caching: bool = arg(_CACHE.enable_prefix_caching, "reuse cached KV blocks of shared prefixes")
+    disable_hybrid_kv_cache_manager: bool = arg(
+        _CACHE.disable_hybrid_kv_cache_manager, "keep every KV block of sliding-window layers too (one block "
+        "table for all layers) instead of freeing the blocks outside each window")
     swap_space: float = arg(_CACHE.swap_space, "GiB of host memory for swapped-out blocks (swap/auto)", parse=float)
     max_num_batched_tokens: int | None = arg(None, "token budget of one step (decodes + prompt chunks)",
                                              parse=int, shown_default=str(_SCHED.max_num_batched_tokens))
@@ -331,6 +334,7 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching,
             swap_space=self.swap_space,
             calculate_kv_scales=self.calculate_kv_scales,
+            disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager,
         )
 
     def create_scheduler_config(self, max_model_len: int) -> SchedulerConfig:

@@ -16,6 +16,7 @@ import psutil
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_groups import describe_capacity, engine_kv_groups
 from pagedllm.core.preemption import PreemptionCostModel
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
@@ -83,7 +84,10 @@ class EngineCore:
         self.model_config = mc
         self.executor = create_executor(config)
         num_blocks = self.executor.determine_num_blocks()
-        kv_bytes = num_blocks * cc.block_size * mc.kv_bytes_per_token()
+        groups = engine_kv_groups(mc, cc)
+        # A block holds the K/V of one group's layers (all layers without window groups).
+        block_bytes = cc.block_size * mc.kv_bytes_per_token() * groups.layers_per_block // mc.num_layers
+        kv_bytes = num_blocks * block_bytes
         try:
             self.executor.initialize_kv_cache(num_blocks)
         except (OSError, MemoryError, RuntimeError) as e:
@@ -96,7 +100,7 @@ class EngineCore:
         num_swap_blocks = self.executor.determine_num_swap_blocks() if sc.preemption_mode != "recompute" else 0
         self.executor.initialize_swap_space(num_swap_blocks)
         self.preemption_costs = self._measure_preemption_costs() if sc.preemption_mode == "auto" else None
-        kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, num_swap_blocks)
+        kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, num_swap_blocks, groups)
         self.scheduler = Scheduler(sc, kv, self.preemption_costs)
         self.scheduler.max_loras = config.lora_config.max_loras if config.lora_config is not None else 0
         self.structured = StructuredOutputManager(config)
@@ -105,28 +109,22 @@ class EngineCore:
         self._compiling: list[Request] = []
         self._structured: dict[str, Request] = {}
         self.num_blocks = num_blocks
-        capacity = num_blocks * cc.block_size
         self.memory_bound = MemoryBound(
             resident=psutil.Process().memory_info().rss,
             weights=self._weight_bytes(),
             kv_cache=kv_bytes,
-            swap=num_swap_blocks * cc.block_size * mc.kv_bytes_per_token(),
+            swap=num_swap_blocks * block_bytes,
             workspace=step_workspace_bytes(config),
         )
         logger.info("%s", self.memory_bound.describe())
         logger.info(
-            "Model %s loaded (%s). KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s); maximum "
-            "concurrency at max_model_len=%d: %.2fx; token budget %d per step, at most %d sequences; %s policy, "
-            "%s preemption (%d host swap blocks); ready in %.1f s",
+            "Model %s loaded (%s). KV cache (%.2f GiB, %s): %s; token budget %d per step, at most %d "
+            "sequences; %s policy, %s preemption (%d host swap blocks); ready in %.1f s",
             mc.model,
             mc.kind,
-            num_blocks,
-            cc.block_size,
-            capacity,
-            num_blocks * cc.block_size * mc.kv_bytes_per_token() / (1 << 30),
+            kv_bytes / (1 << 30),
             mc.kv_cache_dtype,
-            mc.max_model_len,
-            capacity / mc.max_model_len,
+            describe_capacity(groups, num_blocks, cc.block_size, mc.max_model_len, sc.max_num_batched_tokens),
             sc.max_num_batched_tokens,
             sc.max_num_seqs,
             sc.policy,

@@ -9,6 +9,7 @@ from collections.abc import Container
 from typing import Any, Union
 
 from pagedllm.config import EngineConfig
+from pagedllm.core.kv_groups import engine_kv_groups
 from pagedllm.core.scheduler import check_request_limits
 from pagedllm.engine.core_io import EngineCoreRequest
 from pagedllm.engine.output_processor import child_id
@@ -26,6 +27,7 @@ class Processor:
         self.model_config = config.model_config
         self.tokenizer = tokenizer
         self.num_blocks = num_blocks
+        self.kv_groups = engine_kv_groups(config.model_config, config.cache_config)
         self._reasoner: Any = None
         self.lora_checker: Any = None  # pagedllm.lora.registry.LoRAChecker, made on the first adapter
 
@@ -120,7 +122,8 @@ class Processor:
         max_len = self.model_config.max_model_len
         max_tokens = params.max_tokens if params.max_tokens is not None else max(max_len - len(ids), 1)
         cc = self.config.cache_config
-        check_request_limits(len(ids), max_tokens, n, self.config.scheduler_config, self.num_blocks, cc.block_size)
+        check_request_limits(len(ids), max_tokens, n, self.config.scheduler_config, self.num_blocks, cc.block_size,
+                             self.kv_groups)
         req = EngineCoreRequest(
             request_id=request_id,
             seq_ids=seq_ids,

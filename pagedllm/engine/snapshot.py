@@ -192,7 +192,8 @@ def build_snapshot(scheduler: Any, last_output: Any = None, num_steps: int = 0, 
             table = kv.req_blocks.get(rid) or kv.swapped_blocks.get(rid) or []
             target = host if queue == 2 and rid in kv.swapped_blocks else device
             for i, b in enumerate(table):
-                target.setdefault(b.block_id, (owner, i))
+                if b is not kv.null_block:  # entries of window blocks freed (KV layer groups)
+                    target.setdefault(b.block_id, (owner, i))
             views.append(_view(req, queue, len(table)))
     blocks = encode_pool(kv.pool, device, BlockState.USED)
     swap = encode_pool(kv.swap_pool, host, BlockState.SWAPPED) if kv.swap_pool else []

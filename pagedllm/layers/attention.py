@@ -9,7 +9,7 @@ from torch import nn
 
 from pagedllm.attention.backend import AttentionBackend
 from pagedllm.attention.cpu_kernel import FP8_DTYPES
-from pagedllm.attention.metadata import ForwardContext, with_window
+from pagedllm.attention.metadata import ForwardContext, for_kv_group, with_window
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +26,8 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.scale = scale
         self.layer_idx = layer_idx
+        # Its KV layer group (core/kv_groups.py), whose block tables it reads; bound by the runner.
+        self.kv_group = 0
         # Bound by the model runner: [2, num_blocks, block_size, num_kv_heads, head_dim], its
         # forward context and its attention backend.
         self.kv_cache = torch.empty(0)
@@ -48,6 +50,8 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Flat q [T, H*D], k/v [T, KVH*D] -> [T, H*D]."""
         md = self.context.get()  # type: ignore[union-attr]
+        if self.kv_group:
+            md = for_kv_group(md, self.kv_group)
         if self.sliding_window is not None:
             md = with_window(md, self.sliding_window)
         if self.calculate_kv_scales and self.kv_cache.dtype in FP8_DTYPES:

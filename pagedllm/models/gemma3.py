@@ -29,6 +29,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from pagedllm.config import FULL_ATTENTION, SLIDING_ATTENTION, attention_layer_types
 from pagedllm.distributed.parallel_state import ParallelContext, TensorParallelGroup
 from pagedllm.layers.activation import GeluTanhAndMul
 from pagedllm.layers.attention import Attention
@@ -38,19 +39,7 @@ from pagedllm.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models.llama import PPMissingLayer, head_dim_of, linear_method
 
-SLIDING, FULL = "sliding_attention", "full_attention"
-
-
-def layer_types(config) -> list[str]:
-    """Each layer's kind: `layer_types`, else every `sliding_window_pattern`-th layer (6) global."""
-    types = getattr(config, "layer_types", None)
-    if types:
-        if len(types) != config.num_hidden_layers or any(t not in (SLIDING, FULL) for t in types):
-            raise ValueError(f"layer_types {list(types)} must name {SLIDING!r} or {FULL!r} for each of the "
-                             f"{config.num_hidden_layers} layers")
-        return list(types)
-    pattern = int(getattr(config, "sliding_window_pattern", None) or 6)
-    return [SLIDING if (i + 1) % pattern else FULL for i in range(config.num_hidden_layers)]
+SLIDING, FULL = SLIDING_ATTENTION, FULL_ATTENTION
 
 
 def _rope_config(config, kind: str):
@@ -165,7 +154,7 @@ class Gemma3ForCausalLM(nn.Module):
         self.parallel = parallel = parallel or ParallelContext()
         tp = parallel.tp
         self.start_layer, self.end_layer = parallel.layers(config.num_hidden_layers)
-        self.layer_types = layer_types(config)
+        self.layer_types = attention_layer_types(config)
         hidden = config.hidden_size
         if parallel.is_first_stage:
             self.embed_tokens = VocabEmbedding(config.vocab_size, hidden, dtype, tp)

@@ -47,6 +47,7 @@ class GroupArrays:
     out_dest: np.ndarray  # [N]
     block_tables: np.ndarray  # [B, max_blocks]
     mask: np.ndarray  # [B, 1, max_q, max_blocks * block_size] bool
+    reqs: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [B] request indices
 
 
 @dataclass
@@ -57,6 +58,18 @@ class DenseChunk:
     query_len: int
     blocks: np.ndarray  # [ceil(seq_len / block_size)] block ids of the context, in order
     seq_len: int  # keys 0 .. seq_len - 1 (the cached context plus the chunk itself)
+    req: int = 0  # its request's index in the batch
+
+
+@dataclass
+class KVGroupArrays:
+    """Where a layer group other than the first reads and writes its K/V this step (with KV layer
+    groups, core/kv_groups.py): the fields of BatchArrays that come from the block table."""
+
+    slot_mapping: np.ndarray  # [T]
+    block_tables: np.ndarray  # [R, max_blocks]
+    group_block_tables: list[np.ndarray]  # per attention group, as GroupArrays.block_tables
+    dense_blocks: list[np.ndarray]  # per dense chunk, as DenseChunk.blocks
 
 
 @dataclass
@@ -75,6 +88,8 @@ class BatchArrays:
     # Rows of the flat batch whose logits are sampled, and which requests they belong to.
     sample_rows: np.ndarray
     sample_req_indices: np.ndarray
+    # Layer groups 1 .. G - 1 (the fields above are group 0's); empty with one group.
+    kv_groups: list[KVGroupArrays] = field(default_factory=list)
 
 
 def build_batch(
@@ -86,9 +101,11 @@ def build_batch(
     query_tile: int = 8,
     dense_min_tokens: int = 0,
     dense_min_pairs: int = 0,
+    num_kv_groups: int = 1,
 ) -> BatchArrays:
     """The step's arrays from per-request objects (the runner keeps an `InputBatch` instead; this is
-    its reference and serves tests and tools that lay out a batch by hand).
+    its reference and serves tests and tools that lay out a batch by hand). With `num_kv_groups`
+    G > 1 the block ids are G per block of tokens, interleaved (core/kv_cache_manager.py).
 
     `dense_min_tokens` > 0: chunks of at least that many tokens, with at least `dense_min_pairs`
     query-key pairs (causal), are attended densely."""
@@ -105,15 +122,37 @@ def build_batch(
     for i, s in enumerate(states):
         input_ids[qsl[i] : qsl[i + 1]] = s.token_ids[starts[i] : starts[i] + n[i]]
     total = np.asarray([len(s.token_ids) for s in states], dtype=np.int64)
-    return _layout(n, starts, total, table, lambda req, pos: input_ids, block_size, sliding_window,
-                   build_groups, query_tile, dense_min_tokens, dense_min_pairs)
+    return _layout(n, starts, total, _group_tables(table, num_kv_groups), lambda req, pos: input_ids, block_size,
+                   sliding_window, build_groups, query_tile, dense_min_tokens, dense_min_pairs)
+
+
+def _group_tables(table: np.ndarray, num_kv_groups: int) -> list[np.ndarray]:
+    """Each layer group's block table from the interleaved one (entry i * G + g: group g)."""
+    if num_kv_groups == 1:
+        return [table]
+    return [np.ascontiguousarray(table[:, g::num_kv_groups]) for g in range(num_kv_groups)]
+
+
+def _kv_groups(tables: list[np.ndarray], req: np.ndarray, positions: np.ndarray, block_size: int,
+               groups: list[GroupArrays], dense: list[DenseChunk]) -> list[KVGroupArrays]:
+    """The block-table fields of groups 1 .. G - 1, laid out as group 0's."""
+    blk, off = positions // block_size, positions % block_size
+    return [
+        KVGroupArrays(
+            slot_mapping=t[req, blk] * block_size + off,
+            block_tables=t,
+            group_block_tables=[t[g.reqs, : g.block_tables.shape[1]] for g in groups],
+            dense_blocks=[t[d.req, : len(d.blocks)].copy() for d in dense],
+        )
+        for t in tables[1:]
+    ]
 
 
 def _layout(
     n: np.ndarray,
     starts: np.ndarray,
     total: np.ndarray,
-    table: np.ndarray,
+    tables: list[np.ndarray],
     token_ids: Callable[[np.ndarray, np.ndarray], np.ndarray],
     block_size: int,
     sliding_window: int | None,
@@ -123,12 +162,13 @@ def _layout(
     dense_min_pairs: int,
 ) -> BatchArrays:
     """The batch of R requests that compute n[i] tokens from position starts[i] on, out of
-    total[i] known tokens, with block table rows `table` [R, max_blocks]; `token_ids(req, pos)`
-    gives the input ids of the flat tokens (request index and position of each)."""
+    total[i] known tokens, with block table rows `tables[g]` [R, max_blocks] per layer group;
+    `token_ids(req, pos)` gives the input ids of the flat tokens (request index and position of each)."""
+    table = tables[0]
     R = len(n)
     T = int(n.sum())
     if T == R and R and not build_groups and dense_min_tokens != 1 and int(n.min()) == 1:
-        return _decode_layout(starts, total, table, token_ids, block_size)
+        return _decode_layout(starts, total, tables, token_ids, block_size)
     # query_start_loc: [2, 5, 3] -> [0, 2, 7, 10]
     qsl = np.zeros(R + 1, dtype=np.int64)
     np.cumsum(n, out=qsl[1:])
@@ -155,7 +195,7 @@ def _layout(
     else:
         is_dense = np.zeros(R, dtype=bool)
     dense = [
-        _dense_chunk(int(qsl[i]), int(n[i]), int(starts[i]), table[i], block_size)
+        _dense_chunk(int(i), int(qsl[i]), int(n[i]), int(starts[i]), table[i], block_size)
         for i in np.nonzero(is_dense)[0]
     ]
     work = _work_items(np.where(is_dense, 0, n), query_tile)
@@ -174,6 +214,7 @@ def _layout(
         groups=groups,
         sample_rows=qsl[sample_req + 1] - 1,
         sample_req_indices=sample_req,
+        kv_groups=_kv_groups(tables, req_indices, positions, block_size, groups, dense) if len(tables) > 1 else [],
     )
 
 
@@ -189,15 +230,18 @@ class InputBatch:
     Rows that are not in use hold zeros in `block_table` (a row's entries past its blocks are 0).
     """
 
-    def __init__(self, max_model_len: int, block_size: int, capacity: int = 64) -> None:
+    def __init__(self, max_model_len: int, block_size: int, capacity: int = 64, num_kv_groups: int = 1) -> None:
         self.block_size = block_size
+        # Layer groups of the KV cache: a row's block table holds num_kv_groups ids per block of
+        # tokens, interleaved (core/kv_cache_manager.py).
+        self.num_kv_groups = num_kv_groups
         cap = max(capacity, 1)
         width = max(max_model_len, 1)
         self.token_ids = np.zeros((cap, width), dtype=np.int64)
         self.num_tokens = np.zeros(cap, dtype=np.int64)
         self.num_prompt_tokens = np.zeros(cap, dtype=np.int64)
         self.num_computed_tokens = np.zeros(cap, dtype=np.int64)
-        self.block_table = np.zeros((cap, -(-width // block_size)), dtype=np.int64)
+        self.block_table = np.zeros((cap, num_kv_groups * -(-width // block_size)), dtype=np.int64)
         self.num_blocks = np.zeros(cap, dtype=np.int64)
         # Sampling parameters, one entry per row.
         self.temperature = np.zeros(cap, dtype=np.float32)
@@ -406,7 +450,8 @@ class InputBatch:
         width = max(int(self.num_blocks[rows].max()), 1) if len(rows) else 1
         table = self.block_table[rows, :width]
         token_ids = self.token_ids
-        return _layout(n, starts, self.num_tokens[rows], table, lambda req, pos: token_ids[rows[req], pos],
+        tables = _group_tables(table, self.num_kv_groups)
+        return _layout(n, starts, self.num_tokens[rows], tables, lambda req, pos: token_ids[rows[req], pos],
                        self.block_size, sliding_window, build_groups, query_tile, dense_min_tokens,
                        dense_min_pairs)
 
@@ -414,13 +459,14 @@ class InputBatch:
 def _decode_layout(
     starts: np.ndarray,
     total: np.ndarray,
-    table: np.ndarray,
+    tables: list[np.ndarray],
     token_ids: Callable[[np.ndarray, np.ndarray], np.ndarray],
     block_size: int,
 ) -> BatchArrays:
     """`_layout` of a decode-only batch (one token per request, no groups, nothing dense), with
     the general case's arrays written down directly: request i's token is flat row i, at
     position starts[i]; one work item (i, 0, 1) per request."""
+    table = tables[0]
     R = len(starts)
     idx = np.arange(R + 1)
     req = idx[:R]
@@ -442,13 +488,15 @@ def _decode_layout(
         groups=[],
         sample_rows=sample_req,
         sample_req_indices=sample_req,
+        kv_groups=_kv_groups(tables, req, positions, block_size, [], []) if len(tables) > 1 else [],
     )
 
 
-def _dense_chunk(query_start: int, qlen: int, start: int, blocks: np.ndarray, block_size: int) -> DenseChunk:
+def _dense_chunk(req: int, query_start: int, qlen: int, start: int, blocks: np.ndarray,
+                 block_size: int) -> DenseChunk:
     """The chunk's context blocks; the attention applies causality and any sliding window itself."""
     seq_len = start + qlen
-    return DenseChunk(query_start, qlen, blocks[: -(-seq_len // block_size)].copy(), seq_len)
+    return DenseChunk(query_start, qlen, blocks[: -(-seq_len // block_size)].copy(), seq_len, req)
 
 
 def _work_items(n: np.ndarray, tile: int) -> np.ndarray:
@@ -500,4 +548,5 @@ def _group(
         out_dest=qidx.reshape(-1)[flat_valid],
         block_tables=table[reqs, :nblocks],
         mask=mask[:, None, :, :],
+        reqs=reqs,
     )

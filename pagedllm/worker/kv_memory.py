@@ -3,7 +3,9 @@
 Per attention layer of this rank's pipeline stage the cache is one tensor
 [2, num_blocks, block_size, num_kv_heads, head_dim] (K then V, this rank's KV heads only); the swap
 pool has the same layout with num_swap_blocks blocks. Blocks move between them (and within the
-cache, for copy-on-write) along dim 1.
+cache, for copy-on-write) along dim 1. With KV layer groups (core/kv_groups.py) there is one tensor
+per slot of a group instead, shared by the layers of every group at that slot: a block id names
+one block of tokens of one group, in each of its layers.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import psutil
 import torch
 
 from pagedllm.config import CacheConfig, DeviceConfig, ModelConfig
+from pagedllm.core.kv_groups import KVCacheGroups, engine_kv_groups
 from pagedllm.layers.attention import Attention
 from pagedllm.worker import device as dev
 from pagedllm.worker.host_memory import anonymous_zeros
@@ -43,6 +46,7 @@ class KVMemory:
         self.kv_dtype = kv_dtype
         self.device = device
         self.is_cuda = device.type == "cuda"
+        self.groups: KVCacheGroups = engine_kv_groups(model_config, cache_config)
         self.layers: list[Attention] = []
         self.kv_caches: list[torch.Tensor] = []
         # Host pool for swapped-out blocks: per layer, the same layout with num_swap_blocks blocks.
@@ -51,10 +55,31 @@ class KVMemory:
         self.num_swap_blocks = 0
         self._buffers: list[mmap.mmap] = []  # the CPU tensors' anonymous mappings, kept alive
 
+    def bind(self, layers: list[Attention]) -> None:
+        """Takes the model's attention layers (this stage's), each told its KV layer group; a layer
+        of a group that frees blocks outside a window must attend within that window."""
+        model_window = self.model_config.sliding_window or 0
+        for a in layers:
+            g = self.groups.layer_group[a.layer_idx]
+            window = a.sliding_window if a.sliding_window is not None else model_window
+            if self.groups.windows[g] and window != self.groups.windows[g]:
+                raise ValueError(f"layer {a.layer_idx} attends within {window or 'all'} tokens but its KV group "
+                                 f"keeps {self.groups.windows[g]}")
+            a.kv_group = g
+        self.layers = layers
+
+    def _slots(self) -> dict[int, Attention]:
+        """One layer of this stage per cache tensor (its slot), in slot order."""
+        out: dict[int, Attention] = {}
+        for a in self.layers:
+            out.setdefault(self.groups.layer_slot[a.layer_idx], a)
+        return dict(sorted(out.items()))
+
     def bytes_per_token(self) -> int:
-        """KV bytes of one token on this rank: its stage's layers and its KV heads."""
+        """KV bytes of one token of one block on this rank: its stage's cache tensors (one per
+        layer, or per group slot with KV layer groups) and its KV heads."""
         itemsize = torch.empty(0, dtype=self.kv_dtype).element_size()
-        return sum(2 * a.num_kv_heads * a.head_dim * itemsize for a in self.layers)
+        return sum(2 * a.num_kv_heads * a.head_dim * itemsize for a in self._slots().values())
 
     def bytes_per_block(self) -> int:
         return self.bytes_per_token() * self.block_size
@@ -81,12 +106,13 @@ class KVMemory:
         return int(num_blocks)
 
     def allocate(self, num_blocks: int) -> list[torch.Tensor]:
-        """The cache of every layer, zeroed; bound to its layer as layer.kv_cache."""
-        self.kv_caches = [
-            self._zeroed((2, num_blocks, self.block_size, a.num_kv_heads, a.head_dim)) for a in self.layers
-        ]
-        for layer, cache in zip(self.layers, self.kv_caches):
-            layer.kv_cache = cache
+        """The cache tensors, zeroed; each layer's bound to it as layer.kv_cache."""
+        slots = self._slots()
+        by_slot = {s: self._zeroed((2, num_blocks, self.block_size, a.num_kv_heads, a.head_dim))
+                   for s, a in slots.items()}
+        self.kv_caches = list(by_slot.values())
+        for layer in self.layers:
+            layer.kv_cache = by_slot[self.groups.layer_slot[layer.layer_idx]]
             layer.calculate_kv_scales = self.cache_config.calculate_kv_scales
         self.num_blocks = num_blocks
         return self.kv_caches

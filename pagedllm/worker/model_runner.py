@@ -103,8 +103,6 @@ class ModelRunner:
         self._cuda_graphs: CudaGraphRunner | None = None
         # Small decode-only steps as one native call (CPU; set once the KV cache exists).
         self._native_decode: NativeDecode | None = None
-        # The requests this worker holds, in preallocated arrays updated as they change.
-        self.input_batch = InputBatch(model_config.max_model_len, self.block_size)
         self._static_sampling: tuple[tuple[int, int, bytes], SamplingMetadata] | None = None
         self.generators: dict[str, torch.Generator] = {}
         # req_id -> prompt positions whose prompt logprobs were already returned; kept across a
@@ -113,6 +111,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self.model: torch.nn.Module | None = None
         self.kv = KVMemory(model_config, cache_config, self.device_config, self.kv_dtype, self.device)
+        # The requests this worker holds, in preallocated arrays updated as they change.
+        self.input_batch = InputBatch(model_config.max_model_len, self.block_size,
+                                      num_kv_groups=self.kv.groups.num_groups)
         self._weight_arena: mmap.mmap | None = None  # holds the weights where huge pages are offered
         # Chosen once; bound with this runner's forward context to every attention layer. Triton
         # attention on the GPU (and, for tests, on the CPU under Triton's interpreter); on the CPU
@@ -208,7 +209,7 @@ class ModelRunner:
         attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
         for layer in attn_layers:
             layer.context, layer.backend = self.forward_context, self.attn_backend
-        self.kv.layers = attn_layers
+        self.kv.bind(attn_layers)
         self.model = model
         self._build_paths()
         n_params = parameter_count(model)
@@ -252,9 +253,12 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv.allocate(num_blocks)
-        if self.device_config.use_cuda_graphs:
+        single = self.kv.groups.num_groups == 1  # the graphs and the fused step read one block table
+        if not single:
+            logger.info("KV cache in %s: no CUDA graphs, no fused native decode step", self.kv.groups.describe())
+        if self.device_config.use_cuda_graphs and single:
             self.capture_cuda_graphs()
-        if not self.is_cuda and self.native_kernel is not None:
+        if not self.is_cuda and self.native_kernel is not None and single:
             self.native_decode = NativeDecode.create(
                 self.model, self.kv_caches, self.dtype, self.kv_dtype,  # type: ignore[arg-type]
                 self.block_size, self.model_config.sliding_window)

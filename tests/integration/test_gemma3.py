@@ -109,6 +109,46 @@ def test_tiny_gemma3_matches_transformers(tiny, references, block_size):
     assert llm.llm_engine.scheduler.kv.prefix_hits > 0
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_window_groups_under_preemption_match_transformers(tiny, references, mode):
+    """The cache's layer groups (1 full, 5 sliding of 8 tokens) in a pool too small for all five
+    prompts at once: requests are preempted (recomputed, or swapped out with only their windows'
+    blocks and back in) and still generate transformers' tokens."""
+    folder, _, prompts = tiny
+    llm = LLM(folder, dtype="float32", max_num_batched_tokens=16, num_kv_blocks=40, block_size=8,
+              max_model_len=256, enable_prefix_caching=True, preemption_mode=mode, swap_space=0.01)
+    kv = llm.llm_engine.scheduler.kv
+    assert kv.groups.windows == (0, WINDOW, WINDOW, WINDOW, WINDOW, WINDOW)
+    assert generate(llm, prompts) == [ref for ref, _ in references]
+    assert llm.llm_engine.scheduler.num_preemptions_by_mode[mode] > 0
+
+
+def test_long_context_holds_only_the_windows_blocks(tiny):
+    """A 200-token prompt in 16-token chunks: the full group holds all its blocks, each window group
+    only those of the last window (the pool of 48 blocks could not hold 6 x 27 = 162; the request
+    may need 27 + 5 x 4 = 47 at once), and the output is transformers'."""
+    folder, hf, _ = tiny
+    prompt = torch.randint(3, hf.config.vocab_size, (200,), generator=torch.Generator().manual_seed(5)).tolist()
+    llm = LLM(folder, dtype="float32", max_num_batched_tokens=16, num_kv_blocks=48, block_size=8,
+              max_model_len=256, enable_prefix_caching=False)
+    engine, kv = llm.llm_engine, llm.llm_engine.scheduler.kv
+    engine.add_request("long", {"prompt_token_ids": prompt},
+                       SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+    held, tokens = [], []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens = out.outputs[0].token_ids
+        if "long" in kv.req_blocks:
+            req = engine.scheduler.requests["long"]
+            kv.check_windows(req, req.num_computed_tokens)
+            held.append((req.num_computed_tokens, kv.num_held_blocks("long")))
+    # After the prompt (200 tokens): 25 blocks in the full group; the next query (at 200) reads keys
+    # 193..199, all in block 24: one block in each window group.
+    assert (200, 25 + 5) in held
+    assert max(h for _, h in held) <= 47 and kv.num_free_blocks == 47
+    assert tokens == hf_greedy(hf, prompt)[0]
+
+
 # llama.cpp's Gemma 3 tensor names (convert_hf_to_gguf.py's mapping, as transformers' GGUF loader reads it)
 LLAMA_CPP_NAMES = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",

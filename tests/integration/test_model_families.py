@@ -1,4 +1,4 @@
-"""Qwen3, Qwen3-MoE, Mixtral, OLMoE and Phi-3 / Phi-4-mini: greedy outputs equal Hugging Face
+"""Qwen3, Qwen3-MoE, Mixtral, OLMoE, Phi-3 / Phi-4-mini and Mistral with a sliding window: greedy outputs equal Hugging Face
 transformers' (fp32) token for token on tiny random checkpoints that transformers itself builds,
 at block sizes 8 and 16, with chunked prefill and a prefix-cache hit; MoE routing equal to the
 reference's on random inputs."""
@@ -31,6 +31,8 @@ def _configs():
                            num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1])),
         "mixtral": (t.MixtralConfig, t.MixtralForCausalLM,
                     dict(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2)),
+        # One window for every layer: a single window group whose blocks before the window are freed.
+        "mistral": (t.MistralConfig, t.MistralForCausalLM, dict(intermediate_size=96, sliding_window=8)),
         "olmoe": (t.OlmoeConfig, t.OlmoeForCausalLM,
                   dict(intermediate_size=32, num_experts=8, num_experts_per_tok=3, clip_qkv=8.0)),
         # Phi-4-mini's shape: partial rotary (0.75) and LongRoPE. The sequences here stay within
@@ -67,7 +69,7 @@ def _hf_greedy(hf, prompt: list[int]) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "mixtral", "olmoe", "phi3"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "mixtral", "olmoe", "phi3", "mistral"])
 def test_family_matches_transformers_greedy(family, tokenizer, tmp_path):
     hf = _checkpoint(family, tmp_path, tokenizer)
     g = torch.Generator().manual_seed(1)

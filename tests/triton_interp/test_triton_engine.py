@@ -88,3 +88,25 @@ def test_block_sizes_the_kernel_cannot_read_are_refused_at_start(tiny_model_dir,
     monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", "triton")
     with pytest.raises(ValueError, match="block_size=128"):
         LLM(tiny_model_dir, dtype="float32", device="cpu", block_size=128, num_kv_blocks=8)
+
+
+def test_window_groups_on_triton_attention_match_the_torch_backend(tmp_path, monkeypatch) -> None:
+    """Gemma 3's KV layer groups (a full group and sliding groups whose blocks before the window
+    are freed) read through the Triton kernel's per-group block tables: the torch backend's tokens."""
+    from tests.integration.test_gemma3 import random_gemma3, tiny_config
+
+    from pagedllm.models.testing import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer(320)
+    random_gemma3(tiny_config(len(tok))).save_pretrained(str(tmp_path))
+    tok.save_pretrained(str(tmp_path))
+    prompts = [{"prompt_token_ids": [(7 * i + 3 * n) % 300 + 3 for i in range(n)]} for n in (37, 5, 21)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for backend in ("triton", "torch"):
+        monkeypatch.setenv("PAGEDLLM_ATTENTION_BACKEND", backend)
+        llm = LLM(str(tmp_path), dtype="float32", device="cpu", max_num_batched_tokens=16, num_kv_blocks=64,
+                  block_size=16, max_model_len=128)
+        assert llm.llm_engine.scheduler.kv.groups.num_groups == 6
+        outs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert outs["triton"] == outs["torch"]

@@ -2,7 +2,9 @@
 with the token stored in every KV slot. It checks that every position a request attends to holds
 that request's token in the block its block table names, honours swap and copy pairs the way the
 model runner does (every source read before any destination is written), and samples tokens from
-a deterministic fake model."""
+a deterministic fake model. With KV layer groups (`windows`, one per group) a request's table
+holds one block id per group per block of tokens, interleaved; every group stores the tokens, and
+a window group is checked only where its queries read (the window before each query)."""
 
 from __future__ import annotations
 
@@ -42,19 +44,26 @@ class FakeWorker:
     moved: dict[str, int] = field(default_factory=lambda: {"swap_out": 0, "swap_in": 0, "copy": 0, "fork": 0})
     # The fake model: (request id, index among its output tokens) -> the token it samples.
     sample: Callable[[str, int], int] = sampled_token
+    # KV layer groups: each one's window (0: full attention).
+    windows: tuple[int, ...] = (0,)
 
     def __post_init__(self) -> None:
         self.slots = [[None] * self.block_size for _ in range(self.num_blocks)]
         self.host_slots = [[None] * self.block_size for _ in range(self.num_swap_blocks)]
 
-    def check_reads(self, rid: str, r: WorkerRequest, end: int) -> None:
-        """Positions [0, end) must hold the request's tokens in the blocks its table names."""
-        bs = self.block_size
-        assert len(r.block_table) * bs >= end, f"{rid}: {len(r.block_table)} blocks for {end} tokens"
-        for i in range(math.ceil(end / bs)):
-            k = min(bs, end - i * bs)
-            got = self.slots[r.block_table[i]][:k]
-            assert got == r.tokens[i * bs : i * bs + k], f"{rid}: block {r.block_table[i]} (#{i}) holds {got}"
+    def check_reads(self, rid: str, r: WorkerRequest, end: int, start: int | None = None) -> None:
+        """Positions [0, end) must hold the request's tokens in the blocks its table names; in a
+        window group only those that queries from position `start` (default: end) on read."""
+        bs, G = self.block_size, len(self.windows)
+        assert len(r.block_table) * bs >= end * G, f"{rid}: {len(r.block_table)} blocks for {end} tokens"
+        start = end if start is None else start
+        for g, w in enumerate(self.windows):
+            first = max(0, start - w + 1) // bs if w else 0
+            for i in range(first, math.ceil(end / bs)):
+                k = min(bs, end - i * bs)
+                block = r.block_table[i * G + g]
+                got = self.slots[block][:k]
+                assert got == r.tokens[i * bs : i * bs + k], f"{rid}: group {g} block {block} (#{i}) holds {got}"
 
     def move_blocks(self, so: SchedulerOutput) -> None:
         """Swap-out, swap-in and copy pairs: all sources are read, then all destinations written."""
@@ -87,7 +96,7 @@ class FakeWorker:
             assert d.num_computed_tokens == r.num_computed
             for i, block_id in d.replaced_block_ids:
                 # Copy-on-write replaces the partly filled block the request is about to write.
-                assert i == r.num_computed // self.block_size and r.num_computed % self.block_size
+                assert i // len(self.windows) == r.num_computed // self.block_size and r.num_computed % self.block_size
                 assert (r.block_table[i], block_id) in so.blocks_to_copy
                 r.block_table[i] = block_id
             r.block_table += d.new_block_ids
@@ -106,22 +115,28 @@ class FakeWorker:
             # scheduled or swapped in before this one) is filled by this very step.
             i, partial = divmod(r.num_computed, self.block_size)
             if partial:
-                assert d.req_id in self.parked and r.block_table[i] in swapped_in, f"{d.req_id}: partial hit"
+                G = len(self.windows)
+                assert d.req_id in self.parked and all(
+                    b in swapped_in for b in r.block_table[i * G : (i + 1) * G]), f"{d.req_id}: partial hit"
             self.parked.discard(d.req_id)
             self.reqs[d.req_id] = r
         self.move_blocks(so)
         # One forward pass: every layer writes all new K/V before any attention reads the cache.
-        bs = self.block_size
+        bs, G = self.block_size, len(self.windows)
         for rid, n in so.num_scheduled_tokens.items():
             r = self.reqs[rid]
             assert r.num_computed + n <= len(r.tokens)
             for pos in range(r.num_computed, r.num_computed + n):
-                self.slots[r.block_table[pos // bs]][pos % bs] = r.tokens[pos]
+                for g in range(G):
+                    self.slots[r.block_table[pos // bs * G + g]][pos % bs] = r.tokens[pos]
         # Samples forked off a parent whose prompt completes now: its tokens, its table, shared.
         forks = []
         for f in so.forked_reqs:
             parent = self.reqs[f.parent_id]
-            assert f.block_ids == parent.block_table
+            # The parent's table as the worker holds it; window groups' freed entries excepted
+            # (the scheduler names the null block there, the worker still the old block).
+            freed = {a for a, b in zip(f.block_ids, parent.block_table) if a != b}
+            assert len(f.block_ids) == len(parent.block_table) and len(freed) <= (1 if any(self.windows) else 0)
             assert parent.num_computed + so.num_scheduled_tokens[f.parent_id] == len(parent.tokens)
             child = WorkerRequest(list(parent.tokens), parent.num_prompt, list(f.block_ids), len(parent.tokens))
             forks.append((f.req_id, child))
@@ -130,7 +145,7 @@ class FakeWorker:
         for rid, n in so.num_scheduled_tokens.items():
             r = self.reqs[rid]
             r.num_computed += n
-            self.check_reads(rid, r, r.num_computed)
+            self.check_reads(rid, r, r.num_computed, r.num_computed - n)
             if r.num_computed == len(r.tokens):
                 t = self.sample(rid, len(r.tokens) - r.num_prompt)
                 r.tokens.append(t)

@@ -19,6 +19,7 @@ import pytest
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.kv_groups import plan_kv_groups
 from pagedllm.core.preemption import PreemptionCostModel
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
@@ -92,6 +93,7 @@ def simulate(
     case: SimCase,
     arrival_steps: int = 1000,
     aging_steps: int = AGING_STEPS,
+    layer_windows: tuple[int, ...] = (0,),
 ) -> dict[str, object]:
     rng = random.Random(f"{policy}-{mode}-{case.seed}")
     config = SchedulerConfig(
@@ -107,10 +109,12 @@ def simulate(
     )
     # A host pool half the device pool's size: it fills up now and then (swap falls back to recompute).
     num_swap_blocks = 0 if mode == "recompute" else case.num_blocks // 2
-    kv = KVCacheManager(case.num_blocks, case.block_size, enable_caching=True, num_swap_blocks=num_swap_blocks)
+    groups = plan_kv_groups(layer_windows)
+    kv = KVCacheManager(case.num_blocks, case.block_size, enable_caching=True, num_swap_blocks=num_swap_blocks,
+                        groups=groups)
     costs = PreemptionCostModel(**SIM_COSTS, kv_bytes_per_block=case.block_size)
     sched = Scheduler(config, kv, costs)
-    worker = FakeWorker(case.block_size, case.num_blocks, num_swap_blocks)
+    worker = FakeWorker(case.block_size, case.num_blocks, num_swap_blocks, windows=groups.windows)
     prefixes = [[rng.randint(10, 30_000) for _ in range(n)] for n in (8, 20, 33, 60)]
 
     requests: dict[str, Request] = {}
@@ -218,13 +222,16 @@ def simulate(
                 assert res.finish_reason == "length"
                 finished.add(res.req_id)
         sched.check_integrity()
+        for r in sched.running:  # window groups hold exactly the blocks of the next query's window
+            kv.check_windows(r, r.num_computed_tokens)
         max_swapped = max(max_swapped, len(sched.swapped))
         step += 1
 
     # Flush the last finished ids to the worker; then nothing may be left anywhere.
     worker.execute(sched.schedule())
     assert worker.reqs == {} and worker.parked == set()
-    assert kv.usage == 0 and kv.num_free_blocks == case.num_blocks
+    null = kv.null_block is not None  # held for good by a manager with window groups
+    assert kv.num_free_blocks == case.num_blocks - null
     assert kv.swap_pool is None or kv.swap_pool.num_free_blocks == num_swap_blocks
     assert sched.requests == {} and not sched.running and not sched.waiting and not sched.swapped
     sched.check_integrity()
@@ -294,3 +301,29 @@ def test_randomized_simulation(policy: str, mode: str, case_name: str) -> None:
         assert by_mode["swap"] > 0 and stats["moved"]["swap_in"] > 0
     if mode == "auto":
         assert by_mode["recompute"] > 0  # short victims are cheaper to recompute
+
+
+# Layer windows of 4 layers: a full group and window groups of 8 and 16 tokens (2 and 4 blocks of 4).
+HYBRID_LAYERS = (16, 16, 0, 8)
+HYBRID_CASES = {
+    "bs4": SimCase(4, 240, 128, 8, 10, 0.1, 12, 1),
+    "bs8": SimCase(8, 120, 96, 8, 12, 0.12, 12, 6),
+}
+
+
+@pytest.mark.parametrize("case_name", list(HYBRID_CASES))
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_randomized_simulation_with_window_groups(mode: str, case_name: str) -> None:
+    """The same simulation over a cache of layer groups (one full, windows of 8 and 16 tokens):
+    the fake worker checks every position each group's queries read, and after every step each
+    running request's window groups hold exactly the blocks its next query's window reads (none
+    before it left allocated, none in it freed), through prefix hits, forks, copy-on-write,
+    swapping and recompute."""
+    stats = simulate("fcfs", mode, HYBRID_CASES[case_name], layer_windows=HYBRID_LAYERS)
+    print(mode, case_name, stats)
+    assert stats["finished"] > 50 and stats["prefix_hits"] > 0
+    assert stats["moved"]["fork"] > 0 and stats["cow_copies"] > 0
+    by_mode = stats["preemptions"]
+    assert by_mode["recompute"] + by_mode["swap"] > 0
+    if mode == "swap":
+        assert by_mode["swap"] > 0 and stats["moved"]["swap_in"] > 0

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import dataclasses
+
 import numpy as np
 import torch
 
@@ -65,7 +67,7 @@ class EagerPath(ForwardPath):
             )
             for g in batch.groups
         ]
-        return AttentionMetadata(
+        md = AttentionMetadata(
             num_tokens=len(batch.input_ids),
             slot_mapping=t(batch.slot_mapping),
             block_tables=t(batch.block_tables),
@@ -81,6 +83,19 @@ class EagerPath(ForwardPath):
             ],
             **self._triton_fields(batch),
         )
+        md.kv_groups = [
+            dataclasses.replace(
+                md,
+                slot_mapping=t(kg.slot_mapping),
+                block_tables=t(kg.block_tables),
+                groups=[dataclasses.replace(g, block_tables=t(bt)) for g, bt in zip(groups, kg.group_block_tables)],
+                dense=[dataclasses.replace(d, blocks=t(b)) for d, b in zip(md.dense, kg.dense_blocks)],
+                windows={},
+                kv_groups=[],
+            )
+            for kg in batch.kv_groups
+        ]
+        return md
 
     def _triton_fields(self, batch: BatchArrays) -> dict[str, int]:
         """Launch shape of the Triton kernel: longest work item, key-range splits."""
