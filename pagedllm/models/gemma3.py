@@ -32,12 +32,10 @@ from torch import nn
 from pagedllm.config import FULL_ATTENTION, SLIDING_ATTENTION, attention_layer_types
 from pagedllm.distributed.parallel_state import ParallelContext, TensorParallelGroup
 from pagedllm.layers.activation import GeluTanhAndMul
-from pagedllm.layers.attention import Attention
 from pagedllm.layers.embedding import LMHead, VocabEmbedding
 from pagedllm.layers.gemma_norm import GemmaRMSNorm
-from pagedllm.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
 from pagedllm.layers.rotary import RotaryEmbedding
-from pagedllm.models.llama import PPMissingLayer, head_dim_of, linear_method
+from pagedllm.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, PPMissingLayer, head_dim_of
 
 SLIDING, FULL = SLIDING_ATTENTION, FULL_ATTENTION
 
@@ -58,34 +56,23 @@ def _rope_config(config, kind: str):
     return shim
 
 
-class Gemma3Attention(nn.Module):
+class Gemma3Attention(LlamaAttention):
+    """Llama's attention with per-head q/k norms, its own scale and this layer kind's window."""
+
     def __init__(self, config, layer_idx: int, kind: str, dtype: torch.dtype, rotary_emb: RotaryEmbedding,
                  tp: TensorParallelGroup, quant_config=None, prefix: str = "") -> None:
-        super().__init__()
         if getattr(config, "attn_logit_softcapping", None) is not None:
             raise ValueError(f"attn_logit_softcapping={config.attn_logit_softcapping}: attention logit softcapping "
                              "is not supported by pagedllm's attention kernels")
         if getattr(config, "use_bidirectional_attention", False):
             raise ValueError("use_bidirectional_attention=True (Gemma 3 embedding models) is not supported")
-        hidden = config.hidden_size
-        num_heads = config.num_attention_heads
-        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         bias = bool(getattr(config, "attention_bias", False))
-        self.head_dim = head_dim_of(config)
-        self.qkv_proj = QKVLinear(
-            hidden, self.head_dim, num_heads, num_kv_heads, bias, dtype, tp=tp,
-            quant_method=linear_method(quant_config, f"{prefix}.qkv_proj", ("q_proj", "k_proj", "v_proj")))
-        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
-        self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, bias=bias, dtype=dtype, tp=tp,
-                                        quant_method=linear_method(quant_config, f"{prefix}.o_proj"))
+        window = int(config.sliding_window) if kind == SLIDING else 0
+        scale = float(getattr(config, "query_pre_attn_scalar", None) or head_dim_of(config)) ** -0.5
+        super().__init__(config, layer_idx, dtype, bias, bias, rotary_emb, tp, quant_config, prefix,
+                         scale=scale, sliding_window=window)
         self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps, dtype)
         self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps, dtype)
-        self.rotary_emb = rotary_emb
-        window = int(config.sliding_window) if kind == SLIDING else 0
-        scale = float(getattr(config, "query_pre_attn_scalar", None) or self.head_dim) ** -0.5
-        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, scale, layer_idx,
-                              sliding_window=window)
-        self.splits = [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size]
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.splits, dim=-1)
@@ -96,22 +83,15 @@ class Gemma3Attention(nn.Module):
         return self.o_proj(self.attn(q, k, v))
 
 
-class Gemma3MLP(nn.Module):
+class Gemma3MLP(LlamaMLP):
+    """Llama's gated MLP with GeGLU (gelu, tanh approximation) and no bias."""
+
     def __init__(self, config, dtype: torch.dtype, tp: TensorParallelGroup, quant_config=None, prefix: str = "") -> None:
-        super().__init__()
         act = getattr(config, "hidden_activation", None) or "gelu_pytorch_tanh"
         if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
             raise ValueError(f"hidden_activation={act!r} is not supported for Gemma 3 (gelu_pytorch_tanh only)")
-        inter = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias=False, dtype=dtype, tp=tp,
-                                         quant_method=linear_method(quant_config, f"{prefix}.gate_up_proj",
-                                                                    ("gate_proj", "up_proj")))
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=False, dtype=dtype, tp=tp,
-                                           quant_method=linear_method(quant_config, f"{prefix}.down_proj"))
+        super().__init__(config, dtype, False, tp, quant_config, prefix)
         self.act = GeluTanhAndMul()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -138,14 +118,8 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3ForCausalLM(nn.Module):
     """Gemma 3's text decoder (`Gemma3ForCausalLM`, model_type `gemma3_text`)."""
 
-    # checkpoint name fragment -> (fused parameter name fragment, shard id)
-    stacked_params = {
-        ".q_proj.": (".qkv_proj.", "q"),
-        ".k_proj.": (".qkv_proj.", "k"),
-        ".v_proj.": (".qkv_proj.", "v"),
-        ".gate_proj.": (".gate_up_proj.", 0),
-        ".up_proj.": (".gate_up_proj.", 1),
-    }
+    # checkpoint name fragment -> (fused parameter name fragment, shard id): the Llama family's
+    stacked_params = LlamaForCausalLM.stacked_params
 
     def __init__(self, config, dtype: torch.dtype = torch.float32, parallel: ParallelContext | None = None,
                  quant_config=None) -> None:

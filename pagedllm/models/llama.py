@@ -37,7 +37,10 @@ def head_dim_of(config) -> int:
 
 class LlamaAttention(nn.Module):
     def __init__(self, config, layer_idx: int, dtype: torch.dtype, qkv_bias: bool, o_bias: bool,
-                 rotary_emb: RotaryEmbedding, tp: TensorParallelGroup, quant_config=None, prefix: str = "") -> None:
+                 rotary_emb: RotaryEmbedding, tp: TensorParallelGroup, quant_config=None, prefix: str = "", *,
+                 scale: float | None = None, sliding_window: int | None = None) -> None:
+        """`scale`: the attention scale (default head_dim ** -0.5); `sliding_window`: this layer's own
+        window (see layers.attention.Attention; default the model-wide one)."""
         super().__init__()
         hidden = config.hidden_size
         num_heads = config.num_attention_heads
@@ -50,7 +53,9 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(num_heads * self.head_dim, hidden, bias=o_bias, dtype=dtype, tp=tp,
                                         quant_method=linear_method(quant_config, f"{prefix}.o_proj"))
         self.rotary_emb = rotary_emb
-        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5, layer_idx)
+        scale = self.head_dim**-0.5 if scale is None else scale
+        self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, scale, layer_idx,
+                              sliding_window=sliding_window)
         self.splits = [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size]
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
