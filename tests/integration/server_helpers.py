@@ -1,13 +1,37 @@
-"""A real `pagedllm serve` subprocess for tests, on 127.0.0.1, and helpers to read it."""
+"""A real `pagedllm serve` subprocess for tests, on 127.0.0.1, and helpers to read it.
+
+How a test module gets a server (at most one per module; a server start is the costliest thing in
+the suite, seconds for the default model):
+
+* The default model with `DEFAULT_SERVER_FLAGS`: ask for the session fixture `default_server`
+  (tests/integration/conftest.py). Every module that does shares one process, started on first
+  use; its requests carry `API_KEY`. Tests on it must not depend on what other modules did before
+  them (counters only grow; wait for idleness with `wait_idle` before counting blocks)::
+
+      @pytest.fixture(scope="module")
+      def server(default_server: Server) -> Server:
+          return default_server
+
+* Other flags or another model: a module fixture around `serve`::
+
+      @pytest.fixture(scope="module")
+      def server(tmp_path_factory: pytest.TempPathFactory):
+          with serve(tmp_path_factory.mktemp("tools"), "--tool-call-parser", "hermes") as s:
+              yield s
+
+`server.http()` and `server.openai()` give clients on its address that send its API key.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -18,11 +42,21 @@ from pagedllm.benchmarks.server_probe import free_port, parse_metrics, wait_heal
 from pagedllm.benchmarks.server_probe import wait_idle as engine_idle
 
 
+# The API key of the shared default-model server, and its flags (the union of what the modules on it
+# need: float32 so that greedy replies equal transformers' and LLM's, a KV pool that holds the
+# model's whole context, a bounded queue, a small Responses store).
+API_KEY = "sk-pagedllm-test"
+RESPONSES_STORE_SIZE = 3
+DEFAULT_SERVER_FLAGS = ("--kv-cache-memory", "512MiB", "--dtype", "float32", "--api-key", API_KEY,
+                        "--max-queued-requests", "1000", "--responses-store-size", str(RESPONSES_STORE_SIZE))
+
+
 class Server:
     def __init__(self, log_path: Path, *args: str, env: dict[str, str] | None = None,
                  entry: list[str] | None = None) -> None:
         """`entry`: what runs the CLI after the interpreter (default `-m pagedllm.entrypoints.cli`;
         the fault tests' launcher script, with its options)."""
+        self.api_key = args[args.index("--api-key") + 1] if "--api-key" in args else None
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -42,6 +76,18 @@ class Server:
         if why is not None:
             pytest.fail(f"server {why}:\n{self.output()[-3000:]}")
 
+    def http(self, timeout: float = 120.0) -> httpx.Client:
+        """An httpx client on the server's address, sending its API key (if it has one)."""
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+
+    def openai(self, timeout: float = 300.0):
+        """The official openai client on the server's /v1, with its API key, no retries."""
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=self.api_key or "none", max_retries=0,
+                             timeout=timeout)
+
     def engine_pid(self) -> int:
         """The engine-core process (the server logs its pid when it is ready)."""
         m = re.search(r"Engine core process (\d+) ready", self.output())
@@ -58,6 +104,19 @@ class Server:
                 self.proc.wait()
         self.log.close()
         return self.proc.returncode
+
+
+@contextlib.contextmanager
+def serve(log_dir: Path, *args: str, env: dict[str, str] | None = None, entry: list[str] | None = None,
+          timeout: float = 180.0) -> Iterator[Server]:
+    """A started server (`args`: `pagedllm serve`'s model and flags; its log is log_dir/server.log)
+    that is healthy on entry and stopped on exit."""
+    s = Server(log_dir / "server.log", *args, env=env, entry=entry)
+    try:
+        s.wait_ready(timeout)
+        yield s
+    finally:
+        s.stop()
 
 
 def gone(pid: int, timeout: float) -> bool:

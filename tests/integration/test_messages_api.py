@@ -1,5 +1,5 @@
-"""Anthropic's Messages API (/v1/messages) on a real `pagedllm serve` (the default model, started
-with --api-key), through the official `anthropic` SDK and raw HTTP.
+"""Anthropic's Messages API (/v1/messages) on a real `pagedllm serve` (the shared default-model
+server, started with --api-key), through the official `anthropic` SDK and raw HTTP.
 
 Oracles independent of the translation layer: the server's /tokenize of the same conversation
 (count_tokens and usage), `jsonschema` for tool inputs, the greedy text of /v1/chat/completions,
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -17,11 +16,9 @@ import httpx
 import jsonschema
 import pytest
 
+from server_helpers import API_KEY as KEY
 from server_helpers import Server, wait_idle
 
-pytestmark = pytest.mark.slow
-
-KEY = "sk-messages-test"
 GREEDY = {"temperature": 0}  # the SDK has no temperature argument: it goes in the body as is
 HELLO = [{"role": "user", "content": "Name three colors."}]
 WEATHER = {
@@ -33,20 +30,13 @@ WEATHER = {
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    d = tmp_path_factory.mktemp("messages")
-    s = Server(d / "server.log", "--kv-cache-memory", "256MiB", "--dtype", "float32", "--max-model-len", "1024",
-               "--api-key", KEY)
-    try:
-        s.wait_ready()
-        yield s
-    finally:
-        s.stop()
+def server(default_server: Server) -> Server:
+    return default_server
 
 
 @pytest.fixture(scope="module")
 def http(server: Server):
-    with httpx.Client(base_url=server.url, timeout=120, headers={"Authorization": f"Bearer {KEY}"}) as c:
+    with server.http() as c:
         yield c
 
 
@@ -137,7 +127,8 @@ def test_stream_event_sequence_and_text(client: anthropic.Anthropic, http: httpx
     assert final.stop_reason == whole.stop_reason and final.usage.output_tokens == whole.usage.output_tokens
 
 
-@pytest.mark.parametrize("choice", [{"type": "tool", "name": "get_weather"}, {"type": "any"}])
+@pytest.mark.parametrize("choice", [{"type": "tool", "name": "get_weather"},
+                                    pytest.param({"type": "any"}, marks=pytest.mark.slow)])
 def test_tool_use_round_trip(client: anthropic.Anthropic, model: str, choice: dict[str, Any]) -> None:
     ask = [{"role": "user", "content": "What is the weather in Paris?"}]
     m = client.messages.create(model=model, max_tokens=256, messages=ask, tools=[WEATHER], tool_choice=choice,

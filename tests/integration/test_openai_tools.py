@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import httpx
 import jsonschema
@@ -15,9 +14,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
-from server_helpers import Server, assert_error_shape
-
-pytestmark = pytest.mark.slow
+from server_helpers import Server, assert_error_shape, serve
 
 WEATHER = {
     "type": "object",
@@ -39,19 +36,14 @@ MAX = 60
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
-    logs = tmp_path_factory.mktemp("tools-server")
-    s = Server(Path(logs / "server.log"), "--kv-cache-memory", "256MiB", "--dtype", "float32",
-               "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
-    try:
-        s.wait_ready()
+    with serve(tmp_path_factory.mktemp("tools-server"), "--kv-cache-memory", "256MiB", "--dtype", "float32",
+               "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3") as s:
         yield s
-    finally:
-        s.stop()
 
 
 @pytest.fixture(scope="module")
 def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
+    return server.openai()
 
 
 def _check_calls(calls, names=None) -> list[tuple[str, dict]]:
@@ -72,7 +64,7 @@ def test_tool_choice_none_answers_in_text(client: openai.OpenAI) -> None:
     assert not m.tool_calls and m.content and r.choices[0].finish_reason in ("stop", "length")
 
 
-@pytest.mark.parametrize("parallel", [True, False])
+@pytest.mark.parametrize("parallel", [pytest.param(True, marks=pytest.mark.slow), False])
 def test_tool_choice_required(client: openai.OpenAI, parallel: bool) -> None:
     r = client.chat.completions.create(model="", messages=MSGS, tools=TOOLS, tool_choice="required",
                                        parallel_tool_calls=parallel, max_tokens=MAX, seed=3)
@@ -109,7 +101,8 @@ def _reassemble(stream) -> tuple[str | None, list[tuple[str, str]], str | None, 
     return content or None, [tuple(calls[i]) for i in sorted(calls)], reasoning or None, finish
 
 
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+@pytest.mark.parametrize("choice", [pytest.param("required", marks=pytest.mark.slow),
+                                    {"type": "function", "function": {"name": "get_weather"}}])
 def test_streamed_calls_equal_whole_ones(client: openai.OpenAI, choice) -> None:
     kw = dict(model="", messages=MSGS, tools=TOOLS, tool_choice=choice, max_tokens=MAX, seed=11, temperature=1.0)
     whole = client.chat.completions.create(**kw).choices[0]

@@ -1,5 +1,5 @@
-"""OpenAI's Responses API (/v1/responses) on a real `pagedllm serve` (the default model, a small
---responses-store-size), through the official `openai` SDK and raw HTTP.
+"""OpenAI's Responses API (/v1/responses) on a real `pagedllm serve` (the shared default-model
+server: a small --responses-store-size), through the official `openai` SDK and raw HTTP.
 
 Oracles independent of the translation layer: the greedy text of /v1/chat/completions and of
 /v1/messages for the same conversation, the server's /tokenize of the conversation a chained
@@ -16,11 +16,9 @@ import jsonschema
 import openai
 import pytest
 
+from server_helpers import RESPONSES_STORE_SIZE as STORE
 from server_helpers import Server, wait_idle
 
-pytestmark = pytest.mark.slow
-
-STORE = 3
 ASK = "Name three colors."
 PERSON = {
     "type": "object",
@@ -36,26 +34,19 @@ WEATHER = {
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    d = tmp_path_factory.mktemp("responses")
-    s = Server(d / "server.log", "--kv-cache-memory", "256MiB", "--dtype", "float32", "--max-model-len", "1024",
-               "--responses-store-size", str(STORE))
-    try:
-        s.wait_ready()
-        yield s
-    finally:
-        s.stop()
+def server(default_server: Server) -> Server:
+    return default_server
 
 
 @pytest.fixture(scope="module")
 def http(server: Server):
-    with httpx.Client(base_url=server.url, timeout=120) as c:
+    with server.http() as c:
         yield c
 
 
 @pytest.fixture(scope="module")
 def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    return server.openai()
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,9 @@
 """The OpenAI-compatible server, end to end: a real `pagedllm serve` subprocess on the default
 model, driven with the official `openai` client and raw httpx.
 
-Two servers start in parallel for the whole module: a main one (large queue bound) and a small
-one (`--max-queued-requests 5`, two sequences at a time) for the 429 test. The greedy outputs
-equal `LLM.generate` / `LLM.chat` computed in this process with the same engine settings exactly
+The main server is the shared default-model one (`default_server`, a large queue bound); a small
+one (`--max-queued-requests 5`, two sequences at a time) serves the 429 and shutdown tests. The
+greedy outputs equal `LLM.generate` / `LLM.chat` computed in this process with the same engine settings exactly
 (tokens, text, finish reason).
 A tiny random checkpoint serves the in-process checks (engine failure, custom chat template).
 """
@@ -17,19 +17,14 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from server_helpers import Server as _Server
-from server_helpers import assert_error_shape, metrics
+from server_helpers import API_KEY, Server, assert_error_shape, metrics, serve
 
-pytestmark = pytest.mark.slow
-
-API_KEY = "sk-pagedllm-test"
 MODEL = "smollm2-135m-instruct"
 KV = "512MiB"
 PROMPTS = [
@@ -43,49 +38,32 @@ TOP = 5
 
 
 # ---- servers ------------------------------------------------------------------------------------
-class Server(_Server):
-    def __init__(self, log_path: Path, *extra: str) -> None:
-        super().__init__(log_path, "--kv-cache-memory", KV, "--dtype", "float32", "--api-key", API_KEY, *extra)
+@pytest.fixture(scope="module")
+def server(default_server: Server) -> Server:
+    return default_server
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory):
-    logs = tmp_path_factory.mktemp("server-logs")
-    main = Server(logs / "main.log", "--max-queued-requests", "1000")
-    small = Server(logs / "small.log", "--max-queued-requests", "5", "--max-num-seqs", "2")
-    try:
-        main.wait_ready()
-        small.wait_ready()
-        yield main, small
-    finally:
-        main.stop()
-        small.stop()
-
-
-@pytest.fixture(scope="module")
-def server(servers) -> Server:
-    return servers[0]
-
-
-@pytest.fixture(scope="module")
-def small_server(servers) -> Server:
-    return servers[1]
+def small_server(tmp_path_factory: pytest.TempPathFactory):
+    with serve(tmp_path_factory.mktemp("small-server"), "--kv-cache-memory", KV, "--dtype", "float32",
+               "--api-key", API_KEY, "--max-queued-requests", "5", "--max-num-seqs", "2") as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=300)
+    return server.openai()
 
 
 @pytest.fixture(scope="module")
 def http(server: Server):
-    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=300) as c:
+    with server.http(timeout=300) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
-def llm(servers) -> LLM:
-    # After the servers: they load in parallel while this process loads its own copy.
+def llm(server: Server) -> LLM:
+    # After the server: the same engine settings in this process.
     return LLM(dtype="float32", kv_cache_memory=512 << 20)
 
 
@@ -455,6 +433,7 @@ def test_stream_disconnect_frees_blocks(server: Server, http: httpx.Client) -> N
 
 
 # ---- concurrency and overload -------------------------------------------------------------------
+@pytest.mark.slow
 def test_200_concurrent_streams(server: Server, http: httpx.Client) -> None:
     async def run() -> list[tuple[str, int]]:
         ac = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=600)
@@ -484,6 +463,7 @@ def test_200_concurrent_streams(server: Server, http: httpx.Client) -> None:
     wait_idle(http)
 
 
+@pytest.mark.slow
 def test_queue_full_429(small_server: Server) -> None:
     async def run() -> list[httpx.Response | tuple[int, str]]:
         async with httpx.AsyncClient(base_url=small_server.url, timeout=300,
@@ -517,6 +497,7 @@ def test_queue_full_429(small_server: Server) -> None:
     assert ok.status_code == 200
 
 
+@pytest.mark.slow
 def test_sigterm_shuts_down_cleanly(small_server: Server) -> None:
     # A long generation in flight ends with a 503 error event instead of holding the shutdown up.
     body = {"prompt": "Count to a thousand:", "max_tokens": 1000, "ignore_eos": True, "stream": True}

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 from typing import Any, Callable
 
 import httpx
@@ -19,9 +18,7 @@ import openai
 import pydantic
 import pytest
 
-from server_helpers import Server, assert_error_shape
-
-pytestmark = pytest.mark.slow
+from server_helpers import Server, assert_error_shape, serve
 
 COMP, CHAT = "/v1/completions", "/v1/chat/completions"
 MSG = [{"role": "user", "content": "Is the sky blue? Answer yes or no."}]
@@ -107,24 +104,20 @@ REFUSED_CHAT = REFUSED + [
 def server(tmp_path_factory: pytest.TempPathFactory):
     d = tmp_path_factory.mktemp("request-fields")
     (d / "template.jinja").write_text(TEMPLATE)
-    s = Server(d / "server.log", "--kv-cache-memory", "256MiB", "--dtype", "float32",
-               "--max-model-len", "1024", "--chat-template", str(d / "template.jinja"))
-    try:
-        s.wait_ready()
+    with serve(d, "--kv-cache-memory", "256MiB", "--dtype", "float32", "--max-model-len", "1024",
+               "--chat-template", str(d / "template.jinja")) as s:
         yield s
-    finally:
-        s.stop()
 
 
 @pytest.fixture(scope="module")
 def http(server: Server):
-    with httpx.Client(base_url=server.url, timeout=120) as c:
+    with server.http() as c:
         yield c
 
 
 @pytest.fixture(scope="module")
 def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    return server.openai()
 
 
 def post(http: httpx.Client, path: str, **body: Any) -> dict:
@@ -188,6 +181,7 @@ def check_structures(http: httpx.Client, path: str) -> None:
     assert plain == {**plain, "choices": post(http, path)["choices"]}  # text is no constraint
 
 
+@pytest.mark.slow
 def test_structured_output_fields_on_completions(http: httpx.Client) -> None:
     check_structures(http, COMP)
 

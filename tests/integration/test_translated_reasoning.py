@@ -7,7 +7,6 @@ and streamed. Oracle: /v1/chat/completions' reasoning_content and content for th
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -15,9 +14,7 @@ import httpx
 import openai
 import pytest
 
-from server_helpers import Server
-
-pytestmark = pytest.mark.slow
+from server_helpers import Server, serve
 
 TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
             "{% if add_generation_prompt %}assistant: <think>{% endif %}")
@@ -40,18 +37,14 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     model.save_pretrained(path)
     tok.save_pretrained(path)
     (d / "template.jinja").write_text(TEMPLATE)
-    s = Server(d / "server.log", path, "--dtype", "float32", "--num-kv-blocks", "64", "--max-model-len", "256",
-               "--reasoning-parser", "deepseek_r1", "--chat-template", str(d / "template.jinja"))
-    try:
-        s.wait_ready()
+    with serve(d, path, "--dtype", "float32", "--num-kv-blocks", "64", "--max-model-len", "256",
+               "--reasoning-parser", "deepseek_r1", "--chat-template", str(d / "template.jinja")) as s:
         yield s
-    finally:
-        s.stop()
 
 
 @pytest.fixture(scope="module")
 def http(server: Server):
-    with httpx.Client(base_url=server.url, timeout=120) as c:
+    with server.http() as c:
         yield c
 
 

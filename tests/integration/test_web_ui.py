@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server_helpers import Server, metrics
+from server_helpers import API_KEY, Server, metrics
 
 sync_api = pytest.importorskip(
     "playwright.sync_api", reason="Playwright for Python is not installed (pip install -e '.[dev]')"
@@ -27,25 +27,18 @@ pytestmark = pytest.mark.skipif(
            "(make install runs apt-get install -y chromium where apt is usable)",
 )
 
-API_KEY = "sk-pagedllm-ui-test"
 MODEL = "smollm2-135m-instruct"
 LOAD_REQUESTS = 4
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    logs = tmp_path_factory.mktemp("web-ui")
-    s = Server(logs / "server.log", "--kv-cache-memory", "64MiB", "--api-key", API_KEY)
-    try:
-        s.wait_ready()
-        yield s
-    finally:
-        s.stop()
+def server(default_server: Server) -> Server:
+    return default_server
 
 
 @pytest.fixture(scope="module")
 def http(server: Server):
-    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=300) as c:
+    with server.http(timeout=300) as c:
         yield c
 
 
@@ -126,12 +119,18 @@ def test_chat_streams_the_same_reply_as_the_api(page, server: Server, http: http
     assert not page.errors
 
 
-def background_load(server: Server, stop: threading.Event) -> threading.Thread:
+def background_load(server: Server, stop: threading.Event) -> list[threading.Thread]:
+    """LOAD_REQUESTS clients, each streaming one long completion after another until `stop`; a
+    client that sees `stop` leaves mid-stream, which aborts its request (so stopping is quick)."""
     def one(i: int) -> None:
-        with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=600) as c:
+        body = {"model": MODEL, "prompt": f"Story {i}: once upon a time", "max_tokens": 160, "ignore_eos": True,
+                "temperature": 0.8, "stream": True}
+        with server.http(timeout=600) as c:
             while not stop.is_set():
-                c.post("/v1/completions", json={"model": MODEL, "prompt": f"Story {i}: once upon a time",
-                                                "max_tokens": 160, "ignore_eos": True, "temperature": 0.8})
+                with c.stream("POST", "/v1/completions", json=body) as r:
+                    for _ in r.iter_lines():
+                        if stop.is_set():
+                            break
 
     threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(LOAD_REQUESTS)]
     for t in threads:
