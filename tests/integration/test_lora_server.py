@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from pagedllm.models.testing import make_tiny_checkpoint
-from server_helpers import Server, assert_error_shape
+from server_helpers import assert_error_shape, serve
 from test_lora import MAX_TOKENS, PROMPTS, make_adapter, peft_reference
 
 KEY = "lora-key"
@@ -32,15 +32,11 @@ def setup(tmp_path_factory):
         "c": make_adapter(base, root / "c", 3, r=4, lora_alpha=4, target_modules=["down_proj"], use_rslora=True),
         "big": make_adapter(base, root / "big", 4, r=16, lora_alpha=16, target_modules=["o_proj"]),
     }
-    s = Server(root / "server.log", base, "--dtype", "float32", "--kv-cache-memory", "32MiB", "--api-key", KEY,
+    with serve(root, base, "--dtype", "float32", "--kv-cache-memory", "32MiB", "--api-key", KEY,
                "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--lora-modules", f"a={paths['a']}",
                json.dumps({"name": "b", "path": paths["b"], "base_model_name": "base"}),
-               env={"PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"})
-    try:
-        s.wait_ready()
+               env={"PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}) as s:
         yield s, base, paths
-    finally:
-        s.stop()
 
 
 @pytest.fixture(scope="module")
