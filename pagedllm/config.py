@@ -249,15 +249,20 @@ PER_LAYER_WINDOW_TYPES = ("gemma3_text", "gemma3")
 
 
 def layer_sliding_windows(hf_config: Any) -> list[int]:
-    """Each layer's sliding window in tokens (0: full attention): per layer kind for the families
-    of PER_LAYER_WINDOW_TYPES, else the model-wide `sliding_window` (Mistral) or none."""
+    """Each layer's sliding window in tokens (0: full attention), as transformers applies it: per
+    layer kind for the families of PER_LAYER_WINDOW_TYPES (their default pattern where the config
+    has no `layer_types`); else `sliding_window` on the layers `layer_types` names
+    `sliding_attention` (Qwen2 with use_sliding_window: those from max_window_layers on); else the
+    model-wide `sliding_window` (Mistral) or none."""
     n = int(hf_config.num_hidden_layers)
     window = int(getattr(hf_config, "sliding_window", None) or 0)
     if getattr(hf_config, "model_type", None) in PER_LAYER_WINDOW_TYPES:
         return [window if t == SLIDING_ATTENTION else 0 for t in attention_layer_types(hf_config)]
     layer_types = getattr(hf_config, "layer_types", None)
-    if window and layer_types and any(t != SLIDING_ATTENTION for t in layer_types):
-        return [0] * n
+    if layer_types:
+        if len(layer_types) != n:
+            raise ValueError(f"layer_types names {len(layer_types)} layers, the model has {n}")
+        return [window if t == SLIDING_ATTENTION else 0 for t in layer_types]
     return [window] * n
 
 

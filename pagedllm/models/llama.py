@@ -13,6 +13,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from pagedllm.config import layer_sliding_windows
 from pagedllm.distributed.parallel_state import ParallelContext, TensorParallelGroup
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import Attention
@@ -40,7 +41,8 @@ class LlamaAttention(nn.Module):
                  rotary_emb: RotaryEmbedding, tp: TensorParallelGroup, quant_config=None, prefix: str = "", *,
                  scale: float | None = None, sliding_window: int | None = None) -> None:
         """`scale`: the attention scale (default head_dim ** -0.5); `sliding_window`: this layer's own
-        window (see layers.attention.Attention; default the model-wide one)."""
+        window (see layers.attention.Attention; default: the config's where the layers' windows differ,
+        else the model-wide one)."""
         super().__init__()
         hidden = config.hidden_size
         num_heads = config.num_attention_heads
@@ -54,6 +56,12 @@ class LlamaAttention(nn.Module):
                                         quant_method=linear_method(quant_config, f"{prefix}.o_proj"))
         self.rotary_emb = rotary_emb
         scale = self.head_dim**-0.5 if scale is None else scale
+        if sliding_window is None:
+            # A window of its own where the layers' windows differ (Qwen2's use_sliding_window: the
+            # layers from max_window_layers on, as `layer_types` says); a window every layer shares
+            # comes with the step's metadata instead.
+            windows = layer_sliding_windows(config)
+            sliding_window = windows[layer_idx] if len(set(windows)) > 1 else None
         self.attn = Attention(self.num_heads, self.head_dim, self.num_kv_heads, scale, layer_idx,
                               sliding_window=sliding_window)
         self.splits = [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size]

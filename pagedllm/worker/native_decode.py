@@ -173,6 +173,8 @@ def _unsupported_reason(model: nn.Module, dtype: torch.dtype, kv_dtype: torch.dt
                 return layout
         if a.head_dim > 1024 or a.attn.k_scale != 1.0 or a.attn.v_scale != 1.0:
             return "head size or KV scales"
+        if a.attn.sliding_window is not None:
+            return "layers with windows of their own (the step takes one window for all)"
     return None
 
 

@@ -1,4 +1,5 @@
-"""Qwen3, Qwen3-MoE, Mixtral, OLMoE, Phi-3 / Phi-4-mini and Mistral with a sliding window: greedy outputs equal Hugging Face
+"""Qwen3, Qwen3-MoE, Mixtral, OLMoE, Phi-3 / Phi-4-mini, Mistral with a sliding window and Qwen2 with
+use_sliding_window (a window on the layers from max_window_layers on): greedy outputs equal Hugging Face
 transformers' (fp32) token for token on tiny random checkpoints that transformers itself builds,
 at block sizes 8 and 16, with chunked prefill and a prefix-cache hit; MoE routing equal to the
 reference's on random inputs."""
@@ -33,6 +34,10 @@ def _configs():
                     dict(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2)),
         # One window for every layer: a single window group whose blocks before the window are freed.
         "mistral": (t.MistralConfig, t.MistralForCausalLM, dict(intermediate_size=96, sliding_window=8)),
+        # use_sliding_window: the layers from max_window_layers on attend within 8 tokens (layer 1 of
+        # 0, 1), the others to everything: two KV layer groups.
+        "qwen2_swa": (t.Qwen2Config, t.Qwen2ForCausalLM,
+                      dict(intermediate_size=96, use_sliding_window=True, sliding_window=8, max_window_layers=1)),
         "olmoe": (t.OlmoeConfig, t.OlmoeForCausalLM,
                   dict(intermediate_size=32, num_experts=8, num_experts_per_tok=3, clip_qkv=8.0)),
         # Phi-4-mini's shape: partial rotary (0.75) and LongRoPE. The sequences here stay within
@@ -69,7 +74,7 @@ def _hf_greedy(hf, prompt: list[int]) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "mixtral", "olmoe", "phi3", "mistral"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "mixtral", "olmoe", "phi3", "mistral", "qwen2_swa"])
 def test_family_matches_transformers_greedy(family, tokenizer, tmp_path):
     hf = _checkpoint(family, tmp_path, tokenizer)
     g = torch.Generator().manual_seed(1)
@@ -81,8 +86,10 @@ def test_family_matches_transformers_greedy(family, tokenizer, tmp_path):
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     for block_size in (8, 16):
         # A 16-token budget chunks every prompt over 16 tokens.
+        # The same memory for qwen2_swa, whose blocks hold one of its two layer groups each.
+        num_blocks = 256 // block_size * (2 if family == "qwen2_swa" else 1)
         llm = LLM(str(tmp_path), dtype="float32", block_size=block_size, max_num_batched_tokens=16,
-                  num_kv_blocks=256 // block_size, max_model_len=128, enable_prefix_caching=True)
+                  num_kv_blocks=num_blocks, max_model_len=128, enable_prefix_caching=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts + [shared]], params, use_tqdm=False)
         # The shared prefix's blocks are cached now: these two prompts start from them.
         outs += llm.generate([{"prompt_token_ids": p} for p in second], params, use_tqdm=False)
@@ -90,6 +97,25 @@ def test_family_matches_transformers_greedy(family, tokenizer, tmp_path):
             assert out.outputs[0].token_ids == refs[tuple(p)], (family, block_size, len(p))
         assert all(o.num_cached_tokens >= 32 for o in outs[-2:]), [o.num_cached_tokens for o in outs[-2:]]
         del llm
+
+
+def test_qwen2_window_layers_change_the_reference(tokenizer, tmp_path):
+    """The qwen2_swa case would not notice its window ignored: without use_sliding_window the same
+    weights continue the long prompt differently; pagedllm gives the windowed layer its window and
+    the other layer none, in two KV layer groups."""
+    import transformers as t
+
+    hf = _checkpoint("qwen2_swa", tmp_path, tokenizer)
+    assert hf.config.layer_types == ["full_attention", "sliding_attention"]
+    plain = t.Qwen2ForCausalLM(t.Qwen2Config(**{**hf.config.to_dict(), "use_sliding_window": False,
+                                                "layer_types": None})).float().eval()
+    plain.load_state_dict(hf.state_dict())
+    prompt = torch.randint(3, len(tokenizer), (58,), generator=torch.Generator().manual_seed(1)).tolist()
+    assert _hf_greedy(plain, prompt) != _hf_greedy(hf, prompt)
+    llm = LLM(str(tmp_path), dtype="float32", block_size=8, num_kv_blocks=64, max_model_len=128)
+    layers = [m.self_attn.attn for m in llm.llm_engine.executor.runner.model.layers]
+    assert [a.sliding_window for a in layers] == [0, 8]
+    assert llm.llm_engine.scheduler.kv.groups.windows == (0, 8)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "olmoe"])
