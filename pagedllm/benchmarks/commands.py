@@ -59,6 +59,8 @@ COMMANDS: dict[str, Entry | tuple[str, dict[str, Entry]]] = {
     "structured": ("pagedllm.benchmarks.structured",
                    "constrained decoding (JSON schemas, regexes, choices) against the same workload unconstrained "
                    "and against vLLM's CPU build; grammar compile times"),
+    "lora": ("pagedllm.benchmarks.lora",
+             "throughput with N LoRA adapters mixed over the workload against the base model; adapter load time"),
     "ui-cost": ("pagedllm.benchmarks.ui_cost",
                 "pagedllm serve's output tokens/s under full load with and without a viewer on the engine feed"),
     "soak": ("pagedllm.benchmarks.soak",

@@ -45,14 +45,15 @@ class LoRALinearMethod:
             raise AttributeError(name)
         return getattr(self.base_method, name)
 
-    def set_slot(self, slot: int, weights: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        """Fills a slot with an adapter's (A, B) for this layer, or zeros where it leaves the layer alone."""
-        if weights is None:
-            self.lora_a[slot].zero_()
-            self.lora_b[slot].zero_()
-        else:
-            self.lora_a[slot].copy_(weights[0])
-            self.lora_b[slot].copy_(weights[1])
+    def set_slot(self, slot: int, pieces: list[Any] | None) -> None:
+        """Fills a slot with an adapter's pieces for this layer (layout.Piece), zeros elsewhere."""
+        a, b = self.lora_a[slot], self.lora_b[slot]
+        a.zero_()
+        b.zero_()
+        for p in pieces or ():
+            r, rows = p.lora_a.shape[0], p.lora_b.shape[0]
+            a[p.col : p.col + r].copy_(p.lora_a)
+            b[p.start : p.start + rows, p.col : p.col + r].copy_(p.lora_b)
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = self.base_method.apply(layer, x, bias)

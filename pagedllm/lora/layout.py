@@ -1,6 +1,7 @@
 """A PEFT adapter's tensors laid onto a model's linear layers, in the layout of the layers' LoRA
-slots: per layer A [slices * R, in] and B [out, slices * R], block-diagonal over the layer's
+slots: a slot holds A [slices * R, in] and B [out, slices * R], block-diagonal over the layer's
 fused slices (q | k | v, gate | up), each slice's rank padded with zeros to R = --max-lora-rank.
+An adapter is kept as its pieces (where each goes in the slot), not padded.
 
 A checkpoint module maps onto the model as its weight would (the model's `checkpoint_tensors`
 splits a fused tensor such as Phi-3's qkv_proj, `map_param` names the fused layer and slice), and
@@ -9,6 +10,8 @@ rows, a row-parallel layer's A columns like its weight's columns (the partial pr
 by the layer's one all-reduce, after the base GEMM's)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -37,12 +40,24 @@ def _tp(layer: Linear) -> tuple[int, int]:
     return (tp.rank, tp.size) if tp is not None else (0, 1)
 
 
+@dataclass
+class Piece:
+    """One slice of a layer: A [r, in] at slot rows col:col + r, B [rows, r] at slot rows
+    start:start + rows and columns col:col + r."""
+
+    col: int
+    start: int
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+
+
 def lay_out(adapter: PeftAdapter, model: nn.Module, max_rank: int, dtype: torch.dtype,
-            layers: dict[str, Linear] | None = None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """layer name -> (A, B) in slot layout for every layer the adapter touches; a ValueError
-    naming the tensor when a module is unknown to the model or a shape does not fit it."""
+            layers: dict[str, Linear] | None = None) -> dict[str, list[Piece]]:
+    """layer name -> its pieces for every layer the adapter touches; a ValueError naming the
+    tensor when a module is unknown to the model or a shape does not fit it."""
     layers = lora_target_layers(model) if layers is None else layers
-    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    out: dict[str, list[Piece]] = {}
+    covered: set[tuple[str, object]] = set()
     for mod in adapter.modules:
         a_name, b_name = f"{mod.name}.lora_A.weight", f"{mod.name}.lora_B.weight"
         r = mod.rank
@@ -84,15 +99,11 @@ def lay_out(adapter: PeftAdapter, model: nn.Module, max_rank: int, dtype: torch.
             elif b.shape[0] != rows:
                 raise ValueError(f"LoRA adapter {adapter.path!r}: tensor {b_name!r} has {b.shape[0]} output rows, "
                                  f"the model's {layer_name} has {rows} (an adapter of another base model?)")
-            if layer_name not in out:
-                n = len(slices) * max_rank
-                out[layer_name] = (torch.zeros(n, layer.in_features, dtype=dtype),
-                                   torch.zeros(layer.out_features, n, dtype=dtype))
-            big_a, big_b = out[layer_name]
-            col = slices.index(shard) * max_rank
-            if big_b[start : start + rows, col : col + r].any() or big_a[col : col + r].any():
+            if (layer_name, shard) in covered:
                 raise ValueError(f"LoRA adapter {adapter.path!r}: tensor {b_name!r} adapts slice {shard!r} of "
                                  f"{layer_name}, which another of its tensors already adapts")
-            big_a[col : col + r] = a.to(dtype)
-            big_b[start : start + rows, col : col + r] = b.to(dtype)
+            covered.add((layer_name, shard))
+            col = slices.index(shard) * max_rank
+            out.setdefault(layer_name, []).append(
+                Piece(col, start, a.to(dtype).contiguous(), b.to(dtype).contiguous()))
     return out

@@ -16,14 +16,14 @@ from torch import nn
 
 from pagedllm.config import LoRAConfig
 from pagedllm.lora.layers import LoRALinearMethod, LoRAStep
-from pagedllm.lora.layout import lay_out, lora_target_layers
+from pagedllm.lora.layout import Piece, lay_out, lora_target_layers
 from pagedllm.lora.peft import read_peft_adapter
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-AdapterWeights = dict[str, tuple[torch.Tensor, torch.Tensor]]
+AdapterWeights = dict[str, list[Piece]]
 
 
 def lora_dtype(config: LoRAConfig, model_dtype: torch.dtype) -> torch.dtype:

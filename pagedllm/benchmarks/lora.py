@@ -1,0 +1,124 @@
+"""`pagedllm bench lora`: offline throughput of the 128-request workload with N LoRA adapters
+(random, rank R, on every linear layer) mixed uniformly over the requests, against the base
+model alone on the same workload; and what loading one adapter at run time costs (the front
+end's check, and the worker's read and layout into slot form).
+
+The adapters are written in PEFT's format (adapter_config.json + adapter_model.safetensors) for
+a Llama-layout model (q/k/v/o and gate/up/down projections), from the model's config."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def write_random_adapter(hf_config: Any, folder: Path, rank: int, seed: int) -> str:
+    """A random PEFT adapter of rank `rank` on every linear layer of a Llama-layout model."""
+    import torch
+    from safetensors.torch import save_file
+
+    c = hf_config
+    hidden, inter = int(c.hidden_size), int(c.intermediate_size)
+    hd = int(getattr(c, "head_dim", None) or hidden // c.num_attention_heads)
+    kv = int(getattr(c, "num_key_value_heads", None) or c.num_attention_heads)
+    shapes = {"self_attn.q_proj": (hidden, c.num_attention_heads * hd), "self_attn.k_proj": (hidden, kv * hd),
+              "self_attn.v_proj": (hidden, kv * hd), "self_attn.o_proj": (c.num_attention_heads * hd, hidden),
+              "mlp.gate_proj": (hidden, inter), "mlp.up_proj": (hidden, inter), "mlp.down_proj": (inter, hidden)}
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(int(c.num_hidden_layers)):
+        for mod, (n_in, n_out) in shapes.items():
+            key = f"base_model.model.model.layers.{layer}.{mod}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, n_in, generator=g) / n_in**0.5
+            tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, rank, generator=g) * 0.01
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": sorted(
+            {m.split(".")[1] for m in shapes}), "bias": "none", "modules_to_save": None}))
+    return str(folder)
+
+
+def _throughput(llm: Any, reqs: list, loras: list) -> dict[str, float]:
+    from pagedllm import SamplingParams
+
+    params = [SamplingParams(max_tokens=r.output_len, temperature=0, ignore_eos=True) for r in reqs]
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in reqs]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"seconds": dt, "output_tokens": n_out, "output_tok_s": n_out / dt}
+
+
+def run_lora(opts: dict[str, Any]) -> dict[str, Any]:
+    from pagedllm import LLM, LoRARequest
+    from pagedllm.benchmarks.workloads import parse_range, random_workload, vocab_info
+    from pagedllm.models.loader import load_hf_config, resolve_model
+
+    model, n, rank = opts["model"], opts["num_adapters"], opts["rank"]
+    hf_config = load_hf_config(resolve_model(model))
+    reqs = random_workload(opts["num_prompts"], parse_range(opts["input_len_range"], "input"),
+                           parse_range(opts["output_len_range"], "output"), vocab_info(model), opts["seed"])
+    engine = {"dtype": opts["dtype"], "kv_cache_memory": opts["kv_cache_memory"]}
+    report: dict[str, Any] = {"model": model or "default", "num_adapters": n, "rank": rank, "dtype": opts["dtype"],
+                              "num_prompts": len(reqs)}
+    with tempfile.TemporaryDirectory(prefix="pagedllm-lora-") as tmp:
+        paths = [write_random_adapter(hf_config, Path(tmp) / f"a{i}", rank, i) for i in range(n + 1)]
+        base = LLM(model, **engine)
+        report["base"] = _throughput(base, reqs, None)
+        base.llm_engine.shutdown()
+        del base
+        llm = LLM(model, enable_lora=True, max_loras=n, max_lora_rank=rank, **engine)
+        loras = [LoRARequest(f"a{i}", i + 1, paths[i]) for i in range(n)]
+        report["lora"] = _throughput(llm, reqs, [loras[i % n] for i in range(len(reqs))])
+        report["lora_no_adapter_rows"] = _throughput(llm, reqs, None)
+        # Loading one more adapter at run time: the front end's check, then the worker's read + layout.
+        extra = LoRARequest("extra", n + 1, paths[n])
+        t0 = time.perf_counter()
+        llm.llm_engine.processor.check_lora(extra)
+        t1 = time.perf_counter()
+        runner = llm.llm_engine.core.executor.runner
+        runner.lora._weights(extra.lora_int_id, extra.lora_path)
+        t2 = time.perf_counter()
+        report["load_ms"] = {"check": (t1 - t0) * 1e3, "worker": (t2 - t1) * 1e3}
+        llm.llm_engine.shutdown()
+    report["ratio"] = report["lora"]["output_tok_s"] / report["base"]["output_tok_s"]
+    report["ratio_no_adapter_rows"] = report["lora_no_adapter_rows"]["output_tok_s"] / report["base"]["output_tok_s"]
+    return report
+
+
+def format_table(r: dict[str, Any]) -> str:
+    lines = [f"{r['num_prompts']} requests, {r['model']} ({r['dtype']}), {r['num_adapters']} adapters of rank "
+             f"{r['rank']} on every linear layer, mixed uniformly",
+             f"  base model alone:          {r['base']['output_tok_s']:8.1f} output tok/s",
+             f"  with the adapters:         {r['lora']['output_tok_s']:8.1f} output tok/s  ({r['ratio']:.3f}x)",
+             f"  LoRA on, no adapter rows:  {r['lora_no_adapter_rows']['output_tok_s']:8.1f} output tok/s  "
+             f"({r['ratio_no_adapter_rows']:.3f}x)",
+             f"  loading one adapter: check {r['load_ms']['check']:.1f} ms, worker read + layout "
+             f"{r['load_ms']['worker']:.1f} ms"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="a Llama-layout model (default: the embedded default model)")
+    ap.add_argument("--num-adapters", type=int, default=8, help="adapters mixed over the requests (= --max-loras)")
+    ap.add_argument("--rank", type=int, default=16, help="every adapter's rank")
+    ap.add_argument("--num-prompts", type=int, default=128)
+    ap.add_argument("--input-len-range", default="32:512", help="prompt length LOW:HIGH")
+    ap.add_argument("--output-len-range", default="16:256", help="output length LOW:HIGH")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--kv-cache-memory", default="2GiB")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--output-json", default=None, help="write the report here")
+    args = ap.parse_args(argv)
+    report = run_lora({k: v for k, v in vars(args).items() if k != "output_json"})
+    print(format_table(report))
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(report, indent=1) + "\n")
