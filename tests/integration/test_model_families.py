@@ -2,7 +2,7 @@
 use_sliding_window (a window on the layers from max_window_layers on): greedy outputs equal Hugging Face
 transformers' (fp32) token for token on tiny random checkpoints that transformers itself builds,
 at block sizes 8 and 16, with chunked prefill and a prefix-cache hit; MoE routing equal to the
-reference's on random inputs."""
+reference's on random inputs; Qwen3 and Phi-3 GGUFs in llama.cpp's layout equal to their folders."""
 
 from __future__ import annotations
 
@@ -200,3 +200,81 @@ def test_qwen3_moe_tensor_parallel_matches_one_rank(tokenizer, tmp_path):
         assert a.token_ids == b.token_ids
         for t, la, lb in zip(a.token_ids, a.logprobs, b.logprobs):
             assert abs(la[t].logprob - lb[t].logprob) <= 1e-4
+
+
+def write_llama_cpp_gguf(hf, path: str, arch: str) -> None:
+    """A float32 GGUF of `hf` laid out as llama.cpp's converter writes the architecture: tensor
+    names from gguf-py's tables (the converter's own), fused tensors kept fused, no permutation
+    (llama.cpp permutes Q/K for llama files only), its metadata keys; Phi-3's LongRoPE factors as
+    the rope_factors_long / rope_factors_short tensors."""
+    import math
+
+    import gguf
+    import numpy as np
+
+    c = hf.config
+    model_arch = {"qwen3": gguf.MODEL_ARCH.QWEN3, "phi3": gguf.MODEL_ARCH.PHI3}[arch]
+    names = gguf.get_tensor_name_map(model_arch, c.num_hidden_layers)
+    rope = c.rope_parameters
+    w = gguf.GGUFWriter(path, arch)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_pad_token_id(0)
+    w.add_uint32(f"{arch}.vocab_size", c.vocab_size)
+    if arch == "qwen3":
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
+    else:
+        original = c.original_max_position_embeddings
+        w.add_rope_dimension_count(int(rope["partial_rotary_factor"] * c.hidden_size) // c.num_attention_heads)
+        w.add_rope_scaling_orig_ctx_len(original)
+        w.add_sliding_window(c.sliding_window or 0)
+        scale = c.max_position_embeddings / original
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+        for key, tensor in (("long_factor", gguf.MODEL_TENSOR.ROPE_FACTORS_LONG),
+                            ("short_factor", gguf.MODEL_TENSOR.ROPE_FACTORS_SHORT)):
+            w.add_tensor(gguf.TENSOR_NAMES[tensor] + ".weight", np.asarray(rope[key], dtype=np.float32))
+    for name, t in hf.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), t.numpy().astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "phi3"])
+def test_llama_cpp_gguf_matches_the_hf_folder(family, tokenizer, tmp_path):
+    """The family's GGUF in llama.cpp's layout (transformers' GGUF loader reads the original weights
+    back from it) generates what the Hugging Face folder generates, token for token in float32."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "hf"
+    hf = _checkpoint(family, folder, tokenizer)
+    write_llama_cpp_gguf(hf, str(tmp_path / "tiny.gguf"), family)
+    # The shapes from the original config: transformers reads no head size from a qwen3 file.
+    back = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="tiny.gguf", config=hf.config,
+                                                dtype=torch.float32)
+    original = hf.state_dict()
+    for name, t in back.state_dict().items():
+        torch.testing.assert_close(t, original[name], atol=0, rtol=0)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, len(tokenizer), (n,), generator=g).tolist() for n in (5, 37, 90)]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for name, path, kw in (("hf", str(folder), {}), ("gguf", str(tmp_path / "tiny.gguf"), {"tokenizer": str(folder)})):
+        llm = LLM(path, dtype="float32", block_size=16, max_num_batched_tokens=32, num_kv_blocks=64,
+                  max_model_len=128, **kw)
+        outs[name] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                                  params, use_tqdm=False)]
+        del llm
+    assert outs["gguf"] == outs["hf"] == [_hf_greedy(hf, p) for p in prompts]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+
+import numpy as np
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.models.loader.gemma3 import end_of_turn_ids
@@ -17,6 +19,8 @@ logger = logging.getLogger(__name__)
 
 _GGUF_ARCHS = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
                "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+               "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+               "phi3": ("Phi3Config", "Phi3ForCausalLM"),
                "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
 
 
@@ -52,6 +56,8 @@ def _gguf_config(header: GGUFHeader) -> PretrainedConfig:
     fields = _gguf_config_fields(header, arch)
     if arch == "gemma3":
         fields = _gemma3_fields(header, fields)
+    elif arch == "phi3":
+        fields = _phi3_fields(header, fields)
     try:
         config = getattr(transformers, config_name)(architectures=[model_class], **fields)
     except (ValueError, TypeError) as exc:
@@ -72,7 +78,8 @@ def _gguf_config_fields(header: GGUFHeader, arch: str) -> dict[str, Any]:
         "num_hidden_layers": int(req(f"{arch}.block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
-        "head_dim": int(meta.get(f"{arch}.rope.dimension_count", hidden // heads)),
+        "head_dim": int(meta.get(f"{arch}.attention.key_length",
+                                 meta.get(f"{arch}.rope.dimension_count", hidden // heads))),
         "rms_norm_eps": float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         "max_position_embeddings": int(meta.get(f"{arch}.context_length", 2048)),
         "vocab_size": _gguf_vocab_size(header, arch),
@@ -108,6 +115,42 @@ def _gemma3_fields(header: GGUFHeader, fields: dict[str, Any]) -> dict[str, Any]
     if rope["rope_type"] == "linear":  # the global layers' scaling (Gemma 3 4B and larger: factor 8)
         fields["rope_scaling"] = {"rope_type": "linear", "factor": rope["factor"]}
     return fields
+
+
+def _phi3_fields(header: GGUFHeader, fields: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3 / Phi-4-mini from ``phi3.*`` metadata: llama.cpp writes the rotary dimensions (a part
+    of the head size: partial rotary), the original context length, the window, and LongRoPE's
+    factors as the tensors ``rope_factors_long`` / ``rope_factors_short``."""
+    meta = header.metadata
+    fields = dict(fields)
+    head_dim = fields["hidden_size"] // fields["num_attention_heads"]
+    rotary = int(meta.get("phi3.rope.dimension_count", head_dim))
+    theta = fields["rope_parameters"]["rope_theta"]
+    original = meta.get("phi3.rope.scaling.original_context_length")
+    fields.update(head_dim=head_dim, partial_rotary_factor=rotary / head_dim,
+                  sliding_window=int(meta.get("phi3.attention.sliding_window", 0)) or None)
+    if original is not None:
+        fields["original_max_position_embeddings"] = int(original)
+    if "rope_factors_long.weight" in header.tensors:
+        if original is None:
+            raise ModelLoadError(f"GGUF file {header.path}: LongRoPE factors without "
+                                 "phi3.rope.scaling.original_context_length")
+        fields["rope_parameters"] = {
+            "rope_type": "longrope", "rope_theta": theta, "partial_rotary_factor": rotary / head_dim,
+            "original_max_position_embeddings": int(original),
+            "long_factor": _f32_tensor(header, "rope_factors_long.weight"),
+            "short_factor": _f32_tensor(header, "rope_factors_short.weight"),
+        }
+    return fields
+
+
+def _f32_tensor(header: GGUFHeader, name: str) -> list[float]:
+    """A small float32 tensor's values (LongRoPE factors)."""
+    info = header.tensors.get(name)
+    if info is None or info.qtype != 0:  # GGML_TYPE_F32
+        raise ModelLoadError(f"GGUF file {header.path}: {name} must be a float32 tensor")
+    data = np.fromfile(header.path, dtype=np.float32, count=info.n_bytes // 4, offset=info.offset)
+    return [float(x) for x in data]
 
 
 def _meta_int(meta: dict[str, Any], key: str) -> int | None:

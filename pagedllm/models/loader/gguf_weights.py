@@ -28,7 +28,8 @@ _GGUF_LAYER_NAMES = {
 _GGUF_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
                       "output_norm.weight": "model.norm.weight",
                       "output.weight": "lm_head.weight"}
-_GGUF_IGNORED = {"rope_freqs.weight"}
+# Phi-3's LongRoPE factors are tensors in llama.cpp's file; the config takes them (loader/config.py).
+_GGUF_IGNORED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 # Gemma 3's layer names where they differ from the table above: QK-norm and the sandwich norms
 # (llama.cpp's `ffn_norm` is Gemma's pre-feedforward norm, its post-attention norm has its own name).
 _GEMMA3_LAYER_NAMES = {
@@ -37,7 +38,11 @@ _GEMMA3_LAYER_NAMES = {
     "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-_LAYER_NAMES_BY_ARCH = {"gemma3": _GEMMA3_LAYER_NAMES}
+# Qwen3: the Llama names and the per-head q/k norms (llama.cpp permutes nothing for qwen* files).
+_QWEN3_LAYER_NAMES = {**_GGUF_LAYER_NAMES, "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# Phi-3: the checkpoint's fused projections kept fused (`ffn_up` holds gate and up, gate first).
+_PHI3_LAYER_NAMES = {**_GGUF_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+_LAYER_NAMES_BY_ARCH = {"gemma3": _GEMMA3_LAYER_NAMES, "qwen3": _QWEN3_LAYER_NAMES, "phi3": _PHI3_LAYER_NAMES}
 # Architectures whose norm weights llama.cpp's converter stored as 1 + w (Gemma's RMSNorm scales
 # by 1 + w; the Hugging Face checkpoint, and pagedllm's GemmaRMSNorm, hold w).
 _NORM_PLUS_ONE = frozenset({"gemma3"})
