@@ -66,6 +66,7 @@ _VARS: tuple[EnvVar, ...] = (
     _native("ELEMENTWISE", "RMSNorm / SiLU·mul / RoPE rows"),
     _native("QUANT", "quantized GEMM kernels (int8, int4, fp8, GGUF codes)"),
     _native("SAMPLING", "sampling kernel (temperature, top-k/top-p draws)"),
+    _native("LORA", "LoRA kernel (the deltas of rows of several adapters in one call)"),
     EnvVar("PAGEDLLM_QUANT_ACTIVATIONS", str, "int8",
            "activations met by 4-bit and int8 codes: `int8` (VNNI dot products) or `bf16`", ("int8", "bf16")),
     EnvVar("PAGEDLLM_QUANT_PARALLEL_MIN", int, 1 << 18,

@@ -2,26 +2,52 @@
 rows of each adapter in the step x A^T B^T (shrink to the slot's rank, expand to the outputs; the
 scale is folded into B), from the adapter's slot in the layer's preallocated stacks.
 
-The step's rows are grouped by slot once per step (`LoRAStep`), not per layer; a step without
-adapter rows costs every layer one empty-tuple test. On a row-parallel layer the delta is added
-to the rank's partial product, before the layer's all-reduce."""
+The step's rows are grouped by slot once per step (`LoRAStep`), not per layer: adapters with few
+rows in the step (decodes) go through one native call for all of them (native/csrc/lora.c), the
+rows of an adapter with many (a prompt chunk) through two torch GEMMs. A step without adapter rows
+costs every layer two attribute tests. On a row-parallel layer the delta is added to the rank's
+partial product, before the layer's all-reduce."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import torch
 
-from pagedllm.layers.linear import Linear, dense_linear
+from pagedllm import native
+from pagedllm.layers.linear import WIDENED_DTYPES, Linear, dense_linear
+from pagedllm.native import kernels
+
+_DT = {torch.float32: 0, torch.bfloat16: 1}
+
+
+@lru_cache(maxsize=1)
+def lora_kernel() -> Any:
+    """The bound LoRA kernel (native/csrc/lora.c), or None (PAGEDLLM_NATIVE_LORA=0, no compiler)."""
+    return native.load(kernels.LORA)
 
 
 @dataclass
 class LoRAStep:
-    """This step's adapter rows: (slot, rows) per adapter in the batch, rows a slice where its
-    tokens are contiguous, else an index tensor. Empty: no adapter rows this step."""
+    """This step's adapter rows: `groups` (slot, rows) for adapters with many rows, rows a slice
+    where its tokens are contiguous, else an index tensor; `slots` the slot of every token for
+    the native call (-1: none, or in `groups`), None when no row takes it."""
 
     groups: tuple[tuple[int, slice | torch.Tensor], ...] = ()
+    slots: torch.Tensor | None = None
+
+    @property
+    def active(self) -> bool:
+        return bool(self.groups) or self.slots is not None
+
+
+def _expand(h: torch.Tensor, bt: torch.Tensor) -> torch.Tensor:
+    """h [rows, n] @ B^T [n, out]: in float32 where the CPU has no dot products in h's dtype."""
+    if h.dtype in WIDENED_DTYPES and h.device.type == "cpu":
+        return torch.mm(h.float(), bt.float()).to(h.dtype)
+    return torch.mm(h, bt)
 
 
 class LoRALinearMethod:
@@ -33,11 +59,15 @@ class LoRALinearMethod:
 
         self.base_method = base
         self.step = step
-        n = len(slice_ids(layer)) * max_rank
+        slices = slice_ids(layer)
+        self.max_rank = max_rank
+        # Each slice's output columns [first, one past the last] (block-diagonal B: the native expand's bounds).
+        self.ranges = torch.tensor([[s, s + n] for s, n in map(layer.shard_offsets, slices)], dtype=torch.int64)
+        n = len(slices) * max_rank
         device = next((t.device for t in layer.buffers()), None) or next(
             (p.device for p in layer.parameters()), torch.device("cpu"))
         self.lora_a = torch.zeros(num_slots, n, layer.in_features, dtype=dtype, device=device)
-        self.lora_b = torch.zeros(num_slots, layer.out_features, n, dtype=dtype, device=device)
+        self.lora_bt = torch.zeros(num_slots, n, layer.out_features, dtype=dtype, device=device)  # B transposed
 
     def __getattr__(self, name: str) -> Any:
         # The base method's attributes (its name, its kernel flags) read through the wrapper.
@@ -47,24 +77,35 @@ class LoRALinearMethod:
 
     def set_slot(self, slot: int, pieces: list[Any] | None) -> None:
         """Fills a slot with an adapter's pieces for this layer (layout.Piece), zeros elsewhere."""
-        a, b = self.lora_a[slot], self.lora_b[slot]
+        a, bt = self.lora_a[slot], self.lora_bt[slot]
         a.zero_()
-        b.zero_()
+        bt.zero_()
         for p in pieces or ():
             r, rows = p.lora_a.shape[0], p.lora_b.shape[0]
             a[p.col : p.col + r].copy_(p.lora_a)
-            b[p.start : p.start + rows, p.col : p.col + r].copy_(p.lora_b)
+            bt[p.col : p.col + r, p.start : p.start + rows].copy_(p.lora_b.t())
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = self.base_method.apply(layer, x, bias)
-        groups = self.step.groups
-        if not groups:
-            return y
-        dtype = self.lora_a.dtype
-        for slot, rows in groups:
-            d = dense_linear(dense_linear(x[rows].to(dtype), self.lora_a[slot]), self.lora_b[slot]).to(y.dtype)
+        step = self.step
+        if step.slots is not None:
+            self._native(x, y, step.slots)
+        for slot, rows in step.groups:
+            h = dense_linear(x[rows].to(self.lora_a.dtype), self.lora_a[slot])
+            d = _expand(h, self.lora_bt[slot]).to(y.dtype)
             if isinstance(rows, slice):
                 y[rows] += d
             else:
                 y.index_add_(0, rows, d)
         return y
+
+    def _native(self, x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor) -> None:
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        a, bt = self.lora_a, self.lora_bt
+        rc = lora_kernel().lora_sgmv(
+            x.data_ptr(), x.stride(0), _DT[x.dtype], x.shape[0], slots.data_ptr(), a.data_ptr(), bt.data_ptr(),
+            _DT[a.dtype], len(self.ranges), self.max_rank, self.ranges.data_ptr(), a.shape[2], bt.shape[2],
+            y.data_ptr(), y.stride(0), _DT[y.dtype])
+        if rc:
+            raise RuntimeError(f"lora_sgmv failed ({rc})")

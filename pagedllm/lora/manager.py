@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from pagedllm.config import LoRAConfig
-from pagedllm.lora.layers import LoRALinearMethod, LoRAStep
+from pagedllm.lora.layers import LoRALinearMethod, LoRAStep, lora_kernel
 from pagedllm.lora.layout import Piece, lay_out, lora_target_layers
 from pagedllm.lora.peft import read_peft_adapter
 
@@ -24,6 +24,10 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 AdapterWeights = dict[str, list[Piece]]
+
+# An adapter with more rows than this in a step (a prompt chunk) takes two torch GEMMs; the rows
+# of the adapters with fewer (decodes) go through one native call for all of them.
+NATIVE_MAX_ROWS = 16
 
 
 def lora_dtype(config: LoRAConfig, model_dtype: torch.dtype) -> torch.dtype:
@@ -49,6 +53,10 @@ class LoRAManager:
         self.slots: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, least recently used first
         self.req_lora: dict[str, tuple[int, str]] = {}  # req_id -> (adapter id, folder)
         self.num_loads = 0
+        # The native kernel where it applies: on the CPU, model and adapters in float32 or bfloat16.
+        supported = (torch.float32, torch.bfloat16)
+        self.kernel = (lora_kernel() if device.type == "cpu" and model_dtype in supported and self.dtype in supported
+                       else None)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, req_id: str, lora: Sequence | None) -> None:
@@ -114,20 +122,28 @@ class LoRAManager:
             if lora is not None:
                 rows.setdefault(lora[0], []).append((int(query_start_loc[i]), int(query_start_loc[i + 1])))
                 paths[lora[0]] = lora[1]
+        step = self.step
         if not rows:
-            self.step.groups = ()
+            step.groups, step.slots = (), None
             return False
         needed = set(rows)
         groups = []
+        slots = None
         for lora_id, spans in rows.items():
             slot = self._slot(lora_id, paths[lora_id], needed)
             merged = _merge(spans)
-            if len(merged) == 1:
-                idx: slice | torch.Tensor = slice(*merged[0])
+            if self.kernel is not None and sum(b - a for a, b in merged) <= NATIVE_MAX_ROWS:
+                if slots is None:
+                    slots = np.full(int(query_start_loc[len(req_ids)]), -1, dtype=np.int32)
+                for a, b in merged:
+                    slots[a:b] = slot
+            elif len(merged) == 1:
+                groups.append((slot, slice(*merged[0])))
             else:
-                idx = torch.from_numpy(np.concatenate([np.arange(a, b) for a, b in merged])).to(self.device)
-            groups.append((slot, idx))
-        self.step.groups = tuple(groups)
+                idx = np.concatenate([np.arange(a, b) for a, b in merged])
+                groups.append((slot, torch.from_numpy(idx).to(self.device)))
+        step.groups = tuple(groups)
+        step.slots = torch.from_numpy(slots) if slots is not None else None
         return True
 
 

@@ -136,4 +136,10 @@ APPLY_TOKEN_BITMASK = Kernel("apply_token_bitmask", I32, (
     ptr("x"), i64("ldx"), i64("V"), ptr("mask"), i64("ldm"), ptr("logit_rows"), ptr("mask_rows"), i64("R")))
 SAMPLING = Library("sampling.c", (TOP_P_CUTS, SAMPLE_ROWS, APPLY_TOKEN_BITMASK), lambda: envs.PAGEDLLM_NATIVE_SAMPLING)
 
-LIBRARIES = (ATTENTION, FLASH, LINEAR, ELEMENTWISE, QUANT, DECODE, SAMPLING)
+# lora.c: the LoRA deltas of rows of several adapters in one call.
+LORA_SGMV = Kernel("lora_sgmv", I32, (
+    ptr("x"), i64("ldx"), i32("x_dt"), i64("T"), ptr("slots"), ptr("a"), ptr("bt"), i32("w_dt"),
+    *_ints("num_slices", "R"), ptr("ranges"), *_ints("K", "N"), ptr("y"), i64("ldy"), i32("y_dt")))
+LORA = Library("lora.c", (LORA_SGMV,), lambda: envs.PAGEDLLM_NATIVE_LORA)
+
+LIBRARIES = (ATTENTION, FLASH, LINEAR, ELEMENTWISE, QUANT, DECODE, SAMPLING, LORA)
