@@ -13,6 +13,7 @@ soname), so `torch.set_num_threads` governs both.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
@@ -75,14 +76,25 @@ def _build(src: Path, out: Path) -> None:
         os.replace(target, out)
 
 
+def _build_once(src: Path, out: Path) -> None:
+    """Builds `out` unless another process has meanwhile: processes that start together on a cold
+    cache (an engine's rank workers, a server's processes, parallel test runs) wait on one lock
+    file beside it and the first builds, instead of each compiling the same source."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(out.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not out.exists():
+            _build(src, out)
+            logger.info("compiled %s into %s", src.name, out)
+
+
 def compile_native(src: Path) -> ctypes.CDLL | None:
     """`src` compiled for this CPU (cached by its sources, flags and CPU) and opened, or None with
     one warning (no compiler, a build error)."""
     lib_path = cache_dir() / "kernels" / f"{src.stem}_{cache_key(src)}.so"
     try:
         if not lib_path.exists():
-            _build(src, lib_path)
-            logger.info("compiled %s into %s", src.name, lib_path)
+            _build_once(src, lib_path)
         return ctypes.CDLL(str(lib_path))
     except (OSError, RuntimeError) as e:
         logger.warning("native kernel %s unavailable (%s); using torch", src.name, e)

@@ -81,16 +81,20 @@ def default_llm():
     return LLM(dtype="float32", max_num_batched_tokens=64, num_kv_blocks=16, max_model_len=512, block_size=16)
 
 
-def test_default_model_matches_transformers(default_llm):
+@pytest.mark.parametrize("count,misses", [pytest.param(10, 1, id="10-prompts"),
+                                          pytest.param(64, 4, id="64-prompts", marks=pytest.mark.slow)])
+def test_default_model_matches_transformers(default_llm, count: int, misses: int):
+    """The hand-written prompts (10) in `make test`, all 64 in `make test-slow`."""
     hf = AutoModelForCausalLM.from_pretrained(default_hf_folder(), dtype=torch.float32).eval()
     tok = default_llm.get_tokenizer()
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]), add_special_tokens=False)
-               for p in PROMPTS]
-    assert len(prompts) == 64
+               for p in PROMPTS[:count]]
+    assert len(prompts) == count
+    preempted = default_llm.llm_engine.scheduler.num_preemptions
     matched = run_comparison(default_llm, hf, prompts)
-    assert default_llm.llm_engine.scheduler.num_preemptions > 0, "the pool should force preemption"
+    assert default_llm.llm_engine.scheduler.num_preemptions > preempted, "the pool should force preemption"
     # Most sequences match over their whole length; the rest agree up to a near-tie.
-    assert sum(m == MAX_TOKENS for m in matched) >= len(prompts) - 4, matched
+    assert sum(m == MAX_TOKENS for m in matched) >= len(prompts) - misses, matched
 
 
 def test_tiny_qwen2_with_qkv_bias_matches_transformers(tmp_path):
