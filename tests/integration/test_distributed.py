@@ -90,12 +90,11 @@ def tiny_tp1(tiny8: str) -> list[list]:
     return run(tiny8, PROMPTS[:12], **TINY_ROOM)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("parallel", [
-    {"tensor_parallel_size": 2},
-    {"tensor_parallel_size": 4},
-    {"tensor_parallel_size": 2, "pipeline_parallel_size": 2},
-    {"pipeline_parallel_size": 2},
+    pytest.param({"tensor_parallel_size": 2, "pipeline_parallel_size": 2}),  # make test: both kinds at once
+    pytest.param({"tensor_parallel_size": 2}, marks=pytest.mark.slow),
+    pytest.param({"tensor_parallel_size": 4}, marks=pytest.mark.slow),
+    pytest.param({"pipeline_parallel_size": 2}, marks=pytest.mark.slow),
 ])
 def test_tiny_llama_matches_one_rank(tiny8: str, tiny_tp1: list[list], parallel: dict) -> None:
     for ref, got in zip(tiny_tp1, run(tiny8, PROMPTS[:12], **TINY_ROOM, **parallel)):

@@ -36,8 +36,9 @@ def constrained(**kwargs: object) -> StructuredOutputsParams:
     return StructuredOutputsParams(**kwargs)  # type: ignore[arg-type]
 
 
-def test_varied_schemas_all_validate(llm: LLM) -> None:
-    schemas = varied_schemas(48, seed=7)
+@pytest.mark.parametrize("count", [8, pytest.param(48, marks=pytest.mark.slow)])
+def test_varied_schemas_all_validate(llm: LLM, count: int) -> None:
+    schemas = varied_schemas(count, seed=7)
     params = [SamplingParams(max_tokens=128, temperature=0.8, seed=i, structured_outputs=constrained(json=s))
               for i, s in enumerate(schemas)]
     outs = llm.generate([schema_prompt(s) for s in schemas], params, use_tqdm=False)
@@ -139,7 +140,7 @@ def _run(llm: LLM, schemas: list[dict]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate([schema_prompt(s) for s in schemas], params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("mode", ["recompute", pytest.param("swap", marks=pytest.mark.slow)])
 def test_same_tokens_under_preemption_and_chunked_prefill(llm: LLM, mode: str) -> None:
     """The matcher's state survives preemption: the constrained replies are the same tokens as in a
     roomy engine, with prompts chunked 32 tokens a step and prefix caching on."""

@@ -34,7 +34,7 @@ def _needs_bf16(dtype: str) -> None:
     if dtype == "bfloat16" and not load_decode_kernel().small_m_available() & 2:
         pytest.skip("no bf16 GEMM kernel on this CPU (AVX-512 without AVX-512 BF16)")
     if dtype == "float16" and not load_decode_kernel().small_m_available() & 8:
-        pytest.skip("no float16 GEMM kernel in this build (AVX2 + F16C only)")
+        pytest.skip("no float16 GEMM kernel in this build (only builds for AVX2 + F16C without AVX-512 have one)")
 
 
 def _runner(model_dir: str, dtype: str):

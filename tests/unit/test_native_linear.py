@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from pagedllm.layers.native_linear import amx_rows, kernel_dtypes, load_linear_kernel, small_m_linear, small_m_rows
 
-pytestmark = pytest.mark.skipif(load_linear_kernel() is None, reason="CPU without AVX-512 or no compiler")
+pytestmark = pytest.mark.skipif(load_linear_kernel() is None, reason="no C compiler, or neither AVX-512 nor AVX2 + FMA")
+F16_NOTE = " (only builds for AVX2 + F16C without AVX-512 have one)"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -19,7 +20,7 @@ def test_small_m_linear_matches_fp32(dtype, M, N, K, with_bias):
     """Row counts past one tile of x (4 rows: later tiles reread the W block the first one
     prefetched), N with a short last block, up to the dtype's row limit."""
     if dtype not in kernel_dtypes():
-        pytest.skip(f"no {dtype} kernel on this CPU")
+        pytest.skip(f"no {dtype} kernel in this build{F16_NOTE if dtype == torch.float16 else ''}")
     if M > small_m_rows(dtype):
         pytest.skip(f"{dtype} takes at most {small_m_rows(dtype)} rows")
     g = torch.Generator().manual_seed(M * N)
@@ -61,7 +62,7 @@ def test_a_rows_result_does_not_depend_on_its_place_in_the_batch(dtype, with_bia
     the two pair the lanes alike, so a row gives the same bits as the only row, as a row of a
     whole tile and as the odd row of a partial one, in every column (whole and short W blocks)."""
     if dtype not in kernel_dtypes():
-        pytest.skip(f"no {dtype} kernel on this CPU")
+        pytest.skip(f"no {dtype} kernel in this build{F16_NOTE if dtype == torch.float16 else ''}")
     g = torch.Generator().manual_seed(7)
     N, K = 13, 576  # three whole W blocks and a short one
     rows = min(small_m_rows(dtype), 9)

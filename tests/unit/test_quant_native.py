@@ -12,7 +12,7 @@ import torch
 from pagedllm.quantization import kernels as K
 from pagedllm.quantization import native
 
-pytestmark = pytest.mark.skipif(native.load_quant_kernel() is None, reason="no AVX-512 BF16 here")
+pytestmark = pytest.mark.skipif(native.load_quant_kernel() is None, reason="no C compiler, or neither AVX-512 BF16 nor AVX2 + FMA")
 
 
 @pytest.fixture(params=["int8", "bf16"])
