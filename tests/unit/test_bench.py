@@ -204,6 +204,7 @@ def test_bench_throughput_pagedllm_end_to_end(tiny_model_dir, tmp_path, capsys) 
     assert "bfloat16" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_bench_throughput_sampled_in_every_backend(tiny_model_dir, tmp_path, capsys) -> None:
     from pagedllm.entrypoints.cli import main
 
@@ -356,6 +357,7 @@ def test_decode_read_bytes_follow_the_model_storage(tiny_model_dir) -> None:
         assert codes_only < int8 - head * 0.6
 
 
+@pytest.mark.slow
 def test_repeat_rounds_report_each_ratio_and_the_median(tiny_model_dir, tmp_path, capsys) -> None:
     """`--repeat 2 --offline-baseline`: two rounds, each with its own server run and offline run,
     and the median of the server/offline ratios in the summary."""

@@ -23,9 +23,10 @@ from pagedllm.models.testing import make_tiny_checkpoint
 # --------------------------------------------------------------------------- #
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Keep every cache write of this file under a temp folder."""
+    """Keep every cache write of this file under a temp folder (for this module only: the modules
+    after it keep the shared cache of compiled kernels and converted models)."""
     path = tmp_path_factory.mktemp("pagedllm-cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(L.CACHE_ENV, str(path))
