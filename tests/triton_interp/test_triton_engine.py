@@ -60,6 +60,7 @@ class _EagerReplay:
         self.graphs.outputs[self.size] = self.graphs._forward(self.size)
 
 
+@pytest.mark.slow
 def test_decode_steps_through_padded_static_buffers_match_eager(tiny_model_dir, monkeypatch) -> None:
     """The CUDA-graph input path (static buffers, padding rows with slot -1 and length 0) gives
     the eager path's tokens: padding writes no KV and disturbs no real row."""
@@ -90,6 +91,7 @@ def test_block_sizes_the_kernel_cannot_read_are_refused_at_start(tiny_model_dir,
         LLM(tiny_model_dir, dtype="float32", device="cpu", block_size=128, num_kv_blocks=8)
 
 
+@pytest.mark.slow
 def test_window_groups_on_triton_attention_match_the_torch_backend(tmp_path, monkeypatch) -> None:
     """Gemma 3's KV layer groups (a full group and sliding groups whose blocks before the window
     are freed) read through the Triton kernel's per-group block tables: the torch backend's tokens."""

@@ -15,11 +15,14 @@ pytestmark = pytest.mark.triton_interp
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_triton_kernels_under_the_interpreter() -> None:
+@pytest.mark.parametrize("selection", ["not slow", pytest.param("slow", marks=pytest.mark.slow)])
+def test_triton_kernels_under_the_interpreter(selection: str) -> None:
+    """The tests there marked slow (whole engines under the interpreter) run with make test-slow."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "triton_interp")],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", selection,
+         str(ROOT / "tests" / "triton_interp")],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
