@@ -414,6 +414,43 @@ class LoRAConfig:
             raise ValueError(f"lora_dtype must be one of {LORA_DTYPES}, got {self.lora_dtype!r}")
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's --speculative-config): each step a speculating request proposes
+    up to `num_speculative_tokens` tokens after its last one, the target model verifies them in the
+    same forward pass as the rest of the batch, and the accepted ones (plus one token of its own)
+    are kept. Method ngram: the tokens that followed the latest earlier occurrence of the request's
+    last `prompt_lookup_max` .. `prompt_lookup_min` tokens in its own prompt and output."""
+
+    method: str = "ngram"
+    """How tokens are proposed (ngram)."""
+    num_speculative_tokens: int = 3
+    """Most tokens proposed per request and step."""
+    prompt_lookup_min: int = 1
+    """Shortest suffix of the request's tokens looked up (ngram)."""
+    prompt_lookup_max: int = 4
+    """Longest suffix looked up; the longest that matches wins, the latest occurrence among ties."""
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        _check_at_least(self, 1, "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+        if self.num_speculative_tokens > 32:
+            raise ValueError(f"num_speculative_tokens must be at most 32, got {self.num_speculative_tokens}")
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ValueError(
+                f"prompt_lookup_max ({self.prompt_lookup_max}) must be at least prompt_lookup_min "
+                f"({self.prompt_lookup_min})"
+            )
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
@@ -424,3 +461,5 @@ class EngineConfig:
     structured_outputs_config: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     lora_config: LoRAConfig | None = None
     """Set where LoRA adapters are served (--enable-lora)."""
+    speculative_config: SpeculativeConfig | None = None
+    """Speculative decoding, or None (off: no step does any work for it)."""

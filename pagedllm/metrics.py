@@ -77,6 +77,14 @@ class PrometheusStatLogger:
         )
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        # Speculative decoding (vLLM's spec_decode_* counters); exposed once a step has speculated.
+        self.spec_drafts = counter("spec_decode_num_drafts", "Steps in which a request verified proposed tokens.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Proposed tokens verified.")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Proposed tokens accepted.")
+        self.spec_accepted_per_pos = counter(
+            "spec_decode_num_accepted_tokens_per_pos", "Proposed tokens accepted, by their position among a "
+            "step's proposals (0: the first).", ("position",))
+        self._last_spec: tuple[int, int, int, list[int]] = (0, 0, 0, [])
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between successive tokens.", ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Request latency, arrival to finish.",
@@ -139,6 +147,17 @@ class PrometheusStatLogger:
             last = self._last_by_mode.get(mode, 0)
             self.num_preemptions_by_mode.labels(m, mode).inc(max(count - last, 0))
             self._last_by_mode[mode] = count
+        sd = s.spec_decode
+        if sd is not None and sd.num_drafts:
+            drafts, proposed, accepted, per_pos = self._last_spec
+            self.spec_drafts.labels(m).inc(max(sd.num_drafts - drafts, 0))
+            self.spec_draft_tokens.labels(m).inc(max(sd.num_draft_tokens - proposed, 0))
+            self.spec_accepted_tokens.labels(m).inc(max(sd.num_accepted_tokens - accepted, 0))
+            for pos, count in enumerate(sd.accepted_per_position):
+                last = per_pos[pos] if pos < len(per_pos) else 0
+                self.spec_accepted_per_pos.labels(m, str(pos)).inc(max(count - last, 0))
+            self._last_spec = (sd.num_drafts, sd.num_draft_tokens, sd.num_accepted_tokens,
+                               list(sd.accepted_per_position))
 
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
         self.record_scheduler(scheduler_stats)

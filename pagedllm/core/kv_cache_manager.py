@@ -91,6 +91,8 @@ class KVCacheManager:
         self._cow: dict[str, list[tuple[int, KVBlock, KVBlock]]] = {}
         self._swap_out: list[tuple[int, int]] = []
         self._swap_in: list[tuple[int, int]] = []
+        # Tables cut by `trim` since the worker last heard of them: request id -> blocks kept.
+        self._trimmed: dict[str, int] = {}
         # Prefix-cache statistics, in tokens.
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -449,6 +451,7 @@ class KVCacheManager:
         self._nulled.pop(request.request_id, None)
         self._window_pos.pop(request.request_id, None)
         self._cow.pop(request.request_id, None)  # its copy is moot: the destination is freed below
+        self._trimmed.pop(request.request_id, None)  # the worker is sent its table in full when it returns
         if blocks:
             # Keys are registered when tokens are scheduled. A request preempted later in that same
             # step never computes them: e.g. block_size 4, 8 tokens computed, a chunk of 4 scheduled
@@ -458,6 +461,25 @@ class KVCacheManager:
                 if block is not self.null_block:
                     self.pool.uncache_block(block)
             self.pool.free_blocks(reversed([b for b in blocks if b is not self.null_block]))
+
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Frees the request's blocks past those `num_tokens` tokens need: blocks taken for
+        speculated tokens that were rejected, which hold nothing else (never shared, never keyed:
+        keys cover known tokens only)."""
+        blocks = self.req_blocks.get(request.request_id)
+        keep = self.blocks_needed(num_tokens) * self.num_groups  # table entries (G per block of tokens)
+        if blocks is None or len(blocks) <= keep:
+            return
+        tail = blocks[keep:]
+        del blocks[keep:]
+        assert all(b.ref_cnt == 1 and b.block_hash is None and b is not self.null_block for b in tail), tail
+        self.pool.free_blocks(reversed(tail))
+        self._trimmed[request.request_id] = keep
+
+    def take_trimmed(self, request_id: str) -> int:
+        """The number of entries the request's table was cut to since the worker last heard of it,
+        or -1."""
+        return self._trimmed.pop(request_id, -1) if self._trimmed else -1
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]

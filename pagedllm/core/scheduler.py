@@ -21,10 +21,12 @@ from pagedllm.core.kv_groups import KVCacheGroups
 from pagedllm.core.policies import make_policy
 from pagedllm.core.preemption import PreemptionCostModel
 from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.spec_decode import NgramProposer, SpecDecodeStats
 from pagedllm.core.scheduler_output import (
     CachedRequestData,
     EngineCoreOutput,
     ForkedRequestData,
+    Logprobs,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -85,6 +87,8 @@ class SchedulerStats:
     """Fraction of the host swap pool held by swapped requests."""
     num_cow_copies: int = 0
     """Shared blocks copied before a write (copy-on-write) so far."""
+    spec_decode: SpecDecodeStats | None = None
+    """Speculative decoding's counts so far (None: off)."""
 
 
 @dataclass
@@ -96,19 +100,27 @@ class _Step:
     scheduled: dict[str, int] = field(default_factory=dict)
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
+    # Speculating requests: their proposals, verified after their last token (n = 1 + proposals).
+    spec: dict[str, list[int]] = field(default_factory=dict)
 
-    def take(self, req: Request, n: int) -> None:
+    def take(self, req: Request, n: int, proposals: list[int] | None = None) -> None:
         self.scheduled[req.request_id] = n
         self.budget -= n
-        if req.num_computed_tokens + n < req.num_tokens or n > 1:
+        if proposals:
+            self.spec[req.request_id] = proposals
+        elif req.num_computed_tokens + n < req.num_tokens or n > 1:
             self.partial_left -= 1
 
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, costs: PreemptionCostModel | None = None
+        self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, costs: PreemptionCostModel | None = None,
+        proposer: NgramProposer | None = None,
     ) -> None:
         self.config = config
+        # Speculative decoding: proposes tokens for decoding requests (None: off, no work per step).
+        self.proposer = proposer
+        self.spec_stats = SpecDecodeStats() if proposer is not None else None
         self.kv = kv_cache_manager
         self.policy = make_policy(config)
         # Measured costs for preemption mode auto; without them auto swaps whenever the pool has room.
@@ -189,6 +201,8 @@ class Scheduler:
         self.kv.free(req)
         self.kv.free_swapped(req)
         self.requests.pop(req.request_id, None)
+        if self.proposer is not None:
+            self.proposer.forget(req.request_id)
         # Samples still waiting for this parent's fork go on alone, computing the prompt themselves.
         self.waiting.extend(self._pending_forks.pop(req.request_id, ()))
         if self._worker.pop(req.request_id, None) is not None:
@@ -246,6 +260,7 @@ class Scheduler:
         if rid in step.scheduled:  # scheduled earlier in this step: its tokens go back to the budget
             step.budget += step.scheduled.pop(rid)
             step.new_block_ids.pop(rid, None)
+            step.spec.pop(rid, None)
         if mode == "swap":
             self.kv.swap_out(req)
             req.status = RequestStatus.SWAPPED
@@ -283,7 +298,15 @@ class Scheduler:
             if n == 0:
                 idx += 1
                 continue
-            blocks = self.kv.allocate_slots(req, n)
+            proposals = self._proposals(req, step.budget) if self.proposer is not None and n == 1 else None
+            if proposals:
+                blocks = self.kv.allocate_slots(req, 1 + len(proposals))
+                if blocks is None:
+                    proposals = None  # no room to verify them: an ordinary decode
+                else:
+                    n = 1 + len(proposals)
+            if not proposals:
+                blocks = self.kv.allocate_slots(req, n)
             while blocks is None:
                 victim = self.policy.pick_victim(self.running)
                 pos = self.running.index(victim)
@@ -295,9 +318,19 @@ class Scheduler:
                 blocks = self.kv.allocate_slots(req, n)
             if blocks is None:
                 continue  # req itself was preempted; running[idx] is now the next one
-            step.take(req, n)
+            step.take(req, n, proposals)
             step.new_block_ids[req.request_id] = [b.block_id for b in blocks]
             idx += 1
+
+    def _proposals(self, req: Request, budget: int) -> list[int]:
+        """Proposed tokens to verify after a decoding request's last token: within the step's
+        budget, and never more than it may still generate after the token the step yields of its
+        own. None for a request with a structure (its grammar matcher cannot roll back)."""
+        if req.structured is not None or req.num_tokens - req.num_computed_tokens != 1:
+            return []
+        room = min(budget - 1, req.max_tokens - req.num_output_tokens - 1,
+                   self.config.max_model_len - req.num_tokens - 1)
+        return self.proposer.propose(req, room) if room > 0 else []  # type: ignore[union-attr]
 
     def _schedule_admissions(self, step: _Step) -> None:
         """Swapped and waiting requests, in the policy's admission order, while budget, sequence
@@ -387,7 +420,8 @@ class Scheduler:
             if self._worker.get(rid) == WorkerView.HELD:
                 cached_reqs.append(
                     CachedRequestData(
-                        rid, step.new_block_ids[rid], req.num_computed_tokens, self.kv.replaced_blocks(rid)
+                        rid, step.new_block_ids[rid], req.num_computed_tokens, self.kv.replaced_blocks(rid),
+                        self.kv.take_trimmed(rid),
                     )
                 )
                 ordered[rid] = n
@@ -425,6 +459,7 @@ class Scheduler:
             blocks_to_copy=copies,
             forked_reqs=forked,
             num_preempted=len(step.preempted),
+            spec_token_ids=step.spec,
         )
         self._forget = {}
         return out
@@ -474,6 +509,8 @@ class Scheduler:
                 continue  # aborted or preempted since it was scheduled
             new_tokens = out.sampled_token_ids[i]
             prompt_lp = out.prompt_logprobs.get(rid)
+            if so.spec_token_ids and rid in so.spec_token_ids and new_tokens:
+                self._rollback(req, len(so.spec_token_ids[rid]), len(new_tokens) - 1)
             if not new_tokens and prompt_lp is None:
                 continue  # an unfinished prompt chunk
             appended: list[int] = []
@@ -486,10 +523,14 @@ class Scheduler:
                     # The structure is complete (or the token broke it, a fault of the mask).
                     req.status = RequestStatus.FINISHED_STOPPED
                     break
+            logprobs = out.logprobs.get(rid)
+            if logprobs is not None and len(appended) < len(new_tokens):  # tokens past a stop are dropped
+                logprobs = Logprobs(logprobs.token_ids[: len(appended)], logprobs.logprobs[: len(appended)],
+                                    logprobs.ranks[: len(appended)])
             result = EngineCoreOutput(
                 req_id=rid,
                 new_token_ids=appended,
-                logprobs=out.logprobs.get(rid),
+                logprobs=logprobs,
                 prompt_logprobs=prompt_lp,
                 num_cached_tokens=max(req.num_cached_tokens, 0),
                 first_scheduled_time=req.first_scheduled_time,
@@ -512,7 +553,15 @@ class Scheduler:
                     self.kv.free_outside_windows(req)
         return results
 
-    # ---- introspection --------------------------------------------------------------------
+    def _rollback(self, req: Request, num_proposed: int, num_accepted: int) -> None:
+        """Takes the rejected proposals back off the request's progress (their K/V slots will be
+        written again) and frees the blocks that only they used."""
+        assert 0 <= num_accepted <= num_proposed, (num_accepted, num_proposed)
+        req.num_computed_tokens -= num_proposed - num_accepted
+        self.kv.trim(req, req.num_tokens + num_accepted + 1)
+        self.spec_stats.record(num_proposed, num_accepted)  # type: ignore[union-attr]
+
+    # ---- introspection ---------------------------------------------------------------------
     def get_stats(self) -> SchedulerStats:
         kv = self.kv.stats()
         return SchedulerStats(
@@ -526,6 +575,9 @@ class Scheduler:
             num_preemptions_by_mode=dict(self.num_preemptions_by_mode),
             swap_usage=kv.swap_usage,
             num_cow_copies=kv.num_cow_copies,
+            spec_decode=None if self.spec_stats is None else SpecDecodeStats(
+                self.spec_stats.num_drafts, self.spec_stats.num_draft_tokens, self.spec_stats.num_accepted_tokens,
+                list(self.spec_stats.accepted_per_position)),
         )
 
     def check_integrity(self) -> None:

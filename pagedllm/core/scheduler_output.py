@@ -34,6 +34,9 @@ class CachedRequestData:
     # (index in its block table, new block id): entries replaced by a private copy (copy-on-write),
     # applied before new_block_ids are appended. The copy itself is in blocks_to_copy.
     replaced_block_ids: list[tuple[int, int]] = field(default_factory=list)
+    # Speculative decoding: when >= 0, the table is first cut to this many blocks (the blocks of
+    # rejected proposals were freed), before new_block_ids are appended.
+    num_blocks: int = -1
 
 
 @dataclass
@@ -76,6 +79,10 @@ class SchedulerOutput:
     # rows to those sequences' logits before sampling. A torch tensor, filled by the engine core.
     grammar_bitmask: Any = None
     structured_rows: dict[str, int] = field(default_factory=dict)
+    # Speculative decoding: req_id -> the tokens proposed after its last one. Such a request is
+    # scheduled for 1 + len(proposals) tokens; the worker verifies them and returns the accepted
+    # ones followed by one token of the target's own (pagedllm/worker/spec_decode.py).
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -95,7 +102,8 @@ class Logprobs:
 class ModelRunnerOutput:
     # The scheduled requests in batch order, then the forked ones.
     req_ids: list[str]
-    # Per request in req_ids: the tokens sampled this step (empty while its prompt is unfinished).
+    # Per request in req_ids: the tokens sampled this step (empty while its prompt is unfinished;
+    # a speculating request's accepted proposals, then its own token).
     sampled_token_ids: list[list[int]]
     logprobs: dict[str, Logprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, Logprobs] = field(default_factory=dict)

@@ -32,6 +32,7 @@ from pagedllm.config import (
     ParallelConfig,
     QuantizationConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     StructuredOutputsConfig,
 )
 
@@ -72,6 +73,33 @@ def parse_structured_outputs_config(text: str | dict[str, Any] | StructuredOutpu
     if unknown:
         raise ValueError(f"unknown keys {unknown} (known: {sorted(known)})")
     return StructuredOutputsConfig(**text)
+
+
+def parse_speculative_config(text: str | dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
+    """'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}' (JSON, vLLM's
+    form) -> SpeculativeConfig; null or an empty object -> None (off)."""
+    if text is None or isinstance(text, SpeculativeConfig):
+        return text
+    if isinstance(text, str):
+        import json
+
+        try:
+            text = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f'cannot read {text!r} as JSON, e.g. {{"method": "ngram", "num_speculative_tokens": 4}} ({e})'
+            ) from None
+    if text is None or text == {}:
+        return None
+    if not isinstance(text, dict):
+        raise ValueError(f"must be a JSON object, got {text!r}")
+    known = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+    unknown = sorted(set(text) - known)
+    if unknown:
+        raise ValueError(f"unknown keys {unknown} (known: {sorted(known)})")
+    if "num_speculative_tokens" not in text:
+        raise ValueError("num_speculative_tokens is required (the most tokens proposed per step)")
+    return SpeculativeConfig(**text)
 
 
 def parse_user_weights(text: str | dict[str, float]) -> dict[str, float]:
@@ -243,6 +271,10 @@ class EngineArgs:
     reasoning_parser: str | None = arg(
         None, "where a reasoning model's thinking ends: deepseek_r1 or qwen3 (reasoning_content in chat "
         "replies; structured output and tool calls apply to the answer after it)", shown_default="none")
+    speculative_config: SpeculativeConfig | None = arg(
+        None, 'speculative decoding as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_min": 1, "prompt_lookup_max": 4} (docs/speculative.md)', parse=parse_speculative_config,
+        shown_default="off")
     pipeline_layer_partition: tuple[int, ...] | None = arg(
         None, "decoder layers per pipeline stage, e.g. 16,14 (default: even split)", parse=parse_layer_partition,
         shown_default="even")
@@ -436,7 +468,7 @@ class EngineArgs:
             get_reasoning_parser(self.reasoning_parser)  # names the known parsers if unknown
             so_config = dataclasses.replace(so_config, reasoning_parser=self.reasoning_parser)
         return EngineConfig(model_config, cache_config, scheduler_config, device_config, parallel_config, so_config,
-                            self._lora_config(parallel_config))
+                            self._lora_config(parallel_config), self.speculative_config)
 
     def _lora_config(self, parallel_config: ParallelConfig) -> LoRAConfig | None:
         if not self.enable_lora:

@@ -61,6 +61,7 @@ class LoggingStatLogger:
         self.generation_tokens = 0
         self.last: SchedulerStats | None = None
         self.last_hits = (0, 0)
+        self.last_spec = (0, 0, 0)  # speculative decoding: drafts, draft tokens, accepted tokens
 
     def record(self, scheduler_stats: SchedulerStats, iteration_stats: IterationStats) -> None:
         self.prompt_tokens += iteration_stats.num_prompt_tokens
@@ -89,6 +90,17 @@ class LoggingStatLogger:
                 100 * h / q if q else 0.0,
                 s.num_preemptions,
             )
+            sd = s.spec_decode
+            if sd is not None and sd.num_drafts > self.last_spec[0]:
+                drafts, proposed, accepted = (sd.num_drafts - self.last_spec[0],
+                                              sd.num_draft_tokens - self.last_spec[1],
+                                              sd.num_accepted_tokens - self.last_spec[2])
+                logger.info("Speculative decoding: acceptance rate %.1f%%, mean acceptance length %.2f, "
+                            "%d drafts, %d proposed tokens, %d accepted", 100 * accepted / max(proposed, 1),
+                            1 + accepted / drafts, drafts, proposed, accepted)
+        if s.spec_decode is not None:
+            sd = s.spec_decode
+            self.last_spec = (sd.num_drafts, sd.num_draft_tokens, sd.num_accepted_tokens)
         self.last_hits = (s.prefix_cache_queries, s.prefix_cache_hits)
         self.prompt_tokens = self.generation_tokens = 0
         self.last_log = now

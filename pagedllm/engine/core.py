@@ -21,6 +21,7 @@ from pagedllm.core.preemption import PreemptionCostModel
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import EngineCoreOutput, SchedulerOutput
+from pagedllm.core.spec_decode import NgramProposer
 from pagedllm.engine.core_io import EngineCoreRequest, StepStats
 from pagedllm.executor import create_executor
 from pagedllm.structured_output import StructuredOutputManager
@@ -101,8 +102,14 @@ class EngineCore:
         self.executor.initialize_swap_space(num_swap_blocks)
         self.preemption_costs = self._measure_preemption_costs() if sc.preemption_mode == "auto" else None
         kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, num_swap_blocks, groups)
-        self.scheduler = Scheduler(sc, kv, self.preemption_costs)
+        spec = config.speculative_config
+        self.scheduler = Scheduler(sc, kv, self.preemption_costs, NgramProposer(spec) if spec is not None else None)
         self.scheduler.max_loras = config.lora_config.max_loras if config.lora_config is not None else 0
+        if spec is not None:
+            logger.info(
+                "Speculative decoding: method %s, up to %d tokens proposed per step (n-gram lookup of %d..%d "
+                "tokens); requests with structured output decode without it",
+                spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
         self.structured = StructuredOutputManager(config)
         # Requests whose grammar is compiling (waiting in the scheduler until it is ready), and every
         # unfinished request with structured-output state (the step's bitmask looks at these only).

@@ -32,6 +32,9 @@ class IncrementalDetokenizer:
         self.stop: list[str] = list(params.stop or [])  # type: ignore[arg-type]
         self.max_stop_len = max((len(s) for s in self.stop), default=0)
         self.num_sent = 0  # characters already handed out as deltas
+        # Index, in the last update's tokens, of the token whose text completed a stop string
+        # (a step may bring several tokens: speculative decoding's accepted ones).
+        self.stop_index = -1
 
     def update(self, new_token_ids: list[int], skip_last: bool = False) -> str | None:
         """Appends the text of new tokens; returns the stop string that matched, if any.
@@ -41,7 +44,7 @@ class IncrementalDetokenizer:
         ids = new_token_ids[:-1] if skip_last else new_token_ids
         if fault_hook is not None:
             fault_hook(ids)
-        for tid in ids:
+        for i, tid in enumerate(ids):
             piece = self.stream.step(self.tokenizer, tid)
             if not piece:
                 continue
@@ -49,6 +52,7 @@ class IncrementalDetokenizer:
             if self.stop:
                 matched = self._check_stop(len(piece))
                 if matched is not None:
+                    self.stop_index = i
                     return matched
         return None
 

@@ -256,6 +256,15 @@ class OutputProcessor:
             matched = seq.detok.update(co.new_token_ids, skip_last=skip_last)
             if matched is not None:
                 seq.finish_reason, seq.stop_reason = "stop", matched
+                # Tokens after the one that completed the stop string (a step of speculative
+                # decoding yields several) are not part of the sequence.
+                extra = len(co.new_token_ids) - 1 - seq.detok.stop_index
+                if extra > 0:
+                    del seq.token_ids[-extra:]
+                    if co.logprobs is not None and seq.logprobs is not None:
+                        dropped = co.logprobs.logprobs[-extra:]
+                        del seq.logprobs[-extra:]
+                        seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) - sum(v[0] for v in dropped)
 
     def _make_output(self, state: RequestState) -> RequestOutput | None:
         kind = state.params.output_kind

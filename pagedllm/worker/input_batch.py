@@ -391,6 +391,13 @@ class InputBatch:
             self.block_table[i, nb : nb + k] = block_ids
             self.num_blocks[i] = nb + k
 
+    def truncate_blocks(self, i: int, num_blocks: int) -> None:
+        """Cuts row i's block table to its first `num_blocks` entries."""
+        nb = int(self.num_blocks[i])
+        if num_blocks < nb:
+            self.block_table[i, num_blocks:nb] = 0
+            self.num_blocks[i] = num_blocks
+
     def append_tokens(self, rows: np.ndarray, tokens: np.ndarray) -> None:
         """Appends one token to each of `rows` (distinct rows)."""
         if len(rows) == 0:
@@ -489,6 +496,29 @@ def _decode_layout(
         sample_rows=sample_req,
         sample_req_indices=sample_req,
         kv_groups=_kv_groups(tables, req, positions, block_size, [], []) if len(tables) > 1 else [],
+    )
+
+
+def token_rows(batch: BatchArrays) -> BatchArrays:
+    """The batch with every token as a request of its own that decodes one token at its position
+    (the request's block table row, keys up to that position): how the native decode step, which
+    takes one token per row, runs a step whose requests verify proposed tokens. Its rows write
+    K/V that later rows of the same request read in the same layer (the kernel orders them)."""
+    T = len(batch.input_ids)
+    req = np.repeat(np.arange(len(batch.seq_lens)), np.diff(batch.query_start_loc))
+    rows = np.arange(T)
+    return BatchArrays(
+        input_ids=batch.input_ids,
+        positions=batch.positions,
+        slot_mapping=batch.slot_mapping,
+        query_start_loc=np.arange(T + 1),
+        seq_lens=batch.positions + 1,
+        block_tables=np.ascontiguousarray(batch.block_tables[req]),
+        work=np.stack([rows, np.zeros(T, dtype=np.int64), np.ones(T, dtype=np.int64)], axis=1),
+        dense=[],
+        groups=[],
+        sample_rows=rows,
+        sample_req_indices=rows,
     )
 
 

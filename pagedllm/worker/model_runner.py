@@ -43,9 +43,10 @@ from pagedllm.worker.forward import (
     PreparedStep,
 )
 from pagedllm.worker.host_memory import move_weights_to_huge_pages
-from pagedllm.worker.input_batch import BatchArrays, InputBatch
+from pagedllm.worker.input_batch import BatchArrays, InputBatch, token_rows
 from pagedllm.worker.kv_memory import KVMemory
 from pagedllm.worker.native_decode import NativeDecode
+from pagedllm.worker.spec_decode import SpecRows, accepted_logprobs, split_spec_rows, verify_isolating_faults
 from pagedllm.worker.sample import (
     Sampler,
     SamplerOutput,
@@ -313,6 +314,8 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         path = self.paths.select_path(step)  # type: ignore[union-attr]
         out = path.run(step)
+        if so.spec_token_ids:  # the proposals were inputs only: the sampler appends what it keeps
+            self._drop_proposals(so)
         forks = self._fork(so, step.rows)
         if out is None:  # an earlier pipeline stage: the next stage carries on
             self._advance(step, forks)
@@ -330,11 +333,24 @@ class ModelRunner:
         req_ids = list(so.num_scheduled_tokens)
         if not req_ids:
             return None
+        if so.spec_token_ids:  # proposals follow the last token, as known tokens for this step's layout
+            for rid, proposals in so.spec_token_ids.items():
+                self.input_batch.extend_tokens(self.input_batch.req_index[rid], proposals)
         rows = self.input_batch.rows_of(req_ids)
         counts = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
         batch = self.input_batch.prepare(rows, counts, self.model_config.sliding_window, **self.batch_options)
         lora = self.lora is not None and self.lora.prepare(req_ids, batch.query_start_loc)
-        return PreparedStep(so, req_ids, rows, counts, batch, lora=lora)
+        step = PreparedStep(so, req_ids, rows, counts, batch, lora=lora)
+        if so.spec_token_ids and self._native_decode is not None and not lora and not batch.kv_groups:
+            spec = so.spec_token_ids  # decodes and verifications only: the native step takes each token as a row
+            if all(n == 1 + len(spec.get(rid, ())) for rid, n in so.num_scheduled_tokens.items()):
+                step.token_rows = token_rows(batch)
+        return step
+
+    def _drop_proposals(self, so: SchedulerOutput) -> None:
+        ib = self.input_batch
+        for rid, proposals in so.spec_token_ids.items():
+            ib.num_tokens[ib.req_index[rid]] -= len(proposals)
 
     def _generator(self, req_id: str, params: Any) -> torch.Generator | None:
         """The request's generator, created on first sight (kept across a preemption)."""
@@ -366,6 +382,8 @@ class ModelRunner:
             i = index[cached.req_id]
             for j, block_id in cached.replaced_block_ids:  # copy-on-write: its private copy
                 ib.block_table[i, j] = block_id
+            if cached.num_blocks >= 0:  # blocks of rejected proposals, freed
+                ib.truncate_blocks(i, cached.num_blocks)
             ib.append_blocks(i, cached.new_block_ids)
             ib.num_computed_tokens[i] = cached.num_computed_tokens
 
@@ -417,8 +435,12 @@ class ModelRunner:
         the persistent batch."""
         ib = self.input_batch
         batch = step.batch
-        sample_slots = step.rows[batch.sample_req_indices]
-        sample_rows = batch.sample_rows
+        sample_req, sample_rows = batch.sample_req_indices, batch.sample_rows
+        spec = None
+        if step.so.spec_token_ids:  # speculating requests are verified on their own (below)
+            spec, others = split_spec_rows(step.so.spec_token_ids, step.req_ids, step.rows, sample_req, sample_rows)
+            sample_req, sample_rows = sample_req[others], sample_rows[others]
+        sample_slots = step.rows[sample_req]
         if forks:
             parents = np.asarray([i for i, _ in forks], dtype=np.int64)
             sample_slots = np.concatenate([sample_slots, np.asarray([c for _, c in forks], dtype=np.int64)])
@@ -436,7 +458,7 @@ class ModelRunner:
             rows_t = torch.from_numpy(sample_rows).to(self.device, non_blocking=True)
             logits = self.model.compute_logits(hidden[rows_t])  # type: ignore[index, union-attr]
         # where each sampled row's request sits in out_ids: the scheduled ones, then the forks
-        out_pos = batch.sample_req_indices.tolist() + list(range(len(step.req_ids), len(out_ids)))
+        out_pos = sample_req.tolist() + list(range(len(step.req_ids), len(out_ids)))
         if (step.so.grammar_bitmask is not None and len(sample_slots) and self.parallel.is_driver
                 and not step.grammar_masked):
             self._apply_grammar(logits, step.so, [out_ids[p] for p in out_pos])
@@ -469,7 +491,27 @@ class ModelRunner:
                         logprobs=[result.logprobs[j, : k + 1].tolist()],
                         ranks=[int(result.sampled_token_ranks[j])],  # type: ignore[index]
                     )
+        if spec is not None:
+            self._verify(spec, hidden, out_ids, sampled, logprobs, failed)
         return out_ids, sampled, logprobs, failed
+
+    def _verify(self, spec: SpecRows, hidden: torch.Tensor | None, out_ids: list[str], sampled: list[list[int]],
+                logprobs: dict[str, Logprobs], failed: dict[str, str]) -> None:
+        """The speculating requests' proposals verified against the target's logits at their
+        positions (worker/spec_decode.py): each keeps its accepted proposals and one token more."""
+        assert hidden is not None, "a step with proposals runs a path that returns hidden states"
+        logits = self.model.compute_logits(hidden[torch.from_numpy(spec.flat_rows).to(self.device)])  # type: ignore[union-attr]
+        if not self.parallel.is_driver:
+            return
+        kept, errors = verify_isolating_faults(self.sampler, logits, self.input_batch, spec, self.device)
+        for i, err in errors.items():
+            failed[out_ids[spec.out_pos[i]]] = err
+        for i, lp in accepted_logprobs(logits, spec, kept, self.input_batch).items():
+            logprobs[out_ids[spec.out_pos[i]]] = lp
+        for i, tokens in enumerate(kept):
+            if tokens is not None:
+                self.input_batch.extend_tokens(int(spec.slots[i]), tokens)
+                sampled[spec.out_pos[i]] = tokens
 
     @staticmethod
     def _apply_grammar(logits: torch.Tensor, so: SchedulerOutput, row_ids: list[str]) -> None:

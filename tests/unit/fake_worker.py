@@ -4,7 +4,10 @@ that request's token in the block its block table names, honours swap and copy p
 model runner does (every source read before any destination is written), and samples tokens from
 a deterministic fake model. With KV layer groups (`windows`, one per group) a request's table
 holds one block id per group per block of tokens, interleaved; every group stores the tokens, and
-a window group is checked only where its queries read (the window before each query)."""
+a window group is checked only where its queries read (the window before each query). Proposed tokens
+(speculative decoding) are written to their slots and verified against the fake model: accepted
+while they are its tokens, then one token of its own; the slots of rejected ones hold wrong tokens
+until overwritten, so reading one fails the check."""
 
 from __future__ import annotations
 
@@ -99,6 +102,9 @@ class FakeWorker:
                 assert i // len(self.windows) == r.num_computed // self.block_size and r.num_computed % self.block_size
                 assert (r.block_table[i], block_id) in so.blocks_to_copy
                 r.block_table[i] = block_id
+            if d.num_blocks >= 0:  # blocks of rejected proposals were freed
+                assert d.num_blocks // len(self.windows) * self.block_size >= r.num_computed
+                del r.block_table[d.num_blocks :]
             r.block_table += d.new_block_ids
         swapped_in = {d for _, d in so.blocks_to_swap_in}
         for d in so.new_reqs:
@@ -123,12 +129,15 @@ class FakeWorker:
         self.move_blocks(so)
         # One forward pass: every layer writes all new K/V before any attention reads the cache.
         bs, G = self.block_size, len(self.windows)
+        spec = getattr(so, "spec_token_ids", {})
         for rid, n in so.num_scheduled_tokens.items():
             r = self.reqs[rid]
-            assert r.num_computed + n <= len(r.tokens)
+            seq = r.tokens + spec.get(rid, [])
+            assert r.num_computed + n <= len(seq)
+            assert rid not in spec or r.num_computed + n == len(seq) and r.num_computed == len(r.tokens) - 1
             for pos in range(r.num_computed, r.num_computed + n):
                 for g in range(G):
-                    self.slots[r.block_table[pos // bs * G + g]][pos % bs] = r.tokens[pos]
+                    self.slots[r.block_table[pos // bs * G + g]][pos % bs] = seq[pos]
         # Samples forked off a parent whose prompt completes now: its tokens, its table, shared.
         forks = []
         for f in so.forked_reqs:
@@ -144,6 +153,18 @@ class FakeWorker:
         sampled = []
         for rid, n in so.num_scheduled_tokens.items():
             r = self.reqs[rid]
+            if rid in spec:
+                kept = []
+                for t in spec[rid]:
+                    if t != self.sample(rid, len(r.tokens) - r.num_prompt + len(kept)):
+                        break
+                    kept.append(t)
+                kept.append(self.sample(rid, len(r.tokens) - r.num_prompt + len(kept)))
+                r.tokens += kept
+                start, r.num_computed = r.num_computed, len(r.tokens) - 1
+                self.check_reads(rid, r, r.num_computed, start)
+                sampled.append(kept)
+                continue
             r.num_computed += n
             self.check_reads(rid, r, r.num_computed, r.num_computed - n)
             if r.num_computed == len(r.tokens):

@@ -30,3 +30,21 @@ def test_preemptions_by_mode_and_swapped_gauge():
     assert s['pagedllm:prefix_cache_queries_total{model_name="m"}'] == 30
     assert s['pagedllm:prefix_cache_hits_total{model_name="m"}'] == 20
     assert s['pagedllm:kv_cache_usage_perc{model_name="m"}'] == 0.25
+
+
+def test_spec_decode_counters():
+    from pagedllm.core.spec_decode import SpecDecodeStats
+
+    log = PrometheusStatLogger("m", 512, 16, 10, True)
+    log.record(SchedulerStats(1, 0, 0, 0.1, 0, 0, 0), IterationStats())
+    assert not any(k.startswith("pagedllm:spec_decode") and "_total{" in k for k in samples(log))
+    log.record(SchedulerStats(1, 0, 0, 0.1, 0, 0, 0, spec_decode=SpecDecodeStats(2, 6, 3, [2, 1, 0])),
+               IterationStats())
+    log.record(SchedulerStats(1, 0, 0, 0.1, 0, 0, 0, spec_decode=SpecDecodeStats(5, 15, 9, [5, 3, 1])),
+               IterationStats())
+    s = samples(log)
+    assert s['pagedllm:spec_decode_num_drafts_total{model_name="m"}'] == 5
+    assert s['pagedllm:spec_decode_num_draft_tokens_total{model_name="m"}'] == 15
+    assert s['pagedllm:spec_decode_num_accepted_tokens_total{model_name="m"}'] == 9
+    assert s['pagedllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"}'] == 3
+    assert s['pagedllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"}'] == 1

@@ -87,6 +87,26 @@ def make_prompt(rng: random.Random, prefixes: list[list[int]]) -> list[int]:
     return [rng.randint(10, 30_000) for _ in range(rng.randint(1, MAX_PROMPT))]
 
 
+class ScriptedProposer:
+    """Speculative decoding's proposals for the simulation: up to 4 tokens, a random number of
+    them the fake model's own next tokens and the rest wrong, so the fake worker accepts a random
+    prefix and rejects the rest (their KV slots then hold wrong tokens until overwritten)."""
+
+    def __init__(self, seed: str) -> None:
+        self.rng = random.Random(seed)
+        self.proposed = 0
+
+    def propose(self, req: Request, max_tokens: int) -> list[int]:
+        k = min(self.rng.randint(0, 4), max_tokens)
+        good = self.rng.randint(0, k)
+        self.proposed += k
+        base = req.num_output_tokens
+        return [sampled_token(req.request_id, base + j) + (j >= good) for j in range(k)]
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+
 def simulate(
     policy: str,
     mode: str,
@@ -94,6 +114,7 @@ def simulate(
     arrival_steps: int = 1000,
     aging_steps: int = AGING_STEPS,
     layer_windows: tuple[int, ...] = (0,),
+    speculate: bool = False,
 ) -> dict[str, object]:
     rng = random.Random(f"{policy}-{mode}-{case.seed}")
     config = SchedulerConfig(
@@ -113,7 +134,8 @@ def simulate(
     kv = KVCacheManager(case.num_blocks, case.block_size, enable_caching=True, num_swap_blocks=num_swap_blocks,
                         groups=groups)
     costs = PreemptionCostModel(**SIM_COSTS, kv_bytes_per_block=case.block_size)
-    sched = Scheduler(config, kv, costs)
+    proposer = ScriptedProposer(f"{policy}-{mode}-{case.seed}") if speculate else None
+    sched = Scheduler(config, kv, costs, proposer)  # type: ignore[arg-type]
     worker = FakeWorker(case.block_size, case.num_blocks, num_swap_blocks, windows=groups.windows)
     prefixes = [[rng.randint(10, 30_000) for _ in range(n)] for n in (8, 20, 33, 60)]
 
@@ -214,13 +236,16 @@ def simulate(
             first_admitted[f.req_id] = step
 
         out = worker.execute(so)
-        for rid in so.num_scheduled_tokens:
-            assert sched.requests[rid].num_computed_tokens == worker.reqs[rid].num_computed
+        for rid in so.num_scheduled_tokens:  # speculating ones: after the rejected are taken back
+            if rid not in so.spec_token_ids:
+                assert sched.requests[rid].num_computed_tokens == worker.reqs[rid].num_computed
         for res in sched.update_from_output(so, out):
             outputs.setdefault(res.req_id, []).extend(res.new_token_ids)
             if res.finished:
                 assert res.finish_reason == "length"
                 finished.add(res.req_id)
+            elif res.req_id in so.spec_token_ids:
+                assert sched.requests[res.req_id].num_computed_tokens == worker.reqs[res.req_id].num_computed
         sched.check_integrity()
         for r in sched.running:  # window groups hold exactly the blocks of the next query's window
             kv.check_windows(r, r.num_computed_tokens)
@@ -257,6 +282,7 @@ def simulate(
         "max_wait": max_wait,
         "bound_T": T,
         "max_k": max_k,
+        "spec": sched.spec_stats,
     }
 
 
@@ -327,3 +353,27 @@ def test_randomized_simulation_with_window_groups(mode: str, case_name: str) -> 
     assert by_mode["recompute"] + by_mode["swap"] > 0
     if mode == "swap":
         assert by_mode["swap"] > 0 and stats["moved"]["swap_in"] > 0
+
+
+@pytest.mark.parametrize(("policy", "mode", "case_name"),
+                         [("fcfs", "swap", "bs4"), ("priority", "recompute", "bs16"), ("fair", "auto", "bs8")])
+def test_randomized_simulation_with_speculation(policy: str, mode: str, case_name: str) -> None:
+    """The same simulation with speculative steps: every decoding request proposes up to 4 tokens,
+    of which the fake worker accepts a random prefix. Every step keeps the integrity checks and the
+    fake worker's check that each position read holds the request's token (a rejected proposal's
+    slot is never read before it is written again); outputs are the fake model's tokens exactly,
+    and the rejected proposals' blocks come back (the pool is whole at the end)."""
+    stats = simulate(policy, mode, CASES[case_name], arrival_steps=400, speculate=True)
+    spec = stats["spec"]
+    assert spec.num_drafts > 100 and 0 < spec.num_accepted_tokens < spec.num_draft_tokens, spec
+    assert stats["finished"] > 20
+
+
+def test_randomized_simulation_with_speculation_and_window_groups() -> None:
+    """Speculative steps over window layer groups: the blocks of rejected proposals are cut from
+    every group's entries, and the window groups keep exactly the blocks their queries read."""
+    stats = simulate("fcfs", "swap", HYBRID_CASES["bs4"], arrival_steps=400, layer_windows=HYBRID_LAYERS,
+                     speculate=True)
+    spec = stats["spec"]
+    assert spec.num_drafts > 100 and 0 < spec.num_accepted_tokens < spec.num_draft_tokens, spec
+    assert stats["finished"] > 20

@@ -309,6 +309,10 @@ typedef struct {
      * attention opening their own team as the torch path's calls do (models with quantized layers,
      * whose kernel opens its own). */
     int team;
+    /* 1: some rows are consecutive positions of one sequence (speculative decoding verifies a
+     * request's proposals as rows of their own), so a row's attention reads K/V that another
+     * thread's rows write in the same layer: a barrier stands between the writes and the attention. */
+    int chained;
     /* llama_decode_head: S sample rows, their normed rows (one set per thread), the LM head's
      * result y [S, vocab], and each thread's argmax of its vocab share (index, value, NaN). */
     int64_t S;
@@ -358,6 +362,7 @@ static void step_layers(const Step *c, int tid, int nth) {
             rope_row(c->qkv, src, md->k_cache[l], dst, 1, D, md->cos, md->sin, pos, dt);
             memcpy((char *)md->v_cache[l] + dst * es, (const char *)c->qkv + (src + kvn) * es, (size_t)(D * es));
         }
+        if (c->chained) team_sync(team);
         if (team)
             paged_attention_items(c->q, qdt, qn, md->k_cache[l], md->v_cache[l], qdt, NULL, c->block_tables, c->bt_stride,
                                   c->qsl, c->seq_lens, c->work, lo, hi, c->attn, H, KVH, D, md->block_size,
@@ -576,7 +581,11 @@ static int run_step(const LlamaDecodeModel *md, int64_t M, const int64_t *input_
         work[3 * m + 1] = 0;
         work[3 * m + 2] = 1;
     }
-    Step c = {.md = md, .M = M, .bt_stride = bt_stride, .positions = positions, .slot_mapping = slot_mapping,
+    /* Rows that continue the row before them in the same block table (see Step.chained). */
+    int chained = 0;
+    for (int64_t m = 1; m < M && !chained; m++)
+        chained = positions[m] == positions[m - 1] + 1 && block_tables[m * bt_stride] == block_tables[(m - 1) * bt_stride];
+    Step c = {.md = md, .M = M, .chained = chained, .bt_stride = bt_stride, .positions = positions, .slot_mapping = slot_mapping,
               .block_tables = block_tables, .seq_lens = seq_lens, .qsl = qsl, .work = work, .team = team, .S = S,
               .sample_rows = sample_rows, .logits = logits, .mask = mask, .ldm = ldm, .mask_rows = mask_rows};
     c.x = alloc(M * Hd * es), c.xn = alloc(nth * M * Hd * es), c.qkv = alloc(M * qkvn * es);

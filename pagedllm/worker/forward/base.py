@@ -26,6 +26,9 @@ class PreparedStep:
     """Set by a head path that applied the step's structured-output bitmask to what it returns."""
     lora: bool = False
     """Some rows run with a LoRA adapter (the torch layers apply it: eager or pipeline path only)."""
+    token_rows: BatchArrays | None = None
+    """A step of decodes and speculative verifications (SchedulerOutput.spec_token_ids): every
+    token as a decode row of its own (input_batch.token_rows), for the native decode path."""
 
 
 class ForwardPath:

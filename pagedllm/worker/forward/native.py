@@ -25,11 +25,11 @@ class NativeDecodePath(ForwardPath):
         self.fallback = fallback
 
     def applies(self, step: PreparedStep) -> bool:
-        b = step.batch
+        b = step.batch if step.token_rows is None else step.token_rows
         return self.nd.applies(len(b.input_ids), len(b.seq_lens), bool(b.dense))
 
     def run(self, step: PreparedStep) -> torch.Tensor:
-        b = step.batch
+        b = step.batch if step.token_rows is None else step.token_rows
         hidden = self.nd.run(b.input_ids, b.positions, b.slot_mapping, b.block_tables, b.seq_lens)
         return self.fallback.run(step) if hidden is None else hidden
 
@@ -59,7 +59,7 @@ class NativeHeadPath(ForwardPath):
 
     def applies(self, step: PreparedStep) -> bool:
         """Given that the native decode path applies to the step."""
-        return (not step.so.forked_reqs and self.nd.head_applies(len(step.batch.sample_rows))
+        return (not step.so.forked_reqs and step.token_rows is None and self.nd.head_applies(len(step.batch.sample_rows))
                 and not (self.input_batch.prompt_logprobs[step.rows] >= 0).any())
 
     def run(self, step: PreparedStep) -> np.ndarray | torch.Tensor:

@@ -1,0 +1,126 @@
+"""Speculative decoding's scheduler side: proposals and acceptance counts. No torch here.
+
+Each step the scheduler asks the proposer for up to k tokens to follow a decoding request's last
+token; the request is then scheduled for 1 + k tokens (its own last token and the proposals), and
+the worker verifies the proposals in the same forward pass (pagedllm/worker/spec_decode.py). The
+worker returns the accepted proposals and one token of the target's own; the scheduler takes the
+rejected ones back off `num_computed_tokens` and frees the blocks they alone used.
+
+`NgramProposer` (method ngram, also called prompt lookup): the tokens that followed the latest
+earlier occurrence of the request's longest suffix of `prompt_lookup_max` down to
+`prompt_lookup_min` tokens, found by array comparisons over the request's tokens (numpy), never a
+Python loop over them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pagedllm.config import SpeculativeConfig
+from pagedllm.core.request import Request
+
+
+def ngram_propose(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> np.ndarray:
+    """Up to k tokens that followed the latest earlier occurrence of the longest suffix of
+    `tokens` of min_n .. max_n tokens (empty when none occurs).
+
+    tokens [5 6 7 8 | 5 6 7], max_n 3 -> the suffix [5 6 7] occurs at 0..2, followed by [8 5 6 7];
+    k 2 -> [8 5]. The search: positions p < len - 1 whose token equals the last one are the
+    candidate ends of a match; their match length grows by one comparison per step back (at most
+    max_n array comparisons over the candidates, whatever the length of `tokens`).
+    """
+    n = len(tokens)
+    if n < min_n + 1 or k < 1:
+        return tokens[:0]
+    ends = np.flatnonzero(tokens[:-1] == tokens[-1])
+    if len(ends) == 0:
+        return tokens[:0]
+    length = np.ones(len(ends), dtype=np.int64)
+    alive = np.ones(len(ends), dtype=bool)
+    for j in range(1, min(max_n, n - 1)):
+        # Candidate ending at p matches j + 1 tokens when tokens[p - j] == tokens[n - 1 - j].
+        back = ends - j
+        alive &= back >= 0
+        alive[alive] = tokens[back[alive]] == tokens[n - 1 - j]
+        if not alive.any():
+            break
+        length += alive
+    best = int(length.max())
+    if best < min_n:
+        return tokens[:0]
+    # The latest occurrence among the longest (ends are ascending).
+    end = int(ends[np.flatnonzero(length == best)[-1]])
+    return tokens[end + 1 : end + 1 + k]
+
+
+@dataclass
+class _History:
+    tokens: np.ndarray
+    length: int = 0
+
+
+class NgramProposer:
+    """Proposals from each request's own prompt and output. Keeps a numpy copy of each request's
+    tokens, extended by the new ones only, so a proposal costs no conversion of the whole list."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.k = config.num_speculative_tokens
+        self.min_n = config.prompt_lookup_min
+        self.max_n = config.prompt_lookup_max
+        self._history: dict[str, _History] = {}
+
+    def propose(self, req: Request, max_tokens: int) -> list[int]:
+        """Up to min(k, max_tokens) tokens to follow the request's last token."""
+        k = min(self.k, max_tokens)
+        if k < 1:
+            return []
+        tokens = req.all_token_ids
+        h = self._history.get(req.request_id)
+        n = len(tokens)
+        if h is None or h.length > n:
+            h = self._history[req.request_id] = _History(np.empty(max(2 * n, 64), dtype=np.int64))
+        if n > len(h.tokens):
+            grown = np.empty(2 * n, dtype=np.int64)
+            grown[: h.length] = h.tokens[: h.length]
+            h.tokens = grown
+        if n > h.length:
+            h.tokens[h.length : n] = tokens[h.length : n]
+            h.length = n
+        return ngram_propose(h.tokens[:n], k, self.min_n, self.max_n).tolist()
+
+    def forget(self, request_id: str) -> None:
+        self._history.pop(request_id, None)
+
+
+@dataclass
+class SpecDecodeStats:
+    """Speculative decoding's counts so far (vLLM's spec_decode metrics)."""
+
+    num_drafts: int = 0
+    """Steps in which a request verified proposals."""
+    num_draft_tokens: int = 0
+    """Tokens proposed and verified."""
+    num_accepted_tokens: int = 0
+    """Of those, tokens accepted."""
+    accepted_per_position: list[int] = field(default_factory=list)
+    """Accepted tokens by their position among the step's proposals (0: the first)."""
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_draft:
+            self.accepted_per_position.extend([0] * (num_draft - len(self.accepted_per_position)))
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a speculating step yields on average: the accepted ones plus the target's own."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0

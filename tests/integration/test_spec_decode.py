@@ -1,0 +1,149 @@
+"""Speculative decoding (n-gram) on the real default model and a tiny random one: greedy outputs are
+the same token for token as without it (several k, chunked prefill, prefix caching, preemption by
+recompute and swap), stop strings, stop tokens and max_tokens end a request exactly where they do
+without it, logprobs are those of the kept tokens, the KV pool is whole again afterwards, and a
+request with structured output decodes without speculation."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+
+CODE = (
+    "def area(width, height):\n    return width * height\n\n"
+    "def area(width, height):\n    return width * height\n\n"
+    "def perimeter(width, height):\n    return"
+)
+QUOTE = (
+    "Summarise with quotes. Text: 'The committee met on Monday and agreed to build the new bridge "
+    "before winter.' Summary: The committee met on Monday and"
+)
+SYSTEM = (
+    "You are a helpful assistant for a small bakery. You answer questions about bread, cakes, opening "
+    "hours and prices politely and briefly. "
+)
+PROMPTS = [CODE, QUOTE, SYSTEM + "What time do you open?", SYSTEM + "Do you sell bread?", "The quick brown fox"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+ROOMY = {"dtype": "float32", "num_kv_blocks": 128, "block_size": 16, "max_model_len": 256}
+# 12 blocks of 16 tokens hold about two of these requests at once: preemption is certain.
+TIGHT = {"dtype": "float32", "num_kv_blocks": 12, "block_size": 16, "max_model_len": 256, "max_num_seqs": 4}
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def spec(k: int, **extra: int) -> dict:
+    return {"method": "ngram", "num_speculative_tokens": k, **extra}
+
+
+def tokens(llm: LLM, prompts: list[str] = PROMPTS, params: SamplingParams = GREEDY) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def check_pool_whole(llm: LLM) -> None:
+    sched = llm.llm_engine.scheduler
+    sched.check_integrity()
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks and not sched.kv.req_blocks
+
+
+@pytest.fixture(scope="module")
+def plain() -> LLM:
+    return LLM(**ROOMY)
+
+
+@pytest.fixture(scope="module")
+def reference(plain: LLM) -> list[list[int]]:
+    return tokens(plain)
+
+
+@pytest.fixture(scope="module")
+def speculating() -> LLM:
+    return LLM(**ROOMY, speculative_config=spec(4, prompt_lookup_max=3))
+
+
+def test_greedy_same_with_speculation(speculating: LLM, reference: list[list[int]]) -> None:
+    assert tokens(speculating) == reference
+    stats = speculating.llm_engine.scheduler.get_stats()
+    s = stats.spec_decode
+    assert s.num_drafts > 10 and s.num_accepted_tokens > 20, s
+    assert stats.prefix_cache_hits > 0  # the two bakery prompts share their system prompt
+    check_pool_whole(speculating)
+
+
+@pytest.mark.parametrize("k", [1, 7])
+def test_greedy_same_for_other_k_with_chunked_prefill(k: int, reference: list[list[int]]) -> None:
+    # A 24-token budget: prompt chunks share steps with the verifications of running requests.
+    llm = LLM(**ROOMY, max_num_batched_tokens=24, speculative_config=spec(k, prompt_lookup_min=2))
+    assert tokens(llm) == reference
+    assert llm.llm_engine.scheduler.get_stats().spec_decode.num_accepted_tokens > 0
+    check_pool_whole(llm)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_greedy_same_under_preemption(mode: str, reference: list[list[int]]) -> None:
+    llm = LLM(**TIGHT, preemption_mode=mode, swap_space=0.05, enable_prefix_caching=False,
+              speculative_config=spec(4))
+    assert tokens(llm) == reference
+    stats = llm.llm_engine.scheduler.get_stats()
+    assert stats.num_preemptions_by_mode[mode] > 0 and stats.spec_decode.num_accepted_tokens > 0, stats
+    check_pool_whole(llm)
+
+
+def test_tiny_random_model_same_with_speculation(tiny_model_dir: str) -> None:
+    prompts = ["a b c d a b c d a b", "x y z x y z x", "hello hello hello"]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    base = {"model": tiny_model_dir, "dtype": "float32", "num_kv_blocks": 64, "block_size": 4, "max_model_len": 128}
+    want = tokens(LLM(**base), prompts, params)
+    for k in (2, 5):
+        llm = LLM(**base, speculative_config=spec(k))
+        assert tokens(llm, prompts, params) == want
+        assert llm.llm_engine.scheduler.get_stats().spec_decode.num_drafts > 0
+        check_pool_whole(llm)
+
+
+def test_stops_and_lengths_exact(plain: LLM, speculating: LLM) -> None:
+    """Stop strings, stop tokens and max_tokens inside a step's accepted tokens: the request ends
+    where it ends without speculation, with nothing after it (text, tokens, logprobs)."""
+    ref = tokens(plain, [CODE], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))[0]
+    text = plain.get_tokenizer().decode(ref)
+    stop_str = text[len(text) // 2 : len(text) // 2 + 4].strip() or "width"
+    cases = [
+        SamplingParams(temperature=0.0, max_tokens=40, stop=[stop_str], logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[ref[20]], logprobs=1),
+        SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=40, stop=[stop_str], include_stop_str_in_output=True),
+    ]
+    for params in cases:
+        want = plain.generate([CODE], params, use_tqdm=False)[0].outputs[0]
+        got = speculating.generate([CODE], params, use_tqdm=False)[0].outputs[0]
+        assert (got.text, got.token_ids, got.finish_reason, got.stop_reason) == (
+            want.text, want.token_ids, want.finish_reason, want.stop_reason), params
+        if params.logprobs is not None:
+            assert len(got.logprobs) == len(got.token_ids)
+            for a, b in zip(got.logprobs, want.logprobs):
+                assert a.keys() == b.keys()
+                for t in a:
+                    assert a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4)
+    check_pool_whole(speculating)
+
+
+def test_seeded_sampling_and_n(speculating: LLM) -> None:
+    """A seeded sampled request repeats itself with speculation on; n > 1 samples each get their
+    tokens (the forked samples speculate too)."""
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=24, seed=11, ignore_eos=True, n=3)
+    a = speculating.generate([CODE], params, use_tqdm=False)[0].outputs
+    b = speculating.generate([CODE], params, use_tqdm=False)[0].outputs
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert all(len(o.token_ids) == 24 for o in a) and len({tuple(o.token_ids) for o in a}) > 1
+    check_pool_whole(speculating)
+
+
+def test_structured_request_decodes_without_speculation(speculating: LLM) -> None:
+    from pagedllm.sampling_params import StructuredOutputsParams
+
+    before = speculating.llm_engine.scheduler.get_stats().spec_decode.num_drafts
+    params = SamplingParams(temperature=0.0, max_tokens=20,
+                            structured_outputs=StructuredOutputsParams(choice=["yes yes yes", "no no no"]))
+    out = speculating.generate(["Answer yes or no: is the sky blue?"], params, use_tqdm=False)[0].outputs[0]
+    assert out.text in ("yes yes yes", "no no no")
+    assert speculating.llm_engine.scheduler.get_stats().spec_decode.num_drafts == before
