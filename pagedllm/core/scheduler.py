@@ -21,7 +21,7 @@ from pagedllm.core.kv_groups import KVCacheGroups
 from pagedllm.core.policies import make_policy
 from pagedllm.core.preemption import PreemptionCostModel
 from pagedllm.core.request import Request, RequestStatus
-from pagedllm.core.spec_decode import NgramProposer, SpecDecodeStats
+from pagedllm.core.spec_decode import NgramProposer, SpecDecodeStats, proposals_for, roll_back
 from pagedllm.core.scheduler_output import (
     CachedRequestData,
     EngineCoreOutput,
@@ -298,7 +298,7 @@ class Scheduler:
             if n == 0:
                 idx += 1
                 continue
-            proposals = self._proposals(req, step.budget) if self.proposer is not None and n == 1 else None
+            proposals = proposals_for(self.proposer, req, step.budget, self.config.max_model_len) if self.proposer is not None and n == 1 else None
             if proposals:
                 blocks = self.kv.allocate_slots(req, 1 + len(proposals))
                 if blocks is None:
@@ -321,16 +321,6 @@ class Scheduler:
             step.take(req, n, proposals)
             step.new_block_ids[req.request_id] = [b.block_id for b in blocks]
             idx += 1
-
-    def _proposals(self, req: Request, budget: int) -> list[int]:
-        """Proposed tokens to verify after a decoding request's last token: within the step's
-        budget, and never more than it may still generate after the token the step yields of its
-        own. None for a request with a structure (its grammar matcher cannot roll back)."""
-        if req.structured is not None or req.num_tokens - req.num_computed_tokens != 1:
-            return []
-        room = min(budget - 1, req.max_tokens - req.num_output_tokens - 1,
-                   self.config.max_model_len - req.num_tokens - 1)
-        return self.proposer.propose(req, room) if room > 0 else []  # type: ignore[union-attr]
 
     def _schedule_admissions(self, step: _Step) -> None:
         """Swapped and waiting requests, in the policy's admission order, while budget, sequence
@@ -510,7 +500,8 @@ class Scheduler:
             new_tokens = out.sampled_token_ids[i]
             prompt_lp = out.prompt_logprobs.get(rid)
             if so.spec_token_ids and rid in so.spec_token_ids and new_tokens:
-                self._rollback(req, len(so.spec_token_ids[rid]), len(new_tokens) - 1)
+                roll_back(self.kv, req, len(so.spec_token_ids[rid]), len(new_tokens) - 1)
+                self.spec_stats.record(len(so.spec_token_ids[rid]), len(new_tokens) - 1)  # type: ignore[union-attr]
             if not new_tokens and prompt_lp is None:
                 continue  # an unfinished prompt chunk
             appended: list[int] = []
@@ -553,14 +544,6 @@ class Scheduler:
                     self.kv.free_outside_windows(req)
         return results
 
-    def _rollback(self, req: Request, num_proposed: int, num_accepted: int) -> None:
-        """Takes the rejected proposals back off the request's progress (their K/V slots will be
-        written again) and frees the blocks that only they used."""
-        assert 0 <= num_accepted <= num_proposed, (num_accepted, num_proposed)
-        req.num_computed_tokens -= num_proposed - num_accepted
-        self.kv.trim(req, req.num_tokens + num_accepted + 1)
-        self.spec_stats.record(num_proposed, num_accepted)  # type: ignore[union-attr]
-
     # ---- introspection ---------------------------------------------------------------------
     def get_stats(self) -> SchedulerStats:
         kv = self.kv.stats()
@@ -575,9 +558,7 @@ class Scheduler:
             num_preemptions_by_mode=dict(self.num_preemptions_by_mode),
             swap_usage=kv.swap_usage,
             num_cow_copies=kv.num_cow_copies,
-            spec_decode=None if self.spec_stats is None else SpecDecodeStats(
-                self.spec_stats.num_drafts, self.spec_stats.num_draft_tokens, self.spec_stats.num_accepted_tokens,
-                list(self.spec_stats.accepted_per_position)),
+            spec_decode=None if self.spec_stats is None else self.spec_stats.copy(),
         )
 
     def check_integrity(self) -> None:

@@ -15,11 +15,15 @@ Python loop over them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pagedllm.config import SpeculativeConfig
 from pagedllm.core.request import Request
+
+if TYPE_CHECKING:
+    from pagedllm.core.kv_cache_manager import KVCacheManager
 
 
 def ngram_propose(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> np.ndarray:
@@ -94,6 +98,25 @@ class NgramProposer:
         self._history.pop(request_id, None)
 
 
+def proposals_for(proposer: NgramProposer, req: Request, budget: int, max_model_len: int) -> list[int]:
+    """Proposed tokens to verify after a decoding request's last token: within the step's token
+    budget left, and never more than it may still generate after the token the step yields of
+    its own. None for a request with a structure (its grammar matcher cannot roll back)."""
+    if req.structured is not None or req.num_tokens - req.num_computed_tokens != 1:
+        return []
+    room = min(budget - 1, req.max_tokens - req.num_output_tokens - 1, max_model_len - req.num_tokens - 1)
+    return proposer.propose(req, room) if room > 0 else []
+
+
+def roll_back(kv: KVCacheManager, req: Request, num_proposed: int, num_accepted: int) -> None:
+    """Takes a verified request's rejected proposals back off its progress (their K/V slots are
+    written again before anything reads them) and frees the blocks that only they used. Called
+    before its kept tokens (the accepted ones and the target's own) are appended."""
+    assert 0 <= num_accepted <= num_proposed, (num_accepted, num_proposed)
+    req.num_computed_tokens -= num_proposed - num_accepted
+    kv.trim(req, req.num_tokens + num_accepted + 1)
+
+
 @dataclass
 class SpecDecodeStats:
     """Speculative decoding's counts so far (vLLM's spec_decode metrics)."""
@@ -115,6 +138,10 @@ class SpecDecodeStats:
             self.accepted_per_position.extend([0] * (num_draft - len(self.accepted_per_position)))
         for i in range(num_accepted):
             self.accepted_per_position[i] += 1
+
+    def copy(self) -> SpecDecodeStats:
+        return SpecDecodeStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                               list(self.accepted_per_position))
 
     @property
     def acceptance_rate(self) -> float:
