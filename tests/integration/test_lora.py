@@ -226,3 +226,19 @@ def test_tensor_parallel_equals_one_rank(setup):
     finally:
         tp.llm_engine.shutdown()
     assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preempted_adapter_requests_equal_peft(setup, mode):
+    _, base, adapters, requests, _ = setup
+    llm = LLM(base, enable_lora=True, max_loras=2, max_lora_rank=8, dtype="float32", num_kv_blocks=12,
+              block_size=4, preemption_mode=mode, swap_space=0.01)
+    try:
+        loras = [requests["attn"], requests["all"], None, requests["attn"]]
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0), lora_request=loras,
+                            use_tqdm=False)
+        assert llm.llm_engine.scheduler.get_stats().num_preemptions > 0
+    finally:
+        llm.llm_engine.shutdown()
+    for prompt, lora, out in zip(PROMPTS, loras, outs):
+        assert list(out.outputs[0].token_ids) == peft_reference(base, lora and adapters[lora.lora_name], prompt)[0]
