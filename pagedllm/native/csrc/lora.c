@@ -119,8 +119,53 @@ static void expand(const float *h, const void *b, int w_dt, int64_t R, int64_t N
     }
 }
 
+#if defined(__AVX512F__)
+#define RB 4 /* rows of one slot handled together: each load of A and B^T serves all of them */
+
+/* The deltas of nb <= RB rows of one slot: xf [RB][K] float32 (rows past nb zero), h [RB][n]. */
+static void block_rows(const float *xf, int nb, const char *as, const char *bs, int w_dt, int64_t num_slices,
+                       int64_t R, const int64_t *ranges, int64_t K, int64_t N, float *h, char **yt, int y_dt) {
+    const size_t es = w_dt ? 2 : 4;
+    const int64_t n = num_slices * R;
+    for (int64_t k = 0; k < n; k++) {
+        const char *ak = as + (size_t)(k * K) * es;
+        __m512 acc[RB];
+        for (int r = 0; r < RB; r++) acc[r] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < K; i += 16) {
+            const __m512 av = ld16(ak, w_dt, i);
+            for (int r = 0; r < RB; r++) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xf + r * K + i), av, acc[r]);
+        }
+        for (int r = 0; r < RB; r++) h[r * n + k] = _mm512_reduce_add_ps(acc[r]);
+    }
+    for (int64_t j = 0; j < num_slices; j++) {
+        const int64_t lo = ranges[2 * j], hi = ranges[2 * j + 1];
+        const char *bj = bs + (size_t)(j * R * N) * es;
+        int64_t o = lo;
+        for (; o + 32 <= hi; o += 32) {
+            __m512 c0[RB], c1[RB];
+            for (int r = 0; r < RB; r++) c0[r] = c1[r] = _mm512_setzero_ps();
+            for (int64_t k = 0; k < R; k++) {
+                const char *row = bj + (size_t)(k * N) * es;
+                const __m512 b0 = ld16(row, w_dt, o), b1 = ld16(row, w_dt, o + 16);
+                for (int r = 0; r < RB; r++) {
+                    const __m512 hv = _mm512_set1_ps(h[r * n + j * R + k]);
+                    c0[r] = _mm512_fmadd_ps(hv, b0, c0[r]);
+                    c1[r] = _mm512_fmadd_ps(hv, b1, c1[r]);
+                }
+            }
+            for (int r = 0; r < nb; r++) {
+                add16(yt[r], y_dt, o, c0[r]);
+                add16(yt[r], y_dt, o + 16, c1[r]);
+            }
+        }
+        for (int r = 0; r < nb; r++) expand(h + r * n + j * R, bj, w_dt, R, N, o, hi, yt[r], y_dt);
+    }
+}
+#endif
+
 /* 0 on success; 1 for an unsupported dtype; 2 when scratch memory cannot be had. ranges holds
- * [first output column, one past the last] of each of the num_slices slices. */
+ * [first output column, one past the last] of each of the num_slices slices. With AVX-512 and K a
+ * multiple of 16 the rows are ordered by slot and taken RB at a time (block_rows). */
 int lora_sgmv(const void *x, int64_t ldx, int x_dt, int64_t T, const int32_t *slots, const void *a,
               const void *bt, int w_dt, int64_t num_slices, int64_t R, const int64_t *ranges, int64_t K, int64_t N,
               void *y, int64_t ldy, int y_dt) {
@@ -128,6 +173,59 @@ int lora_sgmv(const void *x, int64_t ldx, int x_dt, int64_t T, const int32_t *sl
     const size_t es = w_dt ? 2 : 4, xs_size = x_dt ? 2 : 4, ys = y_dt ? 2 : 4;
     const int64_t n = num_slices * R;
     int failed = 0;
+#if defined(__AVX512F__)
+    if (K % 16 == 0) {
+        /* rows with a slot, ordered by slot (stable), and the blocks of <= RB rows of one slot */
+        int64_t *order = (int64_t *)malloc((size_t)(2 * T + 1) * sizeof(int64_t));
+        if (!order) return 2;
+        int64_t *blocks = order + T, m = 0, nblocks = 0;
+        int32_t max_slot = -1;
+        for (int64_t t = 0; t < T; t++) max_slot = slots[t] > max_slot ? slots[t] : max_slot;
+        for (int32_t s = 0; s <= max_slot; s++) {
+            const int64_t first = m;
+            for (int64_t t = 0; t < T; t++)
+                if (slots[t] == s) {
+                    if ((m - first) % RB == 0) blocks[nblocks++] = m;
+                    order[m++] = t;
+                }
+        }
+        blocks[nblocks] = m;
+#pragma omp parallel if (nblocks >= 4) reduction(| : failed)
+        {
+            float *xf = (float *)malloc((size_t)(RB * K + RB * n) * sizeof(float));
+            if (!xf) {
+                failed = 1;
+            } else {
+                float *h = xf + RB * K;
+#pragma omp for schedule(static)
+                for (int64_t bi = 0; bi < nblocks; bi++) {
+                    const int64_t b0 = blocks[bi];
+                    const int nb = (int)(blocks[bi + 1] - b0);
+                    const int32_t s = slots[order[b0]];
+                    char *yt[RB];
+                    for (int r = 0; r < RB; r++) {
+                        float *xr = xf + r * K;
+                        if (r >= nb) {
+                            memset(xr, 0, (size_t)K * sizeof(float));
+                            yt[r] = NULL;
+                            continue;
+                        }
+                        const int64_t t = order[b0 + r];
+                        const char *xt = (const char *)x + (size_t)(t * ldx) * xs_size;
+                        for (int64_t i = 0; i < K; i += 16) _mm512_storeu_ps(xr + i, ld16(xt, x_dt, i));
+                        yt[r] = (char *)y + (size_t)(t * ldy) * ys;
+                    }
+                    block_rows(xf, nb, (const char *)a + (size_t)s * n * K * es,
+                               (const char *)bt + (size_t)s * n * N * es, w_dt, num_slices, R, ranges, K, N, h, yt,
+                               y_dt);
+                }
+                free(xf);
+            }
+        }
+        free(order);
+        return failed ? 2 : 0;
+    }
+#endif
 #pragma omp parallel if (T >= 16) reduction(| : failed)
     {
         float *xf = (float *)malloc((size_t)(K + n) * sizeof(float));
@@ -140,11 +238,7 @@ int lora_sgmv(const void *x, int64_t ldx, int x_dt, int64_t T, const int32_t *sl
                 const int32_t s = slots[t];
                 if (s < 0) continue;
                 const char *xt = (const char *)x + (size_t)(t * ldx) * xs_size;
-                int64_t i = 0;
-#if defined(__AVX512F__)
-                for (; i + 16 <= K; i += 16) _mm512_storeu_ps(xf + i, ld16(xt, x_dt, i));
-#endif
-                for (; i < K; i++) xf[i] = ld(xt, x_dt, i);
+                for (int64_t i = 0; i < K; i++) xf[i] = ld(xt, x_dt, i);
                 const char *as = (const char *)a + (size_t)s * n * K * es;
                 const char *bs = (const char *)bt + (size_t)s * n * N * es;
                 shrink(xf, as, w_dt, n, K, h);
