@@ -49,7 +49,10 @@ def assert_same_batch(a: object, b: object) -> None:
         elif isinstance(x, list):
             assert len(x) == len(y), f.name
             for u, v in zip(x, y):
-                assert_same_batch(u, v)
+                if isinstance(u, np.ndarray):
+                    assert np.array_equal(u, v), f.name
+                else:
+                    assert_same_batch(u, v)
         else:
             assert x == y, f.name
 
@@ -197,3 +200,40 @@ def test_decode_only_layout_is_the_general_one(query_tile: int) -> None:
                           dense_min_tokens=1, dense_min_pairs=1 << 40)
     assert_same_batch(fast, general)
     assert len(fast.sample_rows) < len(states)  # both kinds of rows are in the batch
+
+
+@pytest.mark.parametrize("build_groups", [True, False])
+def test_kv_layer_groups_read_their_own_block_tables(build_groups: bool) -> None:
+    """With 3 KV layer groups (block ids interleaved, core/kv_cache_manager.py) each group's slot
+    mapping, block tables, attention groups' tables and dense chunks' blocks are those of a batch
+    laid out from that group's ids alone; the persistent batch gives the same."""
+    G = 3
+    rng = random.Random(4)
+    states, counts = [], []
+    for r, (num_tokens, computed) in enumerate([(13, 0), (9, 8), (30, 12), (6, 5)]):
+        nblocks = -(-num_tokens // BS)
+        ids = [rng.randrange(1, 500) for _ in range(G * nblocks)]
+        states.append(RequestState(f"r{r}", list(range(num_tokens)), num_tokens, ids, computed, None))
+        counts.append(num_tokens - computed)
+    opts = {"build_groups": build_groups, "dense_min_tokens": 10}
+    batch = build_batch(states, counts, BS, num_kv_groups=G, **opts)
+    ib = InputBatch(max_model_len=64, block_size=BS, capacity=2, num_kv_groups=G)
+    for s in states:
+        ib.add(s.req_id, s.token_ids, s.num_prompt_tokens, s.block_ids, s.num_computed_tokens, None)
+    assert_same_batch(ib.prepare(ib.rows_of([s.req_id for s in states]), np.asarray(counts), **opts), batch)
+    assert len(batch.kv_groups) == G - 1 and batch.dense
+    for g in range(G):
+        alone = build_batch([RequestState(s.req_id, s.token_ids, s.num_prompt_tokens, s.block_ids[g::G],
+                                          s.num_computed_tokens, None) for s in states], counts, BS, **opts)
+        if g == 0:
+            want = (batch.slot_mapping, batch.block_tables, [x.block_tables for x in batch.groups],
+                    [d.blocks for d in batch.dense])
+        else:
+            kg = batch.kv_groups[g - 1]
+            want = (kg.slot_mapping, kg.block_tables, kg.group_block_tables, kg.dense_blocks)
+        got = (alone.slot_mapping, alone.block_tables, [x.block_tables for x in alone.groups],
+               [d.blocks for d in alone.dense])
+        for w, a in zip(want[:2], got[:2]):
+            assert np.array_equal(w, a)
+        for ws, as_ in zip(want[2:], got[2:]):
+            assert len(ws) == len(as_) and all(np.array_equal(w, a) for w, a in zip(ws, as_))
