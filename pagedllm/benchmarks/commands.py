@@ -61,6 +61,8 @@ COMMANDS: dict[str, Entry | tuple[str, dict[str, Entry]]] = {
                    "and against vLLM's CPU build; grammar compile times"),
     "lora": ("pagedllm.benchmarks.lora",
              "throughput with N LoRA adapters mixed over the workload against the base model; adapter load time"),
+    "run-batch": ("pagedllm.benchmarks.run_batch",
+                  "pagedllm run-batch on a chat batch file against LLM.chat on the same conversations"),
     "ui-cost": ("pagedllm.benchmarks.ui_cost",
                 "pagedllm serve's output tokens/s under full load with and without a viewer on the engine feed"),
     "soak": ("pagedllm.benchmarks.soak",

@@ -8,9 +8,11 @@ JSON, an unknown url, a method other than POST, a repeated custom_id) get a 400 
 no line stops the run. Output lines come in input order (as vLLM's), each written and flushed as
 soon as every line before it is written.
 
-All lines go to one AsyncLLMEngine (an engine-core process, as under `pagedllm serve`), with up
-to `window` requests in flight at once (4x --max-num-seqs, at least 64): enough that continuous
-batching keeps the batch full, few enough that waiting requests cost the front end nothing.
+All lines go to one AsyncLLMEngine whose engine core runs on a thread of this process (as under
+`LLM`: a batch has no HTTP clients to keep answering, and on a few shared cores a second process
+only adds its own threads' contention), with up to `window` requests in flight at once (4x
+--max-num-seqs, at least 64): enough that continuous batching keeps the batch full, few enough
+that waiting requests cost the front end nothing.
 SIGINT or SIGTERM stops the run after the line being written; the rest run on a rerun with the same
 output file (batch_files.py says how).
 """
@@ -144,6 +146,8 @@ class BatchRunner:
         self.window = window
         self.stop_signal: int | None = None
         self.prompt_tokens = self.completion_tokens = 0
+        self.errors = 0  # lines answered with a status other than 200
+        self.elapsed = 0.0  # from the first request submitted to the last line written
 
     async def answer(self, line: BatchLine) -> tuple[int, Any]:
         """(status, body) as the server answers the line's body; raises EngineDeadError."""
@@ -201,6 +205,7 @@ class BatchRunner:
             finally:
                 slots.release()
             answers[i] = output_line(line.custom_id, status, body)
+            self.errors += status != 200
             elapsed = max(time.perf_counter() - t0, 1e-9)
             bar.set_postfix_str(f"input: {self.prompt_tokens / elapsed:.1f} toks/s, "
                                 f"output: {self.completion_tokens / elapsed:.1f} toks/s", refresh=False)
@@ -208,6 +213,7 @@ class BatchRunner:
             while next_out in answers:  # no await in between: every line is written whole
                 writer.write(answers.pop(next_out))
                 next_out += 1
+            self.elapsed = time.perf_counter() - t0
 
         tasks: set[asyncio.Task] = set()
         try:
@@ -301,7 +307,7 @@ def run_batch_command(args: argparse.Namespace) -> int:
         print(f"pagedllm run-batch: all {len(lines)} lines are in {args.output_file} already", file=sys.stderr)
         return 0
     engine_args = EngineArgs.from_cli_args(args)
-    engine = AsyncLLMEngine.from_engine_args(engine_args, log_level=args.log_level)
+    engine = AsyncLLMEngine.from_engine_args(engine_args, multiprocess=False)
     try:
         endpoints = build_endpoints(engine, args)
         window = max(4 * engine.config.scheduler_config.max_num_seqs, 64)
@@ -326,4 +332,8 @@ def run_batch_command(args: argparse.Namespace) -> int:
         print(f"pagedllm run-batch: stopped by {name}: {remaining} of {len(lines)} lines remain; rerun the same "
               "command to resume", file=sys.stderr)
         return 128 + runner.stop_signal
+    s = max(runner.elapsed, 1e-9)
+    print(f"pagedllm run-batch: {len(pending)} lines in {s:.2f} s: {runner.prompt_tokens} prompt tokens, "
+          f"{runner.completion_tokens} output tokens ({runner.completion_tokens / s:.1f} output tokens/s); "
+          f"{runner.errors} answered with an error; results in {args.output_file}", file=sys.stderr)
     return 0
