@@ -11,13 +11,14 @@ import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 
-from tests.integration.server_helpers import Server, assert_error_shape
-from tests.integration.test_cli import SMALL_ENGINE, pagedllm_command, run_cli
+from server_helpers import Server, assert_error_shape
+from test_cli import pagedllm_command, run_cli
 
-ENGINE = [*SMALL_ENGINE, "--max-model-len", "512", "--dtype", "float32"]
+# The engine flags of the shared default-model server (server_helpers.DEFAULT_SERVER_FLAGS).
+ENGINE = ["--kv-cache-memory", "512MiB", "--dtype", "float32"]
+OVER_CONTEXT = "hello " * 8300  # the default model's context is 8192 tokens
 # Greedy, short: the batch is long enough to be interrupted part-way, short enough to stay fast.
 GEN = {"max_tokens": 10, "temperature": 0}
 TOPICS = ["the sea", "a cat", "rain", "bread", "the moon", "a train", "winter", "music", "a forest", "coffee",
@@ -38,9 +39,9 @@ def request_lines() -> list[dict]:
 REFUSED = [
     {"custom_id": "bad-body", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "max_tokens": "many"}},
     {"custom_id": "over-context", "method": "POST", "url": "/v1/completions",
-     "body": {"prompt": "hello " * 600, "max_tokens": 4}},
+     "body": {"prompt": OVER_CONTEXT, "max_tokens": 4}},
     {"custom_id": "chat-over-context", "method": "POST", "url": "/v1/chat/completions",
-     "body": {"messages": [{"role": "user", "content": "hello " * 600}], "max_tokens": 4}},
+     "body": {"messages": [{"role": "user", "content": OVER_CONTEXT}], "max_tokens": 4}},
     {"custom_id": "bad-model", "method": "POST", "url": "/v1/chat/completions",
      "body": {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}},
     {"custom_id": "bad-temperature", "method": "POST", "url": "/v1/chat/completions",
@@ -58,17 +59,7 @@ NOT_REQUESTS = [
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    # Loads while the batch runs.
-    s = Server(tmp_path_factory.mktemp("server") / "server.log", *ENGINE)
-    try:
-        yield s
-    finally:
-        s.stop()
-
-
-@pytest.fixture(scope="module")
-def batch(tmp_path_factory: pytest.TempPathFactory, server: Server):
+def batch(tmp_path_factory: pytest.TempPathFactory):
     """Runs the batch file, interrupts it with SIGINT once 3 lines are written, cuts its last line
     in half (as a kill in the middle of a write would), then reruns it to the end (reading the
     batch file from stdin)."""
@@ -147,15 +138,14 @@ def test_lines_that_are_no_request_get_a_400_line(batch) -> None:
 
 
 @pytest.mark.slow
-def test_bodies_are_what_the_server_answers(batch, server: Server) -> None:
-    server.wait_ready()
+def test_bodies_are_what_the_server_answers(batch, default_server: Server) -> None:
     sent = {json.loads(raw)["custom_id"]: json.loads(raw) for raw in batch["lines"] if raw not in NOT_REQUESTS}
     out: dict = {}
     for x in batch["out"]:  # the first line of a custom_id (the repeated one is refused)
         if x["custom_id"] in sent:
             out.setdefault(x["custom_id"], x)
     assert len(out) == len(sent) == len(TOPICS) * 2 + len(REFUSED)
-    with httpx.Client(base_url=server.url, timeout=120) as http, ThreadPoolExecutor(8) as pool:
+    with default_server.http() as http, ThreadPoolExecutor(8) as pool:
         answers = pool.map(lambda line: http.post(line["url"], content=json.dumps(line["body"]),
                                                   headers={"Content-Type": "application/json"}), sent.values())
         for (custom_id, line), r in zip(sent.items(), answers):
