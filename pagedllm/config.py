@@ -25,6 +25,34 @@ EMBEDDING_QUANTIZATION_METHODS = ("int8", "w8a8", "int4", "fp8", "gguf")
 SKIP_PRESETS = {"attention": ("*.self_attn.*",)}
 
 
+RUNNERS = ("generate", "pooling")
+POOLING_TYPES = ("LAST", "MEAN", "CLS", "ALL")
+ENCODER_MODEL_TYPES = ("bert",)
+"""config.json model types that are bidirectional encoders (no KV cache, whole prompts, pooling only)."""
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """How a pooling model turns a prompt's hidden states into its output (vLLM's --pooler-config)."""
+
+    pooling_type: str = "LAST"
+    """LAST (the last token's hidden state), MEAN (the mean over the prompt), CLS (the first
+    token's) or ALL (every token's)."""
+    normalize: bool = True
+    """Scale each embedding to unit L2 norm (after any `dimensions` truncation)."""
+    dimensions: int | None = None
+    """Keep the first `dimensions` values of each embedding (Matryoshka truncation); None: all."""
+    activation: bool = True
+    """Classifiers: apply the head's activation (sigmoid for one label, softmax for several)."""
+
+    def __post_init__(self) -> None:
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"pooling_type must be one of {POOLING_TYPES}, got {self.pooling_type!r}")
+        if self.dimensions is not None and (isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int)
+                                            or self.dimensions < 1):
+            raise ValueError(f"dimensions must be a positive integer, got {self.dimensions!r}")
+
+
 def _check_at_least(config: Any, minimum: int, *names: str) -> None:
     """ValueError naming the first of the fields `names` of `config` below `minimum`."""
     for name in names:
@@ -177,6 +205,10 @@ class ModelConfig:
     of a model shape from its config.json alone)."""
     quantization: QuantizationConfig | None = None
     """Quantized linear layers, or None for weights in the model dtype."""
+    runner: str = "generate"
+    """'generate' (sampling) or 'pooling' (embeddings, scores: prompts in, pooled hidden states out)."""
+    pooler_config: PoolerConfig | None = None
+    """The pooling runner's defaults (pooling type, normalisation, dimensions); None when generating."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -185,8 +217,15 @@ class ModelConfig:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.kv_cache_dtype not in ("", *KV_CACHE_DTYPES):
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
         kv = {"": self.dtype, "auto": self.dtype, "fp8": "fp8_e4m3"}.get(self.kv_cache_dtype, self.kv_cache_dtype)
         object.__setattr__(self, "kv_cache_dtype", kv)  # resolved once, at construction
+
+    @property
+    def is_encoder(self) -> bool:
+        """A bidirectional encoder (BERT family): pooling only, whole prompts, no KV cache kept."""
+        return getattr(self.hf_config, "model_type", None) in ENCODER_MODEL_TYPES
 
     @property
     def vocab_size(self) -> int:
@@ -223,6 +262,8 @@ class ModelConfig:
         return layer_sliding_windows(self.hf_config)
 
     def kv_bytes_per_token(self) -> int:
+        if self.is_encoder:
+            return 0  # an encoder keeps no KV cache
         itemsize = KV_CACHE_ITEMSIZE[self.kv_cache_dtype]
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
 

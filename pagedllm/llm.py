@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.lora.request import LoRARequest
+from pagedllm.llm_pooling import PoolingAPI
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.tokenizer import TokenizerWrapper
@@ -21,8 +22,9 @@ from pagedllm.tokenizer import TokenizerWrapper
 logger = logging.getLogger(__name__)
 
 
-class LLM:
-    """Generates for a batch of prompts with continuous batching; outputs come back in input order."""
+class LLM(PoolingAPI):
+    """Generates for a batch of prompts with continuous batching; outputs come back in input order.
+    A pooling model embeds, classifies and scores them instead (llm_pooling.PoolingAPI)."""
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.engine_args = EngineArgs(model=model, **engine_args)
@@ -48,6 +50,9 @@ class LLM:
         cache_salt: Sequence[str | None] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        if self.llm_engine.model_config.runner == "pooling":
+            raise ValueError(f"{self.llm_engine.model_config.served_model_name!r} runs with runner='pooling': use "
+                             "embed(), encode(), classify() or score(), or start it with runner='generate'")
         prompt_list = self._as_prompt_list(prompts)
         n = len(prompt_list)
         params_list = [
@@ -124,7 +129,8 @@ class LLM:
                     if out.finished:
                         finished[out.request_id] = out
                         in_tokens += len(out.prompt_token_ids)
-                        out_tokens += sum(len(c.token_ids) for c in out.outputs)
+                        if isinstance(out, RequestOutput):
+                            out_tokens += sum(len(c.token_ids) for c in out.outputs)
                         elapsed = time.perf_counter() - t0
                         bar.set_postfix_str(
                             f"input: {in_tokens / elapsed:.1f} toks/s, output: {out_tokens / elapsed:.1f} toks/s")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -52,3 +53,86 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     priority: int = 0
     extra: dict = field(default_factory=dict)
+
+
+# ---- pooling (embeddings, classification, scores), with vLLM's class and field names ----------
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's raw result: a float32 tensor ([dims], or [tokens, hidden] for ALL)."""
+
+    data: Any  # torch.Tensor
+
+    @classmethod
+    def from_bytes(cls, shape: list[int], data: bytes) -> PoolingOutput:
+        import torch
+
+        return cls(torch.frombuffer(bytearray(data), dtype=torch.float32).reshape(shape))
+
+
+@dataclass
+class PoolingRequestOutput:
+    request_id: str
+    outputs: Any  # PoolingOutput, or the task's view of it (EmbeddingOutput, ClassificationOutput, ...)
+    prompt_token_ids: list[int]
+    finished: bool = True
+    prompt: str | None = None
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @classmethod
+    def from_base(cls, output: PoolingOutput) -> EmbeddingOutput:
+        data = output.data
+        if data.dim() != 1:
+            raise ValueError(f"an embedding is one vector; this output has shape {list(data.shape)} (pooling ALL)")
+        return cls(data.tolist())
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return cls(out.request_id, EmbeddingOutput.from_base(out.outputs), out.prompt_token_ids, out.finished,
+                   out.prompt, out.num_cached_tokens, out.metrics)
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]
+
+    @classmethod
+    def from_base(cls, output: PoolingOutput) -> ClassificationOutput:
+        return cls(output.data.tolist())
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput(PoolingRequestOutput):
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> ClassificationRequestOutput:
+        return cls(out.request_id, ClassificationOutput.from_base(out.outputs), out.prompt_token_ids, out.finished,
+                   out.prompt, out.num_cached_tokens, out.metrics)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput(PoolingRequestOutput):
+    """One (text_1, text_2) pair's score: a cross-encoder's activated logit, or the cosine
+    similarity of the two texts' embeddings."""

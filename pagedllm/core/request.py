@@ -92,6 +92,11 @@ class Request:
         # that ask for a structure or a thinking budget (pagedllm/structured_output); the scheduler
         # only asks it `ready` and feeds it the sampled tokens.
         self.structured: Any = None
+        # Pooling (pagedllm/pooling_params.PoolingParams, set by the engine core): the prompt's
+        # hidden states are pooled and the request ends with its last prompt chunk, sampling nothing.
+        self.pooling: Any = None
+        # False for an encoder's prompt: attention spans the whole prompt, so it runs in one step.
+        self.chunkable = True
         self.waiting_steps = 0
         self.running_steps = 0
         self.aged = False
@@ -120,6 +125,12 @@ class Request:
     def remaining_work(self) -> int:
         """Tokens still to compute plus tokens still to generate (the srtf key)."""
         return (self.num_tokens - self.num_computed_tokens) + (self.max_tokens - self.num_output_tokens)
+
+    @property
+    def uses_prefix_cache(self) -> bool:
+        """Whether admission may take cached prefix blocks (a pooling request: only where its
+        pooling needs no hidden state of the positions a hit skips)."""
+        return self.pooling is None or self.pooling.uses_prefix_cache
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

@@ -63,6 +63,16 @@ def check_request_limits(
         raise ValueError(f"n={n} samples exceed max_num_seqs={config.max_num_seqs} sequences per step")
 
 
+def check_whole_prompt(num_prompt_tokens: int, config: SchedulerConfig) -> None:
+    """An encoder's prompt is never chunked: it must fit one step's token budget."""
+    if num_prompt_tokens > config.max_num_batched_tokens:
+        raise ValueError(
+            f"the prompt has {num_prompt_tokens} tokens, more than max_num_batched_tokens="
+            f"{config.max_num_batched_tokens}: an encoder attends over the whole prompt at once, so its prompt "
+            "runs in one step; shorten it or raise --max-num-batched-tokens"
+        )
+
+
 class WorkerView(enum.Enum):
     """What the worker holds of a request it has been sent."""
 
@@ -147,6 +157,8 @@ class Scheduler:
             request.num_prompt_tokens, request.max_tokens, request.sampling_params.n, self.config,
             self.kv.num_blocks, self.kv.block_size, self.kv.groups,
         )
+        if not request.chunkable:
+            check_whole_prompt(request.num_prompt_tokens, self.config)
 
     def add_request(self, request: Request, forks: Sequence[Request] = ()) -> None:
         """Queues a request. `forks` are the other samples of an n > 1 request: they share its
@@ -230,6 +242,8 @@ class Scheduler:
         num_computed_tokens; an admission passes its prefix-cache hit)."""
         computed = req.num_computed_tokens if computed is None else computed
         n = req.num_tokens - computed
+        if not req.chunkable:  # an encoder's prompt runs whole or waits (admission rejects one over the budget)
+            return n if n <= budget else 0
         if self.config.long_prefill_token_threshold and n > 1:
             n = min(n, self.config.long_prefill_token_threshold)
         n = min(n, budget)
@@ -354,7 +368,7 @@ class Scheduler:
         swapped = req.status == RequestStatus.SWAPPED
         extra_seqs = 1 + len(self._pending_forks.get(req.request_id, ()))
         while True:
-            hits, num_hit = ([], 0) if swapped else self.kv.get_computed_blocks(req)
+            hits, num_hit = ([], 0) if swapped or not req.uses_prefix_cache else self.kv.get_computed_blocks(req)
             n = self._num_new_tokens(req, step.budget, step.partial_left, None if swapped else num_hit)
             if n == 0:
                 return False
@@ -428,6 +442,7 @@ class Scheduler:
                         block_ids=self.kv.get_block_ids(rid),
                         num_computed_tokens=req.num_computed_tokens,
                         lora_request=req.lora_request,
+                        pooling=req.pooling,
                     )
                 )
                 ordered[rid] = n
@@ -492,6 +507,8 @@ class Scheduler:
             any_finished = True
             results.append(EngineCoreOutput(rid, [], finish_reason=req.get_finished_reason(), error=error,
                                             first_scheduled_time=req.first_scheduled_time))
+        if out.pooled:
+            any_finished |= self._finish_pooled(out, results)
         max_len = self.config.max_model_len
         for i, rid in enumerate(out.req_ids):
             req = self.requests.get(rid)
@@ -544,7 +561,22 @@ class Scheduler:
                     self.kv.free_outside_windows(req)
         return results
 
-    # ---- introspection ---------------------------------------------------------------------
+    def _finish_pooled(self, out: ModelRunnerOutput, results: list[EngineCoreOutput]) -> bool:
+        """Ends the pooling requests whose last prompt chunk ran this step, with their pooled output."""
+        done = False
+        for rid, pooled in out.pooled.items():
+            req = self.requests.get(rid)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue
+            req.status = RequestStatus.FINISHED_STOPPED
+            self._release(req)
+            done = True
+            results.append(EngineCoreOutput(rid, [], finish_reason=req.get_finished_reason(), pooled=pooled,
+                                            num_cached_tokens=max(req.num_cached_tokens, 0),
+                                            first_scheduled_time=req.first_scheduled_time))
+        return done
+
+    # ---- introspection --------------------------------------------------------------------
     def get_stats(self) -> SchedulerStats:
         kv = self.kv.stats()
         return SchedulerStats(

@@ -22,6 +22,8 @@ class NewRequestData:
     num_computed_tokens: int
     # The LoRA adapter it runs with: (name, id, folder), or None for the base model.
     lora_request: tuple[str, int, str] | None = None
+    # A pooling request's PoolingParams (resolved): the worker pools its hidden states instead of sampling.
+    pooling: Any = None
 
 
 @dataclass
@@ -99,6 +101,15 @@ class Logprobs:
 
 
 @dataclass
+class PooledOutput:
+    """A pooling request's result: float32 values, row-major, of this shape ([dims], or [tokens,
+    hidden] for pooling type ALL)."""
+
+    shape: list[int]
+    data: bytes
+
+
+@dataclass
 class ModelRunnerOutput:
     # The scheduled requests in batch order, then the forked ones.
     req_ids: list[str]
@@ -110,6 +121,8 @@ class ModelRunnerOutput:
     # req_id -> error, for requests whose sampling raised this step (they sampled nothing; the
     # scheduler ends them with finish_reason "error"). The rest of the batch is unaffected.
     failed: dict[str, str] = field(default_factory=dict)
+    # req_id -> pooled output, for pooling requests whose last prompt chunk ran this step.
+    pooled: dict[str, PooledOutput] = field(default_factory=dict)
 
 
 @dataclass
@@ -126,6 +139,7 @@ class EngineCoreOutput:
     first_scheduled_time: float | None = None
     # Why the engine ended this request, when finish_reason is "error".
     error: str | None = None
+    pooled: PooledOutput | None = None
 
     @property
     def finished(self) -> bool:

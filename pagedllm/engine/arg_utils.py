@@ -22,6 +22,7 @@ from pagedllm.config import (
     PREEMPTION_MODES,
     QUANTIZATION_GROUP_SIZES,
     QUANTIZATION_METHODS,
+    RUNNERS,
     SCHEDULING_POLICIES,
     STORED_QUANTIZATION,
     CacheConfig,
@@ -30,11 +31,13 @@ from pagedllm.config import (
     LoRAConfig,
     ModelConfig,
     ParallelConfig,
+    PoolerConfig,
     QuantizationConfig,
     SchedulerConfig,
     SpeculativeConfig,
     StructuredOutputsConfig,
 )
+from pagedllm.pooling_params import pooler_overrides
 
 
 def parse_size(text: str | int) -> int:
@@ -275,6 +278,14 @@ class EngineArgs:
         None, 'speculative decoding as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_min": 1, "prompt_lookup_max": 4} (docs/speculative.md)', parse=parse_speculative_config,
         shown_default="off")
+    runner: str = arg(
+        "auto", "generate (sampling) or pooling (embeddings, scores); auto: pooling for encoders, bare *Model "
+        "architectures, *ForSequenceClassification and sentence-transformers folders", choices=("auto", *RUNNERS))
+    pooler_config: dict[str, Any] | None = arg(
+        None, 'pooling runner as JSON, e.g. {"pooling_type": "MEAN", "normalize": true, "dimensions": 256, '
+        '"activation": true}; pooling_type LAST, MEAN, CLS or ALL (keys left out: the model\'s, e.g. its '
+        'sentence-transformers folder\'s)',
+        parse=pooler_overrides, shown_default="model's")
     pipeline_layer_partition: tuple[int, ...] | None = arg(
         None, "decoder layers per pipeline stage, e.g. 16,14 (default: even split)", parse=parse_layer_partition,
         shown_default="even")
@@ -404,6 +415,27 @@ class EngineArgs:
         return QuantizationConfig(method=method, group_size=int(self.quantization_group_size), skip=skip,
                                   clip_search=self.quantization_clip_search, embeddings=self.quantize_embeddings)
 
+    def _pooling(self, source: Any, hf_config: Any) -> tuple[str, PoolerConfig | None, int | None]:
+        """(runner, pooler config, a sentence-transformers folder's max_seq_length) of the model."""
+        from pagedllm.models.loader.pooling import default_pooler, default_runner, sentence_transformers_config
+
+        folder = source.path if source.kind == "hf" else None
+        runner = default_runner(hf_config, folder) if self.runner == "auto" else self.runner
+        arch = (getattr(hf_config, "architectures", None) or [getattr(hf_config, "model_type", "?")])[0]
+        if runner == "generate" and default_runner(hf_config, None) == "pooling":
+            raise ValueError(f"runner='generate': {arch} has no LM head; serve it with --runner pooling")
+        if runner == "generate":
+            if self.pooler_config:
+                raise ValueError("pooler_config applies to --runner pooling only")
+            return runner, None, None
+        pooler = PoolerConfig(**{**default_pooler(hf_config, folder), **pooler_overrides(self.pooler_config)})
+        if getattr(hf_config, "model_type", None) == "bert" and getattr(hf_config, "sep_token_id", None) is None:
+            from pagedllm.models.loader import load_tokenizer
+
+            # BERT types a position after the first [SEP] as the pair's second text (models/bert.py).
+            hf_config.sep_token_id = load_tokenizer(source, self.tokenizer).sep_token_id
+        return runner, pooler, sentence_transformers_config(folder).get("max_seq_length")
+
     def create_engine_config(self) -> EngineConfig:
         from pagedllm.hardware import resolve_dtype
         from pagedllm.models.loader import load_generation_eos_ids, load_hf_config, resolve_model
@@ -411,7 +443,8 @@ class EngineArgs:
         source = resolve_model(self.model)
         hf_config = load_hf_config(source)
         max_pos = int(getattr(hf_config, "max_position_embeddings", 0) or 8192)
-        max_model_len = self.max_model_len or max_pos
+        runner, pooler, st_max_len = self._pooling(source, hf_config)
+        max_model_len = self.max_model_len or min(max_pos, st_max_len or max_pos)
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {max_model_len}")
         if max_model_len > max_pos:
@@ -433,8 +466,12 @@ class EngineArgs:
             seed=self.seed,
             tokenizer=self.tokenizer,
             quantization=self._quantization_config(source, hf_config),
+            runner=runner,
+            pooler_config=pooler,
         )
         cache_config = self.create_cache_config()
+        if model_config.is_encoder:  # an encoder keeps no KV cache, so there is no prefix to reuse
+            cache_config = dataclasses.replace(cache_config, enable_prefix_caching=False)
         scheduler_config = self.create_scheduler_config(max_model_len)
         graph_sizes = self.cuda_graph_sizes if self.cuda_graph_sizes is not None else default_cuda_graph_sizes(
             self.max_num_seqs)

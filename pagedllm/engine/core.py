@@ -24,6 +24,7 @@ from pagedllm.core.scheduler_output import EngineCoreOutput, SchedulerOutput
 from pagedllm.core.spec_decode import NgramProposer
 from pagedllm.engine.core_io import EngineCoreRequest, StepStats
 from pagedllm.executor import create_executor
+from pagedllm.pooling_params import attach_pooling
 from pagedllm.structured_output import StructuredOutputManager
 from pagedllm.utils import HEAP_TOP_PAD
 
@@ -184,6 +185,8 @@ class EngineCore:
                     req.cache_salt, req.max_tokens, req.lora_request)
             for i, sid in enumerate(req.seq_ids)
         ]
+        if req.pooling is not None:
+            attach_pooling(requests[0], req.pooling, self.model_config)
         if params.structured_outputs is not None or params.thinking_token_budget is not None:
             for r in requests:
                 self.structured.init_request(r)

@@ -33,6 +33,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     cache_salt: str | None = None
     lora_request: tuple[str, int, str] | None = None
     """The LoRA adapter (name, id, folder), checked by the front end; None: the base model."""
+    # A pooling request's resolved PoolingParams as a dict (sampling_params then holds the defaults).
+    pooling: dict[str, Any] | None = None
 
     @staticmethod
     def params_to_wire(params: SamplingParams) -> dict[str, Any]:

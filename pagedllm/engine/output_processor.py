@@ -16,7 +16,16 @@ from tokenizers import Tokenizer
 from pagedllm.core.scheduler_output import EngineCoreOutput, Logprobs
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.stats import FinishedRequestStats, IterationStats
-from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput
+from pagedllm.outputs import (
+    CompletionOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -71,6 +80,8 @@ class RequestState:
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
     updated: set[int] = field(default_factory=set)
+    pooling: PoolingParams | None = None
+    pooled: PoolingOutput | None = None
 
     @property
     def finished(self) -> bool:
@@ -106,11 +117,13 @@ class OutputProcessor:
         request_id: str,
         prompt: str | None,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float,
         priority: int = 0,
     ) -> list[str]:
         """Registers a request; returns the scheduler-level ids of its n sequences."""
+        if isinstance(params, PoolingParams):
+            return self._add_pooling_request(request_id, prompt, prompt_token_ids, params, arrival_time, priority)
         seqs = []
         for i in range(params.n):
             detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) if params.detokenize else None
@@ -133,6 +146,17 @@ class OutputProcessor:
         for s in seqs:
             self.seq_owner[s.seq_id] = (state, s)
         return [s.seq_id for s in seqs]
+
+    def _add_pooling_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                             params: PoolingParams, arrival_time: float, priority: int) -> list[str]:
+        """A pooling request: one sequence that ends with its pooled output and generates nothing."""
+        sampling = SamplingParams(max_tokens=1, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+        seq = SequenceState(seq_id=request_id, index=0, params=sampling, detok=None)
+        state = RequestState(request_id, prompt, list(prompt_token_ids), sampling, [seq],
+                             RequestMetrics(arrival_time=arrival_time), priority, pooling=params)
+        self.requests[request_id] = state
+        self.seq_owner[request_id] = (state, seq)
+        return [request_id]
 
     def __contains__(self, request_id: object) -> bool:
         """Whether `request_id` names a request or a sample of one in flight."""
@@ -206,6 +230,12 @@ class OutputProcessor:
         if co.finish_reason == "error":
             seq.finish_reason = "error"  # ended by the engine core: nothing of it is left to abort
             raise EngineRequestError(co.error or "the engine core ended this request with an error")
+        if co.pooled is not None:
+            state.pooled = PoolingOutput.from_bytes(co.pooled.shape, co.pooled.data)
+            state.num_cached_tokens = co.num_cached_tokens
+            state.metrics.first_scheduled_time = co.first_scheduled_time
+            stats.num_prompt_tokens += len(state.prompt_token_ids)
+            seq.finish_reason = co.finish_reason
         # With n > 1 every sample computes the prompt: keep the first sample's logprobs only.
         if co.prompt_logprobs is not None and state.prompt_logprobs is not None and seq.index == 0:
             state.prompt_logprobs.extend(self._to_logprob_dicts(co.prompt_logprobs))
@@ -266,9 +296,16 @@ class OutputProcessor:
                         del seq.logprobs[-extra:]
                         seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) - sum(v[0] for v in dropped)
 
-    def _make_output(self, state: RequestState) -> RequestOutput | None:
+    def _make_output(self, state: RequestState) -> RequestOutput | PoolingRequestOutput | None:
         kind = state.params.output_kind
         finished = state.finished
+        if state.pooling is not None:
+            if not finished:
+                return None
+            if state.pooled is None:  # ended without a result (aborted)
+                raise EngineRequestError(f"the pooling request ended ({state.seqs[0].finish_reason}) without output")
+            return PoolingRequestOutput(state.request_id, state.pooled, state.prompt_token_ids, True, state.prompt,
+                                        state.num_cached_tokens, state.metrics)
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
         delta = kind == RequestOutputKind.DELTA

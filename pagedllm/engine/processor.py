@@ -10,9 +10,11 @@ from typing import Any, Union
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_groups import engine_kv_groups
-from pagedllm.core.scheduler import check_request_limits
+from pagedllm.core.scheduler import check_request_limits, check_whole_prompt
 from pagedllm.engine.core_io import EngineCoreRequest
 from pagedllm.engine.output_processor import child_id
+from pagedllm.models.loader.pooling import is_classifier
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output import validate_structured_outputs
 from pagedllm.tokenizer import TokenizerWrapper
@@ -88,6 +90,41 @@ class Processor:
             self.lora_checker = LoRAChecker(self.config)
         self.lora_checker.check(lora_request)
 
+    def resolve_pooling(self, params: PoolingParams) -> PoolingParams:
+        """The request's pooling with the model's defaults filled in (ValueError naming a bad value)."""
+        mc = self.model_config
+        if mc.pooler_config is None:
+            raise ValueError(f"model {mc.served_model_name!r} is served with --runner generate; pooling (embeddings, "
+                             "scores) needs a server started with --runner pooling")
+        return params.resolved(mc.pooler_config, int(mc.hf_config.hidden_size),
+                               is_classifier(mc.hf_config))
+
+    def make_pooling_request(
+        self, request_id: str, prompt: PromptType, params: PoolingParams, in_use: Container[str],
+        arrival_time: float | None = None, priority: int = 0, user: str | None = None,
+    ) -> tuple[str | None, EngineCoreRequest]:
+        """A pooling request: the prompt's hidden states pooled, nothing generated."""
+        if request_id in in_use:
+            raise ValueError(f"request id {request_id!r} collides with ids already in use: {[request_id]}")
+        resolved = self.resolve_pooling(params)
+        text, ids = self.tokenize_prompt(prompt)
+        cc, sc = self.config.cache_config, self.config.scheduler_config
+        check_request_limits(len(ids), 0, 1, sc, self.num_blocks, cc.block_size, self.kv_groups)
+        if self.model_config.is_encoder:
+            check_whole_prompt(len(ids), sc)
+        req = EngineCoreRequest(
+            request_id=request_id,
+            seq_ids=[request_id],
+            prompt_token_ids=ids,
+            sampling_params=EngineCoreRequest.params_to_wire(SamplingParams(max_tokens=1, detokenize=False)),
+            max_tokens=0,
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+            priority=priority,
+            user=user,
+            pooling=resolved.to_dict(),
+        )
+        return text, req
+
     def _reasoning_parser(self) -> Any:
         if self._reasoner is None:
             from pagedllm.reasoning import get_reasoning_parser
@@ -99,7 +136,7 @@ class Processor:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         in_use: Container[str],
         arrival_time: float | None = None,
         priority: int = 0,
@@ -109,6 +146,11 @@ class Processor:
     ) -> tuple[str | None, EngineCoreRequest]:
         """Validates everything about a request; raises ValueError and changes nothing on bad input.
         `in_use` holds the ids of requests and of their samples already in flight."""
+        if isinstance(params, PoolingParams):
+            if lora_request is not None:
+                raise ValueError(f"lora_request={lora_request.lora_name!r}: LoRA adapters apply to generation requests, "
+                                 "not pooling ones")
+            return self.make_pooling_request(request_id, prompt, params, in_use, arrival_time, priority, user)
         n = params.n
         seq_ids = [child_id(request_id, i, n) for i in range(n)]
         taken = [i for i in dict.fromkeys([request_id, *seq_ids]) if i in in_use]

@@ -15,8 +15,10 @@ from pagedllm.core.scheduler_output import (
     Logprobs,
     ModelRunnerOutput,
     NewRequestData,
+    PooledOutput,
     SchedulerOutput,
 )
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 def _enc_hook(obj: Any) -> Any:
@@ -61,7 +63,8 @@ def scheduler_output_from(d: dict[str, Any]) -> SchedulerOutput:
     d = dict(d)
     d["new_reqs"] = [
         NewRequestData(**{**r, "sampling_params": _sampling_params(r["sampling_params"]),
-                          "eos_token_ids": frozenset(r["eos_token_ids"])})
+                          "eos_token_ids": frozenset(r["eos_token_ids"]),
+                          "pooling": PoolingParams(**r["pooling"]) if r.get("pooling") else None})
         for r in d["new_reqs"]
     ]
     d["cached_reqs"] = [
@@ -87,4 +90,5 @@ def runner_output_from(d: dict[str, Any]) -> ModelRunnerOutput:
         logprobs={k: Logprobs(**v) for k, v in d["logprobs"].items()},
         prompt_logprobs={k: Logprobs(**v) for k, v in d["prompt_logprobs"].items()},
         failed=d.get("failed", {}),
+        pooled={k: PooledOutput(**v) for k, v in d.get("pooled", {}).items()},
     )

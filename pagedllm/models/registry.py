@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from pagedllm.models.bert import BertForSequenceClassification, BertModel
+from pagedllm.models.embedding import decoder_embedding_model
 from pagedllm.models.gemma3 import Gemma3ForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
 from pagedllm.models.moe import MixtralForCausalLM, OlmoeForCausalLM, Qwen3MoeForCausalLM
@@ -20,6 +22,13 @@ _MODELS: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    # pooling models: encoders, a cross-encoder, decoders without their LM head
+    "BertModel": BertModel,
+    "BertForSequenceClassification": BertForSequenceClassification,
+    "LlamaModel": decoder_embedding_model(LlamaForCausalLM, "LlamaModel"),
+    "MistralModel": decoder_embedding_model(MistralForCausalLM, "MistralModel"),
+    "Qwen2Model": decoder_embedding_model(Qwen2ForCausalLM, "Qwen2Model"),
+    "Qwen3Model": decoder_embedding_model(Qwen3ForCausalLM, "Qwen3Model"),
 }
 # config.json's model_type -> architecture, for configs without `architectures`
 _MODEL_TYPES = {
@@ -31,6 +40,7 @@ _MODEL_TYPES = {
     "mixtral": "MixtralForCausalLM",
     "olmoe": "OlmoeForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "bert": "BertModel",
 }
 
 

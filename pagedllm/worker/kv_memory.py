@@ -29,6 +29,10 @@ DEFAULT_KV_MAX_BYTES = 4 << 30
 Pairs = Sequence[tuple[int, int]]
 
 
+ENCODER_BOOKKEEPING_SEQS = 256
+"""An encoder's block table covers this many prompts of max_model_len at once (no memory behind it)."""
+
+
 def _raw(t: torch.Tensor) -> torch.Tensor:
     """fp8 blocks move as bytes (there is no fp8 index_copy_)."""
     return t.view(torch.uint8) if t.element_size() == 1 else t
@@ -91,6 +95,8 @@ class KVMemory:
         per_block = self.bytes_per_block()
         if cc.num_kv_blocks is not None:
             return cc.num_kv_blocks
+        if per_block == 0:  # an encoder keeps no KV: blocks are the scheduler's bookkeeping only
+            return ENCODER_BOOKKEEPING_SEQS * -(-self.model_config.max_model_len // self.block_size)
         budget = cc.kv_cache_memory
         if budget is None and self.is_cuda:
             budget = dev.gpu_kv_cache_budget(self.device, self.device_config.gpu_memory_utilization,
@@ -119,7 +125,8 @@ class KVMemory:
 
     def determine_num_swap_blocks(self) -> int:
         """Blocks that fit in `swap_space` GiB of host memory."""
-        return int(self.cache_config.swap_space * (1 << 30)) // self.bytes_per_block()
+        per_block = self.bytes_per_block()
+        return int(self.cache_config.swap_space * (1 << 30)) // per_block if per_block else 0
 
     def allocate_swap(self, num_swap_blocks: int) -> None:
         """The host pool: pinned memory beside a GPU; on the CPU backend a second set of tensors

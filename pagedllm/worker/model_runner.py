@@ -47,6 +47,7 @@ from pagedllm.worker.input_batch import BatchArrays, InputBatch, token_rows
 from pagedllm.worker.kv_memory import KVMemory
 from pagedllm.worker.native_decode import NativeDecode
 from pagedllm.worker.spec_decode import SpecRows, accepted_logprobs, split_spec_rows, verify_isolating_faults
+from pagedllm.worker.pooler import Pooler
 from pagedllm.worker.sample import (
     Sampler,
     SamplerOutput,
@@ -138,6 +139,7 @@ class ModelRunner:
         }
         # The forward paths, built once the model is loaded (see _build_paths).
         self.paths: ForwardPaths | None = None
+        self.pooler = Pooler(None)  # pooling requests' hidden states (worker/pooler.py)
 
     @property
     def native_kernel(self) -> Any:
@@ -212,6 +214,7 @@ class ModelRunner:
             layer.context, layer.backend = self.forward_context, self.attn_backend
         self.kv.bind(attn_layers)
         self.model = model
+        self.pooler.model = model
         self._build_paths()
         n_params = parameter_count(model)
         logger.info(
@@ -254,6 +257,8 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv.allocate(num_blocks)
+        if getattr(self.model, "pooling_only", False):
+            return  # no decode steps: neither CUDA graphs nor the fused native decode step
         single = self.kv.groups.num_groups == 1  # the graphs and the fused step read one block table
         if not single:
             logger.info("KV cache in %s: no CUDA graphs, no fused native decode step", self.kv.groups.describe())
@@ -312,7 +317,10 @@ class ModelRunner:
         step = self._prepare(so)
         if step is None:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        path = self.paths.select_path(step)  # type: ignore[union-attr]
+        paths = self.paths
+        # A step with pooling requests takes a path that returns every token's hidden state.
+        pooling = bool(self.pooler.states) and self.pooler.in_step(step)
+        path = (paths.pipeline or paths.eager) if pooling else paths.select_path(step)  # type: ignore[union-attr]
         out = path.run(step)
         if so.spec_token_ids:  # the proposals were inputs only: the sampler appends what it keeps
             self._drop_proposals(so)
@@ -321,8 +329,12 @@ class ModelRunner:
             self._advance(step, forks)
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         hidden = None if path.head else out
+        pooled = self.pooler.pool(step, out, self.input_batch.num_tokens[step.rows]) if pooling else None
         sampled = self._sample(step, forks, out if path.head else None, hidden)
-        return self._output(step, forks, hidden, sampled)
+        result = self._output(step, forks, hidden, sampled)
+        if pooled:
+            result.pooled = pooled
+        return result
 
     def _prepare(self, so: SchedulerOutput) -> PreparedStep | None:
         """The scheduler's changes applied to the persistent batch, this step's KV block moves
@@ -370,7 +382,10 @@ class ModelRunner:
         for rid in so.finished_req_ids - so.preempted_req_ids:
             self.generators.pop(rid, None)
             self.prompt_logprobs_done.pop(rid, None)
+            self.pooler.drop(rid)
         for new in so.new_reqs:
+            if new.pooling is not None:
+                self.pooler.add(new.req_id, new.pooling, new.num_computed_tokens)
             params = new.sampling_params
             ib.add(new.req_id, list(new.prompt_token_ids) + list(new.output_token_ids), len(new.prompt_token_ids),
                    new.block_ids, new.num_computed_tokens, params, self._generator(new.req_id, params),

@@ -13,7 +13,7 @@ PKG = Path(__file__).resolve().parents[2] / "pagedllm"
 # Bottom to top. A unit may import units of its own layer or below. Units are the top-level
 # modules and subpackages of pagedllm.
 LAYERS: list[set[str]] = [
-    {"envs", "utils", "config", "sampling_params", "outputs", "hardware"},
+    {"envs", "utils", "config", "sampling_params", "pooling_params", "outputs", "hardware"},
     {"core", "tokenizer", "reasoning"},  # the scheduler and block pool import no torch
     {"native"},                       # C kernels: compiler driver, loader, declarations
     {"distributed"},
@@ -24,7 +24,7 @@ LAYERS: list[set[str]] = [
     {"worker"},
     {"executor", "structured_output"},
     {"engine"},
-    {"llm", "metrics"},
+    {"llm", "llm_pooling", "metrics"},
     {"benchmarks", "eval"},
     {"simulator"},
     {"benchmarks_cli"},

