@@ -73,6 +73,9 @@ class PoolingParams:
         states of positions a cache hit would skip."""
         return self.pooling_type == "LAST"
 
+    def clone(self) -> PoolingParams:
+        return dataclasses.replace(self)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

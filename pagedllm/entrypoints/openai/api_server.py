@@ -2,8 +2,8 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (GET /v1/responses/{id}),
 POST /v1/messages (/v1/messages/count_tokens; Anthropic's API), GET /v1/models, POST /tokenize,
-POST /detokenize, GET /docs, /redoc, /openapi.json (all behind --api-key when given), GET /health,
-GET /metrics, GET /version (open).
+POST /detokenize, POST /v1/embeddings, /pooling, /score, /rerank (serving_pooling.py), GET /docs, /redoc,
+/openapi.json (all behind --api-key when given), GET /health, GET /metrics, GET /version (open).
 Every error is the OpenAI error object {"error": {"message", "type", "param", "code"}}.
 """
 
@@ -49,6 +49,7 @@ from pagedllm.entrypoints.openai.json_body import surrogate_error
 from pagedllm.entrypoints.openai.responses.serving import add_responses_routes
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_pooling import OpenAIServingPooling, add_pooling_routes
 from pagedllm.entrypoints.openai.errors import (
     OpenAIError,
     ServerState,
@@ -73,7 +74,8 @@ DRAIN_MAX_S = 30.0
 ENGINE_DEAD_EXIT_DELAY_S = 1.0
 # Routes open without an API key; every other route is guarded when keys are configured.
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping"})
-GUARDED_PATHS = frozenset({"/tokenize", "/detokenize", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+GUARDED_PATHS = frozenset({"/tokenize", "/detokenize", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json",
+                           "/pooling", "/score", "/rerank"})
 
 
 # ---- API keys and body size: plain ASGI, before any routing or body parsing -----------------
@@ -298,6 +300,7 @@ def build_app(
 
     add_messages_routes(app, chat, prometheus.count_request)  # Anthropic's Messages API over chat
     add_responses_routes(app, chat, responses_store_size, prometheus.count_request)  # OpenAI's Responses API
+    add_pooling_routes(app, OpenAIServingPooling(async_engine, names, max_logprobs, None, state), prometheus.count_request)
 
     @app.get("/v1/models")
     async def list_models() -> Response:

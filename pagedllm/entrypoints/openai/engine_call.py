@@ -13,7 +13,7 @@ from fastapi import Request
 
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError
 from pagedllm.entrypoints.openai.errors import ServerState, shutting_down_error
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import PoolingRequestOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ class EngineCall:
                         raise e
             raise errors[0]
         for i, out in enumerate(results):
-            assert isinstance(out, RequestOutput)
+            assert isinstance(out, (RequestOutput, PoolingRequestOutput))
             if out.finished:
                 self._finished.add(i)
         return results  # type: ignore[return-value]
