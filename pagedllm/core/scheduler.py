@@ -19,6 +19,7 @@ from pagedllm.config import SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.kv_groups import KVCacheGroups
 from pagedllm.core.policies import make_policy
+from pagedllm.core.pooling import check_whole_prompt, finish_pooled
 from pagedllm.core.preemption import PreemptionCostModel
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.spec_decode import NgramProposer, SpecDecodeStats, proposals_for, roll_back
@@ -61,16 +62,6 @@ def check_request_limits(
         )
     if n > config.max_num_seqs:
         raise ValueError(f"n={n} samples exceed max_num_seqs={config.max_num_seqs} sequences per step")
-
-
-def check_whole_prompt(num_prompt_tokens: int, config: SchedulerConfig) -> None:
-    """An encoder's prompt is never chunked: it must fit one step's token budget."""
-    if num_prompt_tokens > config.max_num_batched_tokens:
-        raise ValueError(
-            f"the prompt has {num_prompt_tokens} tokens, more than max_num_batched_tokens="
-            f"{config.max_num_batched_tokens}: an encoder attends over the whole prompt at once, so its prompt "
-            "runs in one step; shorten it or raise --max-num-batched-tokens"
-        )
 
 
 class WorkerView(enum.Enum):
@@ -508,7 +499,7 @@ class Scheduler:
             results.append(EngineCoreOutput(rid, [], finish_reason=req.get_finished_reason(), error=error,
                                             first_scheduled_time=req.first_scheduled_time))
         if out.pooled:
-            any_finished |= self._finish_pooled(out, results)
+            any_finished |= finish_pooled(self, out, results)  # core/pooling.py
         max_len = self.config.max_model_len
         for i, rid in enumerate(out.req_ids):
             req = self.requests.get(rid)
@@ -560,21 +551,6 @@ class Scheduler:
                 if req is not None and req.status == RequestStatus.RUNNING:
                     self.kv.free_outside_windows(req)
         return results
-
-    def _finish_pooled(self, out: ModelRunnerOutput, results: list[EngineCoreOutput]) -> bool:
-        """Ends the pooling requests whose last prompt chunk ran this step, with their pooled output."""
-        done = False
-        for rid, pooled in out.pooled.items():
-            req = self.requests.get(rid)
-            if req is None or req.status != RequestStatus.RUNNING:
-                continue
-            req.status = RequestStatus.FINISHED_STOPPED
-            self._release(req)
-            done = True
-            results.append(EngineCoreOutput(rid, [], finish_reason=req.get_finished_reason(), pooled=pooled,
-                                            num_cached_tokens=max(req.num_cached_tokens, 0),
-                                            first_scheduled_time=req.first_scheduled_time))
-        return done
 
     # ---- introspection --------------------------------------------------------------------
     def get_stats(self) -> SchedulerStats:

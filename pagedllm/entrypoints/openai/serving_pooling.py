@@ -15,7 +15,7 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from pagedllm.core.scheduler import check_whole_prompt
+from pagedllm.core.pooling import check_whole_prompt
 from pagedllm.entrypoints.openai.engine_call import (
     ClientDisconnected,
     EngineCall,
