@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from typing import Any
@@ -51,6 +52,25 @@ class PoolerConfig:
         if self.dimensions is not None and (isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int)
                                             or self.dimensions < 1):
             raise ValueError(f"dimensions must be a positive integer, got {self.dimensions!r}")
+
+
+def read_json_object(text: Any, cls: type, example: str) -> dict[str, Any]:
+    """A JSON config flag's value (vLLM's form: a JSON object, or a dict from Python) whose keys are
+    fields of the dataclass `cls`; ValueError naming bad JSON (with `example`) or unknown keys."""
+    if isinstance(text, str):
+        import json
+
+        try:
+            text = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"cannot read {text!r} as JSON, e.g. {example} ({e})") from None
+    if not isinstance(text, dict):
+        raise ValueError(f"must be a JSON object, got {text!r}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(text) - known)
+    if unknown:
+        raise ValueError(f"unknown keys {unknown} (known: {sorted(known)})")
+    return dict(text)
 
 
 def _check_at_least(config: Any, minimum: int, *names: str) -> None:

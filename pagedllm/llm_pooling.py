@@ -113,5 +113,4 @@ class PoolingAPI:
 
     @staticmethod
     def _scoring(o: PoolingRequestOutput, score: float) -> ScoringRequestOutput:
-        return ScoringRequestOutput(o.request_id, ScoringOutput(score), o.prompt_token_ids, o.finished, o.prompt,
-                                    o.num_cached_tokens, o.metrics)
+        return o.with_outputs(ScoringRequestOutput, ScoringOutput(score))

@@ -81,6 +81,11 @@ class PoolingRequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
 
+    def with_outputs(self, cls: type, outputs: Any) -> Any:
+        """This request's output as `cls` (a PoolingRequestOutput subclass) carrying `outputs`."""
+        return cls(self.request_id, outputs, self.prompt_token_ids, self.finished, self.prompt,
+                   self.num_cached_tokens, self.metrics)
+
 
 @dataclass
 class EmbeddingOutput:
@@ -102,8 +107,7 @@ class EmbeddingOutput:
 class EmbeddingRequestOutput(PoolingRequestOutput):
     @classmethod
     def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
-        return cls(out.request_id, EmbeddingOutput.from_base(out.outputs), out.prompt_token_ids, out.finished,
-                   out.prompt, out.num_cached_tokens, out.metrics)
+        return out.with_outputs(cls, EmbeddingOutput.from_base(out.outputs))
 
 
 @dataclass
@@ -123,8 +127,7 @@ class ClassificationOutput:
 class ClassificationRequestOutput(PoolingRequestOutput):
     @classmethod
     def from_base(cls, out: PoolingRequestOutput) -> ClassificationRequestOutput:
-        return cls(out.request_id, ClassificationOutput.from_base(out.outputs), out.prompt_token_ids, out.finished,
-                   out.prompt, out.num_cached_tokens, out.metrics)
+        return out.with_outputs(cls, ClassificationOutput.from_base(out.outputs))
 
 
 @dataclass

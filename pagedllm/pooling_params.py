@@ -8,11 +8,10 @@ model's `PoolerConfig` default when the engine accepts the request (`resolved`).
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from typing import Any
 
-from pagedllm.config import POOLING_TYPES, PoolerConfig
+from pagedllm.config import POOLING_TYPES, PoolerConfig, read_json_object
 
 POOLING_TASKS = ("embed", "classify", "encode")
 """embed: a pooled, optionally normalised vector; classify: the classifier head's scores (its
@@ -88,19 +87,7 @@ def pooler_overrides(text: str | dict[str, Any] | PoolerConfig | None) -> dict[s
         return {}
     if isinstance(text, PoolerConfig):
         return dataclasses.asdict(text)
-    if isinstance(text, str):
-        try:
-            text = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f'cannot read {text!r} as JSON, e.g. {{"pooling_type": "MEAN", "normalize": true}} '
-                             f"({e})") from None
-    if not isinstance(text, dict):
-        raise ValueError(f"must be a JSON object, got {text!r}")
-    known = {f.name for f in dataclasses.fields(PoolerConfig)}
-    unknown = sorted(set(text) - known)
-    if unknown:
-        raise ValueError(f"unknown keys {unknown} (known: {sorted(known)})")
-    out = dict(text)
+    out = read_json_object(text, PoolerConfig, '{"pooling_type": "MEAN", "normalize": true}')
     if isinstance(out.get("pooling_type"), str):
         out["pooling_type"] = out["pooling_type"].upper()
     PoolerConfig(**out)  # validates the values given

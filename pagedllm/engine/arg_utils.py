@@ -36,6 +36,7 @@ from pagedllm.config import (
     SchedulerConfig,
     SpeculativeConfig,
     StructuredOutputsConfig,
+    read_json_object,
 )
 from pagedllm.pooling_params import pooler_overrides
 
@@ -62,20 +63,7 @@ def parse_structured_outputs_config(text: str | dict[str, Any] | StructuredOutpu
     """'{"backend": "xgrammar"}' (JSON, vLLM's form) -> StructuredOutputsConfig."""
     if isinstance(text, StructuredOutputsConfig):
         return text
-    if isinstance(text, str):
-        import json
-
-        try:
-            text = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f'cannot read {text!r} as JSON, e.g. {{"backend": "xgrammar"}} ({e})') from None
-    if not isinstance(text, dict):
-        raise ValueError(f"must be a JSON object, got {text!r}")
-    known = {f.name for f in dataclasses.fields(StructuredOutputsConfig)}
-    unknown = sorted(set(text) - known)
-    if unknown:
-        raise ValueError(f"unknown keys {unknown} (known: {sorted(known)})")
-    return StructuredOutputsConfig(**text)
+    return StructuredOutputsConfig(**read_json_object(text, StructuredOutputsConfig, '{"backend": "xgrammar"}'))
 
 
 def parse_speculative_config(text: str | dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:

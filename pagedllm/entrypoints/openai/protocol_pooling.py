@@ -57,19 +57,24 @@ class PoolingUsage(ResponseModel):
     total_tokens: int = 0
 
 
+class ListResponse(ResponseModel):
+    """What /v1/embeddings, /pooling and /score answer besides their id and data."""
+
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    usage: PoolingUsage
+
+
 class EmbeddingData(ResponseModel):
     index: int
     object: Literal["embedding"] = "embedding"
     embedding: list[float] | str
 
 
-class EmbeddingResponse(ResponseModel):
+class EmbeddingResponse(ListResponse):
     id: str = Field(default_factory=lambda: random_id("embd"))
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     data: list[EmbeddingData]
-    usage: PoolingUsage
 
 
 class PoolingData(ResponseModel):
@@ -78,13 +83,9 @@ class PoolingData(ResponseModel):
     data: Any  # list[float], list[list[float]] or a base64 string
 
 
-class PoolingResponse(ResponseModel):
+class PoolingResponse(ListResponse):
     id: str = Field(default_factory=lambda: random_id("pool"))
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     data: list[PoolingData]
-    usage: PoolingUsage
 
 
 class ScoreData(ResponseModel):
@@ -93,13 +94,9 @@ class ScoreData(ResponseModel):
     score: float
 
 
-class ScoreResponse(ResponseModel):
+class ScoreResponse(ListResponse):
     id: str = Field(default_factory=lambda: random_id("score"))
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     data: list[ScoreData]
-    usage: PoolingUsage
 
 
 class RerankDocument(ResponseModel):
