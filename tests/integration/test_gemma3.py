@@ -15,6 +15,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.models.loader import ModelLoadError, resolve_model
 from pagedllm.models.loader.gemma3 import GEMMA3_270M_PACKAGE, GEMMA3_270M_PIP
 from pagedllm.models.testing import build_tiny_tokenizer
+from tests.integration.gguf_files import finish, llama_cpp_writer
 from tests.integration.test_correctness_hf import assert_greedy_match
 
 WINDOW = 8
@@ -162,25 +163,11 @@ LLAMA_CPP_NAMES = {
 def write_gemma3_gguf(hf: Gemma3ForCausalLM, path: str) -> None:
     """A float32 GGUF of `hf` the way llama.cpp's converter writes Gemma 3: its names, its metadata
     keys, the norm weights stored as 1 + w."""
-    import gguf
-
     c = hf.config
-    w = gguf.GGUFWriter(path, "gemma3")
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w = llama_cpp_writer(path, "gemma3", c, c.rope_parameters["full_attention"]["rope_theta"])
     w.add_key_length(c.head_dim)
     w.add_value_length(c.head_dim)
     w.add_sliding_window(c.sliding_window)
-    w.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
-    w.add_uint32("gemma3.vocab_size", c.vocab_size)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_pad_token_id(0)
     for name, t in hf.state_dict().items():
         if name == "lm_head.weight":  # tied
             continue
@@ -193,10 +180,7 @@ def write_gemma3_gguf(hf: Gemma3ForCausalLM, path: str) -> None:
             _, _, i, rest = name.split(".", 3)
             gname = f"blk.{i}.{LLAMA_CPP_NAMES[rest.removesuffix('.weight')]}.weight"
         w.add_tensor(gname, a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
 
 
 def test_tiny_gemma3_gguf_matches_transformers(tiny, tmp_path):

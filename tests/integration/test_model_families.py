@@ -11,6 +11,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.models.testing import build_tiny_tokenizer
+from tests.integration.gguf_files import finish, llama_cpp_writer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -216,19 +217,7 @@ def write_llama_cpp_gguf(hf, path: str, arch: str) -> None:
     model_arch = {"qwen3": gguf.MODEL_ARCH.QWEN3, "phi3": gguf.MODEL_ARCH.PHI3}[arch]
     names = gguf.get_tensor_name_map(model_arch, c.num_hidden_layers)
     rope = c.rope_parameters
-    w = gguf.GGUFWriter(path, arch)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_freq_base(rope["rope_theta"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_pad_token_id(0)
-    w.add_uint32(f"{arch}.vocab_size", c.vocab_size)
+    w = llama_cpp_writer(path, arch, c, rope["rope_theta"])
     if arch == "qwen3":
         w.add_key_length(c.head_dim)
         w.add_value_length(c.head_dim)
@@ -246,10 +235,7 @@ def write_llama_cpp_gguf(hf, path: str, arch: str) -> None:
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue
         w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), t.numpy().astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "phi3"])
