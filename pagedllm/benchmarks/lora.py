@@ -51,6 +51,7 @@ def _throughput(llm: Any, reqs: list, loras: list) -> dict[str, float]:
     outs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
     dt = time.perf_counter() - t0
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    print(f"  {n_out} output tokens in {dt:.1f} s: {n_out / dt:.1f} tok/s", flush=True)
     return {"seconds": dt, "output_tokens": n_out, "output_tok_s": n_out / dt}
 
 

@@ -271,3 +271,17 @@ def test_other_dtypes_and_quantized_base_follow_peft(setup, kwargs):
     with torch.no_grad():
         lp = torch.log_softmax(model(torch.tensor([PROMPTS[0] + ref[:i]])).logits[0, -1], -1)
     assert lp[got[i]] >= lp[ref[i]] - 0.5, (i, float(lp[got[i]]), float(lp[ref[i]]))
+
+
+def test_adapters_need_enable_lora(setup):
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.lora.registry import LoRAChecker
+
+    _, base, adapters, requests, _ = setup
+    config = EngineArgs(model=base).create_engine_config()
+    with pytest.raises(ValueError, match="LoRA is not enabled"):
+        LoRAChecker(config).check(requests["attn"])
+    with pytest.raises(ValueError, match="pipeline_parallel_size=1"):
+        EngineArgs(model=base, enable_lora=True, pipeline_parallel_size=2).create_engine_config()
+    with pytest.raises(ValueError, match="max_cpu_loras=1 must be at least max_loras=2"):
+        EngineArgs(model=base, enable_lora=True, max_loras=2, max_cpu_loras=1).create_engine_config()
