@@ -3,6 +3,9 @@
 model alone on the same workload; and what loading one adapter at run time costs (the front
 end's check, and the worker's read and layout into slot form).
 
+The base engine and the LoRA engine stay loaded side by side and the phases alternate for
+--rounds rounds (the best of each kept), so that other load on a shared host slows them alike.
+
 The adapters are written in PEFT's format (adapter_config.json + adapter_model.safetensors) for
 a Llama-layout model (q/k/v/o and gate/up/down projections), from the model's config."""
 
@@ -69,14 +72,19 @@ def run_lora(opts: dict[str, Any]) -> dict[str, Any]:
                               "num_prompts": len(reqs)}
     with tempfile.TemporaryDirectory(prefix="pagedllm-lora-") as tmp:
         paths = [write_random_adapter(hf_config, Path(tmp) / f"a{i}", rank, i) for i in range(n + 1)]
+        # Both engines stay loaded and the phases alternate, round after round (best of each
+        # kept), so that a busy shared host slows them alike.
         base = LLM(model, **engine)
-        report["base"] = _throughput(base, reqs, None)
-        base.llm_engine.shutdown()
-        del base
         llm = LLM(model, enable_lora=True, max_loras=n, max_lora_rank=rank, **engine)
         loras = [LoRARequest(f"a{i}", i + 1, paths[i]) for i in range(n)]
-        report["lora"] = _throughput(llm, reqs, [loras[i % n] for i in range(len(reqs))])
-        report["lora_no_adapter_rows"] = _throughput(llm, reqs, None)
+        mixed = [loras[i % n] for i in range(len(reqs))]
+        phases = {"base": (base, None), "lora": (llm, mixed), "lora_no_adapter_rows": (llm, None)}
+        for rnd in range(opts["rounds"]):
+            for name, (engine_llm, lr) in phases.items():
+                print(f"round {rnd + 1}, {name}:", end="", flush=True)
+                r = _throughput(engine_llm, reqs, lr)
+                if name not in report or r["output_tok_s"] > report[name]["output_tok_s"]:
+                    report[name] = r
         # Loading one more adapter at run time: the front end's check, then the worker's read + layout.
         extra = LoRARequest("extra", n + 1, paths[n])
         t0 = time.perf_counter()
@@ -86,6 +94,7 @@ def run_lora(opts: dict[str, Any]) -> dict[str, Any]:
         runner.lora._weights(extra.lora_int_id, extra.lora_path)
         t2 = time.perf_counter()
         report["load_ms"] = {"check": (t1 - t0) * 1e3, "worker": (t2 - t1) * 1e3}
+        base.llm_engine.shutdown()
         llm.llm_engine.shutdown()
     report["ratio"] = report["lora"]["output_tok_s"] / report["base"]["output_tok_s"]
     report["ratio_no_adapter_rows"] = report["lora_no_adapter_rows"]["output_tok_s"] / report["base"]["output_tok_s"]
@@ -117,6 +126,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--kv-cache-memory", default="2GiB")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of the three phases, alternating (best kept)")
     ap.add_argument("--output-json", default=None, help="write the report here")
     args = ap.parse_args(argv)
     report = run_lora({k: v for k, v in vars(args).items() if k != "output_json"})
