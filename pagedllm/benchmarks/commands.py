@@ -56,6 +56,8 @@ COMMANDS: dict[str, Entry | tuple[str, dict[str, Entry]]] = {
     "kv-first-writes": ("pagedllm.benchmarks.kv_first_writes", "what the KV cache's first writes cost"),
     "kv-window": ("pagedllm.benchmarks.kv_window",
                   "KV memory of one long request with sliding-window layer groups against every block kept"),
+    "embed": ("pagedllm.benchmarks.embed",
+              "embedding throughput against sentence-transformers' encode on the same texts (all-MiniLM-L6-v2)"),
     "structured": ("pagedllm.benchmarks.structured",
                    "constrained decoding (JSON schemas, regexes, choices) against the same workload unconstrained "
                    "and against vLLM's CPU build; grammar compile times"),
