@@ -56,7 +56,7 @@ def run_embed(args: Any) -> dict[str, Any]:
     cos = torch.nn.functional.cosine_similarity(emb, ref.float(), dim=1)
     tokens = sum(len(o.prompt_token_ids) for o in ours)
     return {
-        "metadata": run_metadata({"sentence-transformers": _st_version()}),
+        "meta": run_metadata({"sentence-transformers": _st_version()}),
         "config": {k: v for k, v in vars(args).items() if k != "output_json"},
         "prompt_tokens": tokens,
         "pagedllm_texts_per_s": len(texts) / t_ours,

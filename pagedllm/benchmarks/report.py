@@ -15,8 +15,9 @@ from pathlib import Path
 
 from pagedllm.benchmarks import report_render
 from pagedllm.benchmarks.report_extra import (
-    structured_section,
     amx_section,
+    embed_section,
+    structured_section,
     host_overhead_section,
     later_throughput_section,
     runs_appendix,
@@ -168,6 +169,9 @@ def render(res: Path = RESULTS, img_dir: Path = DOC.parent / "img", draw: bool =
         parts.append(amx_section(res, img_dir, draw))
     if (st := load(res / "amx_structured.json")) is not None:
         parts.append(structured_section(with_record(st, "amx_structured.json", res)))
+    embeds = [r for d in ("float32", "bfloat16") if (r := load(res / f"amx_embed_{d}.json")) is not None]
+    if embeds:
+        parts.append(embed_section(embeds))
     if (host := load(res / "host_overhead.json")) is not None:
         parts.append(host_overhead_section(with_record(host, "host_overhead.json", res)))
     sched = load(res / "bench_scheduling.json") or load(res / "bench_scheduling_quick.json")

@@ -220,3 +220,22 @@ def structured_section(r: dict[str, Any]) -> str:
                    f"{c['cached_p50_ms']:.3f} ms, p99 {c['cached_p99_ms']:.3f} ms.")
     out.append("\n" + run_block(r["meta"]))
     return "\n".join(out) + "\n"
+
+
+def embed_section(runs: list[dict[str, Any]]) -> str:
+    """`pagedllm bench embed`: all-MiniLM-L6-v2 embeddings against sentence-transformers' encode."""
+    rows = [[r["config"]["dtype"], str(r["config"]["num_texts"]), str(r["prompt_tokens"]),
+             f"{r['pagedllm_texts_per_s']:.1f}", f"{r['sentence_transformers_texts_per_s']:.1f}",
+             f"{r['ratio']:.2f}x", f"{r['min_cosine']:.6f}"] for r in runs]
+    out = [
+        "## Embeddings\n",
+        "`pagedllm bench embed`: all-MiniLM-L6-v2 (the packaged sentence-transformers model) embedding the same "
+        "texts with `LLM.embed` (every text at once, batched by the step budget) and with sentence-transformers' "
+        f"`encode` (float32, batch size {runs[0]['config']['batch_size']}), one after the other in the same run, "
+        "each after a warm-up pass. The host was shared with other jobs: the absolute rates move by several times "
+        "between runs; the ratio is of the same run.\n",
+        table(["pagedllm dtype", "texts", "tokens", "pagedllm texts/s", "sentence-transformers texts/s", "ratio",
+               "smallest cosine"], rows),
+    ]
+    out += ["\n" + run_block(r["meta"]) for r in runs]
+    return "\n".join(out) + "\n"
