@@ -285,3 +285,17 @@ def test_adapters_need_enable_lora(setup):
         EngineArgs(model=base, enable_lora=True, pipeline_parallel_size=2).create_engine_config()
     with pytest.raises(ValueError, match="max_cpu_loras=1 must be at least max_loras=2"):
         EngineArgs(model=base, enable_lora=True, max_loras=2, max_cpu_loras=1).create_engine_config()
+
+
+def test_chunked_prompts_equal_peft(setup):
+    _, base, adapters, requests, _ = setup
+    llm = LLM(base, enable_lora=True, max_loras=2, max_lora_rank=8, dtype="float32", kv_cache_memory="16MiB",
+              long_prefill_token_threshold=3)  # every prompt in chunks of 3 tokens, beside other rows
+    try:
+        loras = [requests["all"], None, requests["mlp"], requests["all"]]
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0), lora_request=loras,
+                            use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+    for prompt, lora, out in zip(PROMPTS, loras, outs):
+        assert list(out.outputs[0].token_ids) == peft_reference(base, lora and adapters[lora.lora_name], prompt)[0]
