@@ -61,6 +61,8 @@ COMMANDS: dict[str, Entry | tuple[str, dict[str, Entry]]] = {
     "structured": ("pagedllm.benchmarks.structured",
                    "constrained decoding (JSON schemas, regexes, choices) against the same workload unconstrained "
                    "and against vLLM's CPU build; grammar compile times"),
+    "spec": ("pagedllm.benchmarks.spec",
+             "speculative decoding against none on code-edit / quote tasks: single stream and concurrent"),
     "lora": ("pagedllm.benchmarks.lora",
              "throughput with N LoRA adapters mixed over the workload against the base model; adapter load time"),
     "run-batch": ("pagedllm.benchmarks.run_batch",
