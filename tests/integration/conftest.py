@@ -14,3 +14,24 @@ def default_server(tmp_path_factory: pytest.TempPathFactory):
     with serve(tmp_path_factory.mktemp("default-server"), *DEFAULT_SERVER_FLAGS) as s:
         yield s
 
+
+
+# Clients on the module's `server` fixture (a module defines `server`; these follow it). A module
+# that needs other clients defines its own fixture of the same name.
+@pytest.fixture(scope="module")
+def http(server):
+    """httpx on the module's server, with its API key."""
+    with server.http(timeout=300) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The openai client on the module's server."""
+    return server.openai()
+
+
+@pytest.fixture(scope="module")
+def model(http) -> str:
+    """The id the module's server serves."""
+    return http.get("/v1/models").json()["data"][0]["id"]

@@ -19,7 +19,10 @@ the suite, seconds for the default model):
           with serve(tmp_path_factory.mktemp("tools"), "--tool-call-parser", "hermes") as s:
               yield s
 
-`server.http()` and `server.openai()` give clients on its address that send its API key.
+Given a module's `server` fixture, tests/integration/conftest.py's module fixtures `http` (httpx),
+`client` (openai) and `model` (the served id) follow it; a module that needs other clients defines
+its own fixture of that name. `server.http()` and `server.openai()` give clients on its address
+that send its API key.
 """
 
 from __future__ import annotations

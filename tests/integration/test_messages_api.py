@@ -35,19 +35,8 @@ def server(default_server: Server) -> Server:
 
 
 @pytest.fixture(scope="module")
-def http(server: Server):
-    with server.http() as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def client(server: Server) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(http: httpx.Client) -> str:
-    return http.get("/v1/models").json()["data"][0]["id"]
 
 
 def chat_text(http: httpx.Client, messages: list[dict[str, Any]], max_tokens: int) -> dict[str, Any]:

@@ -41,11 +41,6 @@ def server(tmp_path_factory: pytest.TempPathFactory):
         yield s
 
 
-@pytest.fixture(scope="module")
-def client(server: Server) -> openai.OpenAI:
-    return server.openai()
-
-
 def _check_calls(calls, names=None) -> list[tuple[str, dict]]:
     assert calls
     out = []

@@ -38,22 +38,6 @@ def server(default_server: Server) -> Server:
     return default_server
 
 
-@pytest.fixture(scope="module")
-def http(server: Server):
-    with server.http() as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def client(server: Server) -> openai.OpenAI:
-    return server.openai()
-
-
-@pytest.fixture(scope="module")
-def model(http: httpx.Client) -> str:
-    return http.get("/v1/models").json()["data"][0]["id"]
-
-
 def events_of(http: httpx.Client, body: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     with http.stream("POST", "/v1/responses", json={**body, "stream": True}) as r:

@@ -51,17 +51,6 @@ def small_server(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="module")
-def client(server: Server) -> openai.OpenAI:
-    return server.openai()
-
-
-@pytest.fixture(scope="module")
-def http(server: Server):
-    with server.http(timeout=300) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def llm(server: Server) -> LLM:
     # After the server: the same engine settings in this process.
     return LLM(dtype="float32", kv_cache_memory=512 << 20)

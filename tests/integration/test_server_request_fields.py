@@ -18,7 +18,7 @@ import openai
 import pydantic
 import pytest
 
-from server_helpers import Server, assert_error_shape, serve
+from server_helpers import assert_error_shape, serve
 
 COMP, CHAT = "/v1/completions", "/v1/chat/completions"
 MSG = [{"role": "user", "content": "Is the sky blue? Answer yes or no."}]
@@ -107,17 +107,6 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     with serve(d, "--kv-cache-memory", "256MiB", "--dtype", "float32", "--max-model-len", "1024",
                "--chat-template", str(d / "template.jinja")) as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def http(server: Server):
-    with server.http() as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def client(server: Server) -> openai.OpenAI:
-    return server.openai()
 
 
 def post(http: httpx.Client, path: str, **body: Any) -> dict:

@@ -42,17 +42,6 @@ def server(tmp_path_factory: pytest.TempPathFactory):
         yield s
 
 
-@pytest.fixture(scope="module")
-def http(server: Server):
-    with server.http() as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def model(http: httpx.Client) -> str:
-    return http.get("/v1/models").json()["data"][0]["id"]
-
-
 def chat(http: httpx.Client, model: str, budget: int, max_tokens: int) -> dict[str, Any]:
     r = http.post("/v1/chat/completions", json={"model": model, "messages": ASK, "max_tokens": max_tokens,
                                                 "temperature": 0, "thinking_token_budget": budget})

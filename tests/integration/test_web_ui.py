@@ -37,12 +37,6 @@ def server(default_server: Server) -> Server:
 
 
 @pytest.fixture(scope="module")
-def http(server: Server):
-    with server.http(timeout=300) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def shots(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("ui-screenshots")
 
