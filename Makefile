@@ -32,9 +32,9 @@ serve: $(STAMP)
 generate: $(STAMP)
 	$(VENV)/bin/pagedllm generate "What is the capital of France?" "Write a haiku about autumn." "Give three tips for learning to code."
 
-# `make test`: everything but the tests marked slow (under 15 minutes on 2 cores of the slowest CI
-# host); `make test-slow`: only those (the 64-prompt sweeps, oracle runs against llama.cpp, the
-# six-minute storms). CI (.ci/run) runs both, in that order.
+# `make test`: everything but the tests marked slow (meant to stay under 12 minutes on 2 cores of
+# the slowest CI host); `make test-slow`: only those (the full sweeps, the oracle runs against
+# llama.cpp, the disconnect storm, the larger server loads). CI (.ci/run) runs both, in that order.
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
