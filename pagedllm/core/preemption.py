@@ -2,12 +2,17 @@
 
 `--preemption-mode auto` picks, per victim, the cheaper of the two. The model runner measures the
 two rates once at startup (a matmul for FLOP/s, a block copy device <-> host for bytes/s); the
-model's shape gives the work per token and the bytes per block. No torch here.
+model's shape gives the work per token and the bytes per block. `preempt` takes a victim off the
+device for the scheduler. No torch here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.step import Step, WorkerView
 
 
 @dataclass(frozen=True)
@@ -55,3 +60,49 @@ class PreemptionCostModel:
         if s <= u:
             return 0.0
         return (s - u) / v if v > 0 else float("inf")
+
+
+def preemption_mode(scheduler: Any, req: Request) -> str:
+    """How to preempt `req`: "swap" or "recompute" (`--preemption-mode`; auto asks the cost model)."""
+    mode = scheduler.config.preemption_mode
+    kv = scheduler.kv
+    # Nothing computed, nothing to keep; a full (or absent) swap pool falls back to recompute.
+    if mode == "recompute" or not kv.can_swap_out(req):
+        return "recompute"
+    if mode == "auto" and scheduler.costs is not None:
+        n = req.num_computed_tokens
+        return "swap" if scheduler.costs.prefers_swap(n, kv.blocks_needed(n)) else "recompute"
+    return "swap"
+
+
+def preempt(scheduler: Any, req: Request, step: Step) -> None:
+    """Takes a running request off the device: by swap (its blocks go to the host pool, its
+    computed tokens are kept) or by recompute (its blocks are dropped; it keeps its generated
+    tokens and computes everything again when readmitted)."""
+    kv = scheduler.kv
+    assert not kv.lends_unwritten_blocks(req), f"{req} holds blocks hit in this step"
+    mode = preemption_mode(scheduler, req)
+    rid = req.request_id
+    scheduler.running.remove(req)
+    if rid in step.scheduled:  # scheduled earlier in this step: its tokens go back to the budget
+        step.budget += step.scheduled.pop(rid)
+        step.new_block_ids.pop(rid, None)
+        step.spec.pop(rid, None)
+    if mode == "swap":
+        kv.swap_out(req)
+        req.status = RequestStatus.SWAPPED
+        scheduler.swapped.append(req)
+    else:
+        kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        scheduler.waiting.append(req)
+    req.num_preemptions += 1
+    req.waiting_steps = 0
+    scheduler.num_preemptions += 1
+    scheduler.num_preemptions_by_mode[mode] += 1
+    # The worker forgets it (keeping its random generator) and is sent it in full on return.
+    if scheduler._worker.get(rid) == WorkerView.HELD:
+        scheduler._worker[rid] = WorkerView.DROPPED
+        scheduler._forget[rid] = True
+    step.preempted.append(req)

@@ -4,25 +4,27 @@ There is no prefill phase and no decode phase. Every request has `num_computed_t
 `num_tokens`; each step hands out tokens so that the first catches up with the second: running
 requests first (one decode token, or the next chunk of an unfinished prompt), then waiting
 requests, whose prompts are chunked to fit what is left of `max_num_batched_tokens`.
+Admissions live in `admission.py`, preemption in `preemption.py`, the limits a request must
+meet in `request_limits.py`, one step's hand-out in `step.py`.
 Plain Python: tests drive `schedule()` / `update_from_output()` with fake model outputs.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pagedllm.config import SchedulerConfig
+from pagedllm.core.admission import schedule_admissions, update_waiting_counters
 from pagedllm.core.kv_cache_manager import KVCacheManager
-from pagedllm.core.kv_groups import KVCacheGroups
 from pagedllm.core.policies import make_policy
 from pagedllm.core.pooling import check_whole_prompt, finish_pooled
-from pagedllm.core.preemption import PreemptionCostModel
+from pagedllm.core.preemption import PreemptionCostModel, preempt
+from pagedllm.core.request_limits import check_request_limits
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.spec_decode import NgramProposer, SpecDecodeStats, proposals_for, roll_back
+from pagedllm.core.step import Step, WorkerView
 from pagedllm.core.scheduler_output import (
     CachedRequestData,
     EngineCoreOutput,
@@ -34,43 +36,6 @@ from pagedllm.core.scheduler_output import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-def check_request_limits(
-    num_prompt_tokens: int, max_tokens: int, n: int, config: SchedulerConfig, num_blocks: int, block_size: int,
-    groups: KVCacheGroups | None = None,
-) -> None:
-    """Rejects a request that could never complete (ValueError naming the numbers). The front end
-    runs it before any engine state changes; the scheduler runs it again as a guard. With layer
-    groups (`groups`) a request needs blocks in each, window groups only their window's."""
-    max_len = config.max_model_len
-    total = num_prompt_tokens + max_tokens
-    if total > max_len:
-        raise ValueError(
-            f"This model's maximum context length is {max_len} tokens, but the request asks for "
-            f"{total} tokens ({num_prompt_tokens} in the prompt and {max_tokens} "
-            f"to generate). Please reduce the length of the prompt or of max_tokens."
-        )
-    need = -(-total // block_size)
-    if groups is not None and groups.hybrid:
-        need = groups.request_blocks(total, config.max_num_batched_tokens, block_size)
-        num_blocks -= 1  # the null block
-    if need > num_blocks:
-        raise ValueError(
-            f"the request needs {total} tokens of KV cache ({need} blocks of {block_size}) but the "
-            f"whole KV cache holds {num_blocks * block_size} tokens ({num_blocks} blocks)"
-        )
-    if n > config.max_num_seqs:
-        raise ValueError(f"n={n} samples exceed max_num_seqs={config.max_num_seqs} sequences per step")
-
-
-class WorkerView(enum.Enum):
-    """What the worker holds of a request it has been sent."""
-
-    HELD = 1
-    """Its state (tokens, block table, random generator): send only what changed."""
-    DROPPED = 2
-    """Preempted: the worker dropped it but keeps its random generator; send it in full again."""
 
 
 @dataclass
@@ -90,27 +55,6 @@ class SchedulerStats:
     """Shared blocks copied before a write (copy-on-write) so far."""
     spec_decode: SpecDecodeStats | None = None
     """Speculative decoding's counts so far (None: off)."""
-
-
-@dataclass
-class _Step:
-    """What one schedule() call has handed out so far."""
-
-    budget: int
-    partial_left: int  # prompt chunks still allowed this step; -1: no limit
-    scheduled: dict[str, int] = field(default_factory=dict)
-    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
-    preempted: list[Request] = field(default_factory=list)
-    # Speculating requests: their proposals, verified after their last token (n = 1 + proposals).
-    spec: dict[str, list[int]] = field(default_factory=dict)
-
-    def take(self, req: Request, n: int, proposals: list[int] | None = None) -> None:
-        self.scheduled[req.request_id] = n
-        self.budget -= n
-        if proposals:
-            self.spec[req.request_id] = proposals
-        elif req.num_computed_tokens + n < req.num_tokens or n > 1:
-            self.partial_left -= 1
 
 
 class Scheduler:
@@ -244,57 +188,16 @@ class Scheduler:
                 return 0
         return n
 
-    def _preemption_mode(self, req: Request) -> str:
-        mode = self.config.preemption_mode
-        # Nothing computed, nothing to keep; a full (or absent) swap pool falls back to recompute.
-        if mode == "recompute" or not self.kv.can_swap_out(req):
-            return "recompute"
-        if mode == "auto" and self.costs is not None:
-            n = req.num_computed_tokens
-            return "swap" if self.costs.prefers_swap(n, self.kv.blocks_needed(n)) else "recompute"
-        return "swap"
-
-    def _preempt(self, req: Request, step: _Step) -> None:
-        """Takes a running request off the device: by swap (its blocks go to the host pool, its
-        computed tokens are kept) or by recompute (its blocks are dropped; it keeps its generated
-        tokens and computes everything again when readmitted)."""
-        assert not self.kv.lends_unwritten_blocks(req), f"{req} holds blocks hit in this step"
-        mode = self._preemption_mode(req)
-        rid = req.request_id
-        self.running.remove(req)
-        if rid in step.scheduled:  # scheduled earlier in this step: its tokens go back to the budget
-            step.budget += step.scheduled.pop(rid)
-            step.new_block_ids.pop(rid, None)
-            step.spec.pop(rid, None)
-        if mode == "swap":
-            self.kv.swap_out(req)
-            req.status = RequestStatus.SWAPPED
-            self.swapped.append(req)
-        else:
-            self.kv.free(req)
-            req.status = RequestStatus.PREEMPTED
-            req.num_computed_tokens = 0
-            self.waiting.append(req)
-        req.num_preemptions += 1
-        req.waiting_steps = 0
-        self.num_preemptions += 1
-        self.num_preemptions_by_mode[mode] += 1
-        # The worker forgets it (keeping its random generator) and is sent it in full on return.
-        if self._worker.get(rid) == WorkerView.HELD:
-            self._worker[rid] = WorkerView.DROPPED
-            self._forget[rid] = True
-        step.preempted.append(req)
-
     def schedule(self) -> SchedulerOutput:
-        step = _Step(self.config.max_num_batched_tokens, self.config.max_num_partial_prefills or -1)
+        step = Step(self.config.max_num_batched_tokens, self.config.max_num_partial_prefills or -1)
         self._schedule_running(step)
         # Admit or resume only when no running request had to be preempted for blocks.
         if not step.preempted:
-            self._schedule_admissions(step)
-        self._update_waiting_counters(step)
+            schedule_admissions(self, step)
+        update_waiting_counters(self, step)
         return self._build_output(step)
 
-    def _schedule_running(self, step: _Step) -> None:
+    def _schedule_running(self, step: Step) -> None:
         """Running requests, in admission order: a decode token or their next prompt chunk."""
         idx = 0
         while idx < len(self.running) and step.budget > 0:
@@ -315,7 +218,7 @@ class Scheduler:
             while blocks is None:
                 victim = self.policy.pick_victim(self.running)
                 pos = self.running.index(victim)
-                self._preempt(victim, step)
+                preempt(self, victim, step)
                 if victim is req:
                     break
                 if pos < idx:
@@ -327,84 +230,7 @@ class Scheduler:
             step.new_block_ids[req.request_id] = [b.block_id for b in blocks]
             idx += 1
 
-    def _schedule_admissions(self, step: _Step) -> None:
-        """Swapped and waiting requests, in the policy's admission order, while budget, sequence
-        slots and blocks last; stops at the first that does not fit (see policies: aging)."""
-        skip = {r.request_id for r in step.preempted}  # never back in the step that preempted it
-        while step.budget > 0:
-            candidates = [*self.swapped, *self.waiting] if self.swapped else self.waiting
-            if skip:
-                candidates = [r for r in candidates if r.request_id not in skip]
-            # A request whose grammar is still compiling waits; the others go on.
-            candidates = [r for r in candidates if r.structured is None or r.structured.ready]
-            if self.max_loras:
-                candidates = self._lora_admissible(candidates)
-            if not candidates:
-                break
-            req = self.policy.next_waiting(candidates)
-            if not self._admit(req, step):
-                break
-            skip.update(r.request_id for r in step.preempted)
-
-    def _lora_admissible(self, candidates: list[Request]) -> list[Request]:
-        """The candidates whose LoRA adapter can run beside the running requests' (at most
-        max_loras distinct adapters run at once); the others wait without blocking these."""
-        active = {r.lora_int_id for r in self.running if r.lora_int_id}
-        if len(active) < self.max_loras:
-            return candidates
-        return [r for r in candidates if not r.lora_int_id or r.lora_int_id in active]
-
-    def _admit(self, req: Request, step: _Step) -> bool:
-        """Admits (or resumes) one request, displacing running ones if its policy allows."""
-        swapped = req.status == RequestStatus.SWAPPED
-        extra_seqs = 1 + len(self._pending_forks.get(req.request_id, ()))
-        while True:
-            hits, num_hit = ([], 0) if swapped or not req.uses_prefix_cache else self.kv.get_computed_blocks(req)
-            n = self._num_new_tokens(req, step.budget, step.partial_left, None if swapped else num_hit)
-            if n == 0:
-                return False
-            has_slot = self._num_seqs() + extra_seqs <= self.config.max_num_seqs
-            if has_slot and (self.kv.can_swap_in(req, n) if swapped else self.kv.can_fit(req, n, hits)):
-                break
-            # Not a request whose blocks keyed in this step were already hit by an admission.
-            victim = self.policy.displace(req, [r for r in self.running if not self.kv.lends_unwritten_blocks(r)])
-            if victim is None:
-                return False
-            self._preempt(victim, step)  # then look again: the victim may have dropped cached keys
-        if swapped:
-            blocks = self.kv.swap_in(req, n)
-            assert blocks is not None
-            self.swapped.remove(req)
-        else:
-            blocks = self.kv.allocate_slots(req, n, hits)
-            assert blocks is not None
-            req.num_computed_tokens = num_hit
-            self.kv.record_prefix_query(req.num_tokens, num_hit)
-            self.waiting.remove(req)
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_hit
-                req.first_scheduled_time = time.time()
-        req.status = RequestStatus.RUNNING
-        req.waiting_steps = 0
-        req.running_steps = 0
-        self.running.append(req)
-        step.take(req, n)
-        return True
-
-    def _update_waiting_counters(self, step: _Step) -> None:
-        """Aging of waiting and swapped requests; time-slice steps of running ones (fair share)."""
-        queued = [*self.waiting, *self.swapped]
-        for req in queued:
-            req.waiting_steps += 1
-            if req.waiting_steps >= self.config.max_waiting_steps:
-                req.aged = True
-        users = {r.user for r in queued}
-        for rid in step.scheduled:
-            req = self.requests[rid]
-            if len(users) > 1 or (users and req.user not in users):
-                req.running_steps += 1  # ran while a request of another user waited
-
-    def _build_output(self, step: _Step) -> SchedulerOutput:
+    def _build_output(self, step: Step) -> SchedulerOutput:
         scheduled = step.scheduled
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []

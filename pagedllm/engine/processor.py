@@ -11,7 +11,7 @@ from typing import Any, Union
 from pagedllm.config import EngineConfig
 from pagedllm.core.kv_groups import engine_kv_groups
 from pagedllm.core.pooling import check_whole_prompt
-from pagedllm.core.scheduler import check_request_limits
+from pagedllm.core.request_limits import check_request_limits
 from pagedllm.engine.core_io import EngineCoreRequest
 from pagedllm.engine.output_processor import child_id
 from pagedllm.models.loader.pooling import is_classifier

@@ -10,7 +10,7 @@ from pagedllm.config import SchedulerConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager, group_key
 from pagedllm.core.kv_groups import describe_capacity, plan_kv_groups
 from pagedllm.core.request import Request
-from pagedllm.core.scheduler import check_request_limits
+from pagedllm.core.request_limits import check_request_limits
 from pagedllm.sampling_params import SamplingParams
 
 BS = 4
