@@ -10,7 +10,9 @@ attention's q/k norms and in routing:
   renormalised only when `norm_topk_prob`.
 
 Checkpoints hold one matrix per expert (`mlp.experts.<e>.gate_proj/up_proj/down_proj`, Mixtral's
-`block_sparse_moe.experts.<e>.w1/w3/w2`) and the router as `mlp.gate`.
+`block_sparse_moe.experts.<e>.w1/w3/w2`) and the router as `mlp.gate`. Under `-q int8 | w8a8 |
+int4 | fp8` each expert loads into its own pair of quantized linear layers (`mlp.experts.<e>.w13`,
+`.w2`) instead of the stacked weights.
 """
 
 from __future__ import annotations
@@ -35,8 +37,7 @@ class MoEForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config, dtype: torch.dtype = torch.float32, parallel: ParallelContext | None = None,
                  quant_config=None) -> None:
-        if quant_config is not None:
-            raise ValueError(f"quantization of {type(self).__name__} is not supported (its experts are dense)")
+        self.per_expert = quant_config is not None  # quantized experts: one layer pair each
         super().__init__(config, dtype, parallel, quant_config)
 
     def _param_name(self, name: str) -> str:
@@ -46,8 +47,11 @@ class MoEForCausalLM(LlamaForCausalLM):
         m = _EXPERT.match(name)
         if m is None:
             return super().map_param(name)
-        part = _PART[m.group(3)]
-        return f"{m.group(1).removesuffix('.experts')}.{'w2' if part == 2 else 'w13'}", (int(m.group(2)), part)
+        part, expert = _PART[m.group(3)], int(m.group(2))
+        w = "w2" if part == 2 else "w13"
+        if self.per_expert:
+            return f"{m.group(1)}.{expert}.{w}.weight", (expert, part)
+        return f"{m.group(1).removesuffix('.experts')}.{w}", (expert, part)
 
 
 # -- Qwen3-MoE ---------------------------------------------------------------------------------
@@ -65,7 +69,8 @@ class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
         if not _qwen3_moe_sparse(config, layer_idx):
             return LlamaMLP(config, dtype, bias, tp, quant_config, prefix)
         return FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size,
-                        config.moe_intermediate_size, bool(config.norm_topk_prob), dtype, tp)
+                        config.moe_intermediate_size, bool(config.norm_topk_prob), dtype, tp,
+                        quant_config=quant_config, prefix=prefix)
 
 
 class Qwen3MoeForCausalLM(MoEForCausalLM):
@@ -78,7 +83,8 @@ class MixtralDecoderLayer(LlamaDecoderLayer):
     def make_mlp(self, config, layer_idx: int, dtype: torch.dtype, bias: bool, tp: TensorParallelGroup,
                  quant_config, prefix: str) -> nn.Module:
         return FusedMoE(config.num_local_experts, config.num_experts_per_tok, config.hidden_size,
-                        config.intermediate_size, True, dtype, tp, float32_weights=True)
+                        config.intermediate_size, True, dtype, tp, float32_weights=True, quant_config=quant_config,
+                        prefix=prefix.replace(".mlp", ".block_sparse_moe"), names=("w1", "w3", "w2"))
 
 
 class MixtralForCausalLM(MoEForCausalLM):
@@ -115,7 +121,8 @@ class OlmoeDecoderLayer(LlamaDecoderLayer):
     def make_mlp(self, config, layer_idx: int, dtype: torch.dtype, bias: bool, tp: TensorParallelGroup,
                  quant_config, prefix: str) -> nn.Module:
         return FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size,
-                        config.intermediate_size, bool(config.norm_topk_prob), dtype, tp)
+                        config.intermediate_size, bool(config.norm_topk_prob), dtype, tp,
+                        quant_config=quant_config, prefix=prefix)
 
 
 class OlmoeForCausalLM(MoEForCausalLM):

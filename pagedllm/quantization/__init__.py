@@ -115,6 +115,16 @@ class QuantizationSetup:
             return Int4LinearMethod(self.config.group_size, self.config.clip_search)
         return {"int8": Int8LinearMethod, "w8a8": W8A8LinearMethod, "fp8": Fp8LinearMethod}[self.method]()
 
+    def expert_method(self, prefix: str, shards: list[str]) -> Any:
+        """The method of one mixture-of-experts expert's linear layer (``layers/moe.py``): as
+        ``linear_method`` for the schemes that quantize a float checkpoint at load (int8, w8a8,
+        int4, fp8); experts stored quantized (AWQ, GPTQ, GGUF, compressed-tensors, FP8
+        checkpoints) raise ValueError."""
+        if self.method in ("awq", "gptq", "gguf") or self.compressed is not None:
+            raise ValueError(f"quantization {self.method!r}: mixture-of-experts experts stored quantized are not "
+                             "supported; quantize a float checkpoint's experts at load with int8, w8a8, int4 or fp8")
+        return self.linear_method(prefix, shards)
+
     def _gguf(self, shards: list[str]) -> Any:
         types = [self._gguf_types.get(s) for s in shards]
         if any(t not in GGUF_TYPES for t in types):
