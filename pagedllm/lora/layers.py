@@ -10,7 +10,7 @@ partial product, before the layer's all-reduce."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
@@ -33,10 +33,12 @@ def lora_kernel() -> Any:
 class LoRAStep:
     """This step's adapter rows: `groups` (slot, rows) for adapters with many rows, rows a slice
     where its tokens are contiguous, else an index tensor; `slots` the slot of every token for
-    the native call (-1: none, or in `groups`), None when no row takes it."""
+    the native call (-1: none, or in `groups`), None when no row takes it; `failed` the requests
+    whose adapter could not be read this step (req_id -> error), which run without it and fail."""
 
     groups: tuple[tuple[int, slice | torch.Tensor], ...] = ()
     slots: torch.Tensor | None = None
+    failed: dict[str, str] = field(default_factory=dict)
 
     @property
     def active(self) -> bool:

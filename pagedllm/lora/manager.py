@@ -91,10 +91,13 @@ class LoRAManager:
         return w
 
     def _slot(self, lora_id: int, path: str, needed: set[int]) -> int:
+        """The adapter's slot, filled from the host cache or its folder first (a ValueError or
+        OSError when the folder cannot be read: then no slot has changed)."""
         slot = self.slots.get(lora_id)
         if slot is not None:
             self.slots.move_to_end(lora_id)
             return slot
+        weights = self._weights(lora_id, path)
         used = set(self.slots.values())
         free = [s for s in range(self.config.max_loras) if s not in used]
         if free:
@@ -104,7 +107,6 @@ class LoRAManager:
             if victim is None:
                 raise ValueError(f"a step holds more than max_loras={self.config.max_loras} adapters")
             slot = self.slots.pop(victim)
-        weights = self._weights(lora_id, path)
         for name, method in self.methods.items():
             method.set_slot(slot, weights.get(name))
         self.slots[lora_id] = slot
@@ -113,16 +115,23 @@ class LoRAManager:
     # ---- the step -------------------------------------------------------------------------
     def prepare(self, req_ids: Sequence[str], query_start_loc: np.ndarray) -> bool:
         """Groups this step's token rows by adapter slot (requests in batch order, request i's
-        tokens at rows query_start_loc[i]:query_start_loc[i + 1]); True when any row has an adapter."""
+        tokens at rows query_start_loc[i]:query_start_loc[i + 1]); True when any row has an adapter.
+
+        An adapter whose folder cannot be read (deleted or corrupted since the front end checked
+        it) fails only the requests that use it: their rows run without it this step and
+        `step.failed` names them with the error, for the runner to report (finish_reason "error")."""
         rows: dict[int, list[tuple[int, int]]] = {}
         paths: dict[int, str] = {}
+        users: dict[int, list[str]] = {}
         get = self.req_lora.get
         for i, rid in enumerate(req_ids):
             lora = get(rid)
             if lora is not None:
                 rows.setdefault(lora[0], []).append((int(query_start_loc[i]), int(query_start_loc[i + 1])))
                 paths[lora[0]] = lora[1]
+                users.setdefault(lora[0], []).append(rid)
         step = self.step
+        step.failed = {}
         if not rows:
             step.groups, step.slots = (), None
             return False
@@ -130,7 +139,14 @@ class LoRAManager:
         groups = []
         slots = None
         for lora_id, spans in rows.items():
-            slot = self._slot(lora_id, paths[lora_id], needed)
+            try:
+                slot = self._slot(lora_id, paths[lora_id], needed)
+            except (ValueError, OSError) as e:
+                logger.error("LoRA adapter %d cannot be read from %s; failing its %d request(s): %s", lora_id,
+                             paths[lora_id], len(users[lora_id]), e)
+                for rid in users[lora_id]:
+                    step.failed[rid] = f"LoRA adapter {lora_id} cannot be read from {paths[lora_id]!r}: {e}"
+                continue
             merged = _merge(spans)
             if self.kernel is not None and sum(b - a for a, b in merged) <= NATIVE_MAX_ROWS:
                 if slots is None:

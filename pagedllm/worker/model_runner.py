@@ -331,6 +331,8 @@ class ModelRunner:
         hidden = None if path.head else out
         pooled = self.pooler.pool(step, out, self.input_batch.num_tokens[step.rows]) if pooling else None
         sampled = self._sample(step, forks, out if path.head else None, hidden)
+        if step.lora and self.lora.step.failed:  # requests whose adapter could not be read fail alone
+            sampled[3].update(self.lora.step.failed)
         result = self._output(step, forks, hidden, sampled)
         if pooled:
             result.pooled = pooled

@@ -175,6 +175,44 @@ def test_bad_adapters_are_refused(setup, case, pattern):
     assert len(out[0].outputs[0].token_ids) == 2  # the engine serves on
 
 
+@pytest.mark.parametrize("damage", ["deleted", "corrupt"])
+def test_unreadable_adapter_fails_its_requests_only(setup, tmp_path, damage):
+    # The front end checked the adapter; its folder is then deleted or corrupted before a worker
+    # reads it: its requests end with an error naming the folder, the other rows of the same
+    # steps complete with their own tokens, and the engine serves on.
+    import shutil
+
+    _, base, adapters, requests, llm = setup
+    folder = tmp_path / "adapter"
+    shutil.copytree(adapters["mlp"], folder)
+    gone = LoRARequest("gone-" + damage, {"deleted": 61, "corrupt": 62}[damage], str(folder))
+    engine = llm.llm_engine
+    engine.processor.check_lora(gone)
+    if damage == "deleted":
+        shutil.rmtree(folder)
+    else:
+        (folder / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+    plan = {"plain": (PROMPTS[0], None), "bad": (PROMPTS[1], gone), "attn": (PROMPTS[2], requests["attn"]),
+            "bad2": (PROMPTS[3], gone)}
+    for rid, (prompt, lora) in plan.items():
+        engine.add_request(f"{damage}-{rid}", prompt, sp, lora_request=lora)
+    done, errors = {}, []
+    while engine.has_unfinished_requests():
+        try:
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id.removeprefix(f"{damage}-")] = list(out.outputs[0].token_ids)
+        except RuntimeError as e:
+            errors.append(str(e))
+    assert set(done) == {"plain", "attn"}
+    assert errors and all(f"LoRA adapter {gone.lora_int_id} cannot be read from {str(folder)!r}" in e for e in errors)
+    assert done["plain"] == peft_reference(base, None, PROMPTS[0])[0]
+    assert done["attn"] == peft_reference(base, adapters["attn"], PROMPTS[2])[0]
+    out = llm.generate([PROMPTS[1]], sp, lora_request=requests["mlp"], use_tqdm=False)[0]
+    assert list(out.outputs[0].token_ids) == peft_reference(base, adapters["mlp"], PROMPTS[1])[0]
+
+
 def test_lora_needs_enable_lora_and_distinct_ids(setup, tmp_path):
     _, _, adapters, requests, llm = setup
     with pytest.raises(ValueError, match="already bound"):

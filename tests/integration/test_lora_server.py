@@ -125,3 +125,29 @@ def test_load_while_streams_run(setup, client):
         t.join()
     assert r.status_code == 200
     assert results == [_expected(base, paths["a"], PROMPTS[3])] * 6
+
+
+def test_adapter_folder_gone_fails_its_requests_only(setup, client, tmp_path):
+    # Loaded (checked) at run time, then its folder is deleted before any step reads it: its
+    # requests get a 500 in OpenAI's error shape naming the folder; a stream of another adapter
+    # running meanwhile completes, and the server serves on.
+    import shutil
+
+    server, base, paths = setup
+    http = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    folder = tmp_path / "gone"
+    shutil.copytree(paths["c"], folder)
+    assert http.post("/v1/load_lora_adapter", json={"lora_name": "gone", "lora_path": str(folder)}).status_code == 200
+    shutil.rmtree(folder)
+    stream = client.completions.create(model="a", prompt=PROMPTS[3], max_tokens=MAX_TOKENS, temperature=0,
+                                       stream=True)
+    first = next(iter(stream))
+    with pytest.raises(openai.InternalServerError) as e:
+        client.completions.create(model="gone", prompt=PROMPTS[1], max_tokens=MAX_TOKENS)
+    body = e.value.response.json()
+    assert_error_shape(body)
+    assert "cannot be read from" in body["error"]["message"] and str(folder) in body["error"]["message"]
+    text = first.choices[0].text + "".join(c.choices[0].text for c in stream)
+    assert text.rstrip("\ufffd") == _expected(base, paths["a"], PROMPTS[3])
+    assert _text(client, "b", PROMPTS[0]) == _expected(base, paths["b"], PROMPTS[0])
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "gone"}).status_code == 200
