@@ -157,7 +157,7 @@ def test_huge_body_sent_whole_gets_413(server: Server, http: httpx.Client) -> No
 def test_endless_body_is_cut_off(server: Server, http: httpx.Client) -> None:
     """A client that keeps sending after the 413 has its connection closed once the server has
     drained 64 MiB past the limit (or after 30 s), not held open."""
-    from pagedllm.entrypoints.openai.api_server import DRAIN_MAX_BYTES
+    from pagedllm.entrypoints.openai.guard import DRAIN_MAX_BYTES
 
     sent = 0
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:

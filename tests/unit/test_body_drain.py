@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from pagedllm.entrypoints.openai.api_server import GuardMiddleware
+from pagedllm.entrypoints.openai.guard import GuardMiddleware
 
 
 async def never_called(scope: Any, receive: Any, send: Any) -> None:

@@ -12,7 +12,7 @@ import time
 import pytest
 import uvicorn
 
-from pagedllm.entrypoints.openai.api_server import http_protocol, resolve_http_impl, resolve_loop
+from pagedllm.entrypoints.openai.http_server import http_protocol, resolve_http_impl, resolve_loop
 
 HEADER_TIMEOUT_S = 0.5
 

@@ -2,9 +2,10 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (GET /v1/responses/{id}),
 POST /v1/messages (/v1/messages/count_tokens; Anthropic's API), GET /v1/models, POST /tokenize,
-POST /detokenize, POST /v1/embeddings, /pooling, /score, /rerank (serving_pooling.py), GET /docs, /redoc,
-/openapi.json (all behind --api-key when given), GET /health, GET /metrics, GET /version (open).
-Every error is the OpenAI error object {"error": {"message", "type", "param", "code"}}.
+POST /detokenize (routes_basic.py), POST /v1/embeddings, /pooling, /score, /rerank (serving_pooling.py),
+GET /docs, /redoc, /openapi.json (all behind --api-key when given, guard.py), GET /health, GET /metrics,
+GET /version (open, routes_basic.py). Every error is the OpenAI error object
+{"error": {"message", "type", "param", "code"}}. http_server.py holds the socket and uvicorn protocol.
 """
 
 from __future__ import annotations
@@ -12,9 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import functools
-import hmac
-import importlib.util
 import logging
 import os
 import signal
@@ -26,34 +24,23 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedllm import __version__, envs
 from pagedllm.engine.async_engine import AsyncLLMEngine
-from pagedllm.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    DetokenizeResponse,
-    ModelCard,
-    ModelList,
-    TokenizeRequest,
-    TokenizeResponse,
-)
-from pagedllm.entrypoints.anthropic import protocol as anthropic_protocol
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagedllm.entrypoints.anthropic.serving import add_messages_routes
+from pagedllm.entrypoints.openai.guard import DEFAULT_MAX_BODY_BYTES, GuardMiddleware
+from pagedllm.entrypoints.openai.http_server import bind_socket, http_protocol, resolve_http_impl, resolve_loop
 from pagedllm.entrypoints.openai.lora import LoRAAdapters, add_lora_routes
-from pagedllm.entrypoints.openai.json_body import surrogate_error
 from pagedllm.entrypoints.openai.responses.serving import add_responses_routes
+from pagedllm.entrypoints.openai.routes_basic import add_model_routes, add_operation_routes
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_pooling import OpenAIServingPooling, add_pooling_routes
 from pagedllm.entrypoints.openai.errors import (
     OpenAIError,
     ServerState,
-    bad_request,
     error_response,
     to_openai_error,
     validation_error,
@@ -63,159 +50,8 @@ from pagedllm.metrics import PrometheusStatLogger
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_BODY_BYTES = 8 << 20
-# After a 413 the server reads and drops the rest of the body, at most this much for this long,
-# so that the client, which reads the answer once it has sent its body, gets it (a server that
-# closes with bytes unread resets the connection, and the client loses the answer); a client
-# that sends more, or for longer, has its connection closed.
-DRAIN_MAX_BYTES = 64 << 20
-DRAIN_MAX_S = 30.0
 # After an engine fault the server answers (503) for this long, then exits with code 1.
 ENGINE_DEAD_EXIT_DELAY_S = 1.0
-# Routes open without an API key; every other route is guarded when keys are configured.
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping"})
-GUARDED_PATHS = frozenset({"/tokenize", "/detokenize", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json",
-                           "/pooling", "/score", "/rerank"})
-
-
-# ---- API keys and body size: plain ASGI, before any routing or body parsing -----------------
-class GuardMiddleware:
-    """Checks `Authorization: Bearer <key>` on guarded routes (401), then caps the request body
-    (413, from Content-Length or while reading a chunked body: answered at once, then the rest is
-    drained, see `reject`), and replays the body to the app."""
-
-    def __init__(self, app: ASGIApp, api_keys: list[str], max_body_bytes: int, drain_max_bytes: int = DRAIN_MAX_BYTES,
-                 drain_max_s: float = DRAIN_MAX_S) -> None:
-        self.app = app
-        self.api_keys = [k.encode() for k in api_keys]
-        self.max_body_bytes = max_body_bytes
-        self.drain_max_bytes, self.drain_max_s = drain_max_bytes, drain_max_s
-
-    @staticmethod
-    def guarded(path: str) -> bool:
-        return path.startswith("/v1/") or path == "/v1" or path in GUARDED_PATHS
-
-    def authorized(self, scope: Scope) -> bool:
-        headers = dict(scope.get("headers") or [])
-        auth = headers.get(b"authorization", b"")
-        scheme, _, token = auth.partition(b" ")
-        token = token.strip() if scheme.lower() == b"bearer" else b""
-        token = token or headers.get(b"x-api-key", b"").strip()  # Anthropic's clients send x-api-key
-        if not token:
-            return False
-        # Compare against every key so the time taken does not depend on which one matches.
-        return any([hmac.compare_digest(token, key) for key in self.api_keys])
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        if self.api_keys and self.guarded(scope["path"]) and not self.authorized(scope):
-            err = OpenAIError(
-                401,
-                "Missing or invalid API key: send it as 'Authorization: Bearer <key>'",
-                type="authentication_error",
-                code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-            anthropic = scope["path"].startswith("/v1/messages")
-            await (anthropic_protocol.error_response if anthropic else error_response)(err)(scope, receive, send)
-            return
-        headers = dict(scope.get("headers") or [])
-        length = headers.get(b"content-length")
-        too_large = OpenAIError(
-            413,
-            f"the request body is larger than the server's limit of {self.max_body_bytes} bytes "
-            "(--max-request-body-size)",
-            code="request_too_large",
-            # The connection carries no other request: it closes once the body has been drained.
-            headers={"Connection": "close"},
-        )
-        if length is not None:
-            try:
-                declared = int(length)
-            except ValueError:
-                await error_response(bad_request(f"invalid Content-Length {length.decode(errors='replace')!r}"))(
-                    scope, receive, send
-                )
-                return
-            if declared > self.max_body_bytes:
-                await self.reject(too_large, scope, receive, send)
-                return
-        if scope["method"] not in ("POST", "PUT", "PATCH"):
-            await self.app(scope, receive, send)
-            return
-        content_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
-        if content_type and not (content_type == b"application/json" or content_type.endswith(b"+json")):
-            err = OpenAIError(
-                415,
-                f"Content-Type must be application/json, got {content_type.decode(errors='replace')!r} "
-                "(e.g. curl -H 'Content-Type: application/json')",
-                code="unsupported_media_type",
-            )
-            await error_response(err)(scope, receive, send)
-            return
-        if not content_type:  # no label at all: read the body as the JSON it must be
-            raw = list(scope.get("headers") or [])
-            scope = {**scope, "headers": [*raw, (b"content-type", b"application/json")]}
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            body = message.get("body", b"")
-            size += len(body)
-            if size > self.max_body_bytes:
-                await self.reject(too_large, scope, receive, send, more_body=message.get("more_body", False))
-                return
-            chunks.append(body)
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
-        bad = surrogate_error(body)
-        if bad is not None:
-            await error_response(bad)(scope, receive, send)
-            return
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()  # after the body: http.disconnect when the client leaves
-
-        await self.app(scope, replay, send)
-
-    async def reject(self, err: OpenAIError, scope: Scope, receive: Receive, send: Send,
-                     more_body: bool = True) -> None:
-        """Answers `err` before the body is read, then reads and drops the body (up to
-        drain_max_bytes, for up to drain_max_s) before the response ends and the connection
-        closes. The answer goes out first (a client that waits for `100 Continue`, or reads while
-        it sends, stops sending), but its end waits for the drain: uvicorn closes the connection
-        when the response ends, and closing with the client's bytes unread resets it. A client
-        still sending its body then fails on a write before it reads the answer (http.client,
-        requests), or reads it only if the reset has not dropped it (httpx, the openai client)."""
-
-        async def send_open(message: Message) -> None:
-            if message["type"] == "http.response.body":
-                message = {**message, "more_body": True}
-            await send(message)
-
-        await error_response(err)(scope, receive, send_open)
-        loop = asyncio.get_running_loop()
-        deadline, drained = loop.time() + self.drain_max_s, 0
-        while more_body and drained <= self.drain_max_bytes:
-            try:
-                message = await asyncio.wait_for(receive(), deadline - loop.time())
-            except asyncio.TimeoutError:
-                break
-            if message["type"] != "http.request":  # the client has gone
-                break
-            drained += len(message.get("body", b""))
-            more_body = message.get("more_body", False)
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 # ---- the app ----------------------------------------------------------------------------------
@@ -302,74 +138,8 @@ def build_app(
     add_responses_routes(app, chat, responses_store_size, prometheus.count_request)  # OpenAI's Responses API
     add_pooling_routes(app, OpenAIServingPooling(async_engine, names, max_logprobs, None, state), prometheus.count_request)
 
-    @app.get("/v1/models")
-    async def list_models() -> Response:
-        cards = [ModelCard(id=n, root=mc.path, max_model_len=mc.max_model_len) for n in names]
-        cards += state.loras.cards(ModelCard, mc.max_model_len) if state.loras is not None else []
-        return Response(ModelList(data=cards).model_dump_json(), media_type="application/json")
-
-    @app.get("/v1/models/{model_id:path}")
-    async def get_model(model_id: str) -> Response:
-        name = base.model_name(model_id)
-        cards = state.loras.cards(ModelCard, mc.max_model_len) if state.loras is not None else []
-        card = next((c for c in cards if c.id == name), None) or ModelCard(id=name, root=mc.path,
-                                                                           max_model_len=mc.max_model_len)
-        return Response(card.model_dump_json(), media_type="application/json")
-
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> Response:
-        base.model_name(body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise bad_request("give exactly one of 'prompt' and 'messages'")
-        if body.messages is not None:
-            if not body.messages:
-                raise bad_request("messages must not be empty", "messages")
-            if body.add_special_tokens:
-                raise bad_request("add_special_tokens is not supported with messages", "add_special_tokens")
-            messages = body.messages
-            p = await base.run_blocking(
-                lambda: base.render_chat(messages, body.add_generation_prompt, body.continue_final_message),
-                sum(len(m.content) if isinstance(m.content, str) else 0 for m in messages),
-            )
-        elif isinstance(body.prompt, str):
-            text, add = body.prompt, body.add_special_tokens is not False
-            p = await base.run_blocking(lambda: base.prompt_from_text(text, add), len(text))
-        else:
-            p = base.prompt_from_ids(body.prompt or [])
-        resp = TokenizeResponse(tokens=p.token_ids, count=len(p.token_ids), max_model_len=mc.max_model_len)
-        return Response(resp.model_dump_json(), media_type="application/json")
-
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> Response:
-        base.model_name(body.model)
-        vocab = mc.vocab_size
-        bad = [t for t in body.tokens if not 0 <= t < vocab]
-        if bad:
-            raise bad_request(f"token ids {bad[:8]} are out of vocabulary (vocab size {vocab})", "tokens")
-        text = async_engine.tokenizer.decode(body.tokens, skip_special_tokens=False)
-        return Response(DetokenizeResponse(prompt=text).model_dump_json(), media_type="application/json")
-
-    # ---- operations -----------------------------------------------------------------------
-    @app.get("/health")
-    async def health() -> Response:
-        if async_engine.errored:
-            err = OpenAIError(503, f"the engine has failed: {async_engine.dead_error!r}", type="server_error",
-                              code="engine_dead", headers={"Retry-After": "60"})
-            return error_response(err)
-        return Response(status_code=200)
-
-    @app.get("/ping")
-    async def ping() -> Response:
-        return await health()
-
-    @app.get("/version")
-    async def version() -> JSONResponse:
-        return JSONResponse({"version": __version__})
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        # Only what the engine core pushed with its outputs: a scrape never waits on the engine.
-        return Response(generate_latest(prometheus.registry), media_type=CONTENT_TYPE_LATEST)
+    add_model_routes(app, base, state, names)
+    add_operation_routes(app, async_engine, prometheus)
 
     if state.loras is not None:
         add_lora_routes(app, state.loras)
@@ -393,85 +163,6 @@ def load_chat_template(value: str | None) -> str | None:
         return value
     raise ValueError(f"--chat-template {value!r} is neither a readable file nor a Jinja template")
 
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    if not 0 <= port <= 65535:
-        raise ValueError(f"--port must be in [0, 65535], got {port}")
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as e:
-        raise ValueError(f"cannot resolve --host {host!r}: {e}") from None
-    family, kind, proto, _, addr = infos[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(addr)
-    except OSError as e:
-        sock.close()
-        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    sock.set_inheritable(True)
-    return sock
-
-
-class HeaderTimeoutMixin:
-    """A bound on reading a request's headers, for uvicorn's HTTP/1.1 protocols (h11 and httptools):
-    a connection that has not sent complete headers `header_read_timeout` seconds after it opened,
-    or after the first bytes of its next request, is closed, so that slow-header clients cannot
-    hold connections open forever. Between a response and the next request's first bytes the
-    connection is idle, and uvicorn's keep-alive timeout (--timeout-keep-alive) bounds it instead."""
-
-    header_read_timeout = 10.0
-    cycle: Any
-    loop: asyncio.AbstractEventLoop
-    transport: asyncio.Transport
-
-    def connection_made(self, transport: asyncio.Transport) -> None:
-        super().connection_made(transport)  # type: ignore[misc]
-        self._idle = False
-        self._arm_header_timer()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()  # type: ignore[misc]
-        self._idle = True
-
-    def data_received(self, data: bytes) -> None:
-        # The next request begins (not bytes of a request already in progress, as a pipelined
-        # one would be): its headers get the same bound as the first request's.
-        if self._idle and (self.cycle is None or self.cycle.response_complete):
-            self._arm_header_timer()
-        self._idle = False
-        super().data_received(data)  # type: ignore[misc]
-
-    def _arm_header_timer(self) -> None:
-        cycle = self.cycle  # a new request replaces it as soon as its headers are in
-
-        def expire() -> None:
-            if self.cycle is cycle and not self.transport.is_closing():
-                self.transport.close()
-
-        self.loop.call_later(self.header_read_timeout, expire)
-
-
-def _resolve(flag: str, value: str, fast: str, fallback: str) -> str:
-    """`auto` is `fast` (a C implementation) when it is installed, else `fallback` (as uvicorn decides)."""
-    if value == "auto":
-        return fast if importlib.util.find_spec(fast) is not None else fallback
-    if value not in (fallback, fast):
-        raise ValueError(f"{flag} must be auto, {fallback} or {fast}, got {value!r}")
-    return value
-
-
-resolve_http_impl = functools.partial(_resolve, "--uvicorn-http", fast="httptools", fallback="h11")
-resolve_loop = functools.partial(_resolve, "--uvicorn-loop", fast="uvloop", fallback="asyncio")
-
-
-def http_protocol(impl: str, header_read_timeout: float) -> type:
-    """uvicorn's HTTP/1.1 protocol class for `impl` (h11 or httptools) with the header-read bound."""
-    if impl == "httptools":
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
-    else:
-        from uvicorn.protocols.http.h11_impl import H11Protocol as base  # type: ignore[assignment]
-    return type(f"HeaderTimeout{base.__name__}", (HeaderTimeoutMixin, base), {"header_read_timeout": header_read_timeout})
 
 
 class _Server(uvicorn.Server):
