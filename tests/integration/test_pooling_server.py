@@ -94,6 +94,58 @@ def test_pooling_score_rerank(server: Server, reference) -> None:
     assert rerank["usage"]["total_tokens"] > 0
 
 
+def test_score_shapes_and_truncation(server: Server, reference) -> None:
+    """vLLM's /score field pairs, 1:N and N:N with 400s naming the fields, and truncate_prompt_tokens
+    on every pooling route against sentence-transformers truncating at max_seq_length."""
+    ref = reference.encode(TEXTS, convert_to_tensor=True)
+    one_to_n = F.cosine_similarity(ref[:1], ref[1:], dim=1).tolist()
+    pairwise = F.cosine_similarity(ref[:2], ref[2:], dim=1).tolist()
+    long = ["word " * 300 + "the end", "A man is eating food. " * 40]
+    reference.max_seq_length = 20
+    try:
+        cut = reference.encode(long, convert_to_tensor=True)
+    finally:
+        reference.max_seq_length = 256
+    with server.http() as http:
+        for a, b in (("text_1", "text_2"), ("data_1", "data_2"), ("queries", "documents"), ("queries", "items")):
+            r = http.post("/score", json={a: TEXTS[0], b: TEXTS[1:]}).json()
+            np.testing.assert_allclose([d["score"] for d in r["data"]], one_to_n, atol=1e-5)
+            r = http.post("/v1/score", json={a: TEXTS[:2], b: TEXTS[2:]}).json()
+            np.testing.assert_allclose([d["score"] for d in r["data"]], pairwise, atol=1e-5)
+        mixed = http.post("/score", json={"text_1": "a", "documents": ["b"]})
+        assert mixed.status_code == 400 and "text_1/text_2, data_1/data_2" in mixed.json()["error"]["message"]
+        uneven = http.post("/score", json={"queries": ["a", "b"], "documents": ["c"] * 3})
+        err = uneven.json()["error"]
+        assert uneven.status_code == 400 and err["param"] == "documents"
+        assert "queries and documents" in err["message"] and "got 2 and 3 texts" in err["message"]
+        emb = http.post("/v1/embeddings", json={"input": long, "truncate_prompt_tokens": 20}).json()
+        ours = torch.tensor([d["embedding"] for d in emb["data"]])
+        assert F.cosine_similarity(ours, cut, dim=1).min() >= 0.9999
+        assert emb["usage"]["prompt_tokens"] == 40
+        pooled = http.post("/pooling", json={"input": long[0], "truncate_prompt_tokens": 20}).json()
+        torch.testing.assert_close(torch.tensor(pooled["data"][0]["data"]), cut[0], atol=1e-5, rtol=0)
+        whole = http.post("/v1/embeddings", json={"input": long, "truncate_prompt_tokens": -1})  # the context
+        n = 256 + len(reference.tokenizer(long[1])["input_ids"])
+        assert whole.status_code == 200 and whole.json()["usage"]["prompt_tokens"] == n
+        left = http.post("/v1/embeddings", json={"input": long[0], "truncate_prompt_tokens": 20,
+                                                 "truncation_side": "left"}).json()
+        assert left["usage"]["prompt_tokens"] == 20
+        score = http.post("/score", json={"text_1": long[0], "text_2": [long[1]], "truncate_prompt_tokens": 20}).json()
+        want = F.cosine_similarity(cut[:1], cut[1:], dim=1).tolist()
+        np.testing.assert_allclose([d["score"] for d in score["data"]], want, atol=1e-5)
+        rerank = http.post("/rerank", json={"query": long[0], "documents": long[1], "truncate_prompt_tokens": 20})
+        assert rerank.status_code == 200 and rerank.json()["results"][0]["relevance_score"] == pytest.approx(
+            want[0], abs=1e-5)
+        over = http.post("/v1/embeddings", json={"input": "x", "truncate_prompt_tokens": 257})
+        assert over.status_code == 400 and over.json()["error"]["param"] == "truncate_prompt_tokens"
+        assert "cannot be greater than max_model_len (256)" in over.json()["error"]["message"]
+        side = http.post("/v1/embeddings", json={"input": "x", "truncation_side": "left"})
+        assert side.status_code == 400 and side.json()["error"]["param"] == "truncation_side"
+        too_long = http.post("/v1/rerank", json={"query": "q", "documents": ["fine", long[0]]})
+        assert too_long.status_code == 400 and "text 2" in too_long.json()["error"]["message"]
+        assert "truncate_prompt_tokens" in too_long.json()["error"]["message"]
+
+
 def test_errors(server: Server) -> None:
     with server.http() as http:
         long = http.post("/v1/embeddings", json={"input": ["fine", "word " * 300]})
@@ -102,7 +154,7 @@ def test_errors(server: Server) -> None:
         assert "input[1]" in err["message"] and "256" in err["message"] and err["param"] == "input"
         bad = http.post("/v1/embeddings", json={"input": "x", "encoding_format": "float16"})
         assert bad.status_code == 400
-        unknown = http.post("/v1/embeddings", json={"input": "x", "truncate": 5})
+        unknown = http.post("/v1/embeddings", json={"input": "x", "truncate": 5})  # vLLM's name is truncate_prompt_tokens
         assert unknown.status_code == 400 and "truncate" in unknown.text
         dims = http.post("/v1/embeddings", json={"input": "x", "dimensions": 1000})
         assert dims.status_code == 400 and dims.json()["error"]["param"] == "dimensions"

@@ -47,6 +47,10 @@ REFUSED = [
     {"custom_id": "bad-temperature", "method": "POST", "url": "/v1/chat/completions",
      "body": {"messages": [{"role": "user", "content": "hi"}], "temperature": -1}},
     {"custom_id": "lone-surrogate", "method": "POST", "url": "/v1/completions", "body": {"prompt": "a\ud800b"}},
+    # a generation model asked for pooling: the 400 that says how to start a pooling server
+    {"custom_id": "embed-on-generate", "method": "POST", "url": "/v1/embeddings", "body": {"input": "hi"}},
+    {"custom_id": "rerank-on-generate", "method": "POST", "url": "/v1/rerank",
+     "body": {"query": "q", "documents": ["d"]}},
 ]
 NOT_REQUESTS = [
     '{"custom_id": "broken", "method": "POST", "url": "/v1/completions", "body": {"prompt": ',

@@ -23,7 +23,7 @@ DRAIN_MAX_S = 30.0
 # Routes open without an API key; every other route is guarded when keys are configured.
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping"})
 GUARDED_PATHS = frozenset({"/tokenize", "/detokenize", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json",
-                           "/pooling", "/score", "/rerank"})
+                           "/pooling", "/score", "/rerank", "/v2/rerank"})
 
 
 class GuardMiddleware:

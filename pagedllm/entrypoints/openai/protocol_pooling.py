@@ -19,7 +19,15 @@ class PoolingRequestModel(BaseModel):
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="forbid")
 
 
-class EmbeddingRequest(PoolingRequestModel):
+class TruncationFields(PoolingRequestModel):
+    """vLLM's truncation: keep `truncate_prompt_tokens` tokens of each input (-1: the model's
+    context), from the `truncation_side` given, else as the tokenizer truncates (llm_pooling.py)."""
+
+    truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None
+
+
+class EmbeddingRequest(TruncationFields):
     model: str | None = None
     input: EmbeddingInput
     encoding_format: Literal["float", "base64"] = "float"
@@ -34,18 +42,40 @@ class PoolingRequest(EmbeddingRequest):
     """vLLM's /pooling: the model's pooler output as it is (per token with pooling type ALL)."""
 
 
-class ScoreRequest(PoolingRequestModel):
+# vLLM's names for the two sides of /score, each pair one request shape.
+SCORE_SIDES = (("text_1", "text_2"), ("data_1", "data_2"), ("queries", "documents"), ("queries", "items"))
+
+
+class ScoreRequest(TruncationFields):
+    """vLLM's /score: the two sides as `text_1`/`text_2`, `data_1`/`data_2`, `queries`/`documents`
+    or `queries`/`items` (one text or a list each)."""
+
     model: str | None = None
-    text_1: str | list[str]
-    text_2: str | list[str]
+    text_1: str | list[str] | None = None
+    text_2: str | list[str] | None = None
+    data_1: str | list[str] | None = None
+    data_2: str | list[str] | None = None
+    queries: str | list[str] | None = None
+    documents: str | list[str] | None = None
+    items: str | list[str] | None = None
     user: str | None = None
     priority: int = 0
 
+    def sides(self) -> tuple[str, str]:
+        """The names of the two fields this request gives; ValueError unless it gives exactly one pair."""
+        given = [name for name in ("text_1", "text_2", "data_1", "data_2", "queries", "documents", "items")
+                 if getattr(self, name) is not None]
+        for pair in SCORE_SIDES:
+            if sorted(given) == sorted(pair):
+                return pair
+        shapes = ", ".join(f"{a}/{b}" for a, b in SCORE_SIDES)
+        raise ValueError(f"give the two sides to score as one of {shapes}; got {', '.join(given) or 'none'}")
 
-class RerankRequest(PoolingRequestModel):
+
+class RerankRequest(TruncationFields):
     model: str | None = None
     query: str
-    documents: list[str]
+    documents: str | list[str]
     top_n: int | None = None
     return_documents: bool = True
     user: str | None = None

@@ -1,6 +1,7 @@
 """`pagedllm run-batch -i input.jsonl -o output.jsonl`: an OpenAI batch file through the serving layer.
 
-Each input line is `{"custom_id", "method": "POST", "url", "body"}`; its body goes through the same
+Each input line is `{"custom_id", "method": "POST", "url", "body"}`, url one of SUPPORTED_URLS (the
+generation routes, and the pooling routes vLLM's run-batch takes); its body goes through the same
 serving class, request parsing and response building as the server's route for `url`, so each
 output line's `response.body` is what the server answers for that body (an error object with the
 same status and message where the server refuses it). Lines that are no request at all (malformed
@@ -248,8 +249,10 @@ def build_endpoints(engine: AsyncLLMEngine, args: argparse.Namespace) -> dict[st
     from pagedllm.entrypoints.openai.api_server import load_chat_template
     from pagedllm.entrypoints.openai.lora import LoRAAdapters
     from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+    from pagedllm.entrypoints.openai.protocol_pooling import EmbeddingRequest, PoolingRequest, RerankRequest, ScoreRequest
     from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
     from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+    from pagedllm.entrypoints.openai.serving_pooling import OpenAIServingPooling, generation_refused
 
     names = [engine.model_config.served_model_name]
     chat_template = load_chat_template(args.chat_template)
@@ -259,13 +262,30 @@ def build_endpoints(engine: AsyncLLMEngine, args: argparse.Namespace) -> dict[st
     chat = OpenAIServingChat(engine, names, args.max_logprobs, chat_template, state,
                              enable_auto_tool_choice=args.enable_auto_tool_choice,
                              tool_call_parser=args.tool_call_parser)
-    return {
+    pooling = OpenAIServingPooling(engine, names, args.max_logprobs, None, state)
+    endpoints = {
         "/v1/completions": Endpoint(CompletionRequest, completions.create_completion),
         "/v1/chat/completions": Endpoint(ChatCompletionRequest, chat.create_chat_completion),
+        "/v1/embeddings": Endpoint(EmbeddingRequest, pooling.embeddings),
+        "/pooling": Endpoint(PoolingRequest, pooling.pooling_route),
     }
+    endpoints.update({url: Endpoint(ScoreRequest, pooling.score) for url in ("/score", "/v1/score")})
+    endpoints.update({url: Endpoint(RerankRequest, pooling.rerank) for url in ("/rerank", "/v1/rerank", "/v2/rerank")})
+    if pooling.pooling:  # a pooling model's server answers the generation routes with a 400
+        for url in ("/v1/completions", "/v1/chat/completions"):
+            endpoints[url] = Endpoint(endpoints[url].request, _refuse(generation_refused(names[0], url)))
+    return endpoints
 
 
-SUPPORTED_URLS = ["/v1/completions", "/v1/chat/completions"]
+def _refuse(err: OpenAIError) -> Handler:
+    async def handler(body: Any, raw_request: None) -> Any:
+        raise err
+
+    return handler
+
+
+SUPPORTED_URLS = ["/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/pooling", "/score", "/v1/score",
+                  "/rerank", "/v1/rerank", "/v2/rerank"]
 
 
 def add_run_batch_parser(subparsers: Any) -> argparse.ArgumentParser:

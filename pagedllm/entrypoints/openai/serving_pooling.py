@@ -40,14 +40,22 @@ from pagedllm.entrypoints.openai.protocol_pooling import (
     ScoreData,
     ScoreRequest,
     ScoreResponse,
+    TruncationFields,
 )
 from pagedllm.entrypoints.openai.serving_engine import OpenAIServing
-from pagedllm.llm_pooling import cosine, pair_token_ids, score_pairs
+from pagedllm.llm_pooling import cosine, pair_token_ids, pooling_token_ids, resolve_truncation, score_pairs
 from pagedllm.models.loader.pooling import is_classifier
 from pagedllm.outputs import PoolingRequestOutput
 from pagedllm.pooling_params import PoolingParams
 
 GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"})
+
+
+def generation_refused(name: str, path: str) -> OpenAIError:
+    """The 400 a pooling model's server answers on a generation route."""
+    return bad_request(f"model {name!r} is served with --runner pooling, which answers /v1/embeddings, /pooling, "
+                       f"/score and /rerank, not {path}; start a generation server for it (pagedllm serve MODEL "
+                       "--runner generate)", "model")
 
 
 def encode_floats(values: Any, encoding_format: str) -> Any:
@@ -70,8 +78,20 @@ class OpenAIServingPooling(OpenAIServing):
                               "--runner pooling`", "model")
 
     # ---- inputs ---------------------------------------------------------------------------
-    def prompts(self, inp: EmbeddingInput, param: str = "input") -> list[EnginePrompt]:
-        """Every input as token ids, each checked (a 400 naming the index of a bad one)."""
+    def truncation(self, body: TruncationFields) -> tuple[int | None, str | None]:
+        """The body's truncate_prompt_tokens (resolved: -1 is the context) and truncation_side."""
+        if body.truncation_side is not None and body.truncate_prompt_tokens is None:
+            raise bad_request("truncation_side applies with truncate_prompt_tokens only", "truncation_side")
+        try:
+            k = resolve_truncation(body.truncate_prompt_tokens, body.truncation_side, self.max_model_len)
+        except ValueError as e:
+            raise bad_request(str(e), "truncate_prompt_tokens") from None
+        return k, body.truncation_side
+
+    def prompts(self, inp: EmbeddingInput, param: str = "input",
+                cut: tuple[int | None, str | None] = (None, None)) -> list[EnginePrompt]:
+        """Every input as token ids (cut to `cut`'s tokens), each checked (a 400 naming the index
+        of a bad one)."""
         if isinstance(inp, str):
             items: list[Any] = [inp]
         elif inp and all(isinstance(t, int) for t in inp):
@@ -80,23 +100,26 @@ class OpenAIServingPooling(OpenAIServing):
             items = list(inp)
         if not items:
             raise bad_request(f"{param} must not be empty", param)
-        return [self._prompt(x, f"{param}[{i}]" if len(items) > 1 or not isinstance(inp, str) else param, param)
+        return [self._prompt(x, f"{param}[{i}]" if len(items) > 1 or not isinstance(inp, str) else param, param, cut)
                 for i, x in enumerate(items)]
 
-    def _prompt(self, item: str | list[int], name: str, param: str) -> EnginePrompt:
+    def _prompt(self, item: str | list[int], name: str, param: str,
+                cut: tuple[int | None, str | None] = (None, None)) -> EnginePrompt:
         if (isinstance(item, str) and item == "") or (isinstance(item, list) and not item):
             raise bad_request(f"{name} is empty", param)
         try:
+            if cut[0] is not None:
+                item = pooling_token_ids(self.tokenizer, item, *cut)
             text, ids = self.processor.tokenize_prompt(item)
         except ValueError as e:
             raise bad_request(f"{name}: {e}", param) from None
-        return self.checked(EnginePrompt(ids, text), name, param)
+        return self.checked(EnginePrompt(ids, text if cut[0] is None else None), name, param)
 
     def checked(self, p: EnginePrompt, name: str, param: str) -> EnginePrompt:
         n, m = len(p.token_ids), self.max_model_len
         if n > m:
             raise bad_request(f"{name} has {n} tokens, more than this model's maximum context length of {m} "
-                              "tokens; shorten it", param)
+                              "tokens; shorten it or set truncate_prompt_tokens", param)
         config = self.async_engine.config
         if config.model_config.is_encoder:
             try:
@@ -131,7 +154,8 @@ class OpenAIServingPooling(OpenAIServing):
     async def embeddings(self, body: EmbeddingRequest, raw_request: Request) -> Response:
         self.check_runner("/v1/embeddings")
         params = self.params("embed", body.dimensions, body.normalize)
-        outs = await self.run_pooling(raw_request, self.prompts(body.input), params, body, "embd")
+        outs = await self.run_pooling(raw_request, self.prompts(body.input, cut=self.truncation(body)), params, body,
+                                      "embd")
         if isinstance(outs, Response):
             return outs
         for i, o in enumerate(outs):
@@ -146,31 +170,34 @@ class OpenAIServingPooling(OpenAIServing):
         self.check_runner("/pooling")
         task = "classify" if is_classifier(self.async_engine.model_config.hf_config) else "embed"
         params = self.params(task, body.dimensions, body.normalize)
-        outs = await self.run_pooling(raw_request, self.prompts(body.input), params, body, "pool")
+        outs = await self.run_pooling(raw_request, self.prompts(body.input, cut=self.truncation(body)), params, body,
+                                      "pool")
         if isinstance(outs, Response):
             return outs
         data = [PoolingData(index=i, data=encode_floats(o.outputs.data, body.encoding_format))
                 for i, o in enumerate(outs)]
         return _json(PoolingResponse(model=self.model_name(body.model), data=data, usage=_usage(outs)))
 
-    async def scores(self, raw_request: Request, body: Any, pairs: list[tuple[str, str]]
+    async def scores(self, raw_request: Request, body: Any, pairs: list[tuple[str, str]], param: str
                      ) -> tuple[list[float], int] | Response:
         """(one score per pair, prompt tokens used): a cross-encoder's, or the cosine similarity
-        of the two texts' embeddings."""
+        of the two texts' embeddings. With truncation, a cross-encoder's pair is cut as one input,
+        an embedding model's texts each."""
+        cut = self.truncation(body)
         if is_classifier(self.async_engine.model_config.hf_config):
             prompts = []
             for i, (a, b) in enumerate(pairs):
                 if a == "" or b == "":
-                    raise bad_request(f"pair {i} has an empty text")
-                ids = pair_token_ids(self.tokenizer, a, b)
+                    raise bad_request(f"pair {i} has an empty text", param)
+                ids = pair_token_ids(self.tokenizer, a, b, *cut)
                 prompts.append(self.checked(EnginePrompt(self.processor.tokenize_prompt(ids)[1], None), f"pair {i}",
-                                            "documents"))
+                                            param))
             outs = await self.run_pooling(raw_request, prompts, self.params("classify"), body, "score")
             if isinstance(outs, Response):
                 return outs
             return [float(o.outputs.data[0]) for o in outs], _usage(outs).prompt_tokens
         texts = list(dict.fromkeys(t for pair in pairs for t in pair))
-        prompts = [self._prompt(t, f"text {i}", "documents") for i, t in enumerate(texts)]
+        prompts = [self._prompt(t, f"text {i}", param, cut) for i, t in enumerate(texts)]
         outs = await self.run_pooling(raw_request, prompts, self.params("embed"), body, "score")
         if isinstance(outs, Response):
             return outs
@@ -180,10 +207,14 @@ class OpenAIServingPooling(OpenAIServing):
     async def score(self, body: ScoreRequest, raw_request: Request) -> Response:
         self.check_runner("/score")
         try:
-            pairs = score_pairs(body.text_1, body.text_2)
+            first, second = body.sides()
         except ValueError as e:
-            raise bad_request(str(e), "text_2") from None
-        got = await self.scores(raw_request, body, pairs)
+            raise bad_request(str(e)) from None
+        try:
+            pairs = score_pairs(getattr(body, first), getattr(body, second))
+        except ValueError as e:
+            raise bad_request(f"{first} and {second}: {e}", second) from None
+        got = await self.scores(raw_request, body, pairs, second)
         if isinstance(got, Response):
             return got
         values, tokens = got
@@ -193,11 +224,12 @@ class OpenAIServingPooling(OpenAIServing):
 
     async def rerank(self, body: RerankRequest, raw_request: Request) -> Response:
         self.check_runner("/rerank")
-        if not body.documents:
+        documents = [body.documents] if isinstance(body.documents, str) else body.documents
+        if not documents:
             raise bad_request("documents must not be empty", "documents")
         if body.top_n is not None and body.top_n < 0:
             raise bad_request(f"top_n must be non-negative, got {body.top_n}", "top_n")
-        got = await self.scores(raw_request, body, [(body.query, d) for d in body.documents])
+        got = await self.scores(raw_request, body, [(body.query, d) for d in documents], "documents")
         if isinstance(got, Response):
             return got
         values, tokens = got
@@ -205,7 +237,7 @@ class OpenAIServingPooling(OpenAIServing):
         if body.top_n:
             order = order[: body.top_n]
         results = [RerankResult(index=i, relevance_score=values[i],
-                                document=RerankDocument(text=body.documents[i]) if body.return_documents else None)
+                                document=RerankDocument(text=documents[i]) if body.return_documents else None)
                    for i in order]
         return _json(RerankResponse(model=self.model_name(body.model), results=results,
                                     usage=PoolingUsage(prompt_tokens=tokens, total_tokens=tokens)))
@@ -245,7 +277,7 @@ def add_pooling_routes(app: FastAPI, serving: OpenAIServingPooling, count_reques
             count_request("score")
             return await handled(serving.score(body, raw_request))
 
-    for path in ("/rerank", "/v1/rerank"):
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
         @app.post(path)
         async def create_rerank(body: RerankRequest, raw_request: Request) -> Response:
             count_request("rerank")
@@ -260,9 +292,8 @@ def add_pooling_routes(app: FastAPI, serving: OpenAIServingPooling, count_reques
         path = request.url.path
         if request.method != "POST" or path not in GENERATION_ROUTES:
             return await call_next(request)
-        message = (f"model {name!r} is served with --runner pooling, which answers /v1/embeddings, /pooling, /score "
-                   f"and /rerank, not {path}; start a generation server for it (pagedllm serve MODEL --runner generate)")
+        err = generation_refused(name, path)
         if path == "/v1/messages":  # Anthropic's error shape
-            return JSONResponse({"type": "error", "error": {"type": "invalid_request_error", "message": message}},
+            return JSONResponse({"type": "error", "error": {"type": "invalid_request_error", "message": err.message}},
                                 status_code=400)
-        return error_response(bad_request(message, "model"))
+        return error_response(err)
