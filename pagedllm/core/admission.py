@@ -5,6 +5,7 @@ counters that aging and the fair policy's time slice read. No torch."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from pagedllm.core.preemption import preempt
@@ -14,31 +15,37 @@ from pagedllm.core.step import Step
 
 def schedule_admissions(scheduler: Any, step: Step) -> None:
     """Swapped and waiting requests, in the policy's admission order, while budget, sequence
-    slots and blocks last; stops at the first that does not fit (see policies: aging)."""
+    slots and blocks last; stops at the first that does not fit (see policies: aging). Each pick
+    costs O(swapped + buckets + log waiting) (core/waiting_queue.py), never a scan of the waiting."""
     skip = {r.request_id for r in step.preempted}  # never back in the step that preempted it
-    while step.budget > 0:
-        candidates = [*scheduler.swapped, *scheduler.waiting] if scheduler.swapped else scheduler.waiting
-        if skip:
-            candidates = [r for r in candidates if r.request_id not in skip]
+    policy = scheduler.policy
+
+    def eligible(r: Request) -> bool:
         # A request whose grammar is still compiling waits; the others go on.
-        candidates = [r for r in candidates if r.structured is None or r.structured.ready]
-        if scheduler.max_loras:
-            candidates = lora_admissible(candidates, scheduler.running, scheduler.max_loras)
-        if not candidates:
+        return r.request_id not in skip and (r.structured is None or r.structured.ready)
+
+    while step.budget > 0:
+        lora_ok = lora_admissible(scheduler.running, scheduler.max_loras) if scheduler.max_loras else None
+        req = scheduler.waiting.next_eligible(eligible, lora_ok)
+        resumable = [r for r in scheduler.swapped if eligible(r) and (lora_ok is None or lora_ok(r.lora_int_id))]
+        if resumable:
+            resume = policy.next_waiting(resumable)
+            if req is None or policy.admission_key(resume) <= policy.admission_key(req):
+                req = resume  # swapped requests go first among equals
+        if req is None:
             break
-        req = scheduler.policy.next_waiting(candidates)
         if not admit(scheduler, req, step):
             break
         skip.update(r.request_id for r in step.preempted)
 
 
-def lora_admissible(candidates: list[Request], running: list[Request], max_loras: int) -> list[Request]:
-    """The candidates whose LoRA adapter can run beside the running requests' (at most
-    max_loras distinct adapters run at once); the others wait without blocking these."""
+def lora_admissible(running: list[Request], max_loras: int) -> Callable[[int], bool]:
+    """Whether a request of a LoRA adapter (by id; 0: none) can run beside the running requests'
+    (at most max_loras distinct adapters run at once); the others wait without blocking these."""
     active = {r.lora_int_id for r in running if r.lora_int_id}
     if len(active) < max_loras:
-        return candidates
-    return [r for r in candidates if not r.lora_int_id or r.lora_int_id in active]
+        return lambda lora_id: True
+    return lambda lora_id: not lora_id or lora_id in active
 
 
 def admit(scheduler: Any, req: Request, step: Step) -> bool:
@@ -73,7 +80,6 @@ def admit(scheduler: Any, req: Request, step: Step) -> bool:
             req.num_cached_tokens = num_hit
             req.first_scheduled_time = time.time()
     req.status = RequestStatus.RUNNING
-    req.waiting_steps = 0
     req.running_steps = 0
     scheduler.running.append(req)
     step.take(req, n)
@@ -81,13 +87,17 @@ def admit(scheduler: Any, req: Request, step: Step) -> bool:
 
 
 def update_waiting_counters(scheduler: Any, step: Step) -> None:
-    """Aging of waiting and swapped requests; time-slice steps of running ones (fair share)."""
-    queued = [*scheduler.waiting, *scheduler.swapped]
-    for req in queued:
-        req.waiting_steps += 1
-        if req.waiting_steps >= scheduler.config.max_waiting_steps:
+    """Aging of waiting and swapped requests (by the step count at which each entered its queue);
+    time-slice steps of running ones (fair share). O(swapped + newly aged + scheduled)."""
+    scheduler.num_steps += 1
+    now, limit = scheduler.num_steps, scheduler.config.max_waiting_steps
+    scheduler.waiting.end_step(now, limit)
+    for req in scheduler.swapped:
+        if now - req.queued_step >= limit:
             req.aged = True
-    users = {r.user for r in queued}
+    users = scheduler.waiting.users
+    if len(users) < 2:
+        users = {*users, *(r.user for r in scheduler.swapped)}
     for rid in step.scheduled:
         req = scheduler.requests[rid]
         if len(users) > 1 or (users and req.user not in users):

@@ -55,6 +55,16 @@ class Policy:
             return (0, request.arrival_time)
         return (1, request.status != RequestStatus.SWAPPED, *self.key(request))
 
+    def bucket(self, request: Request) -> object:
+        """What a non-aged waiting request's order depends on beyond `queue_key` (the waiting
+        queue keeps one heap per value; see core/waiting_queue.py)."""
+        return None
+
+    def queue_key(self, request: Request) -> tuple:
+        """Orders the waiting requests of one bucket as `admission_key` does, and does not change
+        while they wait (the waiting queue's heap key)."""
+        return self.admission_key(request)
+
     def next_waiting(self, candidates: Sequence[Request]) -> Request:
         """The next request to admit or resume, among waiting and swapped ones."""
         return min(candidates, key=self.admission_key)
@@ -120,6 +130,14 @@ class FairPolicy(Policy):
 
     def key(self, request: Request) -> tuple:
         return (self.virtual_time(request.user), request.arrival_time)
+
+    def bucket(self, request: Request) -> object:
+        return request.user  # a user's virtual time changes every step: one heap per user
+
+    def queue_key(self, request: Request) -> tuple:
+        if request.aged:
+            return (0, request.arrival_time)
+        return (1, request.status != RequestStatus.SWAPPED, request.arrival_time)
 
     def displace(self, candidate: Request, running: Sequence[Request]) -> Request | None:
         mine = self.virtual_time(candidate.user)

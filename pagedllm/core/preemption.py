@@ -91,14 +91,14 @@ def preempt(scheduler: Any, req: Request, step: Step) -> None:
     if mode == "swap":
         kv.swap_out(req)
         req.status = RequestStatus.SWAPPED
+        req.queued_step = scheduler.num_steps
         scheduler.swapped.append(req)
     else:
         kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
-        scheduler.waiting.append(req)
+        scheduler.waiting.append(req, scheduler.num_steps)
     req.num_preemptions += 1
-    req.waiting_steps = 0
     scheduler.num_preemptions += 1
     scheduler.num_preemptions_by_mode[mode] += 1
     # The worker forgets it (keeping its random generator) and is sent it in full on return.

@@ -84,9 +84,10 @@ class Request:
         self.num_preemptions = 0
         # sha256 keys of this request's full blocks, extended as tokens arrive (prefix caching).
         self.block_hashes: list[bytes] = []
-        # Scheduler bookkeeping: steps spent waiting (or swapped) since the last change of queue;
-        # steps run since admission while a request of another user waited (fair share's time
-        # slice); `aged` is set once waiting_steps reaches max_waiting_steps and stays set.
+        # Scheduler bookkeeping: its step count when the request last entered the swapped queue
+        # (the waiting queue stamps its own entries); steps run since admission while a request of
+        # another user waited (fair share's time slice); `aged` is set once it has waited (or been
+        # swapped) max_waiting_steps steps in a row, and stays set.
         self.first_scheduled_time: float | None = None
         # Structured output (grammar, matcher, thinking state): set by the engine core for requests
         # that ask for a structure or a thinking budget (pagedllm/structured_output); the scheduler
@@ -97,7 +98,7 @@ class Request:
         self.pooling: Any = None
         # False for an encoder's prompt: attention spans the whole prompt, so it runs in one step.
         self.chunkable = True
-        self.waiting_steps = 0
+        self.queued_step = 0
         self.running_steps = 0
         self.aged = False
 

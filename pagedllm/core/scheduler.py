@@ -24,6 +24,7 @@ from pagedllm.core.preemption import PreemptionCostModel, preempt
 from pagedllm.core.request_limits import check_request_limits
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.spec_decode import NgramProposer, SpecDecodeStats, proposals_for, roll_back
+from pagedllm.core.waiting_queue import WaitingQueue
 from pagedllm.core.step import Step, WorkerView
 from pagedllm.core.scheduler_output import (
     CachedRequestData,
@@ -71,7 +72,7 @@ class Scheduler:
         # Measured costs for preemption mode auto; without them auto swaps whenever the pool has room.
         self.costs = costs
         self.requests: dict[str, Request] = {}
-        self.waiting: list[Request] = []
+        self.waiting = WaitingQueue(self.policy)  # in queue order; admission order from heaps
         self.running: list[Request] = []  # in admission order
         self.swapped: list[Request] = []  # in swap-out order
         # n > 1: samples waiting to be forked off their parent (sample 0) once its prompt is computed.
@@ -84,6 +85,7 @@ class Scheduler:
         self.num_preemptions_by_mode = {"recompute": 0, "swap": 0}
         # Distinct LoRA adapters the running requests may use at once (--max-loras; 0: no LoRA).
         self.max_loras = 0
+        self.num_steps = 0  # schedule() calls so far (aging counts in these)
 
     # ---- admission ------------------------------------------------------------------------
     def check_request(self, request: Request) -> None:
@@ -109,7 +111,7 @@ class Scheduler:
         for req in group:
             self.requests[req.request_id] = req
             req.status = RequestStatus.WAITING
-        self.waiting.append(request)
+        self.waiting.append(request, self.num_steps)
         if forks:
             self._pending_forks[request.request_id] = list(forks)
 
@@ -151,7 +153,8 @@ class Scheduler:
         if self.proposer is not None:
             self.proposer.forget(req.request_id)
         # Samples still waiting for this parent's fork go on alone, computing the prompt themselves.
-        self.waiting.extend(self._pending_forks.pop(req.request_id, ()))
+        for fork in self._pending_forks.pop(req.request_id, ()):
+            self.waiting.append(fork, self.num_steps)
         if self._worker.pop(req.request_id, None) is not None:
             self._forget[req.request_id] = False  # it ended: the worker drops its random generator too
 
@@ -163,7 +166,8 @@ class Scheduler:
         return len(self.waiting) + len(self.running) + len(self.swapped) + self._num_pending_forks()
 
     def _num_pending_forks(self) -> int:
-        return sum(len(f) for f in self._pending_forks.values())
+        # Every unfinished request is in exactly one queue or pending fork (check_integrity).
+        return len(self.requests) - len(self.waiting) - len(self.running) - len(self.swapped)
 
     def _num_seqs(self) -> int:
         """Sequence slots taken: running requests and the samples they will fork."""
@@ -398,6 +402,7 @@ class Scheduler:
     def check_integrity(self) -> None:
         """Invariants of queues and blocks, device and host (run by tests after every step)."""
         self.kv.check_integrity()
+        self.waiting.check_integrity()
         pending = [r for forks in self._pending_forks.values() for r in forks]
         queues = (self.running, self.waiting, self.swapped, pending)
         ids = [r.request_id for q in queues for r in q]
