@@ -46,7 +46,7 @@ from pagedllm.worker.host_memory import move_weights_to_huge_pages
 from pagedllm.worker.input_batch import BatchArrays, InputBatch, token_rows
 from pagedllm.worker.kv_memory import KVMemory
 from pagedllm.worker.native_decode import NativeDecode
-from pagedllm.worker.spec_decode import SpecRows, accepted_logprobs, split_spec_rows, verify_isolating_faults
+from pagedllm.worker.spec_decode import SpecRows, split_spec_rows, verify_step
 from pagedllm.worker.pooler import Pooler
 from pagedllm.worker.sample import (
     Sampler,
@@ -453,10 +453,12 @@ class ModelRunner:
         ib = self.input_batch
         batch = step.batch
         sample_req, sample_rows = batch.sample_req_indices, batch.sample_rows
-        spec = None
+        spec = spec_head = None
         if step.so.spec_token_ids:  # speculating requests are verified on their own (below)
             spec, others = split_spec_rows(step.so.spec_token_ids, step.req_ids, step.rows, sample_req, sample_rows)
             sample_req, sample_rows = sample_req[others], sample_rows[others]
+            if head is not None:  # the head path gave every flat row's token ids or logits
+                spec_head, head = head, head[sample_rows if isinstance(head, np.ndarray) else torch.from_numpy(sample_rows)]
         sample_slots = step.rows[sample_req]
         if forks:
             parents = np.asarray([i for i, _ in forks], dtype=np.int64)
@@ -479,7 +481,7 @@ class ModelRunner:
         if (step.so.grammar_bitmask is not None and len(sample_slots) and self.parallel.is_driver
                 and not step.grammar_masked):
             self._apply_grammar(logits, step.so, [out_ids[p] for p in out_pos])
-        if isinstance(head, np.ndarray):  # greedy rows, nothing else: the native call's argmax
+        if isinstance(head, np.ndarray) and len(sample_slots):  # greedy rows, nothing else: the native call's argmax
             result = SamplerOutput(torch.from_numpy(head), None, None, None)
         elif len(sample_slots) and self.parallel.is_driver:
             # A row whose sampling raises fails its request alone; the others are sampled as usual.
@@ -509,21 +511,23 @@ class ModelRunner:
                         ranks=[int(result.sampled_token_ranks[j])],  # type: ignore[index]
                     )
         if spec is not None:
-            self._verify(spec, hidden, out_ids, sampled, logprobs, failed)
+            self._verify(spec, hidden, spec_head, out_ids, sampled, logprobs, failed)
         return out_ids, sampled, logprobs, failed
 
-    def _verify(self, spec: SpecRows, hidden: torch.Tensor | None, out_ids: list[str], sampled: list[list[int]],
-                logprobs: dict[str, Logprobs], failed: dict[str, str]) -> None:
+    def _verify(self, spec: SpecRows, hidden: torch.Tensor | None, head: torch.Tensor | np.ndarray | None,
+                out_ids: list[str], sampled: list[list[int]], logprobs: dict[str, Logprobs],
+                failed: dict[str, str]) -> None:
         """The speculating requests' proposals verified against the target's logits at their
-        positions (worker/spec_decode.py): each keeps its accepted proposals and one token more."""
-        assert hidden is not None, "a step with proposals runs a path that returns hidden states"
-        logits = self.model.compute_logits(hidden[torch.from_numpy(spec.flat_rows).to(self.device)])  # type: ignore[union-attr]
-        if not self.parallel.is_driver:
+        positions (worker/spec_decode.py), or against its argmax there where the head path gave
+        token ids (`head`, indexed by flat row): each keeps its accepted proposals and one token more."""
+        res = verify_step(self.model, self.sampler, self.input_batch, spec, hidden, head, self.device,
+                          self.parallel.is_driver)
+        if res is None:
             return
-        kept, errors = verify_isolating_faults(self.sampler, logits, self.input_batch, spec, self.device)
+        kept, errors, lps = res
         for i, err in errors.items():
             failed[out_ids[spec.out_pos[i]]] = err
-        for i, lp in accepted_logprobs(logits, spec, kept, self.input_batch).items():
+        for i, lp in lps.items():
             logprobs[out_ids[spec.out_pos[i]]] = lp
         for i, tokens in enumerate(kept):
             if tokens is not None:

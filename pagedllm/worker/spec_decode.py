@@ -160,6 +160,13 @@ def verify(sampler: Sampler, logits: torch.Tensor, ib: InputBatch, spec: SpecRow
     return kept
 
 
+def verify_greedy_tokens(spec: SpecRows, target: np.ndarray) -> list[list[int]]:
+    """Greedy verification from the target's argmax at each verified position (`target`, in
+    flat_rows' order), as the fused decode step's head gives it."""
+    t = target.tolist()
+    return [_accept_greedy(props, t[o : o + len(props) + 1]) for props, o in zip(spec.proposals, spec.offsets)]
+
+
 def _accept_greedy(props: list[int], target: list[int]) -> list[int]:
     a = 0
     while a < len(props) and props[a] == target[a]:
@@ -204,3 +211,23 @@ def accepted_logprobs(logits: torch.Tensor, spec: SpecRows, kept: list[list[int]
                                                 torch.tensor(tokens, device=logits.device), k)
         out[i] = Logprobs(token_ids=ids.tolist(), logprobs=lps.tolist(), ranks=ranks.tolist())
     return out
+
+
+def verify_step(model: torch.nn.Module, sampler: Sampler, ib: InputBatch, spec: SpecRows, hidden: torch.Tensor | None,
+                head: torch.Tensor | np.ndarray | None, device: torch.device, is_driver: bool,
+                ) -> tuple[list[list[int] | None], dict[int, str], dict[int, Logprobs]] | None:
+    """A step's verification: (tokens each speculating request keeps, None where it failed; errors
+    and logprobs by index into spec), None on a rank that does not sample. From the head path's
+    output over every flat row where the step took it (`head`: argmax token ids, or logits), else
+    from the LM head over `hidden` at the verified positions."""
+    if isinstance(head, np.ndarray):  # argmax only: no logprobs, nothing to fail on
+        return list(verify_greedy_tokens(spec, head[spec.flat_rows])), {}, {}
+    if head is not None:
+        logits = head[torch.from_numpy(spec.flat_rows)]
+    else:
+        assert hidden is not None, "a step with proposals runs a path that returns hidden states"
+        logits = model.compute_logits(hidden[torch.from_numpy(spec.flat_rows).to(device)])
+    if not is_driver:
+        return None
+    kept, errors = verify_isolating_faults(sampler, logits, ib, spec, device)
+    return kept, errors, accepted_logprobs(logits, spec, kept, ib)

@@ -147,3 +147,38 @@ def test_structured_request_decodes_without_speculation(speculating: LLM) -> Non
     out = speculating.generate(["Answer yes or no: is the sky blue?"], params, use_tqdm=False)[0].outputs[0]
     assert out.text in ("yes yes yes", "no no no")
     assert speculating.llm_engine.scheduler.get_stats().spec_decode.num_drafts == before
+
+
+def test_verification_on_the_fused_head(plain: LLM, speculating: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lone request's verification steps end in the fused decode step's LM head (argmax for
+    plain greedy, logits for logprobs and min_tokens), with the same tokens as without speculation."""
+    from pagedllm.worker.forward import NativeHeadPath
+
+    runs = {"verify": 0}
+    real = NativeHeadPath.run
+
+    def counting(self: NativeHeadPath, step):  # noqa: ANN001, ANN202
+        runs["verify"] += step.token_rows is not None
+        return real(self, step)
+
+    monkeypatch.setattr(NativeHeadPath, "run", counting)
+    ref = tokens(plain, [CODE], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))[0]
+    cases = [
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3),
+        # stop_token_ids are blocked until min_tokens: the boundary falls inside a verification
+        SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[ref[3]], min_tokens=6),
+        SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.3, ignore_eos=True),
+    ]
+    for params in cases:
+        runs["verify"] = 0
+        want = plain.generate([CODE], params, use_tqdm=False)[0].outputs[0]
+        got = speculating.generate([CODE], params, use_tqdm=False)[0].outputs[0]
+        assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason), params
+        assert runs["verify"] > 0, params
+        if params.logprobs is not None:
+            for a, b in zip(got.logprobs, want.logprobs):
+                assert a.keys() == b.keys()
+                for t in a:
+                    assert a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4)
+    check_pool_whole(speculating)

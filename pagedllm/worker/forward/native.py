@@ -41,7 +41,9 @@ class NativeHeadPath(ForwardPath):
 
     Where the native decode path applies, it applies to steps with no forked samples and no
     prompt logprobs (both need hidden states) whose sampled rows are few enough that the torch
-    path's LM head is the same GEMM. A step the kernel declines runs on `fallback` (the native
+    path's LM head is the same GEMM. In a step of decodes and speculative verifications every
+    token's row is sampled (a verifying request's 1 + k positions each give the target's token or
+    logits there), so its proposals are checked against the argmax of the same call. A step the kernel declines runs on `fallback` (the native
     decode path) and then the torch LM head, which gives the same logits."""
 
     name = "native_head"
@@ -59,28 +61,43 @@ class NativeHeadPath(ForwardPath):
 
     def applies(self, step: PreparedStep) -> bool:
         """Given that the native decode path applies to the step."""
-        return (not step.so.forked_reqs and step.token_rows is None and self.nd.head_applies(len(step.batch.sample_rows))
+        b = step.batch if step.token_rows is None else step.token_rows
+        return (not step.so.forked_reqs and self.nd.head_applies(len(b.sample_rows))
                 and not (self.input_batch.prompt_logprobs[step.rows] >= 0).any())
 
     def run(self, step: PreparedStep) -> np.ndarray | torch.Tensor:
+        """The head's output for the step's sampled rows; in a step of decodes and verifications
+        (step.token_rows), for every token's row, indexed as the step's flat rows."""
         b = step.batch
+        rows = b if step.token_rows is None else step.token_rows
         greedy = False
         if sampler_fault_hook() is None:
             try:
                 md = self.sampling_metadata(step.rows[b.sample_req_indices], self.nd.vocab)
             except Exception:  # the sampler reports it (and fails the row) from the logits
                 md = None
-            greedy = md is not None and md.argmax_only
+            greedy = md is not None and md.argmax_only and (step.token_rows is None or self._min_tokens_met(step))
         mask = mask_rows = None
         so = step.so
         if so.grammar_bitmask is not None:  # structured output: the kernel masks before its argmax
             mask = so.grammar_bitmask
-            mask_rows = np.asarray([so.structured_rows.get(step.req_ids[j], -1) for j in b.sample_req_indices],
-                                   dtype=np.int64)
-        out = self.nd.run_head(b.input_ids, b.positions, b.slot_mapping, b.block_tables, b.seq_lens,
-                               b.sample_rows, greedy, mask, mask_rows)
+            row_req = b.sample_req_indices if step.token_rows is None else np.repeat(np.arange(len(step.req_ids)),
+                                                                                      step.counts)
+            mask_rows = np.asarray([so.structured_rows.get(step.req_ids[j], -1) for j in row_req], dtype=np.int64)
+        out = self.nd.run_head(rows.input_ids, rows.positions, rows.slot_mapping, rows.block_tables, rows.seq_lens,
+                               rows.sample_rows, greedy, mask, mask_rows)
         if out is not None:
             step.grammar_masked = mask is not None
             return out
         hidden = self.fallback.run(step)
-        return self.model.compute_logits(hidden[torch.from_numpy(b.sample_rows).to(self.device, non_blocking=True)])
+        return self.model.compute_logits(hidden[torch.from_numpy(rows.sample_rows).to(self.device, non_blocking=True)])
+
+    def _min_tokens_met(self, step: PreparedStep) -> bool:
+        """Whether every request of a verification step has its min_tokens before its proposals
+        (which the batch counts among its tokens until the step is done): then none of its
+        positions blocks a token, and their argmax is what verification compares with."""
+        ib = self.input_batch
+        proposed = np.fromiter((len(step.so.spec_token_ids.get(r, ())) for r in step.req_ids), dtype=np.int64,
+                               count=len(step.req_ids))
+        out = ib.num_tokens[step.rows] - ib.num_prompt_tokens[step.rows] - proposed
+        return bool((out >= ib.min_tokens[step.rows]).all())
