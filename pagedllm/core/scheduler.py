@@ -23,7 +23,7 @@ from pagedllm.core.pooling import check_whole_prompt, finish_pooled
 from pagedllm.core.preemption import PreemptionCostModel, preempt
 from pagedllm.core.request_limits import check_request_limits
 from pagedllm.core.request import Request, RequestStatus
-from pagedllm.core.spec_decode import NgramProposer, SpecDecodeStats, proposals_for, roll_back
+from pagedllm.core.spec_decode import Proposer, SpecDecodeStats, proposals_for, roll_back
 from pagedllm.core.waiting_queue import WaitingQueue
 from pagedllm.core.step import Step, WorkerView
 from pagedllm.core.scheduler_output import (
@@ -61,7 +61,7 @@ class SchedulerStats:
 class Scheduler:
     def __init__(
         self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, costs: PreemptionCostModel | None = None,
-        proposer: NgramProposer | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
         self.config = config
         # Speculative decoding: proposes tokens for decoding requests (None: off, no work per step).
@@ -204,6 +204,8 @@ class Scheduler:
     def _schedule_running(self, step: Step) -> None:
         """Running requests, in admission order: a decode token or their next prompt chunk."""
         idx = 0
+        if self.proposer is not None:
+            self.proposer.begin_step(len(self.running))
         while idx < len(self.running) and step.budget > 0:
             req = self.running[idx]
             n = self._num_new_tokens(req, step.budget, step.partial_left)
@@ -340,6 +342,7 @@ class Scheduler:
             if so.spec_token_ids and rid in so.spec_token_ids and new_tokens:
                 roll_back(self.kv, req, len(so.spec_token_ids[rid]), len(new_tokens) - 1)
                 self.spec_stats.record(len(so.spec_token_ids[rid]), len(new_tokens) - 1)  # type: ignore[union-attr]
+                self.proposer.record(rid, len(so.spec_token_ids[rid]), len(new_tokens) - 1)  # type: ignore[union-attr]
             if not new_tokens and prompt_lp is None:
                 continue  # an unfinished prompt chunk
             appended: list[int] = []

@@ -14,6 +14,7 @@ Python loop over them.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -21,9 +22,12 @@ import numpy as np
 
 from pagedllm.config import SpeculativeConfig
 from pagedllm.core.request import Request
+from pagedllm.core.spec_adaptive import SpecController, max_spec_rows
 
 if TYPE_CHECKING:
     from pagedllm.core.kv_cache_manager import KVCacheManager
+
+logger = logging.getLogger(__name__)
 
 
 def ngram_propose(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> np.ndarray:
@@ -65,15 +69,41 @@ class _History:
     length: int = 0
 
 
-class NgramProposer:
+class Proposer:
+    """What the scheduler asks of a proposal method: propose(req, max_tokens) -> up to max_tokens
+    tokens; forget(request_id) when a request leaves. With an adaptive `control`, the scheduler
+    starts each step with begin_step and reports each verification with record."""
+
+    control: SpecController | None = None
+
+    def propose(self, req: Request, max_tokens: int) -> list[int]:
+        raise NotImplementedError
+
+    def forget(self, request_id: str) -> None:
+        if self.control is not None:
+            self.control.forget(request_id)
+
+    def begin_step(self, num_running: int) -> None:
+        """A step with this many running requests starts (its rows left for proposals)."""
+        if self.control is not None:
+            self.control.begin_step(num_running)
+
+    def record(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
+        if self.control is not None:
+            self.control.record(request_id, num_proposed, num_accepted)
+
+
+class NgramProposer(Proposer):
     """Proposals from each request's own prompt and output. Keeps a numpy copy of each request's
     tokens, extended by the new ones only, so a proposal costs no conversion of the whole list."""
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, control: SpecController | None = None) -> None:
         self.k = config.num_speculative_tokens
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
         self._history: dict[str, _History] = {}
+        self.control = control
+        """Adapts how many tokens each request proposes (core/spec_adaptive.py); None: always k."""
 
     def propose(self, req: Request, max_tokens: int) -> list[int]:
         """Up to min(k, max_tokens) tokens to follow the request's last token."""
@@ -96,16 +126,37 @@ class NgramProposer:
 
     def forget(self, request_id: str) -> None:
         self._history.pop(request_id, None)
+        super().forget(request_id)
 
 
-def proposals_for(proposer: NgramProposer, req: Request, budget: int, max_model_len: int) -> list[int]:
+def spec_control(config: SpeculativeConfig, device: str) -> SpecController:
+    """The adaptive controller of a speculating engine on this device ('cpu', 'cuda'), logged."""
+    max_rows = max_spec_rows(device)
+    logger.info(
+        "Speculative decoding: method %s, up to %d tokens proposed per step (n-gram lookup of %d..%d tokens), "
+        "fewer where a request's proposals are rarely accepted; proposals only while a step holds at most %d rows "
+        "(%s rule: beyond them a decode step is bound by computing its rows), so none from %d running requests; "
+        "requests with structured output decode without it",
+        config.method, config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max,
+        max_rows, device.upper() if device == "cpu" else "GPU", max_rows)
+    return SpecController(config.num_speculative_tokens, max_rows)
+
+
+def proposals_for(proposer: Proposer, req: Request, budget: int, max_model_len: int) -> list[int]:
     """Proposed tokens to verify after a decoding request's last token: within the step's token
     budget left, and never more than it may still generate after the token the step yields of
-    its own. None for a request with a structure (its grammar matcher cannot roll back)."""
+    its own; with adaptation, no more than the request's acceptance and the step's rows allow.
+    None for a request with a structure (its grammar matcher cannot roll back)."""
     if req.structured is not None or req.num_tokens - req.num_computed_tokens != 1:
         return []
     room = min(budget - 1, req.max_tokens - req.num_output_tokens - 1, max_model_len - req.num_tokens - 1)
-    return proposer.propose(req, room) if room > 0 else []
+    control = proposer.control
+    if control is not None and room > 0:
+        room = control.allowance(req.request_id, room)
+    proposals = proposer.propose(req, room) if room > 0 else []
+    if control is not None:
+        control.took(len(proposals))
+    return proposals
 
 
 def roll_back(kv: KVCacheManager, req: Request, num_proposed: int, num_accepted: int) -> None:

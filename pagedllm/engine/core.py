@@ -21,7 +21,7 @@ from pagedllm.core.preemption import PreemptionCostModel
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import EngineCoreOutput, SchedulerOutput
-from pagedllm.core.spec_decode import NgramProposer
+from pagedllm.core.spec_decode import NgramProposer, spec_control
 from pagedllm.engine.core_io import EngineCoreRequest, StepStats
 from pagedllm.executor import create_executor
 from pagedllm.pooling_params import attach_pooling
@@ -107,10 +107,7 @@ class EngineCore:
         self.scheduler = Scheduler(sc, kv, self.preemption_costs, NgramProposer(spec) if spec is not None else None)
         self.scheduler.max_loras = config.lora_config.max_loras if config.lora_config is not None else 0
         if spec is not None:
-            logger.info(
-                "Speculative decoding: method %s, up to %d tokens proposed per step (n-gram lookup of %d..%d "
-                "tokens); requests with structured output decode without it",
-                spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            self.scheduler.proposer.control = spec_control(spec, config.device_config.device)  # type: ignore[union-attr]
         self.structured = StructuredOutputManager(config)
         # Requests whose grammar is compiling (waiting in the scheduler until it is ready), and every
         # unfinished request with structured-output state (the step's bitmask looks at these only).

@@ -65,7 +65,7 @@ def test_greedy_same_with_speculation(speculating: LLM, reference: list[list[int
     assert tokens(speculating) == reference
     stats = speculating.llm_engine.scheduler.get_stats()
     s = stats.spec_decode
-    assert s.num_drafts > 10 and s.num_accepted_tokens > 20, s
+    assert s.num_drafts > 10 and s.num_accepted_tokens > 10, s
     assert stats.prefix_cache_hits > 0  # the two bakery prompts share their system prompt
     check_pool_whole(speculating)
 
@@ -182,3 +182,22 @@ def test_verification_on_the_fused_head(plain: LLM, speculating: LLM, monkeypatc
                 for t in a:
                     assert a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4)
     check_pool_whole(speculating)
+
+
+def test_adaptive_speculation_greedy_same_and_off_for_large_batches(tiny_model_dir: str) -> None:
+    """Adaptation on (always): greedy tokens as without speculation; with more running requests
+    than a CPU step's rows for proposals (core/spec_adaptive.py), no request proposes; with a few,
+    they do."""
+    from pagedllm.core.spec_adaptive import CPU_ROWS
+
+    base = {"model": tiny_model_dir, "dtype": "float32", "num_kv_blocks": 256, "block_size": 4, "max_model_len": 128}
+    prompts = [f"a b c {i} a b c {i} a b" for i in range(CPU_ROWS + 4)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = tokens(LLM(**base), prompts, params)
+    llm = LLM(**base, speculative_config=spec(4))
+    assert tokens(llm, prompts, params) == want
+    assert llm.llm_engine.scheduler.get_stats().spec_decode.num_drafts == 0
+    assert tokens(llm, prompts[:3], params) == want[:3]
+    s = llm.llm_engine.scheduler.get_stats().spec_decode
+    assert s.num_drafts > 0
+    check_pool_whole(llm)

@@ -23,6 +23,7 @@ from pagedllm.core.kv_groups import plan_kv_groups
 from pagedllm.core.preemption import PreemptionCostModel
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.spec_decode import Proposer
 from pagedllm.sampling_params import SamplingParams
 from fake_worker import FakeWorker, sampled_token
 
@@ -87,7 +88,7 @@ def make_prompt(rng: random.Random, prefixes: list[list[int]]) -> list[int]:
     return [rng.randint(10, 30_000) for _ in range(rng.randint(1, MAX_PROMPT))]
 
 
-class ScriptedProposer:
+class ScriptedProposer(Proposer):
     """Speculative decoding's proposals for the simulation: up to 4 tokens, a random number of
     them the fake model's own next tokens and the rest wrong, so the fake worker accepts a random
     prefix and rejects the rest (their KV slots then hold wrong tokens until overwritten)."""
@@ -102,9 +103,6 @@ class ScriptedProposer:
         self.proposed += k
         base = req.num_output_tokens
         return [sampled_token(req.request_id, base + j) + (j >= good) for j in range(k)]
-
-    def forget(self, request_id: str) -> None:
-        pass
 
 
 def simulate(
