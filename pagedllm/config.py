@@ -135,6 +135,10 @@ class SchedulerConfig:
     """Cap on one request's prompt chunk per step (0 = no cap beyond the budget)."""
     max_num_partial_prefills: int = 0
     """Most requests with unfinished prompts scheduled in one step (0 = no limit)."""
+    max_num_prefill_tokens_while_decoding: int = 0
+    """Prompt tokens one step may carry while a running request decodes (0 = the whole budget).
+    Decode tokens come on top, within max_num_batched_tokens; a step with no decode is not capped.
+    Small steps spread a burst's first tokens out (core/step.py)."""
     time_slice: int = 64
     """Fair share: steps a running request keeps its place while requests of other users wait;
     then it yields to a waiting request of a less-served user."""
@@ -150,7 +154,8 @@ class SchedulerConfig:
             raise ValueError(f"scheduling policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
-        _check_at_least(self, 0, "long_prefill_token_threshold", "max_num_partial_prefills")
+        _check_at_least(self, 0, "long_prefill_token_threshold", "max_num_partial_prefills",
+                        "max_num_prefill_tokens_while_decoding")
         _check_at_least(self, 1, "time_slice", "max_waiting_steps")
         for user, w in self.user_weights.items():
             if not w > 0:

@@ -67,6 +67,8 @@ COMMANDS: dict[str, Entry | tuple[str, dict[str, Entry]]] = {
              "throughput with N LoRA adapters mixed over the workload against the base model; adapter load time"),
     "run-batch": ("pagedllm.benchmarks.run_batch",
                   "pagedllm run-batch on a chat batch file against LLM.chat on the same conversations"),
+    "ttft": ("pagedllm.benchmarks.ttft",
+             "time to first token under 1/4/16/64 concurrent chat streams (guidellm) against vLLM's CPU build"),
     "ui-cost": ("pagedllm.benchmarks.ui_cost",
                 "pagedllm serve's output tokens/s under full load with and without a viewer on the engine feed"),
     "soak": ("pagedllm.benchmarks.soak",

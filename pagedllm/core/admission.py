@@ -55,7 +55,7 @@ def admit(scheduler: Any, req: Request, step: Step) -> bool:
     extra_seqs = 1 + len(scheduler._pending_forks.get(req.request_id, ()))
     while True:
         hits, num_hit = ([], 0) if swapped or not req.uses_prefix_cache else kv.get_computed_blocks(req)
-        n = scheduler._num_new_tokens(req, step.budget, step.partial_left, None if swapped else num_hit)
+        n = scheduler._num_new_tokens(req, step, None if swapped else num_hit)
         if n == 0:
             return False
         has_slot = scheduler._num_seqs() + extra_seqs <= scheduler.config.max_num_seqs

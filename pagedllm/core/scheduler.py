@@ -176,24 +176,26 @@ class Scheduler:
         return len(self.running) + sum(len(self._pending_forks.get(r.request_id, ())) for r in self.running)
 
     # ---- one step -------------------------------------------------------------------------
-    def _num_new_tokens(self, req: Request, budget: int, partial_left: int, computed: int | None = None) -> int:
+    def _num_new_tokens(self, req: Request, step: Step, computed: int | None = None) -> int:
         """Tokens to schedule for `req` this step, counting from `computed` (default: its
         num_computed_tokens; an admission passes its prefix-cache hit)."""
         computed = req.num_computed_tokens if computed is None else computed
         n = req.num_tokens - computed
         if not req.chunkable:  # an encoder's prompt runs whole or waits (admission rejects one over the budget)
-            return n if n <= budget else 0
+            return n if n <= step.budget else 0
         if self.config.long_prefill_token_threshold and n > 1:
             n = min(n, self.config.long_prefill_token_threshold)
-        n = min(n, budget)
-        # A prompt chunk (more than the one decode token) counts against the partial-prefill limit.
+        n = min(n, step.budget)
+        # A prompt chunk (more than the one decode token) counts against the partial-prefill limit
+        # and the prompt-token cap while decoding (core/step.py).
         if n > 1 or computed + n < req.num_tokens:
-            if partial_left == 0:
+            if step.partial_left == 0:
                 return 0
+            n = step.prompt_tokens(req, n)
         return n
 
     def schedule(self) -> SchedulerOutput:
-        step = Step(self.config.max_num_batched_tokens, self.config.max_num_partial_prefills or -1)
+        step = Step.open(self.config, self.running)
         self._schedule_running(step)
         # Admit or resume only when no running request had to be preempted for blocks.
         if not step.preempted:
@@ -208,7 +210,7 @@ class Scheduler:
             self.proposer.begin_step(len(self.running))
         while idx < len(self.running) and step.budget > 0:
             req = self.running[idx]
-            n = self._num_new_tokens(req, step.budget, step.partial_left)
+            n = self._num_new_tokens(req, step)
             if n == 0:
                 idx += 1
                 continue

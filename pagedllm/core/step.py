@@ -1,11 +1,27 @@
 """What one `Scheduler.schedule()` call hands out (`Step`), and what the worker holds of each
-request it has been sent (`WorkerView`). No torch."""
+request it has been sent (`WorkerView`). No torch.
+
+The prompt-token cap while decoding (`max_num_prefill_tokens_while_decoding` = P). A step that
+runs at least one decode carries at most P prompt tokens (decode tokens come on top, all within
+`max_num_batched_tokens`). Why: a step's duration grows with its prompt tokens, and a request's
+first token comes at the end of the step that computes its last prompt chunk. Under a closed
+loop of chat streams with similar lengths, requests that were admitted together finish together
+and come back together: with the whole budget for prompts, a wave of k prompts of p tokens
+shares about k p / budget long steps and every one of them gets its first token at the end of
+those steps, while the decodes beside them wait as long for their next token. With P about one
+prompt, prompts finish one or two per step (shortest wait first, as in shortest-job-first), so
+the mean time to first token of a wave falls towards half its total, the waves break up into
+single arrivals, and each arrival waits one short step. A step with no decode (an idle server,
+a batch of offline prompts at start, a lone long prompt) keeps the whole budget, so prefill
+throughput is unchanged. Encoder prompts (not chunkable) are not capped: they run whole."""
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pagedllm.config import SchedulerConfig
 from pagedllm.core.request import Request
 
 
@@ -29,6 +45,21 @@ class Step:
     preempted: list[Request] = field(default_factory=list)
     # Speculating requests: their proposals, verified after their last token (n = 1 + proposals).
     spec: dict[str, list[int]] = field(default_factory=dict)
+    prefill_left: int = -1  # prompt tokens still allowed this step; -1: only the budget limits them
+
+    @classmethod
+    def open(cls, config: SchedulerConfig, running: Sequence[Request]) -> Step:
+        """A step's allowances: the token budget, the prompt-chunk count, and the prompt-token
+        cap while some running request decodes (see the module's docstring)."""
+        step = cls(config.max_num_batched_tokens, config.max_num_partial_prefills or -1)
+        cap = config.max_num_prefill_tokens_while_decoding
+        if cap and any(r.num_tokens - r.num_computed_tokens <= 1 for r in running):
+            step.prefill_left = cap
+        return step
+
+    def prompt_tokens(self, req: Request, n: int) -> int:
+        """How many of `n` prompt tokens `req` may take under the cap."""
+        return n if self.prefill_left < 0 or not req.chunkable else min(n, self.prefill_left)
 
     def take(self, req: Request, n: int, proposals: list[int] | None = None) -> None:
         self.scheduled[req.request_id] = n
@@ -37,3 +68,5 @@ class Step:
             self.spec[req.request_id] = proposals
         elif req.num_computed_tokens + n < req.num_tokens or n > 1:
             self.partial_left -= 1
+            if self.prefill_left >= 0:
+                self.prefill_left = max(0, self.prefill_left - n)
