@@ -233,7 +233,8 @@ class ModelConfig:
     runner: str = "generate"
     """'generate' (sampling) or 'pooling' (embeddings, scores: prompts in, pooled hidden states out)."""
     pooler_config: PoolerConfig | None = None
-    """The pooling runner's defaults (pooling type, normalisation, dimensions); None when generating."""
+    """Pooling requests' defaults (pooling type, normalisation, dimensions): the pooling runner's, and a
+    generate-runner decoder's (LAST, normalised, unless --pooler-config says otherwise)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -58,6 +58,8 @@ COMMANDS: dict[str, Entry | tuple[str, dict[str, Entry]]] = {
                   "KV memory of one long request with sliding-window layer groups against every block kept"),
     "embed": ("pagedllm.benchmarks.embed",
               "embedding throughput against sentence-transformers' encode on the same texts (all-MiniLM-L6-v2)"),
+    "embed-mixed": ("pagedllm.benchmarks.embed_mixed",
+                    "mean TPOT of a generation load at a fixed request rate, alone and with embeddings mixed in"),
     "structured": ("pagedllm.benchmarks.structured",
                    "constrained decoding (JSON schemas, regexes, choices) against the same workload unconstrained "
                    "and against vLLM's CPU build; grammar compile times"),

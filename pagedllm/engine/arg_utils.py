@@ -274,9 +274,9 @@ class EngineArgs:
         "auto", "generate (sampling) or pooling (embeddings, scores); auto: pooling for encoders, bare *Model "
         "architectures, *ForSequenceClassification and sentence-transformers folders", choices=("auto", *RUNNERS))
     pooler_config: dict[str, Any] | None = arg(
-        None, 'pooling runner as JSON, e.g. {"pooling_type": "MEAN", "normalize": true, "dimensions": 256, '
-        '"activation": true}; pooling_type LAST, MEAN, CLS or ALL (keys left out: the model\'s, e.g. its '
-        'sentence-transformers folder\'s)',
+        None, 'pooling requests\' defaults as JSON, e.g. {"pooling_type": "MEAN", "normalize": true, "dimensions": '
+        '256, "activation": true}; pooling_type LAST, MEAN, CLS or ALL (keys left out: the model\'s, e.g. its '
+        'sentence-transformers folder\'s; a generate-runner decoder: LAST, normalised)',
         parse=pooler_overrides, shown_default="model's")
     pipeline_layer_partition: tuple[int, ...] | None = arg(
         None, "decoder layers per pipeline stage, e.g. 16,14 (default: even split)", parse=parse_layer_partition,
@@ -417,11 +417,9 @@ class EngineArgs:
         arch = (getattr(hf_config, "architectures", None) or [getattr(hf_config, "model_type", "?")])[0]
         if runner == "generate" and default_runner(hf_config, None) == "pooling":
             raise ValueError(f"runner='generate': {arch} has no LM head; serve it with --runner pooling")
-        if runner == "generate":
-            if self.pooler_config:
-                raise ValueError("pooler_config applies to --runner pooling only")
-            return runner, None, None
         pooler = PoolerConfig(**{**default_pooler(hf_config, folder), **pooler_overrides(self.pooler_config)})
+        if runner == "generate":  # a decoder answers pooling requests beside generation (LAST, normalised)
+            return runner, pooler, None
         if getattr(hf_config, "model_type", None) == "bert" and getattr(hf_config, "sep_token_id", None) is None:
             from pagedllm.models.loader import load_tokenizer
 

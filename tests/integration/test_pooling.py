@@ -260,10 +260,11 @@ def _drain(engine: LLMEngine) -> tuple[dict, bool]:
     return outs, mixed
 
 
-def test_pooling_and_generation_share_steps(tiny_model_dir: str) -> None:
-    """A generate model served with --runner pooling takes both kinds of request in one engine;
+@pytest.mark.parametrize("runner", ["pooling", "generate"])
+def test_pooling_and_generation_share_steps(tiny_model_dir: str, runner: str) -> None:
+    """A generate model, served with either runner, takes both kinds of request in one engine;
     each comes out as it does alone."""
-    engine = LLMEngine.from_engine_args(EngineArgs(model=tiny_model_dir, runner="pooling", **SMALL))
+    engine = LLMEngine.from_engine_args(EngineArgs(model=tiny_model_dir, runner=runner, **SMALL))
     gen = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     pool = PoolingParams(task="embed")
     prompts = ["hello there, how are", "the weather today", "once upon a time there was", "a list: 1, 2, 3"]
@@ -294,12 +295,22 @@ def test_prefix_cache_only_for_last_pooling(qwen3_embedding_dir: str) -> None:
         torch.testing.assert_close(first.outputs.data, again.outputs.data, atol=1e-5, rtol=0)
 
 
-def test_generate_runner_rejects_pooling(tiny_model_dir: str) -> None:
+def test_generate_runner_pools_last_token(tiny_model_dir: str) -> None:
+    """A generate-runner decoder embeds: its last token's final hidden state, normalised (against
+    transformers' last_hidden_state), beside its own generation; --pooler-config sets the defaults."""
+    from transformers import AutoModelForCausalLM
+
     llm = LLM(tiny_model_dir, **SMALL)
     assert llm.llm_engine.model_config.runner == "generate"
-    with pytest.raises(ValueError, match="--runner pooling"):
-        llm.embed(["hello"], use_tqdm=False)
-    with pytest.raises(ValueError, match="pooler_config applies to --runner pooling"):
-        EngineArgs(model=tiny_model_dir, pooler_config='{"pooling_type": "MEAN"}').create_engine_config()
+    prompts = ["hello there, how are", "the weather today", "once upon a time there was"]
+    ours = llm.embed(prompts, use_tqdm=False)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
+    for o in ours:
+        with torch.no_grad():
+            last = hf.model(torch.tensor([o.prompt_token_ids])).last_hidden_state[0, -1]
+        torch.testing.assert_close(torch.tensor(o.outputs.embedding), F.normalize(last, dim=0), atol=1e-5, rtol=0)
+    assert llm.generate(prompts[:1], SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids
+    config = EngineArgs(model=tiny_model_dir, pooler_config='{"pooling_type": "MEAN"}').create_engine_config()
+    assert config.model_config.runner == "generate" and config.model_config.pooler_config.pooling_type == "MEAN"
     with pytest.raises(ValueError, match="unknown keys"):
         EngineArgs(model=tiny_model_dir, pooler_config='{"pooling": "MEAN"}')

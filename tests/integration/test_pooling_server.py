@@ -2,7 +2,7 @@
 the openai SDK's embeddings.create against sentence-transformers, base64 against floats, token
 ids against text, dimensions, usage, /pooling, /score and /rerank, and the 400s (an input over the
 context naming its index, unknown fields, generation routes on a pooling server, pooling routes on
-a generation server)."""
+an engine without a pooler)."""
 
 from __future__ import annotations
 
@@ -169,14 +169,15 @@ def test_errors(server: Server) -> None:
         assert http.get("/health").status_code == 200  # the server is still fine
 
 
-def test_generate_server_refuses_embeddings() -> None:
-    """A generation server's /v1/embeddings: a 400 that says how to start a pooling server."""
+def test_server_without_pooler_refuses_embeddings() -> None:
+    """An engine with no pooler answers /v1/embeddings with a 400 that says how to start a pooling server."""
     from pagedllm.entrypoints.openai.errors import OpenAIError
     from pagedllm.entrypoints.openai.protocol_pooling import EmbeddingRequest
     from pagedllm.entrypoints.openai.serving_pooling import OpenAIServingPooling
 
     engine = SimpleNamespace(processor=None, tokenizer=SimpleNamespace(rust=None),
-                             model_config=SimpleNamespace(max_model_len=64, runner="generate"))
+                             model_config=SimpleNamespace(max_model_len=64, runner="generate",
+                                                          pooler_config=None))
     serving = OpenAIServingPooling(engine, ["m"])  # type: ignore[arg-type]
     with pytest.raises(OpenAIError) as e:
         asyncio.run(serving.embeddings(EmbeddingRequest(input="hi"), None))  # type: ignore[arg-type]

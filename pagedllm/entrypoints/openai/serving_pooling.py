@@ -1,8 +1,9 @@
 """The pooling routes: POST /v1/embeddings (OpenAI), /pooling, /score and /v1/score (vLLM), /rerank
 and /v1/rerank (Jina / Cohere shapes), each input one pooling request on the engine.
 
-A server started with --runner generate answers these with a 400 that says how to start a pooling
-server; a pooling server answers the generation routes with a 400 the other way round.
+A generate-runner decoder answers them too, from its last token's final hidden state (LAST,
+normalised) in the same engine and step budget as its generation; a pooling server answers the
+generation routes with a 400 that says how to start a generation server.
 """
 
 from __future__ import annotations
@@ -71,11 +72,12 @@ class OpenAIServingPooling(OpenAIServing):
         return self.async_engine.model_config.runner == "pooling"
 
     def check_runner(self, route: str) -> None:
-        if not self.pooling:
+        """A 400 unless the engine has a pooler: every pooling model, and a generate-runner decoder
+        (LAST pooling beside its generation)."""
+        if self.async_engine.model_config.pooler_config is None:
             name = self.served_model_names[0]
-            raise bad_request(f"model {name!r} is served with --runner generate, which does not serve {route}; start "
-                              "a pooling server: `pagedllm serve all-minilm-l6-v2`, or `pagedllm serve MODEL "
-                              "--runner pooling`", "model")
+            raise bad_request(f"model {name!r} has no pooler, so it does not serve {route}; start a pooling server: "
+                              "`pagedllm serve all-minilm-l6-v2`, or `pagedllm serve MODEL --runner pooling`", "model")
 
     # ---- inputs ---------------------------------------------------------------------------
     def truncation(self, body: TruncationFields) -> tuple[int | None, str | None]:
