@@ -13,13 +13,13 @@ time - its first token's time) / (its output tokens - 1).
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from typing import Any
 
 from pagedllm.benchmarks.embed import make_texts
 from pagedllm.benchmarks.env import run_metadata
+from pagedllm.benchmarks.gpu_check import write_json
 
 
 def arrivals(n: int, rate: float, seed: int) -> list[float]:
@@ -151,6 +151,4 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
           f"{report['mean_tpot_mixed_ms']:.2f} ms with {report['embedding_requests_per_phase']} embedding requests "
           f"({args.embed_rate}/s) mixed in: {report['ratio']:.3f}x")
     if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(report, f, indent=2)
-            f.write("\n")
+        write_json(args.output_json, report)

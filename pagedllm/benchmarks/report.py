@@ -16,6 +16,7 @@ from pathlib import Path
 from pagedllm.benchmarks import report_render
 from pagedllm.benchmarks.report_extra import (
     amx_section,
+    embed_mixed_section,
     embed_section,
     structured_section,
     host_overhead_section,
@@ -175,6 +176,8 @@ def render(res: Path = RESULTS, img_dir: Path = DOC.parent / "img", draw: bool =
     embeds = [r for d in ("float32", "bfloat16") if (r := load(res / f"amx_embed_{d}.json")) is not None]
     if embeds:
         parts.append(embed_section(embeds))
+    if (mixed := load(res / "amx_embed_mixed.json")) is not None:
+        parts.append(embed_mixed_section(mixed))
     if (host := load(res / "host_overhead.json")) is not None:
         parts.append(host_overhead_section(with_record(host, "host_overhead.json", res)))
     sched = load(res / "bench_scheduling.json") or load(res / "bench_scheduling_quick.json")

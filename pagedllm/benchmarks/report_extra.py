@@ -239,3 +239,24 @@ def embed_section(runs: list[dict[str, Any]]) -> str:
     ]
     out += ["\n" + run_block(r["meta"]) for r in runs]
     return "\n".join(out) + "\n"
+
+
+def embed_mixed_section(r: dict[str, Any]) -> str:
+    """`pagedllm bench embed-mixed`: a generation load's mean TPOT, alone and with embeddings mixed in."""
+    c = r["config"]
+    rows = [[str(i), f"{x['alone']['mean_tpot_ms']:.2f}", f"{x['mixed']['mean_tpot_ms']:.2f}", f"{x['ratio']:.3f}x",
+             f"{x['mixed']['mean_embedding_latency_ms']:.1f}"] for i, x in enumerate(r["rounds"])]
+    rows.append(["mean", f"{r['mean_tpot_alone_ms']:.2f}", f"{r['mean_tpot_mixed_ms']:.2f}", f"{r['ratio']:.3f}x", ""])
+    out = [
+        "## Embeddings mixed into generation
+",
+        f"`pagedllm bench embed-mixed`: {c['model']} ({c['dtype']}) serving {c['num_requests']} generation requests "
+        f"at {c['request_rate']} requests/s (Poisson, {c['prompt_words']}-word prompts, {c['output_len']} tokens "
+        f"each), alone and with {r['embedding_requests_per_phase']} embedding requests at {c['embed_rate']}/s "
+        f"({r['embedding_prompt_tokens_mean']:.0f} tokens on average) on the same engine (the decoder's LAST "
+        "pooling), phases alternated. The target: the mixed-in embeddings raise the generation's mean TPOT by at "
+        "most 10%. The host was shared with other jobs.\n",
+        table(["round", "TPOT alone (ms)", "TPOT with embeddings (ms)", "ratio", "embedding latency (ms)"], rows),
+        "\n" + run_block(r["meta"]),
+    ]
+    return "\n".join(out) + "\n"

@@ -13,23 +13,11 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm import LLM
-from test_pooling import DOCS, QUERIES, SMALL, _cross_encoder, needs_minilm
+from test_pooling import DOCS, QUERIES, SMALL, _cross_encoder, minilm, needs_minilm, st_model  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 LONG = ["word " * 300 + "the end", "A man is eating food. " * 40, "short text"]
-
-
-@pytest.fixture(scope="module")
-def minilm() -> LLM:
-    return LLM("all-minilm-l6-v2", **SMALL)
-
-
-@pytest.fixture(scope="module")
-def st_model(minilm: LLM):
-    from sentence_transformers import SentenceTransformer
-
-    return SentenceTransformer(minilm.llm_engine.model_config.path, device="cpu")
 
 
 def _st(st_model, texts: list[str], k: int) -> torch.Tensor:
