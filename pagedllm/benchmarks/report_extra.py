@@ -248,8 +248,7 @@ def embed_mixed_section(r: dict[str, Any]) -> str:
              f"{x['mixed']['mean_embedding_latency_ms']:.1f}"] for i, x in enumerate(r["rounds"])]
     rows.append(["mean", f"{r['mean_tpot_alone_ms']:.2f}", f"{r['mean_tpot_mixed_ms']:.2f}", f"{r['ratio']:.3f}x", ""])
     out = [
-        "## Embeddings mixed into generation
-",
+        "## Embeddings mixed into generation\n",
         f"`pagedllm bench embed-mixed`: {c['model']} ({c['dtype']}) serving {c['num_requests']} generation requests "
         f"at {c['request_rate']} requests/s (Poisson, {c['prompt_words']}-word prompts, {c['output_len']} tokens "
         f"each), alone and with {r['embedding_requests_per_phase']} embedding requests at {c['embed_rate']}/s "
