@@ -481,7 +481,7 @@ class LoRAConfig:
             raise ValueError(f"lora_dtype must be one of {LORA_DTYPES}, got {self.lora_dtype!r}")
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "suffix")
 
 
 @dataclass(frozen=True)
@@ -490,25 +490,47 @@ class SpeculativeConfig:
     up to `num_speculative_tokens` tokens after its last one, the target model verifies them in the
     same forward pass as the rest of the batch, and the accepted ones (plus one token of its own)
     are kept. Method ngram: the tokens that followed the latest earlier occurrence of the request's
-    last `prompt_lookup_max` .. `prompt_lookup_min` tokens in its own prompt and output."""
+    last `prompt_lookup_max` .. `prompt_lookup_min` tokens in its own prompt and output. Method
+    suffix: the most frequent continuation of the request's longest matching suffix in its own
+    tokens and in recent requests' outputs (core/spec_suffix.py)."""
 
     method: str = "ngram"
-    """How tokens are proposed (ngram)."""
+    """How tokens are proposed (ngram, suffix)."""
     num_speculative_tokens: int = 3
     """Most tokens proposed per request and step."""
     prompt_lookup_min: int = 1
     """Shortest suffix of the request's tokens looked up (ngram)."""
     prompt_lookup_max: int = 4
     """Longest suffix looked up; the longest that matches wins, the latest occurrence among ties."""
+    suffix_decoding_max_tree_depth: int = 24
+    """Suffix: the longest match plus proposal, in tokens (vLLM's name and default)."""
+    suffix_decoding_max_cached_requests: int = 10000
+    """Suffix: finished requests whose outputs are kept for other requests' lookups (first in,
+    first out); 0: none, each request looks in its own tokens only."""
+    suffix_decoding_max_spec_factor: float = 1.0
+    """Suffix: a proposal is at most this many times as long as the match it follows."""
+    suffix_decoding_min_token_prob: float = 0.1
+    """Suffix: proposals stop where a token's estimated probability (the product of the
+    continuations' frequencies along the proposal) falls below this."""
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
-        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+        ints = ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "suffix_decoding_max_tree_depth",
+                "suffix_decoding_max_cached_requests")
+        for name in ints:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
-        _check_at_least(self, 1, "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+        for name in ("suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+                raise ValueError(f"{name} must be a number, got {value!r}")
+        _check_at_least(self, 1, "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                        "suffix_decoding_max_tree_depth")
+        _check_at_least(self, 0, "suffix_decoding_max_cached_requests", "suffix_decoding_max_spec_factor")
+        if not 0 <= self.suffix_decoding_min_token_prob <= 1:
+            raise ValueError(f"suffix_decoding_min_token_prob must be in [0, 1], got {self.suffix_decoding_min_token_prob}")
         if self.num_speculative_tokens > 32:
             raise ValueError(f"num_speculative_tokens must be at most 32, got {self.num_speculative_tokens}")
         if self.prompt_lookup_max < self.prompt_lookup_min:

@@ -1,8 +1,10 @@
-"""`pagedllm bench spec`: speculative decoding against none, in one run, on a workload where the
-prompt holds most of the answer (code edits, summaries that quote their text): output tokens/s of
-one request at a time (single stream) and of a batch of concurrent requests, the ratio, the
-acceptance rate and mean acceptance length, and whether greedy outputs are the same token for
-token. Both engines are loaded once and warmed up before they are timed."""
+"""`pagedllm bench spec`: speculative decoding (n-gram and suffix by default) against none, in one
+run, on a workload where the prompt holds most of the answer (code edits, summaries that quote
+their text): output tokens/s of one request at a time (single stream) and of a batch of concurrent
+requests, the ratio, the acceptance rate and mean acceptance length, and whether greedy outputs
+are the same token for token. Each part runs on an engine of its own, loaded and warmed up before
+it is timed (the concurrent batch repeats the single-stream tasks: a suffix engine's cache of
+finished outputs never holds the answers it is timed on)."""
 
 from __future__ import annotations
 
@@ -47,74 +49,87 @@ TASKS = [
 ]
 
 
+DEFAULT_CONFIGS = ['{"method": "ngram", "num_speculative_tokens": 4}', '{"method": "suffix"}']
+
+
 def _generate(llm: Any, conversations: list[list[dict[str, str]]], params: Any) -> tuple[float, list[list[int]]]:
     t0 = time.perf_counter()
     outs = llm.chat(conversations, params, use_tqdm=False)
     return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
 
 
-def _measure(llm: Any, convs: list[list[dict[str, str]]], params: Any, num_single: int,
+def _measure(llm: Any, convs: list[list[dict[str, str]]], params: Any, part: str, num_single: int,
              concurrency: int) -> dict[str, Any]:
     """Single stream: the first `num_single` conversations alone, one after another; concurrent:
     the first `concurrency` together."""
-    single_s, single_tokens = 0.0, []
-    for conv in convs[:num_single]:
-        dt, toks = _generate(llm, [conv], params)
-        single_s += dt
-        single_tokens += toks
-    batch_s, batch_tokens = _generate(llm, convs[:concurrency], params)
-    n_single = sum(map(len, single_tokens))
-    n_batch = sum(map(len, batch_tokens))
-    return {"single": {"seconds": single_s, "output_tokens": n_single, "output_tok_s": n_single / single_s},
-            "concurrent": {"seconds": batch_s, "output_tokens": n_batch, "output_tok_s": n_batch / batch_s},
-            "tokens": single_tokens, "concurrent_tokens": batch_tokens}
+    if part == "single":
+        seconds, tokens = 0.0, []
+        for conv in convs[:num_single]:
+            dt, toks = _generate(llm, [conv], params)
+            seconds += dt
+            tokens += toks
+    else:
+        seconds, tokens = _generate(llm, convs[:concurrency], params)
+    n = sum(map(len, tokens))
+    return {"seconds": seconds, "output_tokens": n, "output_tok_s": n / seconds, "tokens": tokens}
 
 
 def run_spec(opts: dict[str, Any]) -> dict[str, Any]:
     from pagedllm import LLM, SamplingParams
     from pagedllm.benchmarks.env import run_metadata
 
-    config = json.loads(opts["speculative_config"])
+    configs = [json.loads(c) for c in opts["speculative_config"]]
     engine = {"dtype": opts["dtype"], "kv_cache_memory": opts["kv_cache_memory"], "max_model_len": 2048}
     params = SamplingParams(temperature=0.0, max_tokens=opts["max_tokens"])
     convs = [[{"role": "user", "content": t}] for t in TASKS]
     warm = [[{"role": "user", "content": "Say hello."}]]
     report: dict[str, Any] = {"meta": run_metadata(), "model": opts["model"] or "default", "dtype": opts["dtype"],
-                              "speculative_config": config, "max_tokens": opts["max_tokens"],
-                              "num_prompts": opts["num_prompts"], "concurrency": opts["concurrency"]}
-    for name, spec in (("off", None), ("on", config)):
-        llm = LLM(opts["model"], speculative_config=spec, **engine)
-        _generate(llm, warm, SamplingParams(temperature=0.0, max_tokens=16))
-        report[name] = _measure(llm, convs, params, opts["num_prompts"], opts["concurrency"])
+                              "max_tokens": opts["max_tokens"], "num_prompts": opts["num_prompts"],
+                              "concurrency": opts["concurrency"], "runs": []}
+    for spec in [None, *configs]:
+        run: dict[str, Any] = {"speculative_config": spec}
+        counts = [0, 0, 0]
+        # A fresh engine per part: the concurrent batch repeats the single-stream tasks, whose
+        # outputs a suffix engine would otherwise have in its cache.
+        for part in ("single", "concurrent"):
+            llm = LLM(opts["model"], speculative_config=spec, **engine)
+            _generate(llm, warm, SamplingParams(temperature=0.0, max_tokens=16))
+            run[part] = _measure(llm, convs, params, part, opts["num_prompts"], opts["concurrency"])
+            if spec is not None:
+                s = llm.llm_engine.scheduler.get_stats().spec_decode
+                counts = [counts[0] + s.num_drafts, counts[1] + s.num_draft_tokens, counts[2] + s.num_accepted_tokens]
+            llm.llm_engine.shutdown()
+            del llm
         if spec is not None:
-            s = llm.llm_engine.scheduler.get_stats().spec_decode
-            report["acceptance"] = {"num_drafts": s.num_drafts, "num_draft_tokens": s.num_draft_tokens,
-                                    "num_accepted_tokens": s.num_accepted_tokens,
-                                    "acceptance_rate": s.acceptance_rate,
-                                    "mean_acceptance_length": s.mean_acceptance_length,
-                                    "accepted_per_position": s.accepted_per_position}
-        llm.llm_engine.shutdown()
-        del llm
-    off, on = report["off"], report["on"]
-    report["same_greedy_tokens"] = {"single": off.pop("tokens") == on.pop("tokens"),
-                                    "concurrent": off.pop("concurrent_tokens") == on.pop("concurrent_tokens")}
-    report["ratio"] = {k: on[k]["output_tok_s"] / off[k]["output_tok_s"] for k in ("single", "concurrent")}
+            run["acceptance"] = {"num_drafts": counts[0], "num_draft_tokens": counts[1], "num_accepted_tokens": counts[2],
+                                 "acceptance_rate": counts[2] / max(counts[1], 1),
+                                 "mean_acceptance_length": 1 + counts[2] / max(counts[0], 1)}
+        report["runs"].append(run)
+    off = report["runs"][0]
+    for run in report["runs"]:
+        run["ratio"] = {k: run[k]["output_tok_s"] / off[k]["output_tok_s"] for k in ("single", "concurrent")}
+        run["same_greedy_tokens"] = {k: run[k]["tokens"] == off[k]["tokens"] for k in ("single", "concurrent")}
+    for run in report["runs"]:
+        for k in ("single", "concurrent"):
+            run[k].pop("tokens")
     return report
 
 
 def format_table(r: dict[str, Any]) -> str:
-    a = r["acceptance"]
+    conc = f"{r['concurrency']} concurrent"
     lines = [f"{r['num_prompts']} edit / quote tasks, {r['model']} ({r['dtype']}), greedy, up to {r['max_tokens']} "
-             f"tokens; speculative config {json.dumps(r['speculative_config'])}; CPU: {r['meta'].get('cpu_model', '?')}",
-             "                      off tok/s    on tok/s   ratio"]
-    for k, label in (("single", "single stream"), ("concurrent", f"{r['concurrency']} concurrent")):
-        lines.append(f"  {label:18s} {r['off'][k]['output_tok_s']:9.1f}  {r['on'][k]['output_tok_s']:9.1f}  "
-                     f"{r['ratio'][k]:6.2f}x")
-    lines.append(f"  acceptance rate {100 * a['acceptance_rate']:.1f}%, mean acceptance length "
-                 f"{a['mean_acceptance_length']:.2f} tokens per speculating step, accepted by position "
-                 f"{a['accepted_per_position']}")
-    same = r["same_greedy_tokens"]
-    lines.append(f"  greedy tokens the same with and without: single {same['single']}, concurrent {same['concurrent']}")
+             f"tokens; CPU: {r['meta'].get('cpu_model', '?')}",
+             f"  {'speculative config':60s} {'single tok/s':>12s} {'ratio':>6s}  {conc:>13s} "
+             f"{'ratio':>6s}  acceptance  same tokens"]
+    for run in r["runs"]:
+        spec = run["speculative_config"]
+        a = run.get("acceptance")
+        acc = f"{100 * a['acceptance_rate']:5.1f}% {a['mean_acceptance_length']:.2f}" if a else "-"
+        same = run["same_greedy_tokens"]
+        lines.append(f"  {json.dumps(spec) if spec else 'off':60s} {run['single']['output_tok_s']:12.1f} "
+                     f"{run['ratio']['single']:5.2f}x  {run['concurrent']['output_tok_s']:13.1f} "
+                     f"{run['ratio']['concurrent']:5.2f}x  {acc:>10s}  {same['single'] and same['concurrent']}")
+    lines.append("  acceptance: rate of proposed tokens accepted, mean tokens per speculating step")
     return "\n".join(lines)
 
 
@@ -123,8 +138,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
 
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model (default: the embedded default model)")
-    ap.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4}',
-                    help="the configuration measured against none (JSON, as --speculative-config)")
+    ap.add_argument("--speculative-config", action="append", default=None,
+                    help="a configuration measured against none (JSON, as --speculative-config); repeat for "
+                         f"several (default: {' and '.join(DEFAULT_CONFIGS)})")
     ap.add_argument("--num-prompts", type=int, default=4, help=f"tasks run one at a time (at most {len(TASKS)})")
     ap.add_argument("--concurrency", type=int, default=8, help="tasks run together in the concurrent part")
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -134,6 +150,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     args = ap.parse_args(argv)
     if not 1 <= args.num_prompts <= len(TASKS) or not 1 <= args.concurrency <= len(TASKS):
         ap.error(f"--num-prompts and --concurrency must be in [1, {len(TASKS)}]")
+    args.speculative_config = args.speculative_config or DEFAULT_CONFIGS
+    for c in args.speculative_config:
+        try:
+            json.loads(c)
+        except json.JSONDecodeError as e:
+            ap.error(f"--speculative-config {c!r} is not JSON ({e})")
     report = run_spec({k: v for k, v in vars(args).items() if k != "output_json"})
     print(format_table(report))
     if args.output_json:

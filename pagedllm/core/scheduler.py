@@ -151,7 +151,7 @@ class Scheduler:
         self.kv.free_swapped(req)
         self.requests.pop(req.request_id, None)
         if self.proposer is not None:
-            self.proposer.forget(req.request_id)
+            self.proposer.release(req)
         # Samples still waiting for this parent's fork go on alone, computing the prompt themselves.
         for fork in self._pending_forks.pop(req.request_id, ()):
             self.waiting.append(fork, self.num_steps)

@@ -3,8 +3,9 @@ per step, from how many rows the step can take before it stops being bound by re
 
 Per request (`SpecController.num_tokens`): each verification tells how many of the proposed tokens
 were tried (the accepted ones and the first rejected one, min(a + 1, k)) and how many of those were
-accepted (a). Both counts decay by DECAY per verification, so the estimate q = accepted / tried is
-the acceptance of a proposed token over the request's recent steps. The j-th proposal of a step is
+accepted (a). Both counts start from a prior (PRIOR_ACCEPTED of PRIOR_TRIED) and decay by DECAY per
+verification, so the estimate q = accepted / tried is the acceptance of a proposed token over the
+request's recent steps. The j-th proposal of a step is
 only verified (and only yields a token) when the j - 1 before it were accepted: it is worth a row
 of the step while q^j >= MIN_GAIN, so the request proposes the largest such j, up to k. A request
 with no verification yet proposes k. Where q^1 < MIN_GAIN the request proposes nothing; every
@@ -39,6 +40,9 @@ MIN_GAIN = 0.1
 """Least chance of being accepted for which a proposed token is worth a row of the step."""
 PROBE_EVERY = 16
 """Decode steps without proposals after which a request proposes one token again."""
+PRIOR_ACCEPTED, PRIOR_TRIED = 1.0, 2.0
+"""The counts a request starts from (an acceptance of one half, worth a few verifications), so
+that one rejected step does not end its speculation."""
 CPU_ROWS = 32
 """Most rows of a step with proposals on a CPU (module docstring)."""
 GPU_ROWS = 256
@@ -52,8 +56,8 @@ def max_spec_rows(device: str) -> int:
 
 @dataclass
 class _Acceptance:
-    accepted: float = 0.0
-    tried: float = 0.0
+    accepted: float = PRIOR_ACCEPTED
+    tried: float = PRIOR_TRIED
     idle_steps: int = 0  # decode steps since the last proposals
 
     @property

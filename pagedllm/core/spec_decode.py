@@ -67,21 +67,50 @@ def ngram_propose(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> np.ndar
 class _History:
     tokens: np.ndarray
     length: int = 0
+    num_prompt: int = 0
 
 
 class Proposer:
     """What the scheduler asks of a proposal method: propose(req, max_tokens) -> up to max_tokens
-    tokens; forget(request_id) when a request leaves. With an adaptive `control`, the scheduler
-    starts each step with begin_step and reports each verification with record."""
+    tokens; release(req) when a request leaves. With an adaptive `control`, the scheduler
+    starts each step with begin_step and reports each verification with record. Keeps a numpy
+    copy of each request's tokens (`tokens_of`), extended by the new ones only, so a proposal
+    costs no conversion of the whole list."""
 
     control: SpecController | None = None
+    """Adapts how many tokens each request proposes (core/spec_adaptive.py); None: always k."""
+
+    def __init__(self) -> None:
+        self._history: dict[str, _History] = {}
 
     def propose(self, req: Request, max_tokens: int) -> list[int]:
         raise NotImplementedError
 
+    def tokens_of(self, req: Request) -> np.ndarray:
+        """The request's prompt and output tokens so far (a view of its numpy copy)."""
+        tokens = req.all_token_ids
+        h = self._history.get(req.request_id)
+        n = len(tokens)
+        if h is None or h.length > n:
+            h = self._history[req.request_id] = _History(np.empty(max(2 * n, 64), dtype=np.int64),
+                                                         num_prompt=req.num_prompt_tokens)
+        if n > len(h.tokens):
+            grown = np.empty(2 * n, dtype=np.int64)
+            grown[: h.length] = h.tokens[: h.length]
+            h.tokens = grown
+        if n > h.length:
+            h.tokens[h.length : n] = tokens[h.length : n]
+            h.length = n
+        return h.tokens[:n]
+
     def forget(self, request_id: str) -> None:
+        self._history.pop(request_id, None)
         if self.control is not None:
             self.control.forget(request_id)
+
+    def release(self, req: Request) -> None:
+        """The request has finished or was aborted."""
+        self.forget(req.request_id)
 
     def begin_step(self, num_running: int) -> None:
         """A step with this many running requests starts (its rows left for proposals)."""
@@ -94,51 +123,39 @@ class Proposer:
 
 
 class NgramProposer(Proposer):
-    """Proposals from each request's own prompt and output. Keeps a numpy copy of each request's
-    tokens, extended by the new ones only, so a proposal costs no conversion of the whole list."""
+    """Proposals from each request's own prompt and output (ngram_propose)."""
 
     def __init__(self, config: SpeculativeConfig, control: SpecController | None = None) -> None:
+        super().__init__()
         self.k = config.num_speculative_tokens
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
-        self._history: dict[str, _History] = {}
         self.control = control
-        """Adapts how many tokens each request proposes (core/spec_adaptive.py); None: always k."""
 
     def propose(self, req: Request, max_tokens: int) -> list[int]:
         """Up to min(k, max_tokens) tokens to follow the request's last token."""
         k = min(self.k, max_tokens)
         if k < 1:
             return []
-        tokens = req.all_token_ids
-        h = self._history.get(req.request_id)
-        n = len(tokens)
-        if h is None or h.length > n:
-            h = self._history[req.request_id] = _History(np.empty(max(2 * n, 64), dtype=np.int64))
-        if n > len(h.tokens):
-            grown = np.empty(2 * n, dtype=np.int64)
-            grown[: h.length] = h.tokens[: h.length]
-            h.tokens = grown
-        if n > h.length:
-            h.tokens[h.length : n] = tokens[h.length : n]
-            h.length = n
-        return ngram_propose(h.tokens[:n], k, self.min_n, self.max_n).tolist()
-
-    def forget(self, request_id: str) -> None:
-        self._history.pop(request_id, None)
-        super().forget(request_id)
+        return ngram_propose(self.tokens_of(req), k, self.min_n, self.max_n).tolist()
 
 
 def spec_control(config: SpeculativeConfig, device: str) -> SpecController:
     """The adaptive controller of a speculating engine on this device ('cpu', 'cuda'), logged."""
     max_rows = max_spec_rows(device)
+    if config.method == "suffix":
+        how = (f"suffix matches of up to {config.suffix_decoding_max_tree_depth} tokens over its own tokens and "
+               f"the outputs of up to {config.suffix_decoding_max_cached_requests} finished requests, "
+               f"token probability at least {config.suffix_decoding_min_token_prob}, "
+               f"spec factor {config.suffix_decoding_max_spec_factor}")
+    else:
+        how = f"n-gram lookup of {config.prompt_lookup_min}..{config.prompt_lookup_max} tokens"
     logger.info(
-        "Speculative decoding: method %s, up to %d tokens proposed per step (n-gram lookup of %d..%d tokens), "
-        "fewer where a request's proposals are rarely accepted; proposals only while a step holds at most %d rows "
-        "(%s rule: beyond them a decode step is bound by computing its rows), so none from %d running requests; "
-        "requests with structured output decode without it",
-        config.method, config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max,
-        max_rows, device.upper() if device == "cpu" else "GPU", max_rows)
+        "Speculative decoding: method %s, up to %d tokens proposed per step (%s), fewer where a request's "
+        "proposals are rarely accepted; proposals only while a step holds at most %d rows (%s rule: beyond them a "
+        "decode step is bound by computing its rows), so none from %d running requests; requests with structured "
+        "output decode without it",
+        config.method, config.num_speculative_tokens, how, max_rows, "GPU" if device == "cuda" else "CPU", max_rows)
     return SpecController(config.num_speculative_tokens, max_rows)
 
 

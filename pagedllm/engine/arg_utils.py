@@ -88,8 +88,16 @@ def parse_speculative_config(text: str | dict[str, Any] | SpeculativeConfig | No
     unknown = sorted(set(text) - known)
     if unknown:
         raise ValueError(f"unknown keys {unknown} (known: {sorted(known)})")
+    method = text.get("method", "ngram")
+    other = "suffix_decoding_" if method == "ngram" else "prompt_lookup_" if method == "suffix" else None
+    stray = sorted(k for k in text if other is not None and k.startswith(other))
+    if stray:
+        raise ValueError(f"{stray} do not apply to method {method!r}")
     if "num_speculative_tokens" not in text:
-        raise ValueError("num_speculative_tokens is required (the most tokens proposed per step)")
+        if method != "suffix":
+            raise ValueError("num_speculative_tokens is required (the most tokens proposed per step)")
+        # vLLM's default for suffix: as many as the tree is deep
+        text = {**text, "num_speculative_tokens": text.get("suffix_decoding_max_tree_depth", 24)}
     return SpeculativeConfig(**text)
 
 
@@ -268,7 +276,7 @@ class EngineArgs:
         "replies; structured output and tool calls apply to the answer after it)", shown_default="none")
     speculative_config: SpeculativeConfig | None = arg(
         None, 'speculative decoding as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_min": 1, "prompt_lookup_max": 4} (docs/speculative.md)', parse=parse_speculative_config,
+        '"prompt_lookup_min": 1, "prompt_lookup_max": 4} or {"method": "suffix"} (docs/speculative.md)', parse=parse_speculative_config,
         shown_default="off")
     runner: str = arg(
         "auto", "generate (sampling) or pooling (embeddings, scores); auto: pooling for encoders, bare *Model "

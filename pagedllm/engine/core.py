@@ -21,7 +21,8 @@ from pagedllm.core.preemption import PreemptionCostModel
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.scheduler_output import EngineCoreOutput, SchedulerOutput
-from pagedllm.core.spec_decode import NgramProposer, spec_control
+from pagedllm.core.spec_decode import spec_control
+from pagedllm.core.spec_suffix import make_proposer
 from pagedllm.engine.core_io import EngineCoreRequest, StepStats
 from pagedllm.executor import create_executor
 from pagedllm.pooling_params import attach_pooling
@@ -104,7 +105,7 @@ class EngineCore:
         self.preemption_costs = self._measure_preemption_costs() if sc.preemption_mode == "auto" else None
         kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, num_swap_blocks, groups)
         spec = config.speculative_config
-        self.scheduler = Scheduler(sc, kv, self.preemption_costs, NgramProposer(spec) if spec is not None else None)
+        self.scheduler = Scheduler(sc, kv, self.preemption_costs, make_proposer(spec) if spec is not None else None)
         self.scheduler.max_loras = config.lora_config.max_loras if config.lora_config is not None else 0
         if spec is not None:
             self.scheduler.proposer.control = spec_control(spec, config.device_config.device)  # type: ignore[union-attr]

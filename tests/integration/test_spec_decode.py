@@ -201,3 +201,22 @@ def test_adaptive_speculation_greedy_same_and_off_for_large_batches(tiny_model_d
     s = llm.llm_engine.scheduler.get_stats().spec_decode
     assert s.num_drafts > 0
     check_pool_whole(llm)
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_suffix_greedy_same_with_chunked_prefill_and_prefix_caching(block_size: int,
+                                                                    reference: list[list[int]]) -> None:
+    """Method suffix: the same greedy tokens; the second pass over the prompts also finds the first
+    pass's outputs in the cache of finished requests, and more of its proposals land."""
+    llm = LLM(**{**ROOMY, "block_size": block_size, "num_kv_blocks": 2048 // block_size},
+              max_num_batched_tokens=24, enable_prefix_caching=True, speculative_config={"method": "suffix"})
+    assert tokens(llm) == reference
+    first = llm.llm_engine.scheduler.get_stats().spec_decode.copy()
+    assert first.num_accepted_tokens > 0
+    assert tokens(llm) == reference
+    stats = llm.llm_engine.scheduler.get_stats()
+    second = stats.spec_decode
+    assert second.num_accepted_tokens - first.num_accepted_tokens > first.num_accepted_tokens
+    if block_size == 16:  # the shared system prompt fills a block of 16, not one of 64
+        assert stats.prefix_cache_hits > 0
+    check_pool_whole(llm)

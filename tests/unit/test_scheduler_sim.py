@@ -94,6 +94,7 @@ class ScriptedProposer(Proposer):
     prefix and rejects the rest (their KV slots then hold wrong tokens until overwritten)."""
 
     def __init__(self, seed: str) -> None:
+        super().__init__()
         self.rng = random.Random(seed)
         self.proposed = 0
 

@@ -6,7 +6,15 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm.core.spec_adaptive import DECAY, MIN_GAIN, PROBE_EVERY, SpecController, tokens_worth_proposing
+from pagedllm.core.spec_adaptive import (
+    DECAY,
+    MIN_GAIN,
+    PRIOR_ACCEPTED,
+    PRIOR_TRIED,
+    PROBE_EVERY,
+    SpecController,
+    tokens_worth_proposing,
+)
 
 
 def test_tokens_worth_proposing_is_the_largest_power_above_the_gain() -> None:
@@ -20,7 +28,7 @@ def test_rate_is_the_decayed_share_of_tried_tokens_accepted() -> None:
     c = SpecController(4, 64)
     assert c.num_tokens("a") == 4 and c.rate("a") == 1.0  # nothing measured: k
     history = [(4, 4), (4, 1), (3, 0), (4, 2)]
-    acc = tried = 0.0
+    acc, tried = PRIOR_ACCEPTED, PRIOR_TRIED
     for proposed, accepted in history:
         c.record("a", proposed, accepted)
         acc = DECAY * acc + accepted
@@ -33,7 +41,7 @@ def test_rate_is_the_decayed_share_of_tried_tokens_accepted() -> None:
 
 def test_never_accepted_goes_to_zero_then_probes_and_recovers() -> None:
     c = SpecController(4, 64)
-    for _ in range(6):
+    for _ in range(12):
         c.record("r", c.num_tokens("r") or 1, 0)
     assert c.num_tokens("r") == 0
     counts = [c.num_tokens("r") for _ in range(3 * PROBE_EVERY)]
