@@ -49,6 +49,7 @@ TASKS = [
 ]
 
 
+MAX_CONCURRENCY = 128
 DEFAULT_CONFIGS = ['{"method": "ngram", "num_speculative_tokens": 4}', '{"method": "suffix"}']
 
 
@@ -81,7 +82,8 @@ def run_spec(opts: dict[str, Any]) -> dict[str, Any]:
     configs = [json.loads(c) for c in opts["speculative_config"]]
     engine = {"dtype": opts["dtype"], "kv_cache_memory": opts["kv_cache_memory"], "max_model_len": 2048}
     params = SamplingParams(temperature=0.0, max_tokens=opts["max_tokens"])
-    convs = [[{"role": "user", "content": t}] for t in TASKS]
+    # more concurrent requests than tasks: the tasks again, in order
+    convs = [[{"role": "user", "content": TASKS[i % len(TASKS)]}] for i in range(max(len(TASKS), opts["concurrency"]))]
     warm = [[{"role": "user", "content": "Say hello."}]]
     report: dict[str, Any] = {"meta": run_metadata(), "model": opts["model"] or "default", "dtype": opts["dtype"],
                               "max_tokens": opts["max_tokens"], "num_prompts": opts["num_prompts"],
@@ -142,14 +144,18 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                     help="a configuration measured against none (JSON, as --speculative-config); repeat for "
                          f"several (default: {' and '.join(DEFAULT_CONFIGS)})")
     ap.add_argument("--num-prompts", type=int, default=4, help=f"tasks run one at a time (at most {len(TASKS)})")
-    ap.add_argument("--concurrency", type=int, default=8, help="tasks run together in the concurrent part")
+    ap.add_argument("--concurrency", type=int, default=8,
+                    help=f"tasks run together in the concurrent part (1 to {MAX_CONCURRENCY}; beyond {len(TASKS)} "
+                         "the tasks repeat)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--kv-cache-memory", default="1GiB")
     ap.add_argument("--output-json", default=None, help="write the report here")
     args = ap.parse_args(argv)
-    if not 1 <= args.num_prompts <= len(TASKS) or not 1 <= args.concurrency <= len(TASKS):
-        ap.error(f"--num-prompts and --concurrency must be in [1, {len(TASKS)}]")
+    if not 1 <= args.num_prompts <= len(TASKS):
+        ap.error(f"--num-prompts must be in [1, {len(TASKS)}]")
+    if not 1 <= args.concurrency <= MAX_CONCURRENCY:
+        ap.error(f"--concurrency must be in [1, {MAX_CONCURRENCY}]")
     args.speculative_config = args.speculative_config or DEFAULT_CONFIGS
     for c in args.speculative_config:
         try:
