@@ -30,6 +30,31 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+SEP = -1
+"""Separates token streams in one array: matches and continuations never cross it."""
+
+
+def match_lengths(src: np.ndarray, max_end: int, tail: np.ndarray, max_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """(the candidate ends p < max_end with src[p] == tail[-1] and a token, not SEP, after them;
+    how many tokens of `tail` each matches going back, at most max_len). The match of each grows by
+    one array comparison over the candidates per token back."""
+    n = len(tail)
+    ends = np.flatnonzero(src[:max_end] == tail[-1])
+    ends = ends[ends + 1 < len(src)]
+    if len(ends):
+        ends = ends[src[ends + 1] != SEP]
+    length = np.ones(len(ends), dtype=np.int64)
+    alive = np.ones(len(ends), dtype=bool)
+    for j in range(1, min(max_len, n)):
+        back = ends - j
+        alive &= back >= 0
+        alive[alive] = src[back[alive]] == tail[n - 1 - j]
+        if not alive.any():
+            break
+        length += alive
+    return ends, length
+
+
 def ngram_propose(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> np.ndarray:
     """Up to k tokens that followed the latest earlier occurrence of the longest suffix of
     `tokens` of min_n .. max_n tokens (empty when none occurs).
@@ -42,19 +67,9 @@ def ngram_propose(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> np.ndar
     n = len(tokens)
     if n < min_n + 1 or k < 1:
         return tokens[:0]
-    ends = np.flatnonzero(tokens[:-1] == tokens[-1])
+    ends, length = match_lengths(tokens, n - 1, tokens, min(max_n, n - 1))
     if len(ends) == 0:
         return tokens[:0]
-    length = np.ones(len(ends), dtype=np.int64)
-    alive = np.ones(len(ends), dtype=bool)
-    for j in range(1, min(max_n, n - 1)):
-        # Candidate ending at p matches j + 1 tokens when tokens[p - j] == tokens[n - 1 - j].
-        back = ends - j
-        alive &= back >= 0
-        alive[alive] = tokens[back[alive]] == tokens[n - 1 - j]
-        if not alive.any():
-            break
-        length += alive
     best = int(length.max())
     if best < min_n:
         return tokens[:0]

@@ -35,29 +35,8 @@ import numpy as np
 from pagedllm.config import SpeculativeConfig
 from pagedllm.core.request import Request
 from pagedllm.core.spec_adaptive import SpecController
-from pagedllm.core.spec_decode import NgramProposer, Proposer
+from pagedllm.core.spec_decode import SEP, NgramProposer, Proposer, match_lengths
 
-_SEP = -1  # between cached outputs: matches and continuations never cross it
-
-
-def _match_lengths(src: np.ndarray, max_end: int, tail: np.ndarray, max_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """(candidate ends p < max_end with src[p] == tail[-1] and a token after them, how many tokens
-    of `tail` each matches going back, at most max_len)."""
-    n = len(tail)
-    ends = np.flatnonzero(src[:max_end] == tail[-1])
-    ends = ends[(ends + 1 < len(src))]
-    if len(ends):
-        ends = ends[src[ends + 1] != _SEP]
-    length = np.ones(len(ends), dtype=np.int64)
-    alive = np.ones(len(ends), dtype=bool)
-    for j in range(1, min(max_len, n)):
-        back = ends - j
-        alive &= back >= 0
-        alive[alive] = src[back[alive]] == tail[n - 1 - j]
-        if not alive.any():
-            break
-        length += alive
-    return ends, length
 
 
 def suffix_propose(sources: list[tuple[np.ndarray, int]], tail: np.ndarray, k: int, max_depth: int,
@@ -68,7 +47,7 @@ def suffix_propose(sources: list[tuple[np.ndarray, int]], tail: np.ndarray, k: i
     if k < 1 or len(tail) == 0 or max_depth < 2:
         return np.zeros(0, dtype=np.int64)
     tail = tail[-(max_depth - 1):]
-    found = [_match_lengths(src, max_end, tail, max_depth - 1) for src, max_end in sources]
+    found = [match_lengths(src, max_end, tail, max_depth - 1) for src, max_end in sources]
     best = max((int(length.max()) for _, length in found if len(length)), default=0)
     room = min(k, max_depth - best, int(spec_factor * best))
     if best == 0 or room < 1:
@@ -86,15 +65,15 @@ def suffix_propose(sources: list[tuple[np.ndarray, int]], tail: np.ndarray, k: i
     out: list[int] = []
     prob = 1.0
     for j in range(1, room + 1):
-        nxt = np.full(len(pos), _SEP, dtype=np.int64)
+        nxt = np.full(len(pos), SEP, dtype=np.int64)
         for i, (src, _) in enumerate(sources):
             mine = src_idx == i
             at = pos[mine] + j
             ok = at < len(src)
-            vals = np.full(len(at), _SEP, dtype=np.int64)
+            vals = np.full(len(at), SEP, dtype=np.int64)
             vals[ok] = src[at[ok]]
             nxt[mine] = vals
-        valid = nxt != _SEP
+        valid = nxt != SEP
         if not valid.any():
             break
         tokens, inverse, counts = np.unique(nxt[valid], return_inverse=True, return_counts=True)
@@ -131,7 +110,7 @@ class SuffixProposer(Proposer):
     def corpus(self) -> np.ndarray:
         """The cached outputs, oldest first, each followed by a separator."""
         if self._corpus is None:
-            parts = [p for out in self._cached for p in (out, np.array([_SEP], dtype=np.int64))]
+            parts = [p for out in self._cached for p in (out, np.array([SEP], dtype=np.int64))]
             self._corpus = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
         return self._corpus
 
