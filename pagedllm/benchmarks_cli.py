@@ -416,9 +416,11 @@ def _cmd_scheduler(args: argparse.Namespace) -> int:
 
     if any(n < 1 for n in args.num_running) or args.num_steps < 1:
         raise ValueError("--num-running sizes and --num-steps must be at least 1")
+    if any(w < 0 for w in args.num_waiting):
+        raise ValueError(f"--num-waiting sizes must be at least 0, got {args.num_waiting}")
     model, kwargs = _engine_kwargs(args)
     report = run_scheduler_bench(args.num_running, args.num_steps, args.block_size, args.model_step_ms,
-                                 args.measure_model_step, model, kwargs, args.workload_seed)
+                                 args.measure_model_step, model, kwargs, args.workload_seed, tuple(args.num_waiting))
     return _finish(report, format_scheduler(report), args)
 
 
@@ -429,6 +431,8 @@ def _add_scheduler(sub: Any) -> None:
                       "CPU time of the scheduler per step at a steady number of running requests (fake model, "
                       "pure Python), as µs and as a share of a model step.", _cmd_scheduler)
     p.add_argument("--num-running", type=_int_list, default=[64, 256, 1024], help="running requests (default 64,256,1024)")
+    p.add_argument("--num-waiting", type=_int_list, default=[1],
+                   help="requests kept waiting beside the running ones, each size timed at each running size (default 1)")
     p.add_argument("--num-steps", type=int, default=200, help="measured steps per size")
     p.add_argument("--model-step-ms", type=float, default=None,
                    help="a model step's time to compare with (default: measure one decode step of --model)")

@@ -104,7 +104,8 @@ The commands (`pagedllm bench <name> --help` for every flag):
   `python -c "from pagedllm.models.loader import default_hf_folder; print(default_hf_folder())"`):
   `guidellm run --backend kind=openai_http,target=http://127.0.0.1:8000,model=smollm2-135m-instruct,request_format=/v1/chat/completions --data kind=synthetic_text,prompt_tokens=256,output_tokens=64 --tokenizer kind=hf_auto,model=$HF --profile kind=concurrent,streams=1 --override profile.streams 1,4,16,64 --constraint kind=max_requests,count=128 --output kind=json,path=benchmarks/results/guidellm.json`
 - `pagedllm bench latency`: one request's prefill and per-token decode time against the machine's peaks.
-- `pagedllm bench scheduler`: the scheduler's CPU time per step at 64 / 256 / 1,024 running requests.
+- `pagedllm bench scheduler`: the scheduler's CPU time per step at 64 / 256 / 1,024 running requests
+  (`--num-waiting`: and as many more waiting).
 - `pagedllm bench memory`: KV cache utilization per block size against contiguous reservation.
 - `pagedllm bench kernels | profile | quant | scheduling | host-overhead | kv-quality | soak | chaos |
   gpu-check | ...`: kernel microbenchmarks, profiles, the quantization table and the rest of the

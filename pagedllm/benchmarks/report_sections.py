@@ -316,7 +316,7 @@ def native_decode_section(r: dict[str, Any]) -> str:
 
 
 def scheduler_section(r: dict[str, Any]) -> str:
-    rows = [[str(x["num_running"]), f"{x['schedule_us']:.0f}", f"{x['update_us']:.0f}", f"{x['step_us_mean']:.0f}",
+    rows = [[str(x["num_running"]), str(x.get("num_waiting", 1)), f"{x['schedule_us']:.0f}", f"{x['update_us']:.0f}", f"{x['step_us_mean']:.0f}",
              f"{x['step_us_median']:.0f}", f"{x['step_us_p99']:.0f}", f"{x['us_per_request']:.1f}",
              fmt(x.get("model_step_ms"), ".1f"),
              f"{100 * x['fraction_of_model_step']:.2f}%" if "fraction_of_model_step" in x else "-"]
@@ -324,8 +324,9 @@ def scheduler_section(r: dict[str, Any]) -> str:
     return (
         "## Scheduler overhead\n\n" + run_block(r.get("meta")) +
         "\n`schedule()` + `update_from_output()` per step with a fake model, at a steady number of running "
-        "requests (finished ones replaced at once; prompts 32-512, outputs 16-256 tokens; prefix caching on).\n\n"
-        + table(["running", "schedule µs", "update µs", "step µs mean", "median", "p99", "µs per request",
+        "requests (finished ones replaced at once; prompts 32-512, outputs 16-256 tokens; prefix caching on) "
+        "and of waiting ones.\n\n"
+        + table(["running", "waiting", "schedule µs", "update µs", "step µs mean", "median", "p99", "µs per request",
                  "model step ms", "share of model step"], rows)
         + (f"\nModel step: {r['model_step_source']}.\n" if r.get("model_step_source") else "")
     )

@@ -1,9 +1,10 @@
 """`pagedllm bench scheduler`: CPU time of `schedule()` + `update_from_output()` per step, with a
-fake model, at a steady number of running requests.
+fake model, at a steady number of running requests and of waiting ones.
 
 Pure Python: requests with random prompt and output lengths; a finished request is replaced by a
-new one at once, so the running set stays at N and every step mixes N-ish decodes with the
-admission (and prompt chunk) of the replacements, as a busy server does. The fake model returns one
+new one at once, so the running set stays at N, W more requests wait (`--num-waiting`: the queue
+`LLM.generate` builds from a long prompt list, or a server's backlog), and every step mixes N-ish
+decodes with the admission (and prompt chunk) of the replacements, as a busy server does. The fake model returns one
 token for every request whose prompt is complete. Timings are compared with one model step at the
 same batch size: `--model-step-ms`, or measured with the real model (prompts of one token, so the
 prefill is cheap; the decode step then attends to at most 3 tokens, which makes it a lower bound
@@ -56,8 +57,9 @@ def fake_model_output(sched: Scheduler, so: SchedulerOutput, token: int = 7) -> 
 def time_scheduler(num_running: int, num_steps: int, block_size: int = 16,
                    input_range: tuple[int, int] = (32, 512), output_range: tuple[int, int] = (16, 256),
                    max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
-                   seed: int = 0, show_progress: bool = True) -> dict[str, Any]:
-    """µs per step of schedule() + update_from_output() with `num_running` requests running."""
+                   seed: int = 0, show_progress: bool = True, num_waiting: int = 1) -> dict[str, Any]:
+    """µs per step of schedule() + update_from_output() with `num_running` requests running and
+    `num_waiting` more queued."""
     # Enough budget that admissions keep up with completions at N running: N decode tokens plus
     # the prompts of the ~N / mean_output requests that finish per step, with 50% slack.
     mean_in, mean_out = sum(input_range) / 2, sum(output_range) / 2
@@ -69,7 +71,7 @@ def time_scheduler(num_running: int, num_steps: int, block_size: int = 16,
     wl = _FakeWorkload(input_range, output_range, seed)
 
     def top_up() -> None:
-        while sched.num_unfinished < num_running + 1:
+        while sched.num_unfinished < num_running + num_waiting:
             sched.add_request(wl.new_request())
 
     # Warm up: until N requests run, then as many steps again as the longest output, so that the
@@ -90,7 +92,8 @@ def time_scheduler(num_running: int, num_steps: int, block_size: int = 16,
         top_up()
     completed_before = wl.count - sched.num_unfinished
     sched_s, update_s, running, tokens = [], [], [], []
-    for _ in tqdm(range(num_steps), desc=f"scheduler steps at {num_running} running", dynamic_ncols=True,
+    for _ in tqdm(range(num_steps), desc=f"scheduler steps at {num_running} running, {num_waiting} waiting",
+                  dynamic_ncols=True,
                   disable=not show_progress):
         t0 = time.perf_counter()
         so = sched.schedule()
@@ -107,6 +110,7 @@ def time_scheduler(num_running: int, num_steps: int, block_size: int = 16,
     step = [a + b for a, b in zip(sched_s, update_s)]
     return {
         "num_running": num_running,
+        "num_waiting": num_waiting,
         "num_steps": num_steps,
         "block_size": block_size,
         "max_num_batched_tokens": budget,
@@ -156,11 +160,11 @@ def measure_model_step_ms(model: str | None, batch_sizes: list[int], engine_kwar
 
 def run_scheduler_bench(sizes: list[int], num_steps: int, block_size: int, model_step_ms: float | None,
                         measure_model: bool, model: str | None, engine_kwargs: dict[str, Any],
-                        seed: int = 0) -> dict[str, Any]:
+                        seed: int = 0, waiting: tuple[int, ...] = (1,)) -> dict[str, Any]:
     from pagedllm.benchmarks.env import run_metadata
 
     meta = run_metadata()
-    rows = [time_scheduler(n, num_steps, block_size, seed=seed) for n in sizes]
+    rows = [time_scheduler(n, num_steps, block_size, seed=seed, num_waiting=w) for n in sizes for w in waiting]
     if model_step_ms is not None:
         steps = {n: model_step_ms for n in sizes}
         source = "--model-step-ms"
@@ -178,14 +182,14 @@ def run_scheduler_bench(sizes: list[int], num_steps: int, block_size: int, model
 
 
 def format_scheduler(report: dict[str, Any]) -> str:
-    lines = [f"{'running':>8} {'sched µs':>9} {'update µs':>9} {'step µs':>9} {'p99 µs':>9} {'µs/req':>7} "
+    lines = [f"{'running':>8} {'waiting':>8} {'sched µs':>9} {'update µs':>9} {'step µs':>9} {'p99 µs':>9} {'µs/req':>7} "
              f"{'model step ms':>13} {'share':>7}"]
     for r in report["results"]:
         ms = r.get("model_step_ms")
         share = f"{100 * r['fraction_of_model_step']:.2f}%" if ms else "-"
         step_ms = f"{ms:.1f}" if ms else "-"
         lines.append(
-            f"{r['num_running']:>8} {r['schedule_us']:>9.0f} {r['update_us']:>9.0f} {r['step_us_mean']:>9.0f} "
+            f"{r['num_running']:>8} {r.get('num_waiting', 1):>8} {r['schedule_us']:>9.0f} {r['update_us']:>9.0f} {r['step_us_mean']:>9.0f} "
             f"{r['step_us_p99']:>9.0f} {r['us_per_request']:>7.2f} {step_ms:>13} {share:>7}"
         )
     if report.get("model_step_source"):
