@@ -195,7 +195,8 @@ class EngineCore:
 
     def abort_requests(self, seq_ids: list[str], status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
         """Ends sequences now (abort, or a stop string found by the front end) and frees their blocks."""
-        self.scheduler.finish_requests(list(seq_ids), status)
+        for req in self.scheduler.finish_requests(list(seq_ids), status):
+            self._structured.pop(req.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -212,6 +213,10 @@ class EngineCore:
             self._grammar_bitmask(so)
         out = self.executor.execute_model(so)
         core_outputs = failed + self.scheduler.update_from_output(so, out)
+        if self._structured:  # finished requests leave the structured-output table
+            for o in core_outputs:
+                if o.finished:
+                    self._structured.pop(o.req_id, None)
         self.last_output = so  # read by the engine view's snapshots (engine/snapshot.py)
         stats = StepStats(self.scheduler.get_stats(), so.total_num_scheduled_tokens, so.num_preempted,
                           time.perf_counter() - t0)
@@ -227,19 +232,19 @@ class EngineCore:
             error = r.structured.compile_error()
             if error is not None and not r.is_finished:
                 self.scheduler.finish_requests(r.request_id, RequestStatus.FINISHED_ERROR)
+                self._structured.pop(r.request_id, None)
                 failed.append(EngineCoreOutput(r.request_id, [], finish_reason="error", error=error))
         self._compiling = still
         return failed
 
     def _grammar_bitmask(self, so: SchedulerOutput) -> None:
-        """Fills the step's bitmask rows of the constrained sequences that sample this step (the
-        structured requests only; finished ones are dropped from the table here)."""
-        scheduled, forked = so.num_scheduled_tokens, {f.req_id for f in so.forked_reqs}
+        """Fills the step's bitmask rows of the constrained sequences that sample this step: the
+        step's scheduled and forked requests are looked up, the waiting ones never looked at."""
+        forked = {f.req_id for f in so.forked_reqs}
         sampling = []
-        for rid, r in list(self._structured.items()):
-            if r.is_finished:
-                del self._structured[rid]
-            elif rid in forked or (rid in scheduled and r.num_computed_tokens >= r.num_tokens):
+        for rid in [*so.num_scheduled_tokens, *forked]:
+            r = self._structured.get(rid)
+            if r is not None and (rid in forked or r.num_computed_tokens >= r.num_tokens):
                 sampling.append(r)
         if sampling:
             mask = self.structured.grammar_bitmask(sampling)

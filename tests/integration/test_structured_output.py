@@ -50,6 +50,7 @@ def test_varied_schemas_all_validate(llm: LLM, count: int) -> None:
             stopped += 1
             jsonschema.validate(json.loads(c.text), schema)
     assert stopped >= len(schemas) // 2
+    assert not llm.llm_engine.core._structured  # finished requests left the engine core's table
 
 
 def test_regex_choice_grammar_and_json_object(llm: LLM) -> None:
