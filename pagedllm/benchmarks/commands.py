@@ -54,6 +54,8 @@ COMMANDS: dict[str, Entry | tuple[str, dict[str, Entry]]] = {
     "kv-quality": ("pagedllm.benchmarks.kv_quality",
                    "greedy agreement and |Δlogprob| of each --kv-cache-dtype against the model dtype's cache"),
     "kv-first-writes": ("pagedllm.benchmarks.kv_first_writes", "what the KV cache's first writes cost"),
+    "moe": ("pagedllm.benchmarks.moe",
+            "a Qwen3-MoE-shaped random model: throughput against HF transformers, one stream against llama.cpp"),
     "kv-window": ("pagedllm.benchmarks.kv_window",
                   "KV memory of one long request with sliding-window layer groups against every block kept"),
     "embed": ("pagedllm.benchmarks.embed",

@@ -158,7 +158,7 @@ def run_llamacpp_latency(model: str | None, dtype: str, input_len: int, output_l
     from pagedllm.models.loader import resolve_model
 
     source = resolve_model(model)
-    if source.kind != "gguf":
+    if gguf_path is None and source.kind != "gguf":
         raise BackendUnavailable(f"llama.cpp needs a GGUF model; {source.path} is a {source.kind} folder")
     python = peers_python(peers_venv)
     path = gguf_path or export_unquantized_gguf(source.path, _GGUF_TYPES[dtype])

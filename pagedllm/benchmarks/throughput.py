@@ -58,7 +58,8 @@ def peers_python(venv: str | None) -> Path:
 
 
 def hf_model_dir(model: str | None) -> str:
-    """A Hugging Face folder for the peers: the default GGUF converted once, or the folder given."""
+    """A Hugging Face folder for the peers: the default GGUF converted once, another GGUF (Gemma 3
+    270M's) as transformers' own GGUF loader reads it (`transformers_gguf_folder`), or the folder given."""
     from pagedllm.models.loader import default_hf_folder, resolve_model
 
     source = resolve_model(model)
@@ -66,10 +67,41 @@ def hf_model_dir(model: str | None) -> str:
         return source.path
     if model is None or source.path == resolve_model(None).path:
         return default_hf_folder()
-    raise BackendUnavailable(
-        f"model {model!r} is a GGUF file; the hf and vllm backends need a Hugging Face folder "
-        "(convert it with pagedllm.models.loader.convert_gguf_to_hf)"
-    )
+    return transformers_gguf_folder(source.path)
+
+
+def transformers_gguf_folder(path: str) -> str:
+    """The folder transformers writes after loading the GGUF `path` with its GGUF loader
+    (`from_pretrained(..., gguf_file=...)`: its dequantization, names and config; weights in
+    bfloat16, the tokenizer converted by transformers), built once in the cache."""
+    from pagedllm.models.loader.source import file_cache_key, publish_dir
+    from pagedllm.utils import cache_dir
+
+    final = cache_dir() / "hf-transformers-gguf" / f"{Path(path).stem}-{file_cache_key(path)}"
+
+    def build(tmp: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        folder, name = str(Path(path).parent), Path(path).name
+        from safetensors.torch import save_file
+
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16)
+        # transformers will not save_pretrained a model it loaded from GGUF: its config (without the
+        # GGUF marker) and its dequantized tensors are written as an ordinary checkpoint instead.
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.architectures = [type(model).__name__]  # vLLM picks its model class by this
+        config.save_pretrained(str(tmp))
+        tensors = {k: v.contiguous() for k, v in model.state_dict().items()
+                   if not (k == "lm_head.weight" and config.tie_word_embeddings)}
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(str(tmp))
+
+    if not final.is_dir():
+        publish_dir(final, build)
+    return str(final)
 
 
 def child_engine_args(engine_args: Any) -> dict[str, Any]:
