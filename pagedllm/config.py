@@ -135,10 +135,10 @@ class SchedulerConfig:
     """Cap on one request's prompt chunk per step (0 = no cap beyond the budget)."""
     max_num_partial_prefills: int = 0
     """Most requests with unfinished prompts scheduled in one step (0 = no limit)."""
-    max_num_prefill_tokens_while_decoding: int = 0
-    """Prompt tokens one step may carry while a running request decodes (0 = the whole budget).
-    Decode tokens come on top, within max_num_batched_tokens; a step with no decode is not capped.
-    Small steps spread a burst's first tokens out (core/step.py)."""
+    max_num_shared_prefill_tokens: int = 512
+    """Prompt tokens one step may carry when more than one request shares it (0 = the whole
+    budget). Decode tokens come on top, within max_num_batched_tokens; a lone request is not
+    capped. Small steps give a burst's first tokens sooner (core/step.py, docs/scheduling.md)."""
     time_slice: int = 64
     """Fair share: steps a running request keeps its place while requests of other users wait;
     then it yields to a waiting request of a less-served user."""
@@ -155,7 +155,7 @@ class SchedulerConfig:
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         _check_at_least(self, 0, "long_prefill_token_threshold", "max_num_partial_prefills",
-                        "max_num_prefill_tokens_while_decoding")
+                        "max_num_shared_prefill_tokens")
         _check_at_least(self, 1, "time_slice", "max_waiting_steps")
         for user, w in self.user_weights.items():
             if not w > 0:

@@ -15,8 +15,8 @@ INTRO = """## Time to first token under concurrent chat streams (guidellm)
 `.venv-guidellm`) against it on /v1/chat/completions: synthetic prompts and fixed output lengths,
 each stream sending its next request as soon as its last one ends, for a fixed time per number of
 streams (requests still running when the time is up are left out). The scheduler's prompt-token
-cap while decoding (`--max-num-prefill-tokens-while-decoding`, [scheduling.md](scheduling.md))
-is what these runs tune; each run names its flags.
+cap of a shared step (`--max-num-shared-prefill-tokens`, [scheduling.md](scheduling.md)) is what
+these runs tune; each run names its flags.
 """
 
 

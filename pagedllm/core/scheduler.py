@@ -187,7 +187,7 @@ class Scheduler:
             n = min(n, self.config.long_prefill_token_threshold)
         n = min(n, step.budget)
         # A prompt chunk (more than the one decode token) counts against the partial-prefill limit
-        # and the prompt-token cap while decoding (core/step.py).
+        # and the prompt-token cap of a shared step (core/step.py).
         if n > 1 or computed + n < req.num_tokens:
             if step.partial_left == 0:
                 return 0
@@ -195,7 +195,7 @@ class Scheduler:
         return n
 
     def schedule(self) -> SchedulerOutput:
-        step = Step.open(self.config, self.running)
+        step = Step.open(self.config, self.running, len(self.waiting) + len(self.swapped))
         self._schedule_running(step)
         # Admit or resume only when no running request had to be preempted for blocks.
         if not step.preempted:

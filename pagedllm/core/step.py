@@ -1,19 +1,21 @@
 """What one `Scheduler.schedule()` call hands out (`Step`), and what the worker holds of each
 request it has been sent (`WorkerView`). No torch.
 
-The prompt-token cap while decoding (`max_num_prefill_tokens_while_decoding` = P). A step that
-runs at least one decode carries at most P prompt tokens (decode tokens come on top, all within
-`max_num_batched_tokens`). Why: a step's duration grows with its prompt tokens, and a request's
-first token comes at the end of the step that computes its last prompt chunk. Under a closed
-loop of chat streams with similar lengths, requests that were admitted together finish together
-and come back together: with the whole budget for prompts, a wave of k prompts of p tokens
-shares about k p / budget long steps and every one of them gets its first token at the end of
-those steps, while the decodes beside them wait as long for their next token. With P about one
-prompt, prompts finish one or two per step (shortest wait first, as in shortest-job-first), so
-the mean time to first token of a wave falls towards half its total, the waves break up into
-single arrivals, and each arrival waits one short step. A step with no decode (an idle server,
-a batch of offline prompts at start, a lone long prompt) keeps the whole budget, so prefill
-throughput is unchanged. Encoder prompts (not chunkable) are not capped: they run whole."""
+The prompt-token cap of a shared step (`max_num_shared_prefill_tokens` = P). A step that more
+than one request could use (running and waiting requests together) carries at most P prompt
+tokens; decode tokens come on top, all within `max_num_batched_tokens`. A lone request keeps the
+whole budget, so one long prompt is prefilled at full speed. Why: a step's duration grows with its
+prompt tokens, and a request's first token comes at the end of the step that computes its last
+prompt chunk. Under a closed loop of chat streams with similar lengths, requests admitted
+together finish together and come back together: with the whole budget open to prompts, a wave
+of k prompts of p tokens shares about k p / budget long steps, every one of them gets its first
+token at the end of those steps, and the decodes beside them wait as long for their next token.
+With P about one or two prompts, a wave's prompts finish one or two per step in arrival order
+(shortest wait first, as in shortest-job-first), so its mean time to first token falls towards
+half of its prefill time; the staggered finishes break the waves up, and later requests arrive
+one at a time and wait one short step each. The total work is the same. Encoder prompts (not
+chunkable) are not capped: they run whole.
+"""
 
 from __future__ import annotations
 
@@ -48,12 +50,13 @@ class Step:
     prefill_left: int = -1  # prompt tokens still allowed this step; -1: only the budget limits them
 
     @classmethod
-    def open(cls, config: SchedulerConfig, running: Sequence[Request]) -> Step:
+    def open(cls, config: SchedulerConfig, running: Sequence[Request], num_waiting: int = 0) -> Step:
         """A step's allowances: the token budget, the prompt-chunk count, and the prompt-token
-        cap while some running request decodes (see the module's docstring)."""
+        cap when more than one request (running, or waiting and swapped: `num_waiting`) shares the
+        step (see the module's docstring)."""
         step = cls(config.max_num_batched_tokens, config.max_num_partial_prefills or -1)
-        cap = config.max_num_prefill_tokens_while_decoding
-        if cap and any(r.num_tokens - r.num_computed_tokens <= 1 for r in running):
+        cap = config.max_num_shared_prefill_tokens
+        if cap and len(running) + num_waiting > 1:
             step.prefill_left = cap
         return step
 

@@ -1,6 +1,6 @@
-"""The prompt-token cap while decoding (max_num_prefill_tokens_while_decoding, core/step.py): a step
-that runs a decode carries at most that many prompt tokens, decodes on top; a step without a decode
-keeps the whole budget. Driven with the fake worker of test_scheduler.py (no model, no torch)."""
+"""The prompt-token cap of a shared step (max_num_shared_prefill_tokens, core/step.py): a step that
+more than one request could use carries at most that many prompt tokens, decodes on top; a lone
+request keeps the whole budget. Driven with the fake worker of test_scheduler.py (no model, no torch)."""
 
 from __future__ import annotations
 
@@ -27,14 +27,14 @@ def decoding_batch(d: Driver, n: int, max_tokens: int = 40) -> list[str]:
     rids = [f"d{i}" for i in range(n)]
     for i, rid in enumerate(rids):
         d.sched.add_request(make_req(rid, 4, max_tokens=max_tokens, arrival=i))
-    d.step()
-    assert all(d.sched.requests[r].num_output_tokens == 1 for r in rids)
+    while not all(d.sched.requests[r].num_output_tokens for r in rids):
+        d.step()
     return rids
 
 
 @pytest.mark.parametrize("cap", [0, 20])
 def test_a_burst_beside_decodes_gets_its_first_tokens_one_prompt_a_step(cap: int) -> None:
-    sched = make_sched(max_num_batched_tokens=256, max_num_prefill_tokens_while_decoding=cap)
+    sched = make_sched(max_num_batched_tokens=256, max_num_shared_prefill_tokens=cap)
     d = Driver(sched)
     decoders = decoding_batch(d, 4)
     start = len(d.history)
@@ -59,23 +59,44 @@ def test_a_burst_beside_decodes_gets_its_first_tokens_one_prompt_a_step(cap: int
     assert all(len(d.outputs[r]) == 2 for r in burst)
 
 
-def test_a_step_without_a_decode_keeps_the_whole_budget() -> None:
-    sched = make_sched(max_num_batched_tokens=256, max_num_prefill_tokens_while_decoding=20)
+def test_a_lone_prompt_keeps_the_whole_budget() -> None:
+    sched = make_sched(max_num_batched_tokens=256, max_model_len=512, max_num_shared_prefill_tokens=20)
+    sched.add_request(make_req("long", 200, max_tokens=2))
+    d = Driver(sched)
+    so, _ = d.step()
+    assert so.num_scheduled_tokens == {"long": 200}
+
+
+def test_a_burst_on_an_idle_engine_is_capped_from_its_first_step() -> None:
+    sched = make_sched(max_num_batched_tokens=256, max_num_shared_prefill_tokens=30)
+    burst = [f"p{i}" for i in range(4)]
+    for i, rid in enumerate(burst):
+        sched.add_request(make_req(rid, 30, max_tokens=8, arrival=i))
+    d = Driver(sched)
+    for _ in range(4):
+        d.step()
+    # One prompt a step: the first gets its first token after one short step, not four prompts' worth.
+    assert [first_token_steps(d, burst, 30)[r] for r in burst] == [0, 1, 2, 3]
+    assert all(so.total_num_scheduled_tokens <= 30 + 3 for so in d.history)
+
+
+def test_default_cap_and_no_cap() -> None:
+    assert make_sched().config.max_num_shared_prefill_tokens == 512
+    sched = make_sched(max_num_batched_tokens=256, max_num_shared_prefill_tokens=0)
     for i in range(4):
         sched.add_request(make_req(f"p{i}", 30, max_tokens=2, arrival=i))
-    d = Driver(sched)
-    so, _ = d.step()  # an idle engine: the burst is prefilled at once
+    so, _ = Driver(sched).step()
     assert so.num_scheduled_tokens == {f"p{i}": 30 for i in range(4)}
 
 
 def test_a_waiting_prompt_is_scheduled_within_its_chunks_under_a_full_decode_batch() -> None:
     # 30 requests decode in every step; the budget of 64 leaves 34 tokens, the cap 16 of them to prompts.
-    sched = make_sched(num_blocks=256, max_num_batched_tokens=64, max_num_prefill_tokens_while_decoding=16)
+    sched = make_sched(num_blocks=256, max_num_batched_tokens=64, max_num_shared_prefill_tokens=16)
     d = Driver(sched)
     for i in range(30):
         sched.add_request(make_req(f"d{i}", 2, max_tokens=60, arrival=i))
-    d.step()
-    d.step()  # now all 30 decode
+    while not all(r.num_output_tokens for r in sched.requests.values()):
+        d.step()  # 16 prompt tokens a step: eight 2-token prompts, until all 30 decode
     start = len(d.history)
     sched.add_request(make_req("late", 40, max_tokens=2, arrival=100))
     for _ in range(3):
@@ -87,7 +108,7 @@ def test_a_waiting_prompt_is_scheduled_within_its_chunks_under_a_full_decode_bat
 
 
 def test_a_running_prompt_chunk_counts_against_the_cap() -> None:
-    sched = make_sched(num_blocks=256, max_num_batched_tokens=256, max_num_prefill_tokens_while_decoding=24,
+    sched = make_sched(num_blocks=256, max_num_batched_tokens=256, max_num_shared_prefill_tokens=24,
                        long_prefill_token_threshold=16)
     d = Driver(sched)
     decoding_batch(d, 2)
@@ -101,5 +122,5 @@ def test_a_running_prompt_chunk_counts_against_the_cap() -> None:
 
 
 def test_the_cap_is_checked() -> None:
-    with pytest.raises(ValueError, match="max_num_prefill_tokens_while_decoding"):
-        make_sched(max_num_prefill_tokens_while_decoding=-1)
+    with pytest.raises(ValueError, match="max_num_shared_prefill_tokens"):
+        make_sched(max_num_shared_prefill_tokens=-1)

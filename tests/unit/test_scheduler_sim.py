@@ -124,7 +124,7 @@ def simulate(
         policy=policy,
         preemption_mode=mode,
         long_prefill_token_threshold=case.long_prefill_token_threshold,
-        max_num_prefill_tokens_while_decoding=prefill_cap,
+        max_num_shared_prefill_tokens=prefill_cap,
         max_waiting_steps=aging_steps,
         time_slice=16,
         user_weights={"u0": 2.0, "u1": 1.0, "u2": 0.5},
@@ -383,7 +383,7 @@ def test_randomized_simulation_with_speculation_and_window_groups() -> None:
 @pytest.mark.parametrize(("policy", "mode", "case_name"),
                          [("fcfs", "recompute", "bs4"), ("srtf", "swap", "bs4"), ("priority", "auto", "bs4")])
 def test_randomized_simulation_with_prefill_cap(policy: str, mode: str, case_name: str) -> None:
-    """The same simulation with the prompt-token cap while decoding at max_num_seqs x threshold
+    """The same simulation with the prompt-token cap of a shared step at max_num_seqs x threshold
     (below the token budget): every running request still gets its whole chunk or decode token
     every step, so the aging bound holds as it is, while admissions get only what the cap leaves.
     Every step keeps the integrity checks; outputs are the fake model's tokens exactly."""
