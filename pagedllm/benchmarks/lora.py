@@ -1,7 +1,9 @@
 """`pagedllm bench lora`: offline throughput of the 128-request workload with N LoRA adapters
 (random, rank R, on every linear layer) mixed uniformly over the requests, against the base
 model alone on the same workload; and what loading one adapter at run time costs (the front
-end's check, and the worker's read and layout into slot form).
+end's check, and the worker's read and layout into slot form; then, on a real server with
+streams running, POST /v1/load_lora_adapter's wall time and the first request with the new
+adapter: benchmarks/lora_http.py).
 
 The base engine and the LoRA engine stay loaded side by side and the phases alternate for
 --rounds rounds (the best of each kept), so that other load on a shared host slows them alike.
@@ -12,6 +14,7 @@ a Llama-layout model (q/k/v/o and gate/up/down projections), from the model's co
 from __future__ import annotations
 
 import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -96,6 +99,12 @@ def run_lora(opts: dict[str, Any]) -> dict[str, Any]:
         report["load_ms"] = {"check": (t1 - t0) * 1e3, "worker": (t2 - t1) * 1e3}
         base.llm_engine.shutdown()
         llm.llm_engine.shutdown()
+        if opts.get("http_load", True):  # POST /v1/load_lora_adapter on a real server, streams running
+            from pagedllm.benchmarks.lora_http import measure_http_load
+
+            extra = [write_random_adapter(hf_config, Path(tmp) / f"h{i}", rank, 100 + i) for i in range(5)]
+            report["http_load"] = measure_http_load(model, opts["dtype"], opts["kv_cache_memory"], [paths[0], *extra],
+                                                    rank)
     report["ratio"] = report["lora"]["output_tok_s"] / report["base"]["output_tok_s"]
     report["ratio_no_adapter_rows"] = report["lora_no_adapter_rows"]["output_tok_s"] / report["base"]["output_tok_s"]
     return report
@@ -110,6 +119,13 @@ def format_table(r: dict[str, Any]) -> str:
              f"({r['ratio_no_adapter_rows']:.3f}x)",
              f"  loading one adapter: check {r['load_ms']['check']:.1f} ms, worker read + layout "
              f"{r['load_ms']['worker']:.1f} ms"]
+    h = r.get("http_load")
+    if h:
+        lines.append(f"  POST /v1/load_lora_adapter with {h['streams']} streams running: median "
+                     f"{h['load_ms_median']:.0f} ms, max {h['load_ms_max']:.0f} ms over {len(h['load_ms'])} loads; "
+                     f"first request with a loaded adapter {statistics.median(h['first_request_ms']):.0f} ms "
+                     f"(again {h['warm_request_ms']:.0f} ms); streams completed {h['streams_completed']}/"
+                     f"{h['streams']}")
     return "\n".join(lines)
 
 
@@ -127,6 +143,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--kv-cache-memory", default="2GiB")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=2, help="rounds of the three phases, alternating (best kept)")
+    ap.add_argument("--no-http-load", dest="http_load", action="store_false",
+                    help="skip timing POST /v1/load_lora_adapter on a real server")
     ap.add_argument("--output-json", default=None, help="write the report here")
     args = ap.parse_args(argv)
     report = run_lora({k: v for k, v in vars(args).items() if k != "output_json"})

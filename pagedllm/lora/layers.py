@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
+import numpy as np
 import torch
 
 from pagedllm import native
@@ -39,6 +40,8 @@ class LoRAStep:
     groups: tuple[tuple[int, slice | torch.Tensor], ...] = ()
     slots: torch.Tensor | None = None
     failed: dict[str, str] = field(default_factory=dict)
+    token_slots: np.ndarray | None = None
+    """Every token row's slot (int32, -1: none), for the fused native decode step."""
 
     @property
     def active(self) -> bool:

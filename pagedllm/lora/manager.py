@@ -133,11 +133,12 @@ class LoRAManager:
         step = self.step
         step.failed = {}
         if not rows:
-            step.groups, step.slots = (), None
+            step.groups, step.slots, step.token_slots = (), None, None
             return False
         needed = set(rows)
         groups = []
         slots = None
+        token_slots = np.full(int(query_start_loc[len(req_ids)]), -1, dtype=np.int32)
         for lora_id, spans in rows.items():
             try:
                 slot = self._slot(lora_id, paths[lora_id], needed)
@@ -148,6 +149,8 @@ class LoRAManager:
                     step.failed[rid] = f"LoRA adapter {lora_id} cannot be read from {paths[lora_id]!r}: {e}"
                 continue
             merged = _merge(spans)
+            for a, b in merged:
+                token_slots[a:b] = slot
             if self.kernel is not None and sum(b - a for a, b in merged) <= NATIVE_MAX_ROWS:
                 if slots is None:
                     slots = np.full(int(query_start_loc[len(req_ids)]), -1, dtype=np.int32)
@@ -159,6 +162,7 @@ class LoRAManager:
                 idx = np.concatenate([np.arange(a, b) for a, b in merged])
                 groups.append((slot, torch.from_numpy(idx).to(self.device)))
         step.groups = tuple(groups)
+        step.token_slots = token_slots
         step.slots = torch.from_numpy(slots) if slots is not None else None
         return True
 

@@ -95,6 +95,12 @@ class QuantLinear(ctypes.Structure):
 _PP = ctypes.POINTER(ctypes.c_void_p)
 
 
+class LoraLinear(ctypes.Structure):
+    """One linear layer's LoRA slots (lora.c's layout: A [slots, n, K], B^T [slots, n, N])."""
+
+    _fields_ = [("a", PTR), ("bt", PTR), ("ranges", PTR), ("num_slices", ctypes.c_int64)]
+
+
 class LlamaDecodeModel(ctypes.Structure):
     """The model the step runs: shapes, and pointers to its parameters and KV caches."""
 
@@ -114,6 +120,10 @@ class LlamaDecodeModel(ctypes.Structure):
         ("lm_head_q", ctypes.POINTER(QuantLinear)),  # NULL: the dense lm_head
         ("embed_q", ctypes.POINTER(QuantLinear)), ("embed_rows", ctypes.c_int64),  # NULL: the dense embed
         ("threads", ctypes.c_int64),  # 0: torch's thread count
+        # LoRA: per layer [num_layers] slots of the four linear layers (NULL: none), rank, dtype.
+        *((name, ctypes.POINTER(LoraLinear)) for name in ("lora_qkv", "lora_o", "lora_gate_up", "lora_down")),
+        ("lora_rank", ctypes.c_int64), ("lora_dtype", ctypes.c_int64),
+        ("lora_slots", PTR),  # per step: each row's slot (int32, -1: none), or NULL
     ]
 
 

@@ -354,7 +354,8 @@ class ModelRunner:
         counts = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
         batch = self.input_batch.prepare(rows, counts, self.model_config.sliding_window, **self.batch_options)
         lora = self.lora is not None and self.lora.prepare(req_ids, batch.query_start_loc)
-        step = PreparedStep(so, req_ids, rows, counts, batch, lora=lora)
+        step = PreparedStep(so, req_ids, rows, counts, batch, lora=lora,
+                            lora_slots=self.lora.step.token_slots if lora else None)
         if so.spec_token_ids and self._native_decode is not None and not lora and not batch.kv_groups:
             spec = so.spec_token_ids  # decodes and verifications only: the native step takes each token as a row
             if all(n == 1 + len(spec.get(rid, ())) for rid, n in so.num_scheduled_tokens.items()):

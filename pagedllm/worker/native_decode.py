@@ -36,6 +36,7 @@ from pagedllm.layers.native_linear import AVX512_FORM, small_m_rows
 from pagedllm.native import kernels
 from pagedllm.native.declare import Binding
 from pagedllm.native.kernels import LlamaDecodeModel as _Model
+from pagedllm.native.kernels import LoraLinear as _LoraLinear
 from pagedllm.native.kernels import QuantLinear as _QuantLinear
 from pagedllm.quantization.native import int8_activations, kernel_rows
 
@@ -330,9 +331,37 @@ class NativeDecode:
                 self.model.lm_head_q = ctypes.pointer(head_q)
         # Everything the struct points at must stay alive and in place.
         self._keep.extend([model, kv_caches, rotary.cos, rotary.sin])
+        self.lora = self._bind_lora(layers)
         self.max_rows = quantized_rows(self.kinds, dtype) if self.quantized else DTYPE_ROWS[dtype]
         head_rows = QUANTIZED_HEAD_ROWS if self.has_head and self.model.lm_head_q else small_m_rows(dtype)
         self.max_head_rows = min(self.max_rows, head_rows)
+
+    def _bind_lora(self, layers: list[nn.Module]) -> bool:
+        """Binds the LoRA slots of every layer's four linear layers (their LinearMethods wrapped by
+        pagedllm/lora/layers.py, with --enable-lora): the step then adds the deltas of the rows
+        with an adapter after each base GEMM (lora.c's block kernels, the same bits as the torch
+        path's native LoRA call). False where there are none or the step cannot apply them."""
+        fields = (("lora_qkv", "self_attn", "qkv_proj"), ("lora_o", "self_attn", "o_proj"),
+                  ("lora_gate_up", "mlp", "gate_up_proj"), ("lora_down", "mlp", "down_proj"))
+        methods = [[getattr(getattr(layer, part), name).quant_method for layer in layers] for _, part, name in fields]
+        if not all(hasattr(m, "lora_a") for ms in methods for m in ms):
+            return False
+        first = methods[0][0]
+        codes = {torch.float32: 0, torch.bfloat16: 1}
+        if (first.lora_a.dtype not in codes or self.dtype not in codes
+                or any(m.lora_a.dtype != first.lora_a.dtype or m.max_rank != first.max_rank or len(m.ranges) > 3
+                       for ms in methods for m in ms)):
+            return False
+        for (field, _, _), ms in zip(fields, methods):
+            arr = (_LoraLinear * len(ms))()
+            for d, m in zip(arr, ms):
+                d.a, d.bt, d.ranges, d.num_slices = (m.lora_a.data_ptr(), m.lora_bt.data_ptr(), m.ranges.data_ptr(),
+                                                     len(m.ranges))
+                self._keep.extend([m.lora_a, m.lora_bt, m.ranges])
+            self._keep.append(arr)
+            setattr(self.model, field, ctypes.cast(arr, ctypes.POINTER(_LoraLinear)))
+        self.model.lora_rank, self.model.lora_dtype = first.max_rank, codes[first.lora_a.dtype]
+        return True
 
     def _codes(self, mod: nn.Module) -> _QuantLinear | None:
         """The descriptor of a vocabulary module's codes (embedding or LM head), or None (dense)."""
@@ -384,9 +413,11 @@ class NativeDecode:
         return num_tokens == num_reqs and 0 < num_reqs <= self.max_rows and not has_dense
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
-            block_tables: np.ndarray, seq_lens: np.ndarray) -> torch.Tensor | None:
+            block_tables: np.ndarray, seq_lens: np.ndarray, lora_slots: np.ndarray | None = None) -> torch.Tensor | None:
         """Final normed hidden states [M, hidden], or None when the kernel declines the step (then
-        the KV cache is untouched and the torch path runs it)."""
+        the KV cache is untouched and the torch path runs it). `lora_slots`: each row's LoRA
+        slot (int32, -1: none; the caller keeps it alive over the call), or None."""
+        self.model.lora_slots = None if lora_slots is None else lora_slots.ctypes.data
         M = len(input_ids)
         out = torch.empty(M, self.hidden, dtype=self.dtype)
         arrays = _step_arrays(input_ids, positions, slot_mapping, block_tables, seq_lens)
@@ -412,13 +443,15 @@ class NativeDecode:
     def run_head(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
                  block_tables: np.ndarray, seq_lens: np.ndarray, sample_rows: np.ndarray,
                  greedy: bool, mask: torch.Tensor | None = None,
-                 mask_rows: np.ndarray | None = None) -> np.ndarray | torch.Tensor | None:
+                 mask_rows: np.ndarray | None = None,
+                 lora_slots: np.ndarray | None = None) -> np.ndarray | torch.Tensor | None:
         """The step on to the LM head for the batch rows `sample_rows`: their argmax token ids [S]
         (int64) when `greedy`, else their float32 logits [S, vocab], equal to what the torch path's
         LM head gives for the same hidden states. With a structured-output `mask` (int32 [R, words])
         and `mask_rows` [S] (each sample row's mask row, -1 for none), the tokens a row's mask does
         not allow are -inf in its logits and never its argmax. None when the kernel declines the
-        step (then the KV cache is untouched and the torch path runs it)."""
+        step (then the KV cache is untouched and the torch path runs it). `lora_slots` as for run."""
+        self.model.lora_slots = None if lora_slots is None else lora_slots.ctypes.data
         arrays = _step_arrays(input_ids, positions, slot_mapping, block_tables, seq_lens)
         rows = np.ascontiguousarray(sample_rows, dtype=np.int64)
         S = len(rows)

@@ -251,6 +251,64 @@ def test_native_decode_step_kept_for_base_rows(setup):
     assert runner.native_decode is not None  # steps without adapter rows keep the fused decode step
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_native_decode_step_adds_the_deltas(setup, dtype):
+    # Decode steps with adapter rows run as the one fused native call (each row's deltas added
+    # after every base GEMM, inside the call); tokens and logprobs equal the torch path's, with 4
+    # adapters over 3 slots, base rows among them.
+    root, base, adapters, requests, llm = setup
+    if dtype != "float32":
+        llm = LLM(base, enable_lora=True, max_loras=3, max_lora_rank=8, dtype=dtype, kv_cache_memory="32MiB",
+                  block_size=4)
+    runner = _runner(llm)
+    if runner.native_decode is None:
+        pytest.skip("no fused native decode step here")
+    nd = runner.native_decode
+    assert nd.lora
+    extra = LoRARequest("attn2", 9, make_adapter(base, root / f"attn2-{dtype}", 11, r=8, lora_alpha=8,
+                                                 target_modules=["q_proj", "v_proj", "down_proj"]))
+    loras = [requests["attn"], None, requests["mlp"], requests["all"], extra, requests["attn"], None, extra]
+    prompts = [PROMPTS[i % 4] for i in range(len(loras))]
+    sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, logprobs=2)
+    calls = []
+    if dtype == "bfloat16":  # two threads: the step's team, each thread expanding the columns it computed
+        torch.set_num_threads(2)
+    run, run_head = nd.run, nd.run_head
+
+    def record(fn, slots_arg):  # the LoRA slots of each fused call the kernel took
+        def wrapped(*a):
+            out = fn(*a)
+            if out is not None and len(a) > slots_arg and a[slots_arg] is not None:
+                calls.append(a[slots_arg])
+            return out
+        return wrapped
+
+    nd.run, nd.run_head = record(run, 5), record(run_head, 9)
+    # (each run its own cache salt: both compute every prompt, no prefix cache hit)
+    fused = llm.generate(prompts, sp, lora_request=loras, cache_salt=["fused"] * len(prompts), use_tqdm=False)
+    nd.run, nd.run_head = run, run_head
+    assert any((c >= 0).any() for c in calls)
+    runner.native_decode = None  # the torch path
+    try:
+        eager = llm.generate(prompts, sp, lora_request=loras, cache_salt=["eager"] * len(prompts), use_tqdm=False)
+    finally:
+        runner.native_decode = nd
+        torch.set_num_threads(1)
+    # bfloat16: the same bits (the step follows the torch path's rounding points and GEMM blocking,
+    # and its deltas are the torch path's native LoRA kernel's); float32 GEMM sums run in another
+    # order than MKL's / oneDNN's (tests/unit/test_native_decode.py): within 1e-4.
+    for f, e in zip(fused, eager):
+        assert f.outputs[0].token_ids == e.outputs[0].token_ids
+        got, want = ([{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs] for o in (f, e))
+        if dtype == "bfloat16":
+            assert got == want
+        else:
+            assert [sorted(d) for d in got] == [sorted(d) for d in want]
+            assert [v for d in got for v in d.values()] == pytest.approx([v for d in want for v in d.values()],
+                                                                          abs=1e-4)
+    assert len({tuple(o.outputs[0].token_ids) for o in fused[:4]}) == 4
+
+
 @pytest.mark.slow
 def test_tensor_parallel_equals_one_rank(setup):
     _, base, adapters, requests, llm = setup

@@ -50,6 +50,7 @@
 #undef MR
 #undef NR
 #include "linear_quant.c"
+#include "lora.c"
 
 /* The unit of output rows a thread's share of a dense GEMM comes in: small_m_gemm.c's W block. */
 #define SHARE_ROWS 4
@@ -79,6 +80,15 @@ typedef struct {
     int64_t int8_act;    /* ACT_*: 4-bit and int8 tiles: ACT_INT8_BLOCK (VNNI) or ACT_BF16; LQ_W8A8: ACT_INT8_ROW */
 } QuantLinear;
 
+/* One linear layer's LoRA slots (lora.c's layout): A [slots, n, K], B^T [slots, n, N] with
+ * n = num_slices * rank, and each slice's [first, one past the last] output column. a NULL: the
+ * layer has no LoRA. */
+typedef struct {
+    const void *a, *bt;
+    const int64_t *ranges;
+    int64_t num_slices;
+} LoraLinear;
+
 typedef struct {
     int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
     int64_t dtype;  /* LD_F32, LD_BF16 or LD_F16 (dense layers only): weights, activations and KV cache */
@@ -104,6 +114,12 @@ typedef struct {
     /* Threads of the step (and of the kernels it calls): 0 for torch's thread count, else this
      * many (the caller drops to 1 while another process holds a core; see native_decode.py). */
     int64_t threads;
+    /* LoRA adapters (the server's --enable-lora): per layer, [num_layers] arrays of the four linear
+     * layers' slots, or NULL; their rank (every slot's) and dtype (LD_F32 or LD_BF16). */
+    const LoraLinear *lora_qkv, *lora_o, *lora_gate_up, *lora_down;
+    int64_t lora_rank, lora_dtype;
+    /* Per step: each row's adapter slot (-1: none), or NULL when no row of the step has one. */
+    const int32_t *lora_slots;
 } LlamaDecodeModel;
 
 /* The value as stored in dtype dt, read back as float32 (rounds to bf16 or float16). */
@@ -326,7 +342,66 @@ typedef struct {
     const int32_t *mask;
     int64_t ldm;
     const int64_t *mask_rows;
+    /* LoRA rows (md->lora_slots): ordered by slot in blocks of <= LORA_RB (lora_plan), and each
+     * thread's scratch: h of every block (lora_hsize floats) then the block's rows in float32. */
+    int64_t lora_nblocks, lora_hsize, lora_scratch;
+    const int64_t *lora_order, *lora_blocks;
+    float *lora_buf;
 } Step;
+
+#if defined(LORA_AVX512)
+/* h of every LoRA row of the step (its slot's A times x [M, K]), for one linear layer. */
+static void lora_shrink_step(const Step *c, const LoraLinear *ll, const void *x, int64_t K, float *h) {
+    const LlamaDecodeModel *md = c->md;
+    const int wdt = (int)md->lora_dtype;
+    const int64_t n = ll->num_slices * md->lora_rank, es = wdt == LD_F32 ? 4 : 2;
+    float *xf = h + c->lora_hsize;
+    for (int64_t bi = 0; bi < c->lora_nblocks; bi++) {
+        const int64_t b0 = c->lora_blocks[bi];
+        const int nb = (int)(c->lora_blocks[bi + 1] - b0);
+        lora_block_h(x, K, (int)md->dtype, c->lora_order + b0, nb,
+                     (const char *)ll->a + md->lora_slots[c->lora_order[b0]] * n * K * es, wdt, n, K, xf,
+                     h + bi * LORA_RB * n);
+    }
+}
+
+/* y[m, lo:hi] += the LoRA rows' deltas from h (lora_shrink_step), y [M, N] in the step's dtype. */
+static void lora_expand_step(const Step *c, const LoraLinear *ll, const float *h, int64_t N, void *y, int64_t lo,
+                             int64_t hi) {
+    const LlamaDecodeModel *md = c->md;
+    const int wdt = (int)md->lora_dtype, dt = (int)md->dtype;
+    const int64_t R = md->lora_rank, n = ll->num_slices * R, es = wdt == LD_F32 ? 4 : 2;
+    const int64_t ys = dt == LD_F32 ? 4 : 2;
+    for (int64_t bi = 0; bi < c->lora_nblocks; bi++) {
+        const int64_t b0 = c->lora_blocks[bi];
+        const int nb = (int)(c->lora_blocks[bi + 1] - b0);
+        char *yt[LORA_RB] = {0};
+        for (int r = 0; r < nb; r++) yt[r] = (char *)y + c->lora_order[b0 + r] * N * ys;
+        lora_block_expand(h + bi * LORA_RB * n, nb,
+                          (const char *)ll->bt + md->lora_slots[c->lora_order[b0]] * n * N * es, wdt, ll->num_slices,
+                          R, ll->ranges, N, lo, hi, yt, dt);
+    }
+}
+#endif
+
+/* Layer l's LoRA of one linear layer where the step has LoRA rows and the layer has slots, or NULL. */
+static inline const LoraLinear *lora_of(const Step *c, const LoraLinear *ll, int64_t l) {
+    return c->lora_nblocks > 0 && ll != NULL && ll[l].a != NULL ? ll + l : NULL;
+}
+
+/* The LoRA deltas of a linear layer's rows after its base GEMM wrote y[:, lo:hi) (and, for
+ * gate|up, y[:, lo2:hi2)): h from x, then the expand over those columns. */
+static void lora_apply(const Step *c, const LoraLinear *ll, const void *x, int64_t K, void *y, int64_t N,
+                       int64_t lo, int64_t hi, int64_t lo2, int64_t hi2, float *h) {
+#if defined(LORA_AVX512)
+    if (ll == NULL) return;
+    lora_shrink_step(c, ll, x, K, h);
+    lora_expand_step(c, ll, h, N, y, lo, hi);
+    if (hi2 > lo2) lora_expand_step(c, ll, h, N, y, lo2, hi2);
+#else
+    (void)c, (void)ll, (void)x, (void)K, (void)y, (void)N, (void)lo, (void)hi, (void)lo2, (void)hi2, (void)h;
+#endif
+}
 
 /*
  * The decoder layers for thread tid of nth (team) or the calling thread (tid 0 of 1). Work split:
@@ -345,6 +420,7 @@ static void step_layers(const Step *c, int tid, int nth) {
     const int64_t es = dt == LD_F32 ? 4 : 2;
     const int qdt = dt == LD_F32 ? DT_F32 : dt == LD_BF16 ? DT_BF16 : DT_F16;
     void *xn = (char *)c->xn + tid * M * Hd * es;
+    float *lh = c->lora_buf != NULL ? c->lora_buf + tid * c->lora_scratch : NULL;
     int64_t lo, hi;
     const int64_t att_lo = attention_split(c->seq_lens, M, KVH, tid, nth),
                   att_hi = attention_split(c->seq_lens, M, KVH, tid + 1, nth);
@@ -352,6 +428,7 @@ static void step_layers(const Step *c, int tid, int nth) {
         rms_norm(c->x, M, Hd, md->input_norm[l], md->eps, xn, dt);
         team_share(qkvn, SHARE_ROWS, tid, nth, &lo, &hi);
         linear(qlin(md->qkv_q, l), xn, M, md->qkv_w[l], md->qkv_b[l], qkvn, Hd, c->qkv, dt, c->xb, team, lo, hi);
+        lora_apply(c, lora_of(c, md->lora_qkv, l), xn, Hd, c->qkv, qkvn, team ? lo : 0, team ? hi : qkvn, 0, 0, lh);
         team_sync(team);
         /* q rotated into its own rows; k rotated and v copied straight into their cache slots. */
         lo = att_lo, hi = att_hi;
@@ -374,6 +451,7 @@ static void step_layers(const Step *c, int tid, int nth) {
         team_sync(team);
         team_share(Hd, SHARE_ROWS, tid, nth, &lo, &hi);
         linear(qlin(md->o_q, l), c->attn, M, md->o_w[l], md->o_b[l], Hd, qn, c->o, dt, c->xb, team, lo, hi);
+        lora_apply(c, lora_of(c, md->lora_o, l), c->attn, qn, c->o, Hd, team ? lo : 0, team ? hi : Hd, 0, 0, lh);
         add_inplace(c->x, c->o, M, Hd, lo, hi, dt);
         team_sync(team);
         rms_norm(c->x, M, Hd, md->post_norm[l], md->eps, xn, dt);
@@ -385,10 +463,15 @@ static void step_layers(const Step *c, int tid, int nth) {
             linear(qlin(md->gate_up_q, l), xn, M, md->gate_up_w[l], md->gate_up_b[l], 2 * I, Hd, c->gu, dt, c->xb,
                    team, 0, 2 * I);
         }
+        if (team)
+            lora_apply(c, lora_of(c, md->lora_gate_up, l), xn, Hd, c->gu, 2 * I, lo, hi, I + lo, I + hi, lh);
+        else
+            lora_apply(c, lora_of(c, md->lora_gate_up, l), xn, Hd, c->gu, 2 * I, 0, 2 * I, 0, 0, lh);
         silu_mul(c->gu, M, I, c->act, dt, lo, hi);
         team_sync(team);
         team_share(Hd, SHARE_ROWS, tid, nth, &lo, &hi);
         linear(qlin(md->down_q, l), c->act, M, md->down_w[l], md->down_b[l], Hd, I, c->o, dt, c->xb, team, lo, hi);
+        lora_apply(c, lora_of(c, md->lora_down, l), c->act, I, c->o, Hd, team ? lo : 0, team ? hi : Hd, 0, 0, lh);
         add_inplace(c->x, c->o, M, Hd, lo, hi, dt);
         team_sync(team);
     }
@@ -566,6 +649,12 @@ static int run_step(const LlamaDecodeModel *md, int64_t M, const int64_t *input_
         !linears_supported(md->gate_up_q, md->num_layers) || !linears_supported(md->down_q, md->num_layers))
         return 1;
     if (md->embed_q != NULL && !linears_supported(md->embed_q, 1)) return 1;
+#if !defined(LORA_AVX512)
+    if (md->lora_slots != NULL) return 1; /* the LoRA rows' block kernels need AVX-512 */
+#endif
+    if (md->lora_slots != NULL && ((md->lora_dtype != LD_F32 && md->lora_dtype != LD_BF16) || dt == LD_F16 ||
+                                   md->lora_rank < 1))
+        return 1;
     const int64_t widest = I > qn ? (I > Hd ? I : Hd) : (qn > Hd ? qn : Hd); /* the largest input size */
     const int torch_threads = omp_get_max_threads();
     if (md->threads > 0 && md->threads != torch_threads) omp_set_num_threads((int)md->threads); /* until return */
@@ -591,6 +680,19 @@ static int run_step(const LlamaDecodeModel *md, int64_t M, const int64_t *input_
     c.x = alloc(M * Hd * es), c.xn = alloc(nth * M * Hd * es), c.qkv = alloc(M * qkvn * es);
     c.q = alloc(M * qn * es), c.attn = alloc(M * qn * es), c.o = alloc(M * Hd * es);
     c.gu = alloc(M * 2 * I * es), c.act = alloc(M * I * es), c.xb = alloc(M * widest * 2);
+    int64_t *lora_order = NULL;
+#if defined(LORA_AVX512)
+    if (md->lora_slots != NULL) {
+        lora_order = malloc((size_t)(2 * M + 1) * sizeof(int64_t));
+        int64_t m;
+        c.lora_order = lora_order, c.lora_blocks = lora_order + M;
+        c.lora_nblocks = lora_plan(md->lora_slots, M, lora_order, lora_order + M, &m);
+        /* h of every block at the widest layer's n (qkv's three slices), then LORA_RB rows of x */
+        c.lora_hsize = c.lora_nblocks * LORA_RB * 3 * md->lora_rank;
+        c.lora_scratch = (c.lora_hsize + LORA_RB * widest + 15) / 16 * 16;
+        if (c.lora_nblocks > 0) c.lora_buf = alloc(nth * c.lora_scratch * (int64_t)sizeof(float));
+    }
+#endif
     if (S > 0) {
         c.hs = alloc(nth * S * Hd * es);
         /* float32 GEMMs write the logits in place; bf16 ones go through a bf16 buffer. */
@@ -637,7 +739,7 @@ static int run_step(const LlamaDecodeModel *md, int64_t M, const int64_t *input_
         }
 
     free(c.x), free(c.xn), free(c.qkv), free(c.q), free(c.attn), free(c.o), free(c.gu), free(c.act), free(c.xb);
-    free(qsl), free(work);
+    free(qsl), free(work), free(lora_order), free(c.lora_buf);
     if (S > 0) {
         if (c.y != (void *)logits) free(c.y);
         free(c.hs), free(c.part_idx), free(c.part_max), free(c.part_nan);

@@ -43,8 +43,10 @@ class ForwardPaths:
         """The path this step takes."""
         if self.pipeline is not None:
             return self.pipeline
-        if (self.cuda_graph is None and self.native is None) or step.lora:
-            return self.eager  # adapter rows run through the torch layers
+        if self.cuda_graph is None and self.native is None:
+            return self.eager
+        if step.lora and (self.cuda_graph is not None or self.native is None or not self.native.nd.lora):
+            return self.eager  # adapter rows run through the torch layers (or the fused step, below)
         if self.cuda_graph is not None:
             return self.cuda_graph
         native = self.native

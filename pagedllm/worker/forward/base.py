@@ -25,7 +25,10 @@ class PreparedStep:
     grammar_masked: bool = False
     """Set by a head path that applied the step's structured-output bitmask to what it returns."""
     lora: bool = False
-    """Some rows run with a LoRA adapter (the torch layers apply it: eager or pipeline path only)."""
+    """Some rows run with a LoRA adapter: the torch layers apply it, or the native decode step
+    where it has the adapters' slots bound (NativeDecode.lora)."""
+    lora_slots: np.ndarray | None = None
+    """With `lora`: each token row's adapter slot (int32, -1: none), for the native decode step."""
     token_rows: BatchArrays | None = None
     """A step of decodes and speculative verifications (SchedulerOutput.spec_token_ids): every
     token as a decode row of its own (input_batch.token_rows), for the native decode path."""
