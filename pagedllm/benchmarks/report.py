@@ -26,6 +26,7 @@ from pagedllm.benchmarks.report_extra import (
 )
 from pagedllm.benchmarks.report_headline import headline_section
 from pagedllm.benchmarks.report_render import load, with_record
+from pagedllm.benchmarks.report_moe import moe_section
 from pagedllm.benchmarks.report_ttft import ttft_section
 from pagedllm.benchmarks.report_sections import (
     kv_quality_section,
@@ -167,6 +168,8 @@ def render(res: Path = RESULTS, img_dir: Path = DOC.parent / "img", draw: bool =
         parts.append(kv_quality_section(with_record(kq, "kv_cache_dtype_quality.json", res)))
     if (tt := ttft_section(res)) is not None:
         parts.append(tt)
+    if (moe := moe_section(res)) is not None:
+        parts.append(moe)
     for name in NOTES:
         if (note := res / name).exists():
             parts.append(note.read_text())

@@ -135,6 +135,8 @@ class FusedMoE(nn.Module):
             else:
                 y = dense_linear(self.act(dense_linear(xe, self.w13[e])), self.w2[e])
             y = y * w[start:start + n]
-            out.index_add_(0, rows, y.to(x.dtype))
+            # A token appears once per expert: gather, add, scatter back (index_add_ runs torch's
+            # scalar scatter_add_ in bfloat16, about 1.3 ms a call for one row of 1,024 on this CPU).
+            out.index_copy_(0, rows, out.index_select(0, rows) + y.to(x.dtype))
             start += n
         return self.tp.all_reduce(out)
