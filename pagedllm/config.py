@@ -135,7 +135,7 @@ class SchedulerConfig:
     """Cap on one request's prompt chunk per step (0 = no cap beyond the budget)."""
     max_num_partial_prefills: int = 0
     """Most requests with unfinished prompts scheduled in one step (0 = no limit)."""
-    max_num_shared_prefill_tokens: int = 512
+    max_num_shared_prefill_tokens: int = 0
     """Prompt tokens one step may carry when more than one request shares it (0 = the whole
     budget). Decode tokens come on top, within max_num_batched_tokens; a lone request is not
     capped. Small steps give a burst's first tokens sooner (core/step.py, docs/scheduling.md)."""

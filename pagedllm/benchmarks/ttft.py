@@ -83,6 +83,8 @@ def parse_guidellm(report: dict[str, Any]) -> list[dict[str, Any]]:
     for b in report.get("benchmarks", []):
         m = b.get("metrics", {})
         strategy = b.get("config", {}).get("strategy", {})
+        if not (m.get("request_totals") or {}).get("successful"):
+            m = {"request_totals": {"successful": 0}}  # guidellm reports zeros for no completed request
         rows.append({
             "streams": strategy.get("streams"),
             "completed": (m.get("request_totals") or {}).get("successful"),

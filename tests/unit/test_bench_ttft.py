@@ -37,6 +37,15 @@ def test_guidellm_report_is_read_per_level() -> None:
     assert (r["tpot_mean_ms"], r["itl_mean_ms"], r["latency_mean_s"]) == (20.0, 18.0, 1.5)
 
 
+def test_a_level_with_no_completed_request_has_no_figures() -> None:
+    empty = level(16, 0.0, 0.0)
+    empty["metrics"]["request_totals"]["successful"] = 0
+    (r,) = ttft.parse_guidellm({"benchmarks": [empty]})
+    assert r["completed"] == 0 and r["ttft_mean_ms"] is None and r["output_tok_s"] is None
+    assert "| pagedllm | 16 | 0 | - / - | - | - | - |" in ttft.format_table(
+        {"engines": [{"engine": "pagedllm", "levels": [r]}]})
+
+
 def test_ratios_and_table() -> None:
     a = {"engine": "pagedllm", "server_args": ["--dtype", "float32"],
          "levels": ttft.parse_guidellm({"benchmarks": [level(16, 600.0, 300.0)]})}

@@ -80,9 +80,9 @@ def test_a_burst_on_an_idle_engine_is_capped_from_its_first_step() -> None:
     assert all(so.total_num_scheduled_tokens <= 30 + 3 for so in d.history)
 
 
-def test_default_cap_and_no_cap() -> None:
-    assert make_sched().config.max_num_shared_prefill_tokens == 512
-    sched = make_sched(max_num_batched_tokens=256, max_num_shared_prefill_tokens=0)
+def test_no_cap_by_default() -> None:
+    assert make_sched().config.max_num_shared_prefill_tokens == 0
+    sched = make_sched(max_num_batched_tokens=256)
     for i in range(4):
         sched.add_request(make_req(f"p{i}", 30, max_tokens=2, arrival=i))
     so, _ = Driver(sched).step()
