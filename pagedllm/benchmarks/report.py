@@ -45,7 +45,7 @@ from pagedllm.benchmarks.script import RESULTS, ROOT
 DOC = ROOT / "docs" / "benchmarks.md"
 
 # Hand-written notes (benchmarks/results/*.md) rendered after the generated sections, in this order.
-NOTES = ("sampling.md", "cpu_contention.md", "serve_single_stream.md", "serve_soak.md", "chaos_runs.md",
+NOTES = ("sampling.md", "waiting_queue.md", "cpu_contention.md", "serve_single_stream.md", "serve_soak.md", "chaos_runs.md",
          "guidellm.md", "avx2.md")
 
 # Scripts under benchmarks/ that recorded commands may still name, and their commands now.
