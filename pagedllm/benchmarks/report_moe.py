@@ -1,5 +1,7 @@
-"""docs/benchmarks.md's section on mixture-of-experts decode, from the result files of `pagedllm
-bench moe` (benchmarks/results/moe*.json, one run each, in name order)."""
+"""docs/benchmarks.md's sections on the model families beyond the default model: mixture-of-experts
+decode from the result files of `pagedllm bench moe` (benchmarks/results/moe*.json, one run each, in
+name order), and one stream of another model from `pagedllm bench latency --model M --compare ...`
+(benchmarks/results/family-latency-*.json)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm.benchmarks.report_render import load, run_block
+from pagedllm.benchmarks.report_sections import latency_matrix_table
 from pagedllm.benchmarks.throughput import format_table
 
 INTRO = """## Mixture-of-experts decode (Qwen3-MoE shape)
@@ -51,3 +54,14 @@ def moe_section(results: Path) -> str | None:
             out.append(r["note"] + "\n")
         out.append(run_block(r.get("meta")))
     return "\n".join(out)
+
+
+def model_latency_sections(results: Path) -> list[str]:
+    """One section per benchmarks/results/family-latency-<model>.json (a latency matrix with its peers)."""
+    out = []
+    for p in sorted(results.glob("family-latency-*.json")):
+        if (m := load(p)) is None:
+            continue
+        name = m["runs"][0]["pagedllm"]["model"]["name"]
+        out.append(f"## One stream: {name}\n\n" + latency_matrix_table(m) + (f"\n{m['note']}\n" if m.get("note") else ""))
+    return out
