@@ -1,6 +1,7 @@
 """docs/benchmarks.md's sections on the model families beyond the default model: mixture-of-experts
 decode from the result files of `pagedllm bench moe` (benchmarks/results/moe*.json, one run each, in
-name order), and one stream of another model from `pagedllm bench latency --model M --compare ...`
+name order), throughput and one stream of another model from `pagedllm bench throughput --model M
+--compare ...` (benchmarks/results/family-throughput-*.json) and `pagedllm bench latency --model M --compare ...`
 (benchmarks/results/family-latency-*.json)."""
 
 from __future__ import annotations
@@ -54,6 +55,18 @@ def moe_section(results: Path) -> str | None:
             out.append(r["note"] + "\n")
         out.append(run_block(r.get("meta")))
     return "\n".join(out)
+
+
+def model_throughput_sections(results: Path) -> list[str]:
+    """One section per benchmarks/results/family-throughput-<model>.json (`pagedllm bench throughput
+    --model M --compare ...`: each engine's row and its ratio to pagedllm)."""
+    out = []
+    for p in sorted(results.glob("family-throughput-*.json")):
+        if (r := load(p)) is None:
+            continue
+        out.append(f"## Throughput: {r['model']['name']}\n\n```\n{format_table(r)}\n```\n"
+                   + (f"\n{r['note']}\n" if r.get("note") else "") + "\n" + run_block(r.get("meta")))
+    return out
 
 
 def model_latency_sections(results: Path) -> list[str]:
