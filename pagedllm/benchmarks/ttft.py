@@ -184,14 +184,15 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     meta = run_metadata({"guidellm": "0.8.1"})
-    runs = [run_engine(kind, args, binary, streams) for kind in engines]
-    meta["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     result = {"benchmark": "ttft", "label": args.label, "meta": meta, "dtype": args.dtype, "seconds": args.seconds,
-              "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
-              "engines": runs, "ratios": ratios(runs)}
+              "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens, "engines": [], "ratios": []}
+    for kind in engines:
+        result["engines"].append(run_engine(kind, args, binary, streams))
+        result["ratios"] = ratios(result["engines"])
+        meta["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+        if args.output_json:  # after each engine, so that a run cut short keeps what it measured
+            Path(args.output_json).write_text(json.dumps(result, indent=2) + "\n")
     print(format_table(result))
-    if args.output_json:
-        Path(args.output_json).write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
 
