@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pagedllm.benchmarks.gguf_write import decoder_writer, finish
 from pagedllm.benchmarks.script import parser
 from pagedllm.utils import cache_dir
 
@@ -80,17 +81,9 @@ def write_gguf(hf: Any, path: str, out_type: str) -> None:
     c = hf.config
     arch = gguf.MODEL_ARCH.QWEN3MOE
     tmp = Path(path).with_suffix(".tmp")
-    w = gguf.GGUFWriter(str(tmp), gguf.MODEL_ARCH_NAMES[arch])
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
+    w = decoder_writer(str(tmp), gguf.MODEL_ARCH_NAMES[arch], c, c.rope_parameters["rope_theta"])
     w.add_key_length(c.head_dim)
     w.add_value_length(c.head_dim)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     w.add_expert_count(c.num_experts)
     w.add_expert_used_count(c.num_experts_per_tok)
     w.add_expert_feed_forward_length(c.moe_intermediate_size)
@@ -126,10 +119,7 @@ def write_gguf(hf: Any, path: str, out_type: str) -> None:
             add(_stacked(state, part, c.num_experts), name, i)
     add(m.norm.weight, T.OUTPUT_NORM)
     add(hf.lm_head.weight, T.OUTPUT)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     tmp.replace(path)
 
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from pagedllm.benchmarks.gguf_write import decoder_writer, finish
 from pagedllm.models import loader as L
 from pagedllm.models.loader import ModelLoadError, ModelSource
 from pagedllm.models.testing import make_tiny_checkpoint
@@ -431,15 +432,7 @@ def _write_tiny_gguf(folder: str, arch: str, out: Path) -> dict[str, torch.Tenso
 
     config = AutoConfig.from_pretrained(folder)
     weights = _state_dict(folder)
-    writer = gguf.GGUFWriter(str(out), arch)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(5000.0)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer = decoder_writer(str(out), arch, config, 5000.0)
     writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
     writer.add_rope_scaling_factor(2.0)
     writer.add_eos_token_id(2)
@@ -449,10 +442,7 @@ def _write_tiny_gguf(folder: str, arch: str, out: Path) -> dict[str, torch.Tenso
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             tensor = _llama_cpp_permute(tensor, heads)
         writer.add_tensor(_hf_to_gguf_name(name), tensor.numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return weights
 
 
