@@ -71,23 +71,11 @@ def parse_speculative_config(text: str | dict[str, Any] | SpeculativeConfig | No
     form) -> SpeculativeConfig; null or an empty object -> None (off)."""
     if text is None or isinstance(text, SpeculativeConfig):
         return text
-    if isinstance(text, str):
-        import json
-
-        try:
-            text = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(
-                f'cannot read {text!r} as JSON, e.g. {{"method": "ngram", "num_speculative_tokens": 4}} ({e})'
-            ) from None
-    if text is None or text == {}:
+    if isinstance(text, str) and text.strip() == "null":
         return None
-    if not isinstance(text, dict):
-        raise ValueError(f"must be a JSON object, got {text!r}")
-    known = {f.name for f in dataclasses.fields(SpeculativeConfig)}
-    unknown = sorted(set(text) - known)
-    if unknown:
-        raise ValueError(f"unknown keys {unknown} (known: {sorted(known)})")
+    text = read_json_object(text, SpeculativeConfig, '{"method": "ngram", "num_speculative_tokens": 4}')
+    if not text:
+        return None
     method = text.get("method", "ngram")
     other = "suffix_decoding_" if method == "ngram" else "prompt_lookup_" if method == "suffix" else None
     stray = sorted(k for k in text if other is not None and k.startswith(other))
