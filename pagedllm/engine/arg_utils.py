@@ -66,6 +66,19 @@ def parse_structured_outputs_config(text: str | dict[str, Any] | StructuredOutpu
     return StructuredOutputsConfig(**read_json_object(text, StructuredOutputsConfig, '{"backend": "xgrammar"}'))
 
 
+def _flag_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """`parse` for argparse: its ValueError's text becomes the flag's error line (argparse would
+    otherwise print only "invalid <function name> value")."""
+
+    def flag_value(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+
+    return flag_value
+
+
 def parse_speculative_config(text: str | dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
     """'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}' (JSON, vLLM's
     form) -> SpeculativeConfig; null or an empty object -> None (off)."""
@@ -317,7 +330,7 @@ class EngineArgs:
             if m["choices"] is not None:
                 kwargs["choices"] = m["choices"]
             if m["parse"] is not None:
-                kwargs["type"] = m["parse"]
+                kwargs["type"] = m["parse"] if m["parse"] in (int, float) else _flag_type(m["parse"])
             g.add_argument(*names, **kwargs)
         return parser
 

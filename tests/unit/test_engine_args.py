@@ -44,3 +44,18 @@ def test_aliases_and_boolean_flags() -> None:
     ns = parser.parse_args(["--num-gpu-blocks-override", "7", "--no-enable-prefix-caching", "--kv-cache-memory", "1GiB"])
     args = EngineArgs.from_cli_args(ns)
     assert (args.num_kv_blocks, args.enable_prefix_caching, args.kv_cache_memory) == (7, False, 1 << 30)
+
+
+@pytest.mark.parametrize(("argv", "reason"), [
+    (["--speculative-config", "{bad"], "cannot read '{bad' as JSON"),
+    (["--speculative-config", '{"method": "ngram"}'], "num_speculative_tokens is required"),
+    (["--kv-cache-memory", "12XB"], "as a size in bytes"),
+])
+def test_a_bad_flag_value_gets_its_reason_on_one_line(argv: list[str], reason: str,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser(prog="pagedllm"))
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"pagedllm: error: argument {argv[0]}:") and reason in err, err
