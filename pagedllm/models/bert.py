@@ -19,6 +19,7 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import ParallelContext
 from pagedllm.layers.linear import Linear, QKVLinear
+from pagedllm.models.weights import check_complete, load_tensor
 
 _ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
 
@@ -161,22 +162,9 @@ class BertModel(nn.Module):
             if mapped is None:
                 continue
             name, shard = mapped
-            param = params.get(name)
-            if param is None:
-                raise ValueError(f"checkpoint tensor {ckpt_name!r} has no matching parameter in {type(self).__name__}")
-            tensor = tensor.to(param.dtype)
-            loader = getattr(param, "weight_loader", None)
-            if loader is not None:
-                loader(param, tensor, shard)
-            elif tensor.shape != param.shape:
-                raise ValueError(f"checkpoint tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(param.shape)}")
-            else:
-                param.data.copy_(tensor)
+            load_tensor(params, name, shard, ckpt_name, tensor, type(self).__name__)
             loaded.add(name)
-        missing = sorted(set(params) - loaded)
-        if missing:
-            raise ValueError(f"checkpoint is missing tensors for {missing[:6]} ({len(missing)} in all)")
+        check_complete(params, loaded)
         return loaded
 
 

@@ -36,6 +36,7 @@ from pagedllm.layers.embedding import LMHead, VocabEmbedding
 from pagedllm.layers.gemma_norm import GemmaRMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, PPMissingLayer, head_dim_of
+from pagedllm.models.weights import check_complete, load_tensor
 
 SLIDING, FULL = SLIDING_ATTENTION, FULL_ATTENTION
 
@@ -201,25 +202,9 @@ class Gemma3ForCausalLM(nn.Module):
                 if frag in name:
                     name, shard = name.replace(frag, fused), shard_id
                     break
-            param = params.get(name)
-            if param is None:
-                raise ValueError(f"checkpoint tensor {ckpt_name!r} has no matching parameter in {type(self).__name__}")
-            tensor = tensor.to(param.dtype)
-            loader = getattr(param, "weight_loader", None)
-            if loader is not None:
-                try:
-                    loader(param, tensor, shard)
-                except ValueError as e:
-                    raise ValueError(f"checkpoint tensor {ckpt_name!r}: {e}") from None
-            elif tensor.shape != param.shape:
-                raise ValueError(
-                    f"checkpoint tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
-            else:
-                param.data.copy_(tensor)
+            load_tensor(params, name, shard, ckpt_name, tensor, type(self).__name__)
             loaded.add(name)
         if tied and p.is_first_stage and p.is_last_stage:
             loaded.add("lm_head.weight")
-        missing = {n for n in params if n not in loaded}
-        if missing:
-            raise ValueError(f"checkpoint is missing tensors for {sorted(missing)[:6]} ({len(missing)} in all)")
+        check_complete(params, loaded)
         return loaded

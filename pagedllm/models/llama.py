@@ -21,6 +21,7 @@ from pagedllm.layers.embedding import LMHead, VocabEmbedding
 from pagedllm.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
 from pagedllm.layers.rmsnorm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
+from pagedllm.models.weights import check_complete, load_tensor
 
 
 def linear_method(quant_config, prefix: str, shards: tuple[str, ...] = ()):
@@ -227,28 +228,11 @@ class LlamaForCausalLM(nn.Module):
             elif self._on_other_stage(name):
                 continue
             name, shard = self.map_param(name)
-            param = params.get(name)
-            if param is None:
-                raise ValueError(f"checkpoint tensor {ckpt_name!r} has no matching parameter in {type(self).__name__}")
-            loader = getattr(param, "weight_loader", None)
-            tensor = tensor.to(param.dtype)
-            if loader is not None:
-                try:
-                    loader(param, tensor, shard)
-                except ValueError as e:
-                    raise ValueError(f"checkpoint tensor {ckpt_name!r}: {e}") from None
-            else:
-                if tensor.shape != param.shape:
-                    raise ValueError(
-                        f"checkpoint tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
-                    )
-                param.data.copy_(tensor)
+            load_tensor(params, name, shard, ckpt_name, tensor, type(self).__name__)
             loaded.add(name)
         if tied and self.parallel.is_first_stage and self.parallel.is_last_stage:
             loaded.add("lm_head.weight")
-        missing = {n for n in params if n not in loaded}
-        if missing:
-            raise ValueError(f"checkpoint is missing tensors for {sorted(missing)[:6]} ({len(missing)} in all)")
+        check_complete(params, loaded)
         return loaded
 
 
