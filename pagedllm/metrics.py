@@ -127,6 +127,11 @@ class PrometheusStatLogger:
         for gauge_child in self._gauges:
             gauge_child.set(0)
 
+    def reset_gauges(self) -> None:
+        """Running, waiting, swapped and KV usage back to 0 (the model's engine has been unloaded)."""
+        for gauge_child in self._gauges:
+            gauge_child.set(0)
+
     def count_request(self, endpoint: str) -> None:
         """One request on `endpoint` (completions, chat_completions, responses, messages)."""
         self.api_requests.labels(self.model_name, endpoint).inc()
@@ -186,3 +191,22 @@ class PrometheusStatLogger:
 
     def log(self) -> None:
         pass  # Prometheus is scraped; nothing to print
+
+
+class MergedRegistry:
+    """Several registries exposed as one (a server with several models: one stat logger each).
+    Metric families of the same name are merged into one, so that each name has one HELP and TYPE."""
+
+    def __init__(self, registries: list[CollectorRegistry]) -> None:
+        self.registries = registries
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        merged: dict[str, object] = {}
+        for registry in self.registries:
+            for family in registry.collect():
+                first = merged.get(family.name)
+                if first is None:
+                    merged[family.name] = family
+                else:
+                    first.samples.extend(family.samples)  # type: ignore[attr-defined]
+        return iter(merged.values())

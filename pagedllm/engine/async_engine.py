@@ -175,6 +175,15 @@ class AsyncLLMEngine:
         self._stopped = True
         self.client.shutdown()
 
+    async def aclose(self) -> None:
+        """shutdown() from the event loop without blocking it: the engine core's messages stop
+        reaching the loop here, and the process is stopped and reaped on a worker thread."""
+        self._stopped = True
+        detach = getattr(self.client, "detach", None)
+        if detach is not None:
+            detach()
+        await asyncio.to_thread(self.client.shutdown)
+
     # ---- requests -------------------------------------------------------------------------
     def num_waiting(self) -> int:
         """Requests held by the front end that the engine does not report as running."""

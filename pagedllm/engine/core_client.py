@@ -190,6 +190,11 @@ class MultiProcessClient:
         # raise no new edge.
         loop.call_soon(self._drain)
 
+    def detach(self) -> None:
+        """Stops delivering messages to the event loop (call it there; shutdown() may then run on
+        another thread)."""
+        self._stop_watching()
+
     def _stop_watching(self) -> None:
         loop, self._loop = self._loop, None
         if loop is not None and not loop.is_closed():

@@ -33,6 +33,8 @@ from pagedllm.entrypoints.anthropic.serving import add_messages_routes
 from pagedllm.entrypoints.openai.guard import DEFAULT_MAX_BODY_BYTES, GuardMiddleware
 from pagedllm.entrypoints.openai.http_server import bind_socket, http_protocol, resolve_http_impl, resolve_loop
 from pagedllm.entrypoints.openai.lora import LoRAAdapters, add_lora_routes
+from pagedllm.entrypoints.openai.model_pool import ModelPool
+from pagedllm.entrypoints.openai.model_router import ModelRouter
 from pagedllm.entrypoints.openai.responses.serving import add_responses_routes
 from pagedllm.entrypoints.openai.routes_basic import add_model_routes, add_operation_routes
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -68,8 +70,10 @@ def build_app(
     enable_ui: bool = True,
     responses_store_size: int = 1000,
     lora_modules: list[Any] | None = None,
+    model_pool: ModelPool | None = None,
 ) -> FastAPI:
-    """The FastAPI app serving `async_engine` (which the caller starts and shuts down)."""
+    """The FastAPI app serving `async_engine` (which the caller starts and shuts down), and the
+    extra models of `model_pool` (--extra-models), each through an app of its own."""
     mc, cc = async_engine.model_config, async_engine.config.cache_config
     names = list(served_model_names or [mc.served_model_name])
     if stat_logger is None:
@@ -82,6 +86,7 @@ def build_app(
     prometheus = stat_logger
     state = ServerState()
     state.loras = LoRAAdapters.create(async_engine, names, lora_modules)  # None without --enable-lora
+    state.models = model_pool
     completions = OpenAIServingCompletion(async_engine, names, max_logprobs, chat_template, state)
     chat = OpenAIServingChat(async_engine, names, max_logprobs, chat_template, state,
                              enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser)
@@ -90,7 +95,11 @@ def build_app(
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         async_engine.start()  # engine-core messages reach this event loop from now on
+        if model_pool is not None:
+            model_pool.start()
         yield
+        if model_pool is not None:
+            await model_pool.close()
 
     app = FastAPI(title="pagedllm", version=__version__, description="OpenAI-compatible LLM server",
                   lifespan=lifespan)
@@ -139,7 +148,7 @@ def build_app(
     add_pooling_routes(app, OpenAIServingPooling(async_engine, names, max_logprobs, None, state), prometheus.count_request)
 
     add_model_routes(app, base, state, names)
-    add_operation_routes(app, async_engine, prometheus)
+    add_operation_routes(app, async_engine, prometheus, model_pool.registries if model_pool is not None else None)
 
     if state.loras is not None:
         add_lora_routes(app, state.loras)
@@ -147,6 +156,8 @@ def build_app(
         from pagedllm.entrypoints.web.routes import add_ui_routes
 
         add_ui_routes(app, async_engine)
+    if model_pool is not None:  # inside the guard: the API key and the body's size are checked first
+        app.add_middleware(ModelRouter, pool=model_pool)
     app.add_middleware(GuardMiddleware, api_keys=list(api_keys or []), max_body_bytes=max_body_bytes)
     return app
 
@@ -200,6 +211,9 @@ def run_server(args: argparse.Namespace) -> int:
     if not api_keys and env_key:
         api_keys = [env_key]
     engine_args = EngineArgs.from_cli_args(args)
+    extras, extra_args, kv_line = _extra_models(args, engine_args)
+    if extras:
+        engine_args = extra_args.pop(0)
     # Claim the address first (a busy port fails before a long model load); connections are
     # refused until uvicorn starts listening on it, after the engine is ready.
     sock = bind_socket(args.host, args.port)
@@ -218,16 +232,65 @@ def run_server(args: argparse.Namespace) -> int:
     except BaseException:
         sock.close()
         raise
+    pool = None
     try:
-        return _serve(args, async_engine, sock, chat_template, api_keys)
+        if extras:
+            logger.info("%s", kv_line)
+            pool = _model_pool(args, async_engine, extras, extra_args, chat_template is not None)
+        return _serve(args, async_engine, sock, chat_template, api_keys, pool)
     finally:
+        if pool is not None:
+            pool.shutdown()
         async_engine.shutdown()  # never leaves the engine-core process behind
         sock.close()
 
 
+def _extra_models(args: argparse.Namespace, engine_args: Any) -> tuple[list[Any], list[Any], str]:
+    """--extra-models checked, and the engine args of the main model then each extra model, with
+    the KV budget split between the models that may be loaded at once (model_pool.split_kv_budget)."""
+    from pagedllm.engine.arg_utils import resolve_device
+    from pagedllm.entrypoints.openai.model_pool import check_extra_models, split_kv_budget
+
+    extras = list(getattr(args, "extra_models", None) or [])
+    idle, max_loaded = getattr(args, "model_idle_unload_s", None), getattr(args, "max_loaded_models", None)
+    check_extra_models(engine_args.served_model_name or "", extras, idle, max_loaded)
+    if not extras:
+        return [], [], ""
+    explicit = engine_args.kv_cache_memory is not None or engine_args.num_kv_blocks is not None
+    if not explicit and resolve_device(engine_args.device) != "cpu":
+        raise ValueError("--extra-models on a GPU needs --kv-cache-memory (the KV bytes all loaded models share; "
+                         "--gpu-memory-utilization cannot be split between engines)")
+    main, others, line = split_kv_budget(engine_args, extras, max_loaded)
+    return extras, [main, *others], line
+
+
+def _model_pool(args: argparse.Namespace, async_engine: AsyncLLMEngine, extras: list[Any], extra_args: list[Any],
+                has_chat_template: bool) -> ModelPool:
+    main_name = async_engine.model_config.served_model_name
+    if main_name in {e.name for e in extras}:
+        raise ValueError(f"--extra-models: the name {main_name!r} is the main model's")
+
+    def make_app(engine: AsyncLLMEngine, name: str, stat_logger: PrometheusStatLogger) -> FastAPI:
+        # The server's serving options, but the model's own chat template; no UI, no key (checked before).
+        return build_app(
+            engine, served_model_names=[name], max_logprobs=args.max_logprobs, stat_logger=stat_logger,
+            max_body_bytes=args.max_request_body_size, responses_store_size=getattr(args, "responses_store_size", 1000),
+            enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
+            tool_call_parser=getattr(args, "tool_call_parser", None), enable_ui=False,
+        )
+
+    if has_chat_template:
+        logger.info("--chat-template applies to %s only; the extra models use their own templates", main_name)
+    return ModelPool(
+        main_name, [(e.name, a) for e, a in zip(extras, extra_args)], make_app,
+        idle_unload_s=getattr(args, "model_idle_unload_s", None), max_loaded=getattr(args, "max_loaded_models", None),
+        engine_kwargs={"log_level": args.log_level, "max_queued_requests": args.max_queued_requests},
+    )
+
+
 def _serve(
     args: argparse.Namespace, async_engine: AsyncLLMEngine, sock: socket.socket, chat_template: str | None,
-    api_keys: list[str],
+    api_keys: list[str], model_pool: ModelPool | None = None,
 ) -> int:
     host, port = sock.getsockname()[:2]
     mc = async_engine.model_config
@@ -246,6 +309,7 @@ def _serve(
         tool_call_parser=getattr(args, "tool_call_parser", None),
         enable_ui=not getattr(args, "disable_ui", False),
         lora_modules=getattr(args, "lora_modules", None),
+        model_pool=model_pool,
     )
     if not api_keys and args.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s without --api-key: anyone who can reach it can use it", args.host)
@@ -270,6 +334,8 @@ def _serve(
         asyncio.get_running_loop().call_later(ENGINE_DEAD_EXIT_DELAY_S, lambda: setattr(server, "should_exit", True))
 
     async_engine.on_dead.append(on_engine_dead)
+    if model_pool is not None:
+        model_pool.log_start()
     shown = f"[{host}]" if ":" in host else host
     logger.info(
         "Serving %s at http://%s:%d (OpenAI-compatible: /v1/completions, /v1/chat/completions; HTTP parser %s, "

@@ -20,6 +20,15 @@ def _lora_module(text: str) -> Any:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _extra_model(text: str) -> Any:
+    from pagedllm.entrypoints.openai.model_pool import parse_extra_model
+
+    try:
+        return parse_extra_model(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     from pagedllm.engine.arg_utils import EngineArgs, parse_size
 
@@ -38,6 +47,18 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--max-queued-requests", type=int, default=None,
                    help="most requests waiting for the engine; more are answered 429 (default: no limit)")
     add_serving_args(g)
+    g.add_argument("--extra-models", nargs="+", action="extend", default=None, type=_extra_model,
+                   metavar="NAME=MODEL",
+                   help="more base models served beside MODEL, each in its own engine, picked by the request's "
+                        "`model`: NAME=folder, .gguf or built-in name, or JSON {\"name\": ..., \"model\": ..., "
+                        "<engine flag>: ...} for flags of its own (others: the server's); loaded on first request "
+                        "(docs/multi-model.md)")
+    g.add_argument("--model-idle-unload-s", type=float, default=None,
+                   help="seconds without requests after which an extra model is unloaded (loaded again on "
+                        "demand; default 0: never)")
+    g.add_argument("--max-loaded-models", type=int, default=None,
+                   help="most models loaded at once, the main one included; the least recently used idle one "
+                        "is unloaded first (default: all); the KV budget is split between this many")
     g.add_argument("--responses-store-size", type=int, default=1000,
                    help="responses /v1/responses keeps for previous_response_id and GET (least recently used go)")
     g.add_argument("--max-request-body-size", type=parse_size, default=8 << 20,

@@ -72,6 +72,8 @@ class ServerState:
     shutting_down: bool = False
     loras: Any = None
     """The served LoRA adapters by name (entrypoints/openai/lora.py's LoRAAdapters), with --enable-lora."""
+    models: Any = None
+    """The extra models (--extra-models; entrypoints/openai/model_pool.py's ModelPool), if any."""
 
 
 def shutting_down_error() -> OpenAIError:

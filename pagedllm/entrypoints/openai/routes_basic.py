@@ -3,6 +3,9 @@ POST /tokenize, POST /detokenize; GET /health, /ping, /version and /metrics."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -19,7 +22,7 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeResponse,
 )
 from pagedllm.entrypoints.openai.serving_engine import OpenAIServing
-from pagedllm.metrics import PrometheusStatLogger
+from pagedllm.metrics import MergedRegistry, PrometheusStatLogger
 
 
 def add_model_routes(app: FastAPI, base: OpenAIServing, state: ServerState, names: list[str]) -> None:
@@ -31,10 +34,14 @@ def add_model_routes(app: FastAPI, base: OpenAIServing, state: ServerState, name
     async def list_models() -> Response:
         cards = [ModelCard(id=n, root=mc.path, max_model_len=mc.max_model_len) for n in names]
         cards += state.loras.cards(ModelCard, mc.max_model_len) if state.loras is not None else []
+        cards += state.models.cards(ModelCard) if state.models is not None else []
         return Response(ModelList(data=cards).model_dump_json(), media_type="application/json")
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> Response:
+        if state.models is not None and model_id in state.models.entries:  # an extra model (--extra-models)
+            card = next(c for c in state.models.cards(ModelCard) if c.id == model_id)
+            return Response(card.model_dump_json(), media_type="application/json")
         name = base.model_name(model_id)
         cards = state.loras.cards(ModelCard, mc.max_model_len) if state.loras is not None else []
         card = next((c for c in cards if c.id == name), None) or ModelCard(id=name, root=mc.path,
@@ -75,8 +82,10 @@ def add_model_routes(app: FastAPI, base: OpenAIServing, state: ServerState, name
         return Response(DetokenizeResponse(prompt=text).model_dump_json(), media_type="application/json")
 
 
-def add_operation_routes(app: FastAPI, async_engine: AsyncLLMEngine, prometheus: PrometheusStatLogger) -> None:
-    """/health and /ping (503 once the engine has failed), /version and /metrics (open routes)."""
+def add_operation_routes(app: FastAPI, async_engine: AsyncLLMEngine, prometheus: PrometheusStatLogger,
+                         more_registries: Callable[[], list[Any]] | None = None) -> None:
+    """/health and /ping (503 once the engine has failed), /version and /metrics (open routes;
+    `more_registries`: the extra models' metrics, merged with the main model's)."""
     @app.get("/health")
     async def health() -> Response:
         if async_engine.errored:
@@ -96,4 +105,7 @@ def add_operation_routes(app: FastAPI, async_engine: AsyncLLMEngine, prometheus:
     @app.get("/metrics")
     async def metrics() -> Response:
         # Only what the engine core pushed with its outputs: a scrape never waits on the engine.
-        return Response(generate_latest(prometheus.registry), media_type=CONTENT_TYPE_LATEST)
+        registry: Any = prometheus.registry
+        if more_registries is not None:
+            registry = MergedRegistry([prometheus.registry, *more_registries()])
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

@@ -80,6 +80,7 @@ class OpenAIServing:
         loras = self.state.loras
         if requested not in self.served_model_names and (loras is None or loras.get(requested) is None):
             available = self.served_model_names + (list(loras.by_name) if loras is not None else [])
+            available += self.state.models.names() if self.state.models is not None else []
             raise OpenAIError(
                 404,
                 f"The model `{requested}` does not exist. Available: {', '.join(available)}",

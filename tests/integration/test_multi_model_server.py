@@ -1,0 +1,152 @@
+"""Several base models behind one `pagedllm serve` (--extra-models), from the openai SDK: requests
+to both models at once, each answered by its own model (greedy text equal to pagedllm.LLM on that
+model alone); an idle model unloaded and loaded again on its next request with the same answer; a
+model whose safetensors file is corrupt fails its own requests only (500 naming it), and loads
+once its folder is fixed; an unknown name is 404; a bad --extra-models value is one line, exit 2."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+
+from pagedllm.models.testing import make_tiny_checkpoint
+from server_helpers import assert_error_shape, serve
+
+PROMPTS = ["the quick brown fox", "hello world, how are", "one two three four", "a tiny model says"]
+MAX_TOKENS = 12
+IDLE_S = 3.0
+ENGINE_FLAGS = ("--dtype", "float32", "--max-model-len", "256")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("multi-model")
+    main = make_tiny_checkpoint(str(root / "main"), arch="llama", seed=0)
+    qwen = make_tiny_checkpoint(str(root / "qwen"), arch="qwen2", seed=1)
+    broken = root / "broken"
+    shutil.copytree(qwen, broken)
+    (broken / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{corrupt")
+    with serve(root, main, *ENGINE_FLAGS, "--kv-cache-memory", "48MiB",
+               "--extra-models", f"qwen={qwen}", f"broken={broken}",
+               "--model-idle-unload-s", str(IDLE_S), "--max-loaded-models", "3") as s:
+        yield s, {"main": main, "qwen": qwen, "broken": str(broken)}
+
+
+@pytest.fixture(scope="module")
+def server(setup):
+    return setup[0]
+
+
+@pytest.fixture(scope="module")
+def references(setup):
+    """Greedy completions and one chat reply of each model served alone, offline (pagedllm.LLM)."""
+    from pagedllm import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    out = {}
+    for name in ("main", "qwen"):
+        llm = LLM(setup[1][name], dtype="float32", max_model_len=256, kv_cache_memory="16MiB")
+        texts = [o.outputs[0].text for o in llm.generate(PROMPTS, params)]
+        chat = llm.chat([{"role": "user", "content": PROMPTS[0]}], params)[0].outputs[0].text
+        out[name] = (texts, chat)
+        del llm
+    return out
+
+
+def _loaded(http, name: str) -> float:
+    m = re.search(r'^pagedllm:model_loaded\{model_name="%s"\} (\S+)$' % re.escape(name), http.get("/metrics").text,
+                  re.M)
+    assert m, http.get("/metrics").text[-2000:]
+    return float(m.group(1))
+
+
+def _complete(client, model: str, prompt: str) -> str:
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+    assert r.model == model
+    return r.choices[0].text
+
+
+def test_every_model_is_listed_and_only_the_main_one_loaded_at_start(server, client, http):
+    ids = [m.id for m in client.models.list().data]
+    assert ids == ["main", "qwen", "broken"]
+    assert client.models.retrieve("qwen").id == "qwen"
+    assert _loaded(http, "main") == 1 and _loaded(http, "qwen") == 0 and _loaded(http, "broken") == 0
+    log = server.output()
+    assert "Models: main (loaded), qwen (registered" in log and "broken (registered" in log
+
+
+def test_interleaved_requests_are_answered_by_their_own_model(server, client, http, references):
+    jobs = [(model, i) for i in range(len(PROMPTS)) for model in ("main", "qwen")]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        texts = list(pool.map(lambda job: _complete(client, job[0], PROMPTS[job[1]]), jobs))
+    for (model, i), text in zip(jobs, texts):
+        assert text == references[model][0][i], (model, i)
+    assert references["main"][0] != references["qwen"][0]  # the two models differ
+    for model in ("main", "qwen"):
+        r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPTS[0]}],
+                                           max_tokens=MAX_TOKENS, temperature=0)
+        assert r.model == model and r.choices[0].message.content == references[model][1], model
+    metrics = http.get("/metrics").text
+    for model in ("main", "qwen"):  # each model's own counters, one HELP/TYPE per name
+        assert re.search(r'^pagedllm:prompt_tokens_total\{model_name="%s"\} [1-9]' % model, metrics, re.M), model
+    assert metrics.count("# TYPE pagedllm:prompt_tokens_total counter") == 1
+
+
+def test_an_idle_model_is_unloaded_and_loaded_again_on_demand(server, client, http, references):
+    _complete(client, "qwen", PROMPTS[1])
+    assert _loaded(http, "qwen") == 1
+    deadline = time.monotonic() + IDLE_S + 30
+    while _loaded(http, "qwen") == 1 and time.monotonic() < deadline:
+        time.sleep(0.25)
+    assert _loaded(http, "qwen") == 0
+    assert "Unloaded model qwen after" in server.output()
+    assert _complete(client, "qwen", PROMPTS[2]) == references["qwen"][0][2]
+    assert _loaded(http, "qwen") == 1
+
+
+def test_a_corrupt_model_fails_its_own_requests_only(setup, client, references):
+    server, paths = setup
+    for _ in range(2):  # every request tries the load again
+        with pytest.raises(openai.InternalServerError) as e:
+            _complete(client, "broken", PROMPTS[0])
+        body = e.value.response.json()
+        assert_error_shape(body)
+        assert "`broken` could not be loaded" in body["error"]["message"], body
+        assert body["error"]["code"] == "model_load_failed"
+    with server.http() as http:  # Anthropic's Messages API answers in its own shape
+        r = http.post("/v1/messages", json={"model": "broken", "max_tokens": 4,
+                                            "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 500 and r.json()["type"] == "error" and "broken" in r.json()["error"]["message"]
+    assert _complete(client, "main", PROMPTS[3]) == references["main"][0][3]
+    assert _complete(client, "qwen", PROMPTS[3]) == references["qwen"][0][3]
+    shutil.copy(Path(paths["qwen"]) / "model.safetensors", Path(paths["broken"]) / "model.safetensors")
+    assert _complete(client, "broken", PROMPTS[3]) == references["qwen"][0][3]  # the same weights as qwen now
+
+
+def test_an_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        _complete(client, "nope", PROMPTS[0])
+    body = e.value.response.json()
+    assert_error_shape(body)
+    assert "main, qwen, broken" in body["error"]["message"]
+
+
+@pytest.mark.parametrize(("value", "reason"), [
+    ("qwen", "as NAME=PATH_OR_BUILTIN"),
+    ('{"name": "x", "model": "m", "max_model_lenn": 5}', "unknown engine flags ['max_model_lenn']"),
+    ('{"name": "x", "model": "m", "kv_cache_memory": "12XB"}', "as a size in bytes"),
+])
+def test_a_bad_extra_models_value_is_one_line(value: str, reason: str):
+    p = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--extra-models", value],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--extra-models" in lines[0] and reason in lines[0], p.stderr
