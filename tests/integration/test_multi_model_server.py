@@ -94,6 +94,9 @@ def test_interleaved_requests_are_answered_by_their_own_model(server, client, ht
         r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPTS[0]}],
                                            max_tokens=MAX_TOKENS, temperature=0)
         assert r.model == model and r.choices[0].message.content == references[model][1], model
+        stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPTS[0]}],
+                                                max_tokens=MAX_TOKENS, temperature=0, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == references[model][1]
     metrics = http.get("/metrics").text
     for model in ("main", "qwen"):  # each model's own counters, one HELP/TYPE per name
         assert re.search(r'^pagedllm:prompt_tokens_total\{model_name="%s"\} [1-9]' % model, metrics, re.M), model
@@ -110,6 +113,7 @@ def test_an_idle_model_is_unloaded_and_loaded_again_on_demand(server, client, ht
     assert "Unloaded model qwen after" in server.output()
     assert _complete(client, "qwen", PROMPTS[2]) == references["qwen"][0][2]
     assert _loaded(http, "qwen") == 1
+    assert client.models.retrieve("qwen").model_extra["max_model_len"] == 256
 
 
 def test_a_corrupt_model_fails_its_own_requests_only(setup, client, references):

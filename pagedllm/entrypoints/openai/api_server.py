@@ -186,6 +186,8 @@ class _Server(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         self.app_state.shutting_down = True
+        if self.app_state.models is not None:  # the extra models' requests too
+            self.app_state.models.begin_shutdown()
         super().handle_exit(sig, frame)
 
 

@@ -139,6 +139,8 @@ class _Entry:
     stat_logger: PrometheusStatLogger | None = None
     max_model_len: int | None = None
     root: str | None = None
+    failures: int = 0
+    last_error: OpenAIError | None = None
 
 
 class ModelPool:
@@ -203,10 +205,13 @@ class ModelPool:
                 self._released.set()
 
     async def _acquire(self, entry: _Entry) -> Any:
+        failures = entry.failures
         while entry.app is None:
             async with self._lock:
                 if entry.app is not None:
                     break
+                if entry.failures != failures and entry.last_error is not None:
+                    raise entry.last_error  # the load this request waited for failed; the next request tries again
                 await self._make_room(entry)
                 await self._load(entry)
         entry.last_used = time.monotonic()
@@ -235,8 +240,10 @@ class ModelPool:
             self.loads.labels(entry.name, "failed").inc()
             reason = str(e) or type(e).__name__
             logger.error("Model %s could not be loaded: %s", entry.name, reason)
-            raise OpenAIError(500, f"the model `{entry.name}` could not be loaded: {reason}", type="server_error",
-                              param="model", code="model_load_failed") from None
+            entry.failures += 1
+            entry.last_error = OpenAIError(500, f"the model `{entry.name}` could not be loaded: {reason}",
+                                           type="server_error", param="model", code="model_load_failed")
+            raise entry.last_error from None
         mc, cc = engine.model_config, engine.config.cache_config
         if entry.stat_logger is None:
             entry.stat_logger = PrometheusStatLogger(entry.name, mc.max_model_len, cc.block_size, engine.num_blocks,
@@ -294,6 +301,12 @@ class ModelPool:
                     async with self._lock:
                         if e.app is not None and e.in_flight == 0:
                             await self._unload(e, f"after {now - e.last_used:.1f} s idle (--model-idle-unload-s)")
+
+    def begin_shutdown(self) -> None:
+        """Tells the loaded models' requests in flight to end (503), as the main model's are told."""
+        for e in self.entries.values():
+            if e.app is not None:
+                e.app.state.server_state.shutting_down = True
 
     async def close(self) -> None:
         if self._task is not None:
