@@ -1,8 +1,8 @@
 """Several base models behind one `pagedllm serve` (--extra-models), from the openai SDK: requests
 to both models at once, each answered by its own model (greedy text equal to pagedllm.LLM on that
 model alone); an idle model unloaded and loaded again on its next request with the same answer; a
-model whose safetensors file is corrupt fails its own requests only (500 naming it), and loads
-once its folder is fixed; an unknown name is 404; a bad --extra-models value is one line, exit 2."""
+model whose safetensors file is corrupt, or whose folder is missing, fails its own requests only
+(500 naming it and the reason), and loads once its folder is fixed; an unknown name is 404; a bad --extra-models value is one line, exit 2."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def setup(tmp_path_factory):
     shutil.copytree(qwen, broken)
     (broken / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{corrupt")
     with serve(root, main, *ENGINE_FLAGS, "--kv-cache-memory", "48MiB",
-               "--extra-models", f"qwen={qwen}", f"broken={broken}",
+               "--extra-models", f"qwen={qwen}", f"broken={broken}", f"missing={root / 'nowhere'}",
                "--model-idle-unload-s", str(IDLE_S), "--max-loaded-models", "3") as s:
         yield s, {"main": main, "qwen": qwen, "broken": str(broken)}
 
@@ -56,7 +56,8 @@ def references(setup):
         llm = LLM(setup[1][name], dtype="float32", max_model_len=256, kv_cache_memory="16MiB")
         texts = [o.outputs[0].text for o in llm.generate(PROMPTS, params)]
         chat = llm.chat([{"role": "user", "content": PROMPTS[0]}], params)[0].outputs[0].text
-        out[name] = (texts, chat)
+        embedding = llm.embed([PROMPTS[1]])[0].outputs.embedding
+        out[name] = (texts, chat, embedding)
         del llm
     return out
 
@@ -76,7 +77,7 @@ def _complete(client, model: str, prompt: str) -> str:
 
 def test_every_model_is_listed_and_only_the_main_one_loaded_at_start(server, client, http):
     ids = [m.id for m in client.models.list().data]
-    assert ids == ["main", "qwen", "broken"]
+    assert ids == ["main", "qwen", "broken", "missing"]
     assert client.models.retrieve("qwen").id == "qwen"
     assert _loaded(http, "main") == 1 and _loaded(http, "qwen") == 0 and _loaded(http, "broken") == 0
     log = server.output()
@@ -103,6 +104,22 @@ def test_interleaved_requests_are_answered_by_their_own_model(server, client, ht
     assert metrics.count("# TYPE pagedllm:prompt_tokens_total counter") == 1
 
 
+def test_every_route_that_takes_a_model_routes_by_it(server, client, references):
+    """Responses, Anthropic's Messages and embeddings reach the named model (the chat reply and the
+    embedding of that model served alone)."""
+    for model in ("main", "qwen"):
+        r = client.responses.create(model=model, input=[{"role": "user", "content": PROMPTS[0]}],
+                                    max_output_tokens=MAX_TOKENS, temperature=0)
+        assert r.model == model and r.output_text == references[model][1], model
+        with server.http() as http:
+            m = http.post("/v1/messages", json={"model": model, "max_tokens": MAX_TOKENS, "temperature": 0,
+                                                "messages": [{"role": "user", "content": PROMPTS[0]}]})
+        assert m.status_code == 200, m.text
+        assert m.json()["model"] == model and m.json()["content"][0]["text"] == references[model][1], model
+        e = client.embeddings.create(model=model, input=[PROMPTS[1]])
+        assert e.model == model and e.data[0].embedding == pytest.approx(references[model][2], rel=1e-5, abs=1e-6)
+
+
 def test_an_idle_model_is_unloaded_and_loaded_again_on_demand(server, client, http, references):
     _complete(client, "qwen", PROMPTS[1])
     assert _loaded(http, "qwen") == 1
@@ -118,17 +135,20 @@ def test_an_idle_model_is_unloaded_and_loaded_again_on_demand(server, client, ht
 
 def test_a_corrupt_model_fails_its_own_requests_only(setup, client, references):
     server, paths = setup
-    for _ in range(2):  # every request tries the load again
-        with pytest.raises(openai.InternalServerError) as e:
-            _complete(client, "broken", PROMPTS[0])
-        body = e.value.response.json()
-        assert_error_shape(body)
-        assert "`broken` could not be loaded" in body["error"]["message"], body
-        assert body["error"]["code"] == "model_load_failed"
-    with server.http() as http:  # Anthropic's Messages API answers in its own shape
+    with pytest.raises(openai.InternalServerError) as e:
+        _complete(client, "broken", PROMPTS[0])
+    body = e.value.response.json()
+    assert_error_shape(body)
+    assert "`broken` could not be loaded" in body["error"]["message"] and "safetensors" in body["error"]["message"]
+    assert body["error"]["code"] == "model_load_failed"
+    with server.http() as http:  # the next request tries again; Anthropic's Messages API answers in its own shape
         r = http.post("/v1/messages", json={"model": "broken", "max_tokens": 4,
                                             "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 500 and r.json()["type"] == "error" and "broken" in r.json()["error"]["message"]
+    with pytest.raises(openai.InternalServerError) as e:
+        client.chat.completions.create(model="missing", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert "`missing` could not be loaded" in e.value.response.json()["error"]["message"]
+    assert "nowhere" in e.value.response.json()["error"]["message"]
     assert _complete(client, "main", PROMPTS[3]) == references["main"][0][3]
     assert _complete(client, "qwen", PROMPTS[3]) == references["qwen"][0][3]
     shutil.copy(Path(paths["qwen"]) / "model.safetensors", Path(paths["broken"]) / "model.safetensors")
@@ -140,7 +160,7 @@ def test_an_unknown_model_is_404(client):
         _complete(client, "nope", PROMPTS[0])
     body = e.value.response.json()
     assert_error_shape(body)
-    assert "main, qwen, broken" in body["error"]["message"]
+    assert "main, qwen, broken, missing" in body["error"]["message"]
 
 
 @pytest.mark.parametrize(("value", "reason"), [

@@ -267,12 +267,12 @@ class ModelPool:
         return AsyncLLMEngine.from_engine_args
 
     async def _unload(self, entry: _Entry, why: str) -> None:
-        engine, entry.engine, entry.app = entry.engine, None, None
-        self.loaded_gauge.labels(entry.name).set(0)
-        if entry.stat_logger is not None:
-            entry.stat_logger.reset_gauges()
+        engine, entry.engine, entry.app = entry.engine, None, None  # new requests wait for a load from now on
         if engine is not None:
             await engine.aclose()
+        self.loaded_gauge.labels(entry.name).set(0)  # once its process has ended
+        if entry.stat_logger is not None:
+            entry.stat_logger.reset_gauges()
         logger.info("Unloaded model %s %s", entry.name, why)
 
     def _on_dead(self, entry: _Entry, engine: Any) -> None:
