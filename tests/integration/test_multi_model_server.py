@@ -2,12 +2,15 @@
 to both models at once, each answered by its own model (greedy text equal to pagedllm.LLM on that
 model alone); an idle model unloaded and loaded again on its next request with the same answer; a
 model whose safetensors file is corrupt, or whose folder is missing, fails its own requests only
-(500 naming it and the reason), and loads once its folder is fixed; an unknown name is 404; a bad --extra-models value is one line, exit 2."""
+(500 naming it and the reason), and loads once its folder is fixed; an extra model's engine
+killed is loaded again by its next request while the server serves on; an unknown name is 404; a bad --extra-models value is one line, exit 2."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -153,6 +156,21 @@ def test_a_corrupt_model_fails_its_own_requests_only(setup, client, references):
     assert _complete(client, "qwen", PROMPTS[3]) == references["qwen"][0][3]
     shutil.copy(Path(paths["qwen"]) / "model.safetensors", Path(paths["broken"]) / "model.safetensors")
     assert _complete(client, "broken", PROMPTS[3]) == references["qwen"][0][3]  # the same weights as qwen now
+
+
+def test_a_dead_extra_engine_is_loaded_again_and_the_server_serves_on(server, client, http, references):
+    _complete(client, "qwen", PROMPTS[0])
+    log = server.output()
+    tail = log[log.rindex("Loading model qwen"):]
+    pid = int(re.search(r"Engine core process (\d+) ready", tail).group(1))
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while _loaded(http, "qwen") == 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _loaded(http, "qwen") == 0 and http.get("/health").status_code == 200
+    assert _complete(client, "main", PROMPTS[1]) == references["main"][0][1]
+    assert _complete(client, "qwen", PROMPTS[1]) == references["qwen"][0][1]
+    assert server.proc.poll() is None
 
 
 def test_an_unknown_model_is_404(client):
