@@ -1,4 +1,5 @@
-"""`pagedllm generate | chat` as a user runs them: real subprocesses on the default model."""
+"""`pagedllm generate | chat` as a user runs them: real subprocesses on the default model (and, for
+the argument checks that need no process of their own, `main()` in this process)."""
 
 from __future__ import annotations
 
@@ -41,28 +42,46 @@ def test_generate_answers_and_reports_throughput() -> None:
                      res.stderr), res.stderr
 
 
-@pytest.mark.parametrize(
-    "args, fragment",
-    [
-        (["generate", "Hi", "--no-such-flag"], "--no-such-flag"),
-        (["generate", "Hi", "--temperature", "-1"], "-1"),
-        (["generate", "Hi", "--model", "/nonexistent"], "/nonexistent"),
-        (["generate", "Hi", "--max-tokens", "abc"], "abc"),
-        (["chat", "--top-p", "0"], "top_p"),
-        (["bench", "throughput", "--top-p", "1.5"], "top_p"),
-    ],
-    ids=["unknown-flag", "negative-temperature", "missing-model", "non-integer-max-tokens", "chat-top-p",
-         "bench-top-p"],
-)
-def test_bad_arguments_exit_2_with_one_line(args: list[str], fragment: str) -> None:
-    res = run_cli(*args, timeout=60)
-    assert res.returncode == 2, (res.returncode, res.stderr)
-    lines = res.stderr.splitlines()
-    assert len(lines) == 1, res.stderr
+# (args, fragment the one line names, whether it runs as its own process): one process per command
+# and per path to the error (argparse, model resolution), the other cases call `main()` here.
+BAD_ARGUMENTS = {
+    "unknown-flag": (["generate", "Hi", "--no-such-flag"], "--no-such-flag", True),
+    "negative-temperature": (["generate", "Hi", "--temperature", "-1"], "-1", False),
+    "missing-model": (["generate", "Hi", "--model", "/nonexistent"], "/nonexistent", True),
+    "non-integer-max-tokens": (["generate", "Hi", "--max-tokens", "abc"], "abc", False),
+    "chat-top-p": (["chat", "--top-p", "0"], "top_p", False),
+    "bench-top-p": (["bench", "throughput", "--top-p", "1.5"], "top_p", True),
+}
+
+
+def run_main(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """`main(args)` in this process, as the console script runs it: (exit status, stdout, stderr)."""
+    from pagedllm.entrypoints.cli import main
+
+    try:
+        rc = main(args)
+    except SystemExit as e:  # argparse's errors and --help
+        rc = e.code if isinstance(e.code, int) else 1
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.mark.parametrize("name", list(BAD_ARGUMENTS))
+def test_bad_arguments_exit_2_with_one_line(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    args, fragment, own_process = BAD_ARGUMENTS[name]
+    if own_process:
+        res = run_cli(*args, timeout=60)
+        rc, out, err = res.returncode, res.stdout, res.stderr
+    else:
+        rc, out, err = run_main(args, capsys)
+    assert rc == 2, (rc, err)
+    lines = err.splitlines()
+    assert len(lines) == 1, err
     assert "error" in lines[0] and fragment in lines[0], lines[0]
-    assert res.stdout == ""
+    assert out == ""
 
 
+@pytest.mark.slow  # test_chat_survives_a_turn_it_cannot_take also checks a reply and the exit
 def test_chat_replies_then_exits() -> None:
     res = run_cli("chat", "--max-tokens", "24", *SMALL_ENGINE, stdin="What is the capital of France?\n/exit\n")
     assert res.returncode == 0, res.stderr
@@ -81,9 +100,13 @@ def test_chat_survives_a_turn_it_cannot_take() -> None:
 
 
 @pytest.mark.parametrize("args", [["--help"], ["generate", "--help"], ["chat", "--help"]])
-def test_help_exits_0(args: list[str]) -> None:
-    res = run_cli(*args, timeout=60)
-    assert res.returncode == 0, res.stderr
-    assert "usage:" in res.stdout
+def test_help_exits_0(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    if args == ["--help"]:  # the console script's own process; the subcommands' help in this one
+        res = run_cli(*args, timeout=60)
+        rc, out, err = res.returncode, res.stdout, res.stderr
+    else:
+        rc, out, err = run_main(args, capsys)
+    assert rc == 0, err
+    assert "usage:" in out
     if "generate" in args:
-        assert "--max-tokens" in res.stdout and "--kv-cache-memory" in res.stdout
+        assert "--max-tokens" in out and "--kv-cache-memory" in out

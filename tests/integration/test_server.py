@@ -548,15 +548,27 @@ def test_engine_failure_gives_500_and_health_503(tiny_model_dir: str) -> None:
         async_engine.shutdown()
 
 
-def test_serve_cli_errors() -> None:
-    for args, needle in (
+def test_serve_cli_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    """The first case runs `pagedllm serve` as its own process; the others call the CLI's `main()`
+    in this one (each fails before a model loads)."""
+    from pagedllm.entrypoints.cli import main
+
+    for i, (args, needle) in enumerate((
         (["--port", "70000"], "--port"),
         (["--chat-template", "no-such-template"], "chat-template"),
         (["--max-queued-requests", "0"], "max-queued-requests"),
         (["--no-such-flag"], "unrecognized"),
-    ):
-        r = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", *args],
-                           capture_output=True, text=True, timeout=120)
-        assert r.returncode == 2, (args, r.stderr)
-        lines = [line for line in r.stderr.splitlines() if line.strip()]
-        assert len(lines) == 1 and needle in lines[0], (args, r.stderr)
+    )):
+        if i == 0:
+            r = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", *args],
+                               capture_output=True, text=True, timeout=120)
+            rc, err = r.returncode, r.stderr
+        else:
+            try:
+                rc = main(["serve", *args])
+            except SystemExit as e:  # argparse's errors
+                rc = e.code
+            err = capsys.readouterr().err
+        assert rc == 2, (args, err)
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert len(lines) == 1 and needle in lines[0], (args, err)
