@@ -181,14 +181,17 @@ def test_an_unknown_model_is_404(client):
     assert "main, qwen, broken, missing" in body["error"]["message"]
 
 
-@pytest.mark.parametrize(("value", "reason"), [
-    ("qwen", "as NAME=PATH_OR_BUILTIN"),
-    ('{"name": "x", "model": "m", "max_model_lenn": 5}', "unknown engine flags ['max_model_lenn']"),
-    ('{"name": "x", "model": "m", "kv_cache_memory": "12XB"}', "as a size in bytes"),
+@pytest.mark.parametrize(("argv", "reason"), [
+    (["--extra-models", "qwen"], "as NAME=PATH_OR_BUILTIN"),
+    (["--extra-models", '{"name": "x", "model": "m", "max_model_lenn": 5}'], "unknown engine flags ['max_model_lenn']"),
+    (["--extra-models", '{"name": "x", "model": "m", "kv_cache_memory": "12XB"}'], "as a size in bytes"),
+    (["--extra-models", "a=x", "a=y"], "the name 'a' is served twice"),
+    (["--extra-models", "a=x", "--max-loaded-models", "1"], "--max-loaded-models must be at least 2"),
+    (["--model-idle-unload-s", "5"], "need --extra-models"),
 ])
-def test_a_bad_extra_models_value_is_one_line(value: str, reason: str):
-    p = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--extra-models", value],
+def test_a_bad_extra_models_value_is_one_line(argv: list[str], reason: str):
+    p = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", "0", *argv],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and "--extra-models" in lines[0] and reason in lines[0], p.stderr
+    assert len(lines) == 1 and reason in lines[0], p.stderr

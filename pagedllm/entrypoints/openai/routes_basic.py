@@ -33,8 +33,8 @@ def add_model_routes(app: FastAPI, base: OpenAIServing, state: ServerState, name
     @app.get("/v1/models")
     async def list_models() -> Response:
         cards = [ModelCard(id=n, root=mc.path, max_model_len=mc.max_model_len) for n in names]
+        cards += state.models.cards(ModelCard) if state.models is not None else []  # --extra-models
         cards += state.loras.cards(ModelCard, mc.max_model_len) if state.loras is not None else []
-        cards += state.models.cards(ModelCard) if state.models is not None else []
         return Response(ModelList(data=cards).model_dump_json(), media_type="application/json")
 
     @app.get("/v1/models/{model_id:path}")
