@@ -22,6 +22,7 @@ import pytest
 
 from pagedllm.models.testing import make_tiny_checkpoint
 from server_helpers import assert_error_shape, serve
+from test_cli import run_main
 
 PROMPTS = ["the quick brown fox", "hello world, how are", "one two three four", "a tiny model says"]
 MAX_TOKENS = 12
@@ -181,17 +182,31 @@ def test_an_unknown_model_is_404(client):
     assert "main, qwen, broken, missing" in body["error"]["message"]
 
 
-@pytest.mark.parametrize(("argv", "reason"), [
-    (["--extra-models", "qwen"], "as NAME=PATH_OR_BUILTIN"),
-    (["--extra-models", '{"name": "x", "model": "m", "max_model_lenn": 5}'], "unknown engine flags ['max_model_lenn']"),
-    (["--extra-models", '{"name": "x", "model": "m", "kv_cache_memory": "12XB"}'], "as a size in bytes"),
-    (["--extra-models", "a=x", "a=y"], "the name 'a' is served twice"),
-    (["--extra-models", "a=x", "--max-loaded-models", "1"], "--max-loaded-models must be at least 2"),
-    (["--model-idle-unload-s", "5"], "need --extra-models"),
-])
-def test_a_bad_extra_models_value_is_one_line(argv: list[str], reason: str):
-    p = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", "0", *argv],
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2
-    lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and reason in lines[0], p.stderr
+# (argv, what the one line says, whether it runs as its own process): one process (argparse's path),
+# the other cases call the CLI's main() in this process.
+BAD_FLAGS = {
+    "no-equals": (["--extra-models", "qwen"], "as NAME=PATH_OR_BUILTIN", True),
+    "unknown-key": (["--extra-models", '{"name": "x", "model": "m", "max_model_lenn": 5}'],
+                    "unknown engine flags ['max_model_lenn']", False),
+    "bad-size": (["--extra-models", '{"name": "x", "model": "m", "kv_cache_memory": "12XB"}'], "as a size in bytes",
+                 False),
+    "name-twice": (["--extra-models", "a=x", "a=y"], "the name 'a' is served twice", False),
+    "one-loaded": (["--extra-models", "a=x", "--max-loaded-models", "1"], "--max-loaded-models must be at least 2",
+                   False),
+    "no-models": (["--model-idle-unload-s", "5"], "need --extra-models", False),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FLAGS))
+def test_a_bad_extra_models_value_is_one_line(case: str, capsys: pytest.CaptureFixture[str]):
+    argv, reason, own_process = BAD_FLAGS[case]
+    args = ["serve", "--port", "0", *argv]
+    if own_process:
+        p = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.cli", *args], capture_output=True, text=True,
+                           timeout=120)
+        rc, err = p.returncode, p.stderr
+    else:
+        rc, _, err = run_main(args, capsys)
+    assert rc == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and reason in lines[0], err
