@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from server_helpers import DEFAULT_SERVER_FLAGS, serve
+from server_helpers import DEFAULT_SERVER_FLAGS, MINILM_SERVER_ARGS, serve
 
 
 @pytest.fixture(scope="session")
@@ -14,6 +14,13 @@ def default_server(tmp_path_factory: pytest.TempPathFactory):
     with serve(tmp_path_factory.mktemp("default-server"), *DEFAULT_SERVER_FLAGS) as s:
         yield s
 
+
+@pytest.fixture(scope="session")
+def minilm_server(tmp_path_factory: pytest.TempPathFactory):
+    """One `pagedllm serve all-minilm-l6-v2` (`MINILM_SERVER_ARGS`) for the pooling modules that ask
+    for it; started on first use, stopped at the session's end."""
+    with serve(tmp_path_factory.mktemp("minilm-server"), *MINILM_SERVER_ARGS) as s:
+        yield s
 
 
 # Clients on the module's `server` fixture (a module defines `server`; these follow it). A module

@@ -12,6 +12,9 @@ the suite, seconds for the default model):
       def server(default_server: Server) -> Server:
           return default_server
 
+* all-MiniLM-L6-v2 in float32 (`MINILM_SERVER_ARGS`): the session fixture `minilm_server`, shared
+  in the same way by the pooling modules.
+
 * Other flags or another model: a module fixture around `serve`::
 
       @pytest.fixture(scope="module")
@@ -52,6 +55,8 @@ API_KEY = "sk-pagedllm-test"
 RESPONSES_STORE_SIZE = 3
 DEFAULT_SERVER_FLAGS = ("--kv-cache-memory", "512MiB", "--dtype", "float32", "--api-key", API_KEY,
                         "--max-queued-requests", "1000", "--responses-store-size", str(RESPONSES_STORE_SIZE))
+# The shared embedding server's model and flags (no API key).
+MINILM_SERVER_ARGS = ("all-minilm-l6-v2", "--dtype", "float32", "--kv-cache-memory", "64MiB")
 
 
 class Server:

@@ -1,4 +1,4 @@
-"""The pooling routes of a real `pagedllm serve all-minilm-l6-v2` (one server for the module):
+"""The pooling routes of a real `pagedllm serve all-minilm-l6-v2` (the session's `minilm_server`):
 the openai SDK's embeddings.create against sentence-transformers, base64 against floats, token
 ids against text, dimensions, usage, /pooling, /score and /rerank, and the 400s (an input over the
 context naming its index, unknown fields, generation routes on a pooling server, pooling routes on
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.models.loader.pooling import MINILM_PIP
-from server_helpers import Server, serve
+from server_helpers import Server
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("all_minilm_l6_v2") is None,
                                 reason=f"needs all-MiniLM-L6-v2: {MINILM_PIP}")
@@ -26,10 +26,8 @@ TEXTS = ["A man is eating food.", "A man is riding a horse.", "The girl is carry
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with serve(tmp_path_factory.mktemp("pooling-server"), "all-minilm-l6-v2", "--dtype", "float32",
-               "--kv-cache-memory", "64MiB") as s:
-        yield s
+def server(minilm_server: Server) -> Server:
+    return minilm_server
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """`pagedllm run-batch` with embedding, score and rerank lines: all-MiniLM-L6-v2 against
-sentence-transformers and against what `pagedllm serve` answers for the same bodies (one server for
-the module), a cross-encoder's scores against sentence-transformers' CrossEncoder, generation lines
+sentence-transformers and against what `pagedllm serve` answers for the same bodies (the session's
+`minilm_server`), a cross-encoder's scores against sentence-transformers' CrossEncoder, generation lines
 refused on a pooling model as the server refuses them, and a cut output file resumed."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.models.loader.pooling import MINILM_PIP
-from server_helpers import Server, serve
+from server_helpers import MINILM_SERVER_ARGS, Server
 from test_cli import run_cli
 from test_pooling import DOCS, QUERIES, _cross_encoder
 
@@ -25,7 +25,7 @@ needs_minilm = pytest.mark.skipif(importlib.util.find_spec("all_minilm_l6_v2") i
                                   reason=f"needs all-MiniLM-L6-v2: {MINILM_PIP}")
 
 TEXTS = ["A man is eating food.", "A man is riding a horse.", "The girl is carrying a baby.", "pagedllm"]
-ENGINE = ["--dtype", "float32", "--kv-cache-memory", "64MiB"]
+ENGINE = list(MINILM_SERVER_ARGS[1:])  # the shared server's engine flags
 
 
 def line(custom_id: str, url: str, body: dict) -> dict:
@@ -50,11 +50,18 @@ MINILM_LINES = [
 ]
 
 
-def run_batch(folder: Path, model: str, lines: list[dict]) -> list[dict]:
+def run_batch(folder: Path, model: str, lines: list[dict], own_process: bool = True) -> list[dict]:
+    """`pagedllm run-batch` on `lines`: as its own process, or through the CLI's `main()` in this one."""
     src, out = folder / "in.jsonl", folder / "out.jsonl"
     src.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    res = run_cli("run-batch", "-i", str(src), "-o", str(out), "--model", model, *ENGINE)
-    assert res.returncode == 0, res.stderr
+    args = ["run-batch", "-i", str(src), "-o", str(out), "--model", model, *ENGINE]
+    if own_process:
+        res = run_cli(*args)
+        assert res.returncode == 0, res.stderr
+    else:
+        from pagedllm.entrypoints.cli import main
+
+        assert main(args) == 0
     return [json.loads(x) for x in out.read_text().splitlines()]
 
 
@@ -68,14 +75,13 @@ def minilm_batch(tmp_path_factory) -> dict:
     kept = out.read_text().splitlines(keepends=True)[:-4]
     cut = out.read_text().splitlines(keepends=True)[-4]
     out.write_text("".join(kept) + cut[: len(cut) // 2])
-    second = run_batch(d, "all-minilm-l6-v2", MINILM_LINES)
+    second = run_batch(d, "all-minilm-l6-v2", MINILM_LINES, own_process=False)  # the first was a process
     return {"first": first, "resumed": second}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with serve(tmp_path_factory.mktemp("batch-pooling-server"), "all-minilm-l6-v2", *ENGINE) as s:
-        yield s
+def server(minilm_server: Server) -> Server:
+    return minilm_server
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +187,7 @@ def test_cross_encoder_lines_match_cross_encoder(tmp_path: Path) -> None:
              line("s0", "/v1/score", {"text_1": QUERIES[1], "text_2": DOCS}),
              line("r1", "/v2/rerank", {"query": QUERIES[1], "documents": DOCS}),
              line("chat", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})]
-    out = run_batch(tmp_path, folder, lines)
+    out = run_batch(tmp_path, folder, lines, own_process=False)
     ce = CrossEncoder(folder, device="cpu")
     ref = [ce.predict([(q, d) for d in DOCS], activation_fn=torch.nn.Sigmoid()) for q in QUERIES]
     r0 = _body(out, "r0")["results"]
