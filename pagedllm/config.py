@@ -481,7 +481,7 @@ class LoRAConfig:
             raise ValueError(f"lora_dtype must be one of {LORA_DTYPES}, got {self.lora_dtype!r}")
 
 
-SPECULATIVE_METHODS = ("ngram", "suffix")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -492,10 +492,12 @@ class SpeculativeConfig:
     are kept. Method ngram: the tokens that followed the latest earlier occurrence of the request's
     last `prompt_lookup_max` .. `prompt_lookup_min` tokens in its own prompt and output. Method
     suffix: the most frequent continuation of the request's longest matching suffix in its own
-    tokens and in recent requests' outputs (core/spec_suffix.py)."""
+    tokens and in recent requests' outputs (core/spec_suffix.py). Method draft_model: a smaller
+    model sharing the target's vocabulary (or the target itself, quantized) decodes greedily ahead
+    of the target on the worker (worker/draft_runner.py)."""
 
     method: str = "ngram"
-    """How tokens are proposed (ngram, suffix)."""
+    """How tokens are proposed (ngram, suffix, draft_model)."""
     num_speculative_tokens: int = 3
     """Most tokens proposed per request and step."""
     prompt_lookup_min: int = 1
@@ -512,6 +514,14 @@ class SpeculativeConfig:
     suffix_decoding_min_token_prob: float = 0.1
     """Suffix: proposals stop where a token's estimated probability (the product of the
     continuations' frequencies along the proposal) falls below this."""
+    model: str | None = None
+    """draft_model: the draft model's folder, .gguf file or name (it must share the target's
+    vocabulary); None, or the target's own name: the target itself (a self-draft)."""
+    quantization: str | None = None
+    """draft_model: the draft's quantization applied at load (int4, int8, ...; pagedllm's -q
+    schemes), or None: as its checkpoint is stored."""
+    draft_tensor_parallel_size: int | None = None
+    """draft_model: the draft's tensor-parallel ranks; only 1 (the draft runs on the driver's rank)."""
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -533,6 +543,15 @@ class SpeculativeConfig:
             raise ValueError(f"suffix_decoding_min_token_prob must be in [0, 1], got {self.suffix_decoding_min_token_prob}")
         if self.num_speculative_tokens > 32:
             raise ValueError(f"num_speculative_tokens must be at most 32, got {self.num_speculative_tokens}")
+        if self.method != "draft_model":
+            given = [n for n in ("model", "quantization", "draft_tensor_parallel_size") if getattr(self, n) is not None]
+            if given:
+                raise ValueError(f"{given} apply to method 'draft_model' only, not {self.method!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, got {self.quantization!r}")
+        if self.draft_tensor_parallel_size not in (None, 1):
+            raise ValueError(f"draft_tensor_parallel_size must be 1 (the draft runs on one rank), "
+                             f"got {self.draft_tensor_parallel_size!r}")
         if self.prompt_lookup_max < self.prompt_lookup_min:
             raise ValueError(
                 f"prompt_lookup_max ({self.prompt_lookup_max}) must be at least prompt_lookup_min "
@@ -552,3 +571,5 @@ class EngineConfig:
     """Set where LoRA adapters are served (--enable-lora)."""
     speculative_config: SpeculativeConfig | None = None
     """Speculative decoding, or None (off: no step does any work for it)."""
+    draft_model_config: ModelConfig | None = None
+    """Speculative decoding's draft model (method draft_model), resolved like the target."""

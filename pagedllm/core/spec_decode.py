@@ -155,6 +155,25 @@ class NgramProposer(Proposer):
         return ngram_propose(self.tokens_of(req), k, self.min_n, self.max_n).tolist()
 
 
+DRAFT_SLOT = 0
+"""What method draft_model's scheduler side proposes: a placeholder the worker's draft model
+replaces with its own tokens before the target verifies them (worker/draft_runner.py)."""
+
+
+class DraftSlotsProposer(Proposer):
+    """Method draft_model: the scheduler decides how many tokens a request proposes (its budget,
+    the adaptive controller) and reserves their KV slots; the worker's draft model decodes them
+    ahead of the target in the same step, so the placeholders never reach the model."""
+
+    def __init__(self, config: SpeculativeConfig, control: SpecController | None = None) -> None:
+        super().__init__()
+        self.k = config.num_speculative_tokens
+        self.control = control
+
+    def propose(self, req: Request, max_tokens: int) -> list[int]:
+        return [DRAFT_SLOT] * max(0, min(self.k, max_tokens))
+
+
 def spec_control(config: SpeculativeConfig, device: str) -> SpecController:
     """The adaptive controller of a speculating engine on this device ('cpu', 'cuda'), logged."""
     max_rows = max_spec_rows(device)
@@ -163,6 +182,9 @@ def spec_control(config: SpeculativeConfig, device: str) -> SpecController:
                f"the outputs of up to {config.suffix_decoding_max_cached_requests} finished requests, "
                f"token probability at least {config.suffix_decoding_min_token_prob}, "
                f"spec factor {config.suffix_decoding_max_spec_factor}")
+    elif config.method == "draft_model":
+        how = (f"greedy decodes of the draft model {config.model or '(the target itself)'}"
+               + (f", {config.quantization}" if config.quantization else ""))
     else:
         how = f"n-gram lookup of {config.prompt_lookup_min}..{config.prompt_lookup_max} tokens"
     logger.info(

@@ -35,7 +35,7 @@ import numpy as np
 from pagedllm.config import SpeculativeConfig
 from pagedllm.core.request import Request
 from pagedllm.core.spec_adaptive import SpecController
-from pagedllm.core.spec_decode import SEP, NgramProposer, Proposer, match_lengths
+from pagedllm.core.spec_decode import SEP, DraftSlotsProposer, NgramProposer, Proposer, match_lengths
 
 
 
@@ -137,4 +137,6 @@ class SuffixProposer(Proposer):
 
 def make_proposer(config: SpeculativeConfig) -> Proposer:
     """The proposer of the configured method."""
+    if config.method == "draft_model":
+        return DraftSlotsProposer(config)
     return SuffixProposer(config) if config.method == "suffix" else NgramProposer(config)

@@ -89,13 +89,15 @@ def parse_speculative_config(text: str | dict[str, Any] | SpeculativeConfig | No
     text = read_json_object(text, SpeculativeConfig, '{"method": "ngram", "num_speculative_tokens": 4}')
     if not text:
         return None
-    method = text.get("method", "ngram")
-    other = "suffix_decoding_" if method == "ngram" else "prompt_lookup_" if method == "suffix" else None
-    stray = sorted(k for k in text if other is not None and k.startswith(other))
+    method = text.get("method") or ("draft_model" if text.get("model") is not None else "ngram")
+    text = {**text, "method": method}  # vLLM infers a draft model's method from "model"
+    other = {"ngram": ("suffix_decoding_",), "suffix": ("prompt_lookup_",),
+             "draft_model": ("suffix_decoding_", "prompt_lookup_")}.get(method, ())
+    stray = sorted(k for k in text if k.startswith(other))
     if stray:
         raise ValueError(f"{stray} do not apply to method {method!r}")
     if "num_speculative_tokens" not in text:
-        if method != "suffix":
+        if method == "ngram" or method == "draft_model":
             raise ValueError("num_speculative_tokens is required (the most tokens proposed per step)")
         # vLLM's default for suffix: as many as the tree is deep
         text = {**text, "num_speculative_tokens": text.get("suffix_decoding_max_tree_depth", 24)}
@@ -505,7 +507,40 @@ class EngineArgs:
             get_reasoning_parser(self.reasoning_parser)  # names the known parsers if unknown
             so_config = dataclasses.replace(so_config, reasoning_parser=self.reasoning_parser)
         return EngineConfig(model_config, cache_config, scheduler_config, device_config, parallel_config, so_config,
-                            self._lora_config(parallel_config), self.speculative_config)
+                            self._lora_config(parallel_config), self.speculative_config,
+                            self._draft_model_config(model_config, parallel_config))
+
+    def _draft_model_config(self, target: ModelConfig, parallel_config: ParallelConfig) -> ModelConfig | None:
+        """The draft model of speculative method draft_model, resolved like the target: its own
+        folder (or the target's), its quantization applied at load; same dtype, KV cache dtype and
+        max_model_len. ValueError where its vocabulary is not the target's."""
+        spec = self.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return None
+        from pagedllm.models.loader import load_hf_config, resolve_model
+
+        if parallel_config.world_size > 1:
+            raise ValueError(f"speculative method 'draft_model' runs on one rank, got tensor_parallel_size="
+                             f"{parallel_config.tensor_parallel_size}, pipeline_parallel_size="
+                             f"{parallel_config.pipeline_parallel_size}")
+        name = spec.model if spec.model is not None else target.model
+        source = resolve_model(name)
+        hf_config = load_hf_config(source)
+        if int(hf_config.vocab_size) != target.vocab_size:
+            raise ValueError(f"the draft model {name!r} has a vocabulary of {int(hf_config.vocab_size)} tokens, the "
+                             f"target {target.model!r} one of {target.vocab_size}: a draft must share the "
+                             "target's tokenizer and vocabulary")
+        if target.is_encoder or target.runner != "generate":
+            raise ValueError("speculative method 'draft_model' needs a generating decoder, got runner="
+                             f"{target.runner!r}")
+        max_pos = int(getattr(hf_config, "max_position_embeddings", 0) or target.max_model_len)
+        if max_pos < target.max_model_len:
+            raise ValueError(f"the draft model {name!r} reaches {max_pos} positions, fewer than max_model_len="
+                             f"{target.max_model_len}")
+        quant = EngineArgs(quantization=spec.quantization, quantization_group_size=self.quantization_group_size,
+                           )._quantization_config(source, hf_config)
+        return dataclasses.replace(target, model=name, kind=source.kind, path=source.path, served_model_name=name,
+                                   hf_config=hf_config, quantization=quant, tokenizer=None)
 
     def _lora_config(self, parallel_config: ParallelConfig) -> LoRAConfig | None:
         if not self.enable_lora:

@@ -90,6 +90,8 @@ class EngineCore:
         groups = engine_kv_groups(mc, cc)
         # A block holds the K/V of one group's layers (all layers without window groups).
         block_bytes = cc.block_size * mc.kv_bytes_per_token() * groups.layers_per_block // mc.num_layers
+        if config.draft_model_config is not None:  # a speculative draft's KV shares the block ids
+            block_bytes += cc.block_size * config.draft_model_config.kv_bytes_per_token()
         kv_bytes = num_blocks * block_bytes
         try:
             self.executor.initialize_kv_cache(num_blocks)

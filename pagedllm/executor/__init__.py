@@ -18,7 +18,8 @@ def create_executor(config: EngineConfig) -> Any:
     if pc.world_size == 1:
         from pagedllm.executor.uniproc import InProcessExecutor
 
-        return InProcessExecutor(config.model_config, config.cache_config, config.device_config, config.lora_config)
+        return InProcessExecutor(config.model_config, config.cache_config, config.device_config, config.lora_config,
+                                 config.draft_model_config)
     if pc.distributed_executor_backend == "ray":
         from pagedllm.executor.ray_executor import RayExecutor
 

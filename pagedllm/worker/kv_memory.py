@@ -58,6 +58,9 @@ class KVMemory:
         self.num_blocks = 0
         self.num_swap_blocks = 0
         self._buffers: list[mmap.mmap] = []  # the CPU tensors' anonymous mappings, kept alive
+        self.extra_bytes_per_block = 0
+        """Bytes another cache keeps per block id beside this one (a speculative draft model's
+        KV, indexed by the same block tables), counted when the blocks are sized."""
 
     def bind(self, layers: list[Attention]) -> None:
         """Takes the model's attention layers (this stage's), each told its KV layer group; a layer
@@ -86,7 +89,7 @@ class KVMemory:
         return sum(2 * a.num_kv_heads * a.head_dim * itemsize for a in self._slots().values())
 
     def bytes_per_block(self) -> int:
-        return self.bytes_per_token() * self.block_size
+        return self.bytes_per_token() * self.block_size + self.extra_bytes_per_block
 
     def determine_num_blocks(self) -> int:
         """Blocks of the configured count, or of the KV budget: the configured bytes, else on a GPU

@@ -25,14 +25,11 @@ from pagedllm.distributed.parallel_state import ParallelContext
 from pagedllm.core.scheduler_output import Logprobs, ModelRunnerOutput, SchedulerOutput
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.linear import Linear
-from pagedllm.models.loader import ModelSource, iterate_weights
-from pagedllm.models.registry import get_model_class
-from pagedllm.models.loader.quantized import quantization_setup
-from pagedllm.quantization import process_model
-from pagedllm.utils import trim_heap, tune_heap
+from pagedllm.utils import tune_heap
 from pagedllm.worker import device as dev
 from pagedllm.worker import preemption_cost
 from pagedllm.worker.cuda_graph import CudaGraphRunner
+from pagedllm.worker.draft_runner import DraftRunner
 from pagedllm.worker.forward import (
     CudaGraphPath,
     EagerPath,
@@ -42,9 +39,9 @@ from pagedllm.worker.forward import (
     PipelinePath,
     PreparedStep,
 )
-from pagedllm.worker.host_memory import move_weights_to_huge_pages
 from pagedllm.worker.input_batch import BatchArrays, InputBatch, token_rows
 from pagedllm.worker.kv_memory import KVMemory
+from pagedllm.worker.model_load import build_model
 from pagedllm.worker.native_decode import NativeDecode
 from pagedllm.worker.spec_decode import SpecRows, split_spec_rows, verify_step
 from pagedllm.worker.pooler import Pooler
@@ -86,6 +83,7 @@ class ModelRunner:
         device_config: DeviceConfig | None = None,
         parallel: ParallelContext | None = None,
         lora_config: LoRAConfig | None = None,
+        draft_config: ModelConfig | None = None,
     ) -> None:
         self.model_config = model_config
         self.lora_config = lora_config
@@ -140,6 +138,12 @@ class ModelRunner:
         # The forward paths, built once the model is loaded (see _build_paths).
         self.paths: ForwardPaths | None = None
         self.pooler = Pooler(None)  # pooling requests' hidden states (worker/pooler.py)
+        # Speculative method draft_model: the draft model, its KV cache and passes (worker/draft_runner.py).
+        self.draft = (DraftRunner(draft_config, cache_config, self.device_config, self.dtype, self.kv_dtype,
+                                  self.device, self.input_batch) if draft_config is not None else None)
+        if self.draft is not None and (self.kv.groups.num_groups != 1 or self.kv.groups.windows[0]):
+            raise ValueError(f"speculative method 'draft_model' needs a target whose KV keeps every position "
+                             f"({self.kv.groups.describe()})")
 
     @property
     def native_kernel(self) -> Any:
@@ -191,20 +195,7 @@ class ModelRunner:
     def load_model(self) -> None:
         mc = self.model_config
         t0 = time.perf_counter()
-        cls = get_model_class(mc.hf_config)
-        quant = quantization_setup(mc) if mc.quantization is not None else None
-        with torch.device(self.device):
-            model = cls(mc.hf_config, dtype=self.dtype, parallel=self.parallel, quant_config=quant)
-        if mc.load_format == "dummy":
-            dev.initialize_dummy_weights(model, mc.seed)
-        else:
-            source = ModelSource(kind=mc.kind, path=mc.path, name=mc.served_model_name)  # type: ignore[arg-type]
-            model.load_weights(iterate_weights(source, quant))
-        process_model(model, self.dtype, f"{mc.quantization.method} quantization" if quant else "", quant)
-        if not self.is_cuda:
-            self._weight_arena = move_weights_to_huge_pages(model)
-            trim_heap()  # the loaded copies' pages, freed into a heap that keeps its free pages
-        model.eval()
+        model, self._weight_arena = build_model(mc, self.dtype, self.device, self.parallel)
         if self.lora_config is not None:
             from pagedllm.lora.manager import LoRAManager
 
@@ -216,11 +207,14 @@ class ModelRunner:
         self.model = model
         self.pooler.model = model
         self._build_paths()
+        if self.draft is not None:
+            self.draft.load()
+            self.kv.extra_bytes_per_block = self.draft.bytes_per_block()
         n_params = parameter_count(model)
         logger.info(
             "Loaded %s (%s, %.1fM parameters, %s) in %.1f s",
             mc.served_model_name,
-            cls.__name__,
+            type(model).__name__,
             n_params / 1e6,
             mc.dtype,
             time.perf_counter() - t0,
@@ -257,6 +251,8 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv.allocate(num_blocks)
+        if self.draft is not None:
+            self.draft.allocate(num_blocks)
         if getattr(self.model, "pooling_only", False):
             return  # no decode steps: neither CUDA graphs nor the fused native decode step
         single = self.kv.groups.num_groups == 1  # the graphs and the fused step read one block table
@@ -293,7 +289,8 @@ class ModelRunner:
         return self.kv.determine_num_swap_blocks()
 
     def initialize_swap_space(self, num_swap_blocks: int) -> None:
-        self.kv.allocate_swap(num_swap_blocks)
+        for kv in (self.kv, *((self.draft.kv,) if self.draft is not None else ())):
+            kv.allocate_swap(num_swap_blocks)
 
     def flops_per_token(self) -> float:
         """Linear-layer work of one token through the decoder layers (2 FLOPs per weight)."""
@@ -336,6 +333,8 @@ class ModelRunner:
         result = self._output(step, forks, hidden, sampled)
         if pooled:
             result.pooled = pooled
+        if self.draft is not None:
+            self.draft.after_step(result)
         return result
 
     def _prepare(self, so: SchedulerOutput) -> PreparedStep | None:
@@ -343,15 +342,18 @@ class ModelRunner:
         done, and the scheduled requests' arrays; None when nothing is scheduled."""
         self._update_states(so)
         if so.blocks_to_swap_out or so.blocks_to_swap_in or so.blocks_to_copy:
-            self.kv.move_blocks(so.blocks_to_swap_out, so.blocks_to_swap_in, so.blocks_to_copy)
+            for kv in (self.kv, *((self.draft.kv,) if self.draft is not None else ())):
+                kv.move_blocks(so.blocks_to_swap_out, so.blocks_to_swap_in, so.blocks_to_copy)
         req_ids = list(so.num_scheduled_tokens)
         if not req_ids:
             return None
+        rows = self.input_batch.rows_of(req_ids)
+        counts = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
+        if self.draft is not None:  # its proposals replace the scheduler's placeholders
+            self.draft.propose(so, req_ids, rows, counts)
         if so.spec_token_ids:  # proposals follow the last token, as known tokens for this step's layout
             for rid, proposals in so.spec_token_ids.items():
                 self.input_batch.extend_tokens(self.input_batch.req_index[rid], proposals)
-        rows = self.input_batch.rows_of(req_ids)
-        counts = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
         batch = self.input_batch.prepare(rows, counts, self.model_config.sliding_window, **self.batch_options)
         lora = self.lora is not None and self.lora.prepare(req_ids, batch.query_start_loc)
         step = PreparedStep(so, req_ids, rows, counts, batch, lora=lora,
