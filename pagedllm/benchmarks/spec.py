@@ -1,9 +1,12 @@
-"""`pagedllm bench spec`: speculative decoding (n-gram and suffix by default) against none, in one
-run, on a workload where the prompt holds most of the answer (code edits, summaries that quote
-their text): output tokens/s of one request at a time (single stream) and of a batch of concurrent
-requests, the ratio, the acceptance rate and mean acceptance length, and whether greedy outputs
-are the same token for token. Each part runs on an engine of its own, loaded and warmed up before
-it is timed (the concurrent batch repeats the single-stream tasks: a suffix engine's cache of
+"""`pagedllm bench spec`: speculative decoding (n-gram and suffix by default; any
+--speculative-config, a draft model's among them) against none, in one run, on a workload where
+the prompt holds most of the answer (code edits, summaries that quote their text; `--workload
+edit`) or on ordinary chat questions (`--workload chat`): output tokens/s of one request at a time
+(single stream) and of a batch of concurrent requests (`--concurrency 0`: single stream only), the
+ratio, the acceptance rate and mean acceptance length, whether greedy outputs are the same token
+for token, and for a draft model its passes and their mean time beside the target's time per
+token without speculation. Each part runs on an engine of its own, loaded and warmed up before it
+is timed (the concurrent batch repeats the single-stream tasks: a suffix engine's cache of
 finished outputs never holds the answers it is timed on)."""
 
 from __future__ import annotations
@@ -48,6 +51,17 @@ TASKS = [
     f"Repeat this text word for word, then say how many sentences it has.\n\n{ARTICLE}",
 ]
 
+CHAT = [
+    "What are three good habits for staying healthy while working at a desk all day?",
+    "Explain in a few sentences why the sky is blue.",
+    "Give me a simple recipe for pancakes.",
+    "What is the difference between a virus and a bacterium?",
+    "Suggest a name for a small coffee shop near the sea, and say why it fits.",
+    "How do I politely decline an invitation to a party?",
+    "Write a short story about a robot who learns to paint.",
+    "What should I pack for a weekend hiking trip in the mountains?",
+]
+WORKLOADS = {"edit": TASKS, "chat": CHAT}
 
 MAX_CONCURRENCY = 128
 DEFAULT_CONFIGS = ['{"method": "ngram", "num_speculative_tokens": 4}', '{"method": "suffix"}']
@@ -69,8 +83,10 @@ def _measure(llm: Any, convs: list[list[dict[str, str]]], params: Any, part: str
             dt, toks = _generate(llm, [conv], params)
             seconds += dt
             tokens += toks
-    else:
+    elif concurrency:
         seconds, tokens = _generate(llm, convs[:concurrency], params)
+    else:
+        return {"seconds": 0.0, "output_tokens": 0, "output_tok_s": 0.0, "tokens": []}
     n = sum(map(len, tokens))
     return {"seconds": seconds, "output_tokens": n, "output_tok_s": n / seconds, "tokens": tokens}
 
@@ -83,11 +99,13 @@ def run_spec(opts: dict[str, Any]) -> dict[str, Any]:
     engine = {"dtype": opts["dtype"], "kv_cache_memory": opts["kv_cache_memory"], "max_model_len": 2048}
     params = SamplingParams(temperature=0.0, max_tokens=opts["max_tokens"])
     # more concurrent requests than tasks: the tasks again, in order
-    convs = [[{"role": "user", "content": TASKS[i % len(TASKS)]}] for i in range(max(len(TASKS), opts["concurrency"]))]
+    tasks = WORKLOADS[opts.get("workload", "edit")]
+    convs = [[{"role": "user", "content": tasks[i % len(tasks)]}] for i in range(max(len(tasks), opts["concurrency"]))]
     warm = [[{"role": "user", "content": "Say hello."}]]
     report: dict[str, Any] = {"meta": run_metadata(), "model": opts["model"] or "default", "dtype": opts["dtype"],
                               "max_tokens": opts["max_tokens"], "num_prompts": opts["num_prompts"],
-                              "concurrency": opts["concurrency"], "runs": []}
+                              "concurrency": opts["concurrency"], "workload": opts.get("workload", "edit"),
+                              "runs": []}
     for spec in [None, *configs]:
         run: dict[str, Any] = {"speculative_config": spec}
         counts = [0, 0, 0]
@@ -96,10 +114,16 @@ def run_spec(opts: dict[str, Any]) -> dict[str, Any]:
         for part in ("single", "concurrent"):
             llm = LLM(opts["model"], speculative_config=spec, **engine)
             _generate(llm, warm, SamplingParams(temperature=0.0, max_tokens=16))
+            draft = getattr(getattr(llm.llm_engine.executor, "runner", None), "draft", None)
+            if draft is not None:  # count the timed part's passes only
+                draft.passes, draft.seconds = 0, 0.0
             run[part] = _measure(llm, convs, params, part, opts["num_prompts"], opts["concurrency"])
             if spec is not None:
                 s = llm.llm_engine.scheduler.get_stats().spec_decode
                 counts = [counts[0] + s.num_drafts, counts[1] + s.num_draft_tokens, counts[2] + s.num_accepted_tokens]
+                if draft is not None and part == "single":
+                    run["draft"] = {"passes": draft.passes, "seconds": draft.seconds,
+                                    "ms_per_pass": 1e3 * draft.seconds / max(draft.passes, 1)}
             llm.llm_engine.shutdown()
             del llm
         if spec is not None:
@@ -109,7 +133,8 @@ def run_spec(opts: dict[str, Any]) -> dict[str, Any]:
         report["runs"].append(run)
     off = report["runs"][0]
     for run in report["runs"]:
-        run["ratio"] = {k: run[k]["output_tok_s"] / off[k]["output_tok_s"] for k in ("single", "concurrent")}
+        run["ratio"] = {k: run[k]["output_tok_s"] / off[k]["output_tok_s"] if off[k]["output_tok_s"] else 0.0
+                        for k in ("single", "concurrent")}
         run["same_greedy_tokens"] = {k: run[k]["tokens"] == off[k]["tokens"] for k in ("single", "concurrent")}
     for run in report["runs"]:
         for k in ("single", "concurrent"):
@@ -119,7 +144,8 @@ def run_spec(opts: dict[str, Any]) -> dict[str, Any]:
 
 def format_table(r: dict[str, Any]) -> str:
     conc = f"{r['concurrency']} concurrent"
-    lines = [f"{r['num_prompts']} edit / quote tasks, {r['model']} ({r['dtype']}), greedy, up to {r['max_tokens']} "
+    kind = "chat questions" if r.get("workload") == "chat" else "edit / quote tasks"
+    lines = [f"{r['num_prompts']} {kind}, {r['model']} ({r['dtype']}), greedy, up to {r['max_tokens']} "
              f"tokens; CPU: {r['meta'].get('cpu_model', '?')}",
              f"  {'speculative config':60s} {'single tok/s':>12s} {'ratio':>6s}  {conc:>13s} "
              f"{'ratio':>6s}  acceptance  same tokens"]
@@ -132,6 +158,13 @@ def format_table(r: dict[str, Any]) -> str:
                      f"{run['ratio']['single']:5.2f}x  {run['concurrent']['output_tok_s']:13.1f} "
                      f"{run['ratio']['concurrent']:5.2f}x  {acc:>10s}  {same['single'] and same['concurrent']}")
     lines.append("  acceptance: rate of proposed tokens accepted, mean tokens per speculating step")
+    off = r["runs"][0]["single"]
+    for run in r["runs"]:
+        d = run.get("draft")
+        if d:
+            lines.append(f"  draft model {json.dumps(run['speculative_config'])}: {d['passes']} passes, "
+                         f"{d['ms_per_pass']:.2f} ms each; without speculation "
+                         f"{1e3 * off['seconds'] / max(off['output_tokens'], 1):.2f} ms per token single stream")
     return "\n".join(lines)
 
 
@@ -143,6 +176,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--speculative-config", action="append", default=None,
                     help="a configuration measured against none (JSON, as --speculative-config); repeat for "
                          f"several (default: {' and '.join(DEFAULT_CONFIGS)})")
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="edit",
+                    help="edit: code edits and quoting summaries (the prompt holds the answer); chat: ordinary "
+                         "chat questions")
     ap.add_argument("--num-prompts", type=int, default=4, help=f"tasks run one at a time (at most {len(TASKS)})")
     ap.add_argument("--concurrency", type=int, default=8,
                     help=f"tasks run together in the concurrent part (1 to {MAX_CONCURRENCY}; beyond {len(TASKS)} "
@@ -154,14 +190,16 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     args = ap.parse_args(argv)
     if not 1 <= args.num_prompts <= len(TASKS):
         ap.error(f"--num-prompts must be in [1, {len(TASKS)}]")
-    if not 1 <= args.concurrency <= MAX_CONCURRENCY:
-        ap.error(f"--concurrency must be in [1, {MAX_CONCURRENCY}]")
+    if not 0 <= args.concurrency <= MAX_CONCURRENCY:
+        ap.error(f"--concurrency must be in [0, {MAX_CONCURRENCY}] (0: single stream only)")
     args.speculative_config = args.speculative_config or DEFAULT_CONFIGS
+    from pagedllm.engine.arg_utils import parse_speculative_config
+
     for c in args.speculative_config:
         try:
-            json.loads(c)
-        except json.JSONDecodeError as e:
-            ap.error(f"--speculative-config {c!r} is not JSON ({e})")
+            parse_speculative_config(c)
+        except ValueError as e:
+            ap.error(f"--speculative-config {c!r}: {e}")
     report = run_spec({k: v for k, v in vars(args).items() if k != "output_json"})
     print(format_table(report))
     if args.output_json:

@@ -279,7 +279,9 @@ class EngineArgs:
         "replies; structured output and tool calls apply to the answer after it)", shown_default="none")
     speculative_config: SpeculativeConfig | None = arg(
         None, 'speculative decoding as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_min": 1, "prompt_lookup_max": 4} or {"method": "suffix"} (docs/speculative.md)', parse=parse_speculative_config,
+        '"prompt_lookup_min": 1, "prompt_lookup_max": 4}, {"method": "suffix"} or a draft model, '
+        '{"method": "draft_model", "model": PATH, "num_speculative_tokens": 3} (without "model" and with '
+        '"quantization": "int4": the target itself, quantized) (docs/speculative.md)', parse=parse_speculative_config,
         shown_default="off")
     runner: str = arg(
         "auto", "generate (sampling) or pooling (embeddings, scores); auto: pooling for encoders, bare *Model "
