@@ -59,8 +59,8 @@ def test_the_thinking_is_not_constrained(thinker: tuple[LLM, int]) -> None:
     assert constrained.token_ids == free.token_ids and constrained.finish_reason == "length"
 
 
-def test_thinking_budget_needs_a_reasoning_parser() -> None:
-    llm = LLM(dtype="float32", kv_cache_memory="64MiB", max_model_len=256)
+def test_thinking_budget_needs_a_reasoning_parser(tiny_model_dir: str) -> None:
+    llm = LLM(tiny_model_dir, dtype="float32", num_kv_blocks=16, max_model_len=128)
     with pytest.raises(ValueError, match="--reasoning-parser"):
         llm.generate(["x"], SamplingParams(max_tokens=2, thinking_token_budget=4), use_tqdm=False)
 
