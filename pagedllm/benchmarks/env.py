@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import psutil
 
+from pagedllm import envs
 from pagedllm.benchmarks.script import ROOT as REPO_ROOT
 
 
@@ -90,10 +91,10 @@ def call_times(fn: Callable[[], object], reps: int) -> list[float]:
     return times
 
 
-def measure_matmul_peak(n: int = 1024, seconds: float = 2.0, dtype: str = "float32") -> float:
+def measure_matmul_peak(n: int = 1024, seconds: float | None = None, dtype: str = "float32") -> float:
     """FLOP/s of a large square matmul in `dtype` (2 n^3 FLOPs each), with torch's current threads:
     the faster of torch.mm and oneDNN's linear (torch.ops.mkldnn._linear_pointwise), each timed for
-    half of `seconds`. On AMD CPUs torch.mm's float32 path (MKL) runs AVX2 code at about half of
+    half of `seconds` (default PAGEDLLM_BENCH_PEAK_SECONDS, 2 s). On AMD CPUs torch.mm's float32 path (MKL) runs AVX2 code at about half of
     what oneDNN's AVX-512 GEMM reaches on the same machine, so torch.mm alone understates the peak.
     bfloat16 or float16 on CPUs without dot products in that dtype: pagedllm's GEMM there
     (layers/linear.py, operands widened to float32 for oneDNN's float32 GEMM), since torch's own
@@ -103,6 +104,8 @@ def measure_matmul_peak(n: int = 1024, seconds: float = 2.0, dtype: str = "float
 
     from pagedllm.layers.linear import WIDENED_DTYPES, torch_linear
 
+    if seconds is None:
+        seconds = envs.PAGEDLLM_BENCH_PEAK_SECONDS
     dt = getattr(torch, dtype)
     a = torch.randn(n, n).to(dt)
     b = torch.randn(n, n).to(dt)
@@ -130,9 +133,13 @@ def measure_matmul_peak(n: int = 1024, seconds: float = 2.0, dtype: str = "float
     return best
 
 
-def measure_copy_bandwidth(nbytes: int = 256 << 20, seconds: float = 1.0) -> float:
-    """Bytes/s of a large tensor copy, counting each byte read and each byte written."""
+def measure_copy_bandwidth(nbytes: int = 256 << 20, seconds: float | None = None) -> float:
+    """Bytes/s of a large tensor copy, counting each byte read and each byte written, timed for
+    `seconds` (default half of PAGEDLLM_BENCH_PEAK_SECONDS, 1 s)."""
     import torch
+
+    if seconds is None:
+        seconds = envs.PAGEDLLM_BENCH_PEAK_SECONDS / 2
 
     src = torch.ones(nbytes // 4)
     dst = torch.empty_like(src)
