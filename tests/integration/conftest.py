@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from server_helpers import DEFAULT_SERVER_FLAGS, MINILM_SERVER_ARGS, serve
+from server_helpers import DEFAULT_SERVER_FLAGS, MINILM_SERVER_ARGS, TINY_SERVER_FLAGS, Server, serve
 
 
 @pytest.fixture(scope="session")
@@ -13,6 +13,19 @@ def default_server(tmp_path_factory: pytest.TempPathFactory):
     asks for it; started on first use, stopped at the session's end."""
     with serve(tmp_path_factory.mktemp("default-server"), *DEFAULT_SERVER_FLAGS) as s:
         yield s
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: str):
+    """One `pagedllm serve` of the tiny random model with `TINY_SERVER_FLAGS`, for the modules that
+    ask for it; at the session's end it must exit 0 without a traceback in its log."""
+    s = Server(tmp_path_factory.mktemp("tiny-server") / "server.log", tiny_model_dir, *TINY_SERVER_FLAGS)
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        assert s.stop() == 0
+        assert "Traceback" not in s.output(), s.output()[-3000:]
 
 
 @pytest.fixture(scope="session")

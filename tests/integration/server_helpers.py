@@ -15,6 +15,9 @@ the suite, seconds for the default model):
 * all-MiniLM-L6-v2 in float32 (`MINILM_SERVER_ARGS`): the session fixture `minilm_server`, shared
   in the same way by the pooling modules.
 
+* The tiny random model of `tiny_model_dir` with `TINY_SERVER_FLAGS`: the session fixture
+  `tiny_server` (it must exit 0 without a traceback in its log).
+
 * Other flags or another model: a module fixture around `serve`::
 
       @pytest.fixture(scope="module")
@@ -57,6 +60,12 @@ DEFAULT_SERVER_FLAGS = ("--kv-cache-memory", "512MiB", "--dtype", "float32", "--
                         "--max-queued-requests", "1000", "--responses-store-size", str(RESPONSES_STORE_SIZE))
 # The shared embedding server's model and flags (no API key).
 MINILM_SERVER_ARGS = ("all-minilm-l6-v2", "--dtype", "float32", "--kv-cache-memory", "64MiB")
+# The shared tiny-model server's flags (after the tiny model's folder) and API key: float32 for the
+# embedding oracle, a small pool and batch, and short header-read and keep-alive timeouts that the
+# bad-input tests time.
+TINY_API_KEY = "sk-pagedllm-tiny"
+TINY_SERVER_FLAGS = ("--dtype", "float32", "--num-kv-blocks", "128", "--max-num-seqs", "16", "--api-key", TINY_API_KEY,
+                     "--header-read-timeout", "1", "--timeout-keep-alive", "3")
 
 
 class Server:

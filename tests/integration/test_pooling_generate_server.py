@@ -1,5 +1,5 @@
 """A generation server answers the pooling routes on its decoder: `pagedllm serve` of a tiny random
-Qwen2 (`--runner generate`, one server for the module) embeds with LAST pooling in the same engine
+Qwen2 (`--runner generate`, the session's `tiny_server`) embeds with LAST pooling in the same engine
 as its generation, against transformers' last_hidden_state (float32: cosine >= 0.9999 per text),
 while a completion runs beside it."""
 
@@ -11,16 +11,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from server_helpers import Server, serve
+from server_helpers import Server
 
 TEXTS = ["A man is eating food.", "The girl is carrying a baby.", "pagedllm serves embeddings beside chat"]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir: str, tmp_path_factory):
-    with serve(tmp_path_factory.mktemp("generate-pooling"), tiny_model_dir, "--dtype", "float32",
-               "--kv-cache-memory", "64MiB") as s:
-        yield s
+def server(tiny_server: Server) -> Server:
+    return tiny_server  # the session's tiny-model server, float32
 
 
 def test_generation_server_embeds_beside_generation(server: Server, tiny_model_dir: str) -> None:

@@ -7,6 +7,7 @@ follow --api-key."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import socket
 import time
@@ -15,9 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server_helpers import Server, assert_error_shape
+from server_helpers import TINY_API_KEY, Server, assert_error_shape
 
-KEY = "sk-bad-input"
+KEY = TINY_API_KEY
 AUTH = {"Authorization": f"Bearer {KEY}"}
 COMP, CHAT = "/v1/completions", "/v1/chat/completions"
 MSG = [{"role": "user", "content": "hi"}]
@@ -58,17 +59,10 @@ BAD = [
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: str):
-    logs = tmp_path_factory.mktemp("bad-input")
-    s = Server(logs / "server.log", tiny_model_dir, "--num-kv-blocks", "128", "--max-num-seqs", "16",
-               "--api-key", KEY, "--header-read-timeout", "1",
-               "--timeout-keep-alive", "3")
-    try:
-        s.wait_ready()
-        yield s
-    finally:
-        assert s.stop() == 0
-        assert "Traceback" not in s.output(), s.output()[-3000:]
+def server(tiny_server: Server) -> Server:
+    """The session's tiny-model server (--num-kv-blocks 128, --max-num-seqs 16, --header-read-timeout
+    1, --timeout-keep-alive 3; checked at the session's end for exit 0 and no traceback)."""
+    return tiny_server
 
 
 @pytest.fixture(scope="module")
@@ -223,19 +217,27 @@ def test_idle_keep_alive_connection_lives_until_its_timeout(server: Server, http
     --header-read-timeout (1 s: that bound starts with the next request's first bytes, not at the
     end of the last response) and is closed once idle for --timeout-keep-alive (3 s); a request
     whose headers start but never end is still cut off after --header-read-timeout."""
-    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
-        assert _health_on(s).startswith(b"HTTP/1.1 200")
-        time.sleep(2.0)
-        assert _health_on(s).startswith(b"HTTP/1.1 200")
-        time.sleep(4.5)
-        assert _health_on(s) == b""
-    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
-        assert _health_on(s).startswith(b"HTTP/1.1 200")
-        time.sleep(2.0)
-        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
-        t0 = time.monotonic()
-        assert s.recv(4096) == b""
-        assert time.monotonic() - t0 < 2.5
+    def idle_then_closed() -> None:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+            assert _health_on(s).startswith(b"HTTP/1.1 200")
+            time.sleep(2.0)
+            assert _health_on(s).startswith(b"HTTP/1.1 200")
+            time.sleep(4.5)
+            assert _health_on(s) == b""
+
+    def headers_never_end() -> None:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+            assert _health_on(s).startswith(b"HTTP/1.1 200")
+            time.sleep(2.0)
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+            t0 = time.monotonic()
+            assert s.recv(4096) == b""
+            assert time.monotonic() - t0 < 2.5
+
+    # The two connections are independent: they wait side by side.
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        for f in [pool.submit(idle_then_closed), pool.submit(headers_never_end)]:
+            f.result()
     good(http)
 
 
