@@ -79,7 +79,8 @@ def test_greedy_same_with_speculation(speculating: LLM, reference: list[list[int
     check_pool_whole(speculating)
 
 
-@pytest.mark.parametrize("k", [1, 7])
+# k=7 in the slow suite: k=1 here and k=4 above cover proposals of one and of several tokens.
+@pytest.mark.parametrize("k", [1, pytest.param(7, marks=pytest.mark.slow)])
 def test_greedy_same_for_other_k_with_chunked_prefill(k: int, reference: list[list[int]]) -> None:
     # A 24-token budget: prompt chunks share steps with the verifications of running requests.
     llm = LLM(**ROOMY, max_num_batched_tokens=24, speculative_config=spec(k, prompt_lookup_min=2))
@@ -88,7 +89,8 @@ def test_greedy_same_for_other_k_with_chunked_prefill(k: int, reference: list[li
     check_pool_whole(llm)
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
+# Swap in the slow suite: tests/integration/test_preemption_and_sharing.py covers swapping itself.
+@pytest.mark.parametrize("mode", ["recompute", pytest.param("swap", marks=pytest.mark.slow)])
 def test_greedy_same_under_preemption(mode: str, reference: list[list[int]]) -> None:
     llm = LLM(**TIGHT, preemption_mode=mode, swap_space=0.05, enable_prefix_caching=False,
               speculative_config=spec(4))
@@ -168,13 +170,13 @@ def test_verification_on_the_fused_head(plain: LLM, speculating: LLM, monkeypatc
         return real(self, step)
 
     monkeypatch.setattr(NativeHeadPath, "run", counting)
-    ref = tokens(plain, [CODE], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))[0]
+    ref = tokens(plain, [CODE], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))[0]
     cases = [
-        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
-        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3),
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3),
         # stop_token_ids are blocked until min_tokens: the boundary falls inside a verification
-        SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[ref[3]], min_tokens=6),
-        SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.3, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[ref[3]], min_tokens=6),
+        SamplingParams(temperature=0.0, max_tokens=16, repetition_penalty=1.3, ignore_eos=True),
     ]
     for params in cases:
         runs["verify"] = 0
@@ -206,7 +208,7 @@ def test_adaptive_speculation_greedy_same_and_off_for_large_batches(tiny_model_d
     check_pool_whole(llm)
 
 
-@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("block_size", [16, pytest.param(64, marks=pytest.mark.slow)])
 def test_suffix_greedy_same_with_chunked_prefill_and_prefix_caching(block_size: int,
                                                                     reference: list[list[int]]) -> None:
     """Method suffix: the same greedy tokens; the second pass over the prompts also finds the first
