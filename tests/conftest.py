@@ -25,9 +25,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(skip)
 
 
+# A pytest session started by a test (tests/unit/test_triton_interpreter.py) reuses its parent's
+# tiny model folder, named by this variable, instead of making one again.
+TINY_MODEL_DIR_ENV = "PAGEDLLM_TEST_TINY_MODEL_DIR"
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A tiny random Qwen2 checkpoint with its tokenizer (see pagedllm.models.testing)."""
+    if os.environ.get(TINY_MODEL_DIR_ENV):
+        return os.environ[TINY_MODEL_DIR_ENV]
     from pagedllm.models.testing import make_tiny_checkpoint
 
     return make_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny") / "qwen2"), arch="qwen2", seed=0)

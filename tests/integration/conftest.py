@@ -16,6 +16,25 @@ def default_server(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="session")
+def thinker_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny random Llama whose tokenizer has `<think>` and `</think>` as single tokens (the
+    reasoning modules' model; its embeddings grown to match)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pagedllm.models.testing import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(str(tmp_path_factory.mktemp("thinker") / "m"), arch="llama", seed=3)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.add_tokens(["<think>", "</think>"])
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.resize_token_embeddings(len(tok))
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: str):
     """One `pagedllm serve` of the tiny random model with `TINY_SERVER_FLAGS`, for the modules that
     ask for it; at the session's end it must exit 0 without a traceback in its log."""

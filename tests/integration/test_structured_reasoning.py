@@ -18,19 +18,11 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def thinker(tmp_path_factory: pytest.TempPathFactory) -> tuple[LLM, int]:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def thinker(thinker_model_dir: str) -> tuple[LLM, int]:
+    from transformers import AutoTokenizer
 
-    path = make_tiny_checkpoint(str(tmp_path_factory.mktemp("thinker") / "m"), arch="llama", seed=3)
-    tok = AutoTokenizer.from_pretrained(path)
-    tok.add_tokens(["<think>", "</think>"])
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.resize_token_embeddings(len(tok))
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    llm = LLM(path, dtype="float32", reasoning_parser="deepseek_r1", num_kv_blocks=64, max_model_len=256)
-    return llm, tok.convert_tokens_to_ids("</think>")
+    llm = LLM(thinker_model_dir, dtype="float32", reasoning_parser="deepseek_r1", num_kv_blocks=64, max_model_len=256)
+    return llm, AutoTokenizer.from_pretrained(thinker_model_dir).convert_tokens_to_ids("</think>")
 
 
 def test_thinking_budget_forces_the_end_then_the_structure_holds(thinker: tuple[LLM, int]) -> None:

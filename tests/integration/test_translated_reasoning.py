@@ -22,22 +22,10 @@ ASK = [{"role": "user", "content": "The quick brown fox"}]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory):
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from pagedllm.models.testing import make_tiny_checkpoint
-
-    d = tmp_path_factory.mktemp("thinker")
-    path = make_tiny_checkpoint(str(d / "m"), arch="llama", seed=3)
-    tok = AutoTokenizer.from_pretrained(path)
-    tok.add_tokens(["<think>", "</think>"])
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.resize_token_embeddings(len(tok))
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
+def server(tmp_path_factory: pytest.TempPathFactory, thinker_model_dir: str):
+    d = tmp_path_factory.mktemp("thinker-server")
     (d / "template.jinja").write_text(TEMPLATE)
-    with serve(d, path, "--dtype", "float32", "--num-kv-blocks", "64", "--max-model-len", "256",
+    with serve(d, thinker_model_dir, "--dtype", "float32", "--num-kv-blocks", "64", "--max-model-len", "256",
                "--reasoning-parser", "deepseek_r1", "--chat-template", str(d / "template.jinja")) as s:
         yield s
 

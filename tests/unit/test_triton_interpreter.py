@@ -16,10 +16,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("selection", ["not slow", pytest.param("slow", marks=pytest.mark.slow)])
-def test_triton_kernels_under_the_interpreter(selection: str) -> None:
-    """The tests there marked slow (whole engines under the interpreter) run with make test-slow."""
+def test_triton_kernels_under_the_interpreter(selection: str, tiny_model_dir: str) -> None:
+    """The tests there marked slow (whole engines under the interpreter) run with make test-slow.
+    They use this session's tiny model folder (tests/conftest.py's TINY_MODEL_DIR_ENV)."""
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           "PAGEDLLM_TEST_TINY_MODEL_DIR": tiny_model_dir}
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", selection,
          str(ROOT / "tests" / "triton_interp")],
