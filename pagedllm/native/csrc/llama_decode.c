@@ -349,7 +349,7 @@ typedef struct {
     float *lora_buf;
 } Step;
 
-#if defined(LORA_AVX512)
+#if defined(LORA_BLOCKS)
 /* h of every LoRA row of the step (its slot's A times x [M, K]), for one linear layer. */
 static void lora_shrink_step(const Step *c, const LoraLinear *ll, const void *x, int64_t K, float *h) {
     const LlamaDecodeModel *md = c->md;
@@ -393,7 +393,7 @@ static inline const LoraLinear *lora_of(const Step *c, const LoraLinear *ll, int
  * gate|up, y[:, lo2:hi2)): h from x, then the expand over those columns. */
 static void lora_apply(const Step *c, const LoraLinear *ll, const void *x, int64_t K, void *y, int64_t N,
                        int64_t lo, int64_t hi, int64_t lo2, int64_t hi2, float *h) {
-#if defined(LORA_AVX512)
+#if defined(LORA_BLOCKS)
     if (ll == NULL) return;
     lora_shrink_step(c, ll, x, K, h);
     lora_expand_step(c, ll, h, N, y, lo, hi);
@@ -649,8 +649,8 @@ static int run_step(const LlamaDecodeModel *md, int64_t M, const int64_t *input_
         !linears_supported(md->gate_up_q, md->num_layers) || !linears_supported(md->down_q, md->num_layers))
         return 1;
     if (md->embed_q != NULL && !linears_supported(md->embed_q, 1)) return 1;
-#if !defined(LORA_AVX512)
-    if (md->lora_slots != NULL) return 1; /* the LoRA rows' block kernels need AVX-512 */
+#if !defined(LORA_BLOCKS)
+    if (md->lora_slots != NULL) return 1; /* the LoRA rows' block kernels need AVX-512F or AVX2 + FMA */
 #endif
     if (md->lora_slots != NULL && ((md->lora_dtype != LD_F32 && md->lora_dtype != LD_BF16) || dt == LD_F16 ||
                                    md->lora_rank < 1))
@@ -681,7 +681,7 @@ static int run_step(const LlamaDecodeModel *md, int64_t M, const int64_t *input_
     c.q = alloc(M * qn * es), c.attn = alloc(M * qn * es), c.o = alloc(M * Hd * es);
     c.gu = alloc(M * 2 * I * es), c.act = alloc(M * I * es), c.xb = alloc(M * widest * 2);
     int64_t *lora_order = NULL;
-#if defined(LORA_AVX512)
+#if defined(LORA_BLOCKS)
     if (md->lora_slots != NULL) {
         lora_order = malloc((size_t)(2 * M + 1) * sizeof(int64_t));
         int64_t m;
