@@ -29,21 +29,32 @@ def cpu_flags() -> frozenset[str]:
 
 
 def choose_auto_dtype(flags: frozenset[str] | set[str], has_gpu: bool = False) -> tuple[str, str]:
-    """(dtype, reason) that `--dtype auto` resolves to.
+    """(dtype, reason) that `--dtype auto` resolves to, from measured per-ISA facts
+    (docs/benchmarks.md, "The default dtype on each CPU"):
 
-    bfloat16 on a GPU and on CPUs with AVX-512 BF16 or AMX-BF16 (hardware bf16 dot products, so
-    GEMMs in bf16 run faster than in fp32 and weights take half the bytes); float32 otherwise.
-    There pagedllm's bf16 widens to float32 and multiplies in float32 (AVX2 + FMA kernels): it
-    halves the weight bytes, and so speeds up decode, but not the arithmetic of prompts, while
-    float32 keeps every result exact against a float32 reference. `--dtype bfloat16` is the choice
-    for memory or single-stream speed there.
+    - a GPU, or a CPU with AVX-512 BF16 or AMX-BF16: bfloat16 (hardware bf16 dot products: GEMMs run
+      faster than in float32 and the weights take half the bytes);
+    - a CPU with AVX2 and FMA but no AVX-512: bfloat16. pagedllm's kernels widen bf16 to float32
+      in registers and multiply in float32 (as llama.cpp's BF16 path does there), so a decode step
+      reads half the bytes: on a 2-core Zen 3 EPYC the default model's single stream ran 1.80x
+      float32's speed and 128 requests offline 1.05x its throughput, in half the memory;
+    - AVX-512 without its BF16 extension (Skylake-SP to Cascade Lake): float32. The AVX-512 form of
+      the kernels has no widening bf16 path, so bf16 there would run torch's emulated GEMMs;
+    - anything else (no AVX2 + FMA, or flags unreadable): float32.
+
+    `--dtype float32` keeps every result within float rounding of a float32 reference.
     """
     if has_gpu:
         return "bfloat16", "a GPU is available"
     found = [f for f in BF16_FLAGS if f in flags]
     if found:
         return "bfloat16", f"the CPU has {' and '.join(found)}"
-    return "float32", f"the CPU has none of {', '.join(BF16_FLAGS)}"
+    if "avx512f" in flags:
+        return "float32", f"the CPU has AVX-512 but none of {', '.join(BF16_FLAGS)}"
+    if {"avx2", "fma"} <= set(flags):
+        return "bfloat16", ("the CPU has AVX2 and FMA: bf16 weights widened to float32 in registers "
+                            "read half the bytes of float32 ones")
+    return "float32", f"the CPU has neither {' nor '.join(BF16_FLAGS)} nor AVX2 + FMA"
 
 
 def resolve_dtype(requested: str, device: str = "cpu") -> str:

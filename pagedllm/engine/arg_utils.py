@@ -205,7 +205,7 @@ class EngineArgs:
         shown_default="smollm2-135m-instruct")
     tokenizer: str | None = arg(None, "tokenizer folder, if not the model's", shown_default="model's")
     served_model_name: str | None = arg(None, "model name reported to clients", shown_default="model's name")
-    dtype: str = arg("auto", "compute dtype (auto: bfloat16 on a GPU or where the CPU has AVX-512 BF16 or AMX, else float32)",
+    dtype: str = arg("auto", "compute dtype (auto: bfloat16 on a GPU or where the CPU has AVX-512 BF16, AMX, or AVX2 + FMA without AVX-512; else float32)",
                      choices=("auto", *DTYPES))
     kv_cache_dtype: str = arg("auto", "KV cache element type (auto: the compute dtype; fp8 = fp8_e4m3, "
                               "with per-tensor scales)", choices=KV_CACHE_DTYPES)

@@ -1,4 +1,4 @@
-"""`--dtype auto`: the choice follows the CPU's bf16 flags."""
+"""`--dtype auto`: the choice follows the CPU's bf16, AVX-512 and AVX2 + FMA flags."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ BASE = {"fpu", "sse4_2", "avx2", "fma", "avx512f", "avx512bw", "avx512_vnni"}
         (BASE | {"amx_bf16", "amx_tile", "avx512_bf16"}, False, "bfloat16"),  # Sapphire Rapids
         (BASE | {"amx_bf16"}, False, "bfloat16"),
         (BASE, False, "float32"),  # AVX-512 without bf16: emulated bf16 is slower
-        ({"fpu", "avx2", "fma"}, False, "float32"),
+        ({"fpu", "avx2", "fma"}, False, "bfloat16"),  # AVX2 + FMA: widened bf16 reads half the bytes
+        ({"fpu", "avx2"}, False, "float32"),
+        ({"fpu", "sse4_2"}, False, "float32"),
         (set(), False, "float32"),  # flags unreadable
         (set(), True, "bfloat16"),
     ],
