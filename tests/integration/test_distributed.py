@@ -81,13 +81,15 @@ def test_divisibility_error_names_the_numbers() -> None:
         EngineArgs(pipeline_parallel_size=2, pipeline_layer_partition="10,10").create_engine_config()
 
 
-# The tiny tokenizer spends about a token per byte: prompts of up to 170 tokens.
+# The tiny tokenizer spends about a token per byte: prompts of up to 170 tokens; six of them
+# outgrow the 28 blocks of 8 tokens together (run() asserts the preemption).
 TINY_ROOM = {"num_kv_blocks": 28, "max_model_len": 256}
+TINY_PROMPTS = PROMPTS[:6]
 
 
 @pytest.fixture(scope="module")
 def tiny_tp1(tiny8: str) -> list[list]:
-    return run(tiny8, PROMPTS[:12], **TINY_ROOM)
+    return run(tiny8, TINY_PROMPTS, **TINY_ROOM)
 
 
 @pytest.mark.parametrize("parallel", [
@@ -97,7 +99,7 @@ def tiny_tp1(tiny8: str) -> list[list]:
     pytest.param({"pipeline_parallel_size": 2}, marks=pytest.mark.slow),
 ])
 def test_tiny_llama_matches_one_rank(tiny8: str, tiny_tp1: list[list], parallel: dict) -> None:
-    for ref, got in zip(tiny_tp1, run(tiny8, PROMPTS[:12], **TINY_ROOM, **parallel)):
+    for ref, got in zip(tiny_tp1, run(tiny8, TINY_PROMPTS, **TINY_ROOM, **parallel)):
         assert_same(ref, got)
 
 
@@ -300,7 +302,7 @@ def test_ray_executor_matches_one_process(tiny8: str, tiny_tp1: list[list]) -> N
     try:
         llm = LLM(tiny8, **{**TIGHT, **TINY_ROOM}, tensor_parallel_size=2, distributed_executor_backend="ray")
         try:
-            assert_same(tiny_tp1[0], llm.generate(PROMPTS[:12], GREEDY, use_tqdm=False))
+            assert_same(tiny_tp1[0], llm.generate(TINY_PROMPTS, GREEDY, use_tqdm=False))
         finally:
             llm.llm_engine.shutdown()
     finally:
