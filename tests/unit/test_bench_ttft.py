@@ -68,8 +68,18 @@ def test_guidellm_command_runs_one_sweep_for_a_fixed_time(tmp_path: Path) -> Non
 
 
 @pytest.mark.parametrize("argv", [["--streams", "0"], ["--streams", "a"], ["--engines", "tgi"],
-                                  ["--seconds", "0"], ["--guidellm-venv", "/nonexistent"]])
+                                  ["--seconds", "0"], ["--guidellm-venv", "/nonexistent"],
+                                  ["--dtype", "pagedllm=bfloat16"], ["--dtype", "tgi=float32,pagedllm=auto"],
+                                  ["--dtype", "pagedllm=,vllm=float32"]])
 def test_bad_flags_exit_with_one_line(argv: list[str], capsys: pytest.CaptureFixture) -> None:
     assert ttft.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ")
+
+
+def test_dtype_for_both_engines_or_per_engine() -> None:
+    assert ttft.engine_dtypes("float32", ["pagedllm", "vllm"]) == {"pagedllm": "float32", "vllm": "float32"}
+    assert ttft.engine_dtypes("pagedllm=auto,vllm=float32", ["pagedllm", "vllm"]) == {
+        "pagedllm": "auto", "vllm": "float32"}
+    with pytest.raises(ValueError, match="no dtype for vllm"):
+        ttft.engine_dtypes("pagedllm=auto", ["pagedllm", "vllm"])
