@@ -16,7 +16,6 @@ from typing import Any
 from pagedllm.config import (
     DEVICES,
     DTYPES,
-    EMBEDDING_QUANTIZATION_METHODS,
     EXECUTOR_BACKENDS,
     KV_CACHE_DTYPES,
     LORA_DTYPES,
@@ -540,10 +539,9 @@ class EngineArgs:
         if max_pos < target.max_model_len:
             raise ValueError(f"the draft model {name!r} reaches {max_pos} positions, fewer than max_model_len="
                              f"{target.max_model_len}")
-        # A quantized draft keeps its token embedding and LM head as codes too where the scheme can:
-        # a small model's LM head is a large share of the weights a decode step reads.
+        # As -q quantizes: the token embedding and LM head stay as stored (an int4 LM head made the
+        # int4 self-draft accept fewer tokens for little time saved: docs/speculative.md).
         quant = EngineArgs(quantization=spec.quantization, quantization_group_size=self.quantization_group_size,
-                           quantize_embeddings=spec.quantization in EMBEDDING_QUANTIZATION_METHODS,
                            )._quantization_config(source, hf_config)
         return dataclasses.replace(target, model=name, kind=source.kind, path=source.path, served_model_name=name,
                                    hf_config=hf_config, quantization=quant, tokenizer=None)
