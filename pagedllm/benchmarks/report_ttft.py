@@ -21,7 +21,7 @@ these runs tune; each run names its flags.
 
 
 def ttft_section(results: Path) -> str | None:
-    runs = [r for p in sorted(results.glob("ttft*.json")) if (r := load(p)) is not None]
+    runs = [r for p in sorted({*results.glob("ttft*.json"), *results.glob("*_ttft*.json")}) if (r := load(p)) is not None]
     if not runs:
         return None
     out = [INTRO]
