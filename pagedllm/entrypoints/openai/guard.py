@@ -26,6 +26,21 @@ GUARDED_PATHS = frozenset({"/tokenize", "/detokenize", "/docs", "/docs/oauth2-re
                            "/pooling", "/score", "/rerank", "/v2/rerank"})
 
 
+
+def replaying(body: bytes, receive: Receive) -> Receive:
+    """A receive callable that gives the app `body` (already read from `receive`) as one message,
+    then passes on to `receive` (http.disconnect when the client leaves)."""
+    replayed = False
+
+    async def replay() -> Message:
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
 class GuardMiddleware:
     """Checks `Authorization: Bearer <key>` on guarded routes (401), then caps the request body
     (413, from Content-Length or while reading a chunked body: answered at once, then the rest is
@@ -124,16 +139,7 @@ class GuardMiddleware:
         if bad is not None:
             await error_response(bad)(scope, receive, send)
             return
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()  # after the body: http.disconnect when the client leaves
-
-        await self.app(scope, replay, send)
+        await self.app(scope, replaying(body, receive), send)
 
     async def reject(self, err: OpenAIError, scope: Scope, receive: Receive, send: Send,
                      more_body: bool = True) -> None:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pagedllm.entrypoints.anthropic import protocol as anthropic_protocol
 from pagedllm.entrypoints.openai.errors import OpenAIError, error_response
+from pagedllm.entrypoints.openai.guard import replaying
 from pagedllm.entrypoints.openai.model_pool import ModelPool
 
 
@@ -46,14 +47,7 @@ class ModelRouter:
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
+        replay = replaying(body, receive)
 
         name = requested_model(body)
         if name is None or name not in self.pool.entries:
