@@ -57,6 +57,21 @@ def choose_auto_dtype(flags: frozenset[str] | set[str], has_gpu: bool = False) -
     return "float32", f"the CPU has neither {' nor '.join(BF16_FLAGS)} nor AVX2 + FMA"
 
 
+# Default KV budget on the CPU: this share of the memory available after loading, at most this many bytes.
+DEFAULT_KV_FRACTION = 0.3
+DEFAULT_KV_MAX_BYTES = 4 << 30
+
+
+def default_cpu_kv_bytes(available_bytes: int | None = None) -> int:
+    """The KV cache bytes an engine takes on the CPU without --kv-cache-memory: DEFAULT_KV_FRACTION
+    of `available_bytes` (default: the memory available now), at most DEFAULT_KV_MAX_BYTES."""
+    if available_bytes is None:
+        import psutil
+
+        available_bytes = psutil.virtual_memory().available
+    return min(int(available_bytes * DEFAULT_KV_FRACTION), DEFAULT_KV_MAX_BYTES)
+
+
 def resolve_dtype(requested: str, device: str = "cpu") -> str:
     """The dtype to run in; `auto` is decided here and the choice logged with its reason."""
     if requested != "auto":

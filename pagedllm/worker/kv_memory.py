@@ -13,18 +13,14 @@ from __future__ import annotations
 import mmap
 from collections.abc import Sequence
 
-import psutil
 import torch
 
 from pagedllm.config import CacheConfig, DeviceConfig, ModelConfig
 from pagedllm.core.kv_groups import KVCacheGroups, engine_kv_groups
+from pagedllm.hardware import default_cpu_kv_bytes
 from pagedllm.layers.attention import Attention
 from pagedllm.worker import device as dev
 from pagedllm.worker.host_memory import anonymous_zeros
-
-# Default KV budget: this share of the memory available after loading, at most this many bytes.
-DEFAULT_KV_FRACTION = 0.3
-DEFAULT_KV_MAX_BYTES = 4 << 30
 
 Pairs = Sequence[tuple[int, int]]
 
@@ -105,7 +101,7 @@ class KVMemory:
             budget = dev.gpu_kv_cache_budget(self.device, self.device_config.gpu_memory_utilization,
                                              self.model_config)
         if budget is None:
-            budget = min(int(psutil.virtual_memory().available * DEFAULT_KV_FRACTION), DEFAULT_KV_MAX_BYTES)
+            budget = default_cpu_kv_bytes()
         num_blocks = budget // per_block
         if num_blocks < 1:
             raise ValueError(

@@ -289,8 +289,12 @@ class ModelRunner:
         return self.kv.determine_num_swap_blocks()
 
     def initialize_swap_space(self, num_swap_blocks: int) -> None:
-        for kv in (self.kv, *((self.draft.kv,) if self.draft is not None else ())):
+        for kv in self._kv_memories():
             kv.allocate_swap(num_swap_blocks)
+
+    def _kv_memories(self) -> tuple[KVMemory, ...]:
+        """The caches a block id names: the model's, and a speculative draft model's beside it."""
+        return (self.kv,) if self.draft is None else (self.kv, self.draft.kv)
 
     def flops_per_token(self) -> float:
         """Linear-layer work of one token through the decoder layers (2 FLOPs per weight)."""
@@ -342,7 +346,7 @@ class ModelRunner:
         done, and the scheduled requests' arrays; None when nothing is scheduled."""
         self._update_states(so)
         if so.blocks_to_swap_out or so.blocks_to_swap_in or so.blocks_to_copy:
-            for kv in (self.kv, *((self.draft.kv,) if self.draft is not None else ())):
+            for kv in self._kv_memories():
                 kv.move_blocks(so.blocks_to_swap_out, so.blocks_to_swap_in, so.blocks_to_copy)
         req_ids = list(so.num_scheduled_tokens)
         if not req_ids:

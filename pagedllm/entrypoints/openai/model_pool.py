@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.entrypoints.openai.errors import OpenAIError
+from pagedllm.hardware import default_cpu_kv_bytes
 from pagedllm.metrics import PREFIX, PrometheusStatLogger
 
 logger = logging.getLogger(__name__)
@@ -110,13 +111,7 @@ def split_kv_budget(main: EngineArgs, extras: list[ExtraModel], max_loaded: int 
     else:
         total = main.kv_cache_memory
         if total is None:
-            if available_bytes is None:
-                import psutil
-
-                available_bytes = psutil.virtual_memory().available
-            from pagedllm.worker.kv_memory import DEFAULT_KV_FRACTION, DEFAULT_KV_MAX_BYTES
-
-            total = min(int(available_bytes * DEFAULT_KV_FRACTION), DEFAULT_KV_MAX_BYTES)
+            total = default_cpu_kv_bytes(available_bytes)
         per = total // n
         line = (f"KV cache: {total / (1 << 20):.0f} MiB for at most {n} loaded models, "
                 f"{per / (1 << 20):.0f} MiB each")
@@ -295,12 +290,16 @@ class ModelPool:
             await asyncio.sleep(period)
             if self._lock.locked():
                 continue
-            now = time.monotonic()
             for e in list(self.entries.values()):
-                if e.app is not None and e.in_flight == 0 and now - e.last_used >= self.idle_unload_s:
+                if self._idle(e):
                     async with self._lock:
-                        if e.app is not None and e.in_flight == 0:
-                            await self._unload(e, f"after {now - e.last_used:.1f} s idle (--model-idle-unload-s)")
+                        if self._idle(e):  # still: a request may have come while the lock was taken
+                            await self._unload(e, f"after {time.monotonic() - e.last_used:.1f} s idle "
+                                                  "(--model-idle-unload-s)")
+
+    def _idle(self, e: _Entry) -> bool:
+        return (e.app is not None and e.in_flight == 0
+                and time.monotonic() - e.last_used >= self.idle_unload_s)  # type: ignore[operator]
 
     def begin_shutdown(self) -> None:
         """Tells the loaded models' requests in flight to end (503), as the main model's are told."""
