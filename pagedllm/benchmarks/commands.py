@@ -56,6 +56,9 @@ COMMANDS: dict[str, Entry | tuple[str, dict[str, Entry]]] = {
     "kv-first-writes": ("pagedllm.benchmarks.kv_first_writes", "what the KV cache's first writes cost"),
     "moe": ("pagedllm.benchmarks.moe",
             "a Qwen3-MoE-shaped random model: throughput against HF transformers, one stream against llama.cpp"),
+    "scale": ("pagedllm.benchmarks.scale",
+              "a Llama-3.2-1B- or Qwen3-0.6B-shaped random model: offline against vLLM, one stream against "
+              "llama.cpp (bf16/Q8_0/Q4_0), a 4,000-token prompt against HF and llama.cpp"),
     "kv-window": ("pagedllm.benchmarks.kv_window",
                   "KV memory of one long request with sliding-window layer groups against every block kept"),
     "embed": ("pagedllm.benchmarks.embed",

@@ -59,9 +59,11 @@ def export_unquantized_gguf(src: str, out_type: str, dst: str | None = None) -> 
 LLAMACPP_QUANT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K_M", "Q5_K_M", "Q6_K")
 
 
-def llamacpp_quantized_gguf(src: str, qtype: str, peers_venv: str | None = None, threads: int = 2) -> str:
+def llamacpp_quantized_gguf(src: str, qtype: str, peers_venv: str | None = None, threads: int = 2,
+                            dst: str | None = None) -> str:
     """Path of `src` quantized to `qtype` by llama.cpp's ``llama_model_quantize`` (llama-cpp-python in
-    the peers' environment), from the F32 export of `src`; cached like the unquantized exports.
+    the peers' environment), from `src` itself where it is unquantized (F32, F16, BF16), else from
+    its F32 export; written to `dst`, else cached like the unquantized exports.
 
     llama.cpp's defaults apply (as ``llama-quantize`` makes them): the tied token embedding of a
     model whose width is not a multiple of 256 becomes Q8_0, norms stay F32.
@@ -70,10 +72,12 @@ def llamacpp_quantized_gguf(src: str, qtype: str, peers_venv: str | None = None,
 
     if qtype not in LLAMACPP_QUANT_TYPES:
         raise ValueError(f"qtype must be one of {LLAMACPP_QUANT_TYPES}, got {qtype!r}")
-    target = cache_dir() / "gguf" / f"{Path(src).stem}.{qtype}.llamacpp.gguf"
+    target = Path(dst) if dst else cache_dir() / "gguf" / f"{Path(src).stem}.{qtype}.llamacpp.gguf"
     if target.exists() and target.stat().st_mtime >= Path(src).stat().st_mtime:
         return str(target)
-    f32 = export_unquantized_gguf(src, "F32")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # An unquantized source is read as it is (its values are exact in float32); else its F32 export.
+    f32 = src if _is_unquantized(src) else export_unquantized_gguf(src, "F32")
     python = peers_python(peers_venv)
     tmp = target.with_suffix(".tmp")
     spec = {"backend": "llama.cpp", "tag": f"llama.cpp-quantize-{qtype}", "model_path": f32, "output": str(tmp),
@@ -87,3 +91,10 @@ def llamacpp_quantized_gguf(src: str, qtype: str, peers_venv: str | None = None,
     tmp.replace(target)
     logger.info("wrote %s (%s, llama.cpp %s)", target, qtype, run.result.get("llama_cpp_version"))
     return str(target)
+
+
+def _is_unquantized(path: str) -> bool:
+    """Whether every tensor of the GGUF `path` is F32, F16 or BF16."""
+    import gguf
+
+    return all(t.tensor_type.name in _OUT_TYPES for t in gguf.GGUFReader(path).tensors)

@@ -42,6 +42,7 @@ def run_latency(model: str | None, engine_kwargs: dict[str, Any], input_len: int
     t0 = time.perf_counter()
     engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
     load_s = time.perf_counter() - t0
+    ready = time.time()
     mc = engine.model_config
     peak_flops = measure_matmul_peak(dtype=mc.dtype)  # the GEMM peak of the dtype the engine runs
     shape = ModelShape.from_hf_config(mc.hf_config)
@@ -79,6 +80,7 @@ def run_latency(model: str | None, engine_kwargs: dict[str, Any], input_len: int
         "num_iters": num_iters,
         "num_warmup": num_warmup,
         "load_s": load_s,
+        "ready_time": ready,
         "peak_matmul_flops_per_s": peak_flops,
         "peak_copy_bytes_per_s": peak_bw,
         "prefill_ms": 1000 * prefill,
@@ -174,7 +176,8 @@ def run_llamacpp_latency(model: str | None, dtype: str, input_len: int, output_l
                         None)
     if run.returncode != 0 or "decode_ms_per_token" not in run.result:
         raise BackendUnavailable(f"llama.cpp failed: {run.result.get('error') or f'exit code {run.returncode}'}")
-    return run.result | {"gguf": path, "gguf_type": gguf_type}
+    return run.result | {"gguf": path, "gguf_type": gguf_type, "peak_rss_bytes": run.peak_rss,
+                         "startup_s": run.result["ready_time"] - run.spawn_time}
 
 
 def _file_type(path: str) -> str:
@@ -201,6 +204,7 @@ def run_hf_latency(model: str | None, dtype: str, input_len: int, output_len: in
     hf = AutoModelForCausalLM.from_pretrained(hf_model_dir(model), dtype=getattr(torch, dtype),
                                               local_files_only=True).eval()
     load_s = time.perf_counter() - t0
+    ready = time.time()
     prompt = random_workload(1, (input_len, input_len), (output_len, output_len), vocab_info(model), seed)[0]
     ids = torch.tensor([prompt.prompt_token_ids])
     iters = []
@@ -220,7 +224,7 @@ def run_hf_latency(model: str | None, dtype: str, input_len: int, output_len: in
     if decode is not None and decode <= 0:
         decode = None  # a few decode steps hidden in the two calls' noise: not measurable
     del hf
-    return {"load_s": load_s, "prefill_ms": 1000 * statistics.median(p for p, _ in iters),
+    return {"load_s": load_s, "ready_time": ready, "prefill_ms": 1000 * statistics.median(p for p, _ in iters),
             "decode_ms_per_token": None if decode is None else 1000 * decode,
             "decode_tokens_per_s": None if decode is None else 1 / decode}
 

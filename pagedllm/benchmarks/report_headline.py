@@ -70,6 +70,22 @@ def _latency(dtype: str, peer: str, phase: str) -> Callable[[dict[str, Any]], Fi
     return get
 
 
+def _scale_throughput(r: dict[str, Any]) -> Figure:
+    t = r["throughput"]
+    rows = {x["backend"]: x for x in t["results"] if x.get("ok")}
+    a, b = rows["pagedllm"]["output_tokens_per_s"], rows["vllm"]["output_tokens_per_s"]
+    return Figure(f"{a:.1f} tok/s", f"{b:.1f} tok/s", a / b, t["meta"])
+
+
+def _scale_stream(scheme: str) -> Callable[[dict[str, Any]], Figure]:
+    def get(r: dict[str, Any]) -> Figure:
+        s = r["single_stream"]
+        row = next(x for x in s["rows"] if x["pagedllm_scheme"] == scheme)
+        a, b = row["pagedllm"]["decode_tokens_per_s"], row["llama.cpp"]["decode_tokens_per_s"]
+        return Figure(f"{a:.2f} tok/s", f"{b:.2f} tok/s", a / b, s["meta"])
+    return get
+
+
 def _quantized(scheme: str, peer: str) -> Callable[[dict[str, Any]], Figure]:
     def get(r: dict[str, Any]) -> Figure:
         rows = {x["scheme"]: x for x in r["rows"]}
@@ -109,6 +125,10 @@ ROWS: tuple[tuple[str, str, str, Callable[[dict[str, Any]], Figure]], ...] = (
     ("One stream, bf16 decode (AVX2: the default)", "llama.cpp", "zen3_latency.json",
      _latency("bfloat16", "llama.cpp", "decode")),
     ("One stream, float32 decode", "llama.cpp", "zen3_latency.json", _latency("float32", "llama.cpp", "decode")),
+    ("Llama-3.2-1B shape: offline throughput, 16 requests, bf16 (output)", "vLLM", "amx_scale-llama-3.2-1b.json",
+     _scale_throughput),
+    ("Llama-3.2-1B shape: one stream, bf16 decode", "llama.cpp BF16", "amx_scale-llama-3.2-1b.json",
+     _scale_stream("bf16")),
     ("Long prompt, 7,000 tokens, bf16 (time to first token)", "HF transformers", "amx_prefill.json",
      _latency("bfloat16", "hf", "prefill")),
     ("Quantized, 4-bit (int4 g32 vs Q4_0), one stream decode", "llama.cpp", "quantization_speed_final.json",
@@ -160,7 +180,7 @@ def headline_section(results: Path, img: Path, draw: bool = True) -> str:
     if draw:
         _plot(rows, img)
     out = ["## Headline\n\n"
-           "The default model (SmolLM2-135M-Instruct), 2 cores, prompts of random token ids, greedy decoding with "
+           "The default model (SmolLM2-135M-Instruct) where a row names no other, 2 cores, prompts of random token ids, greedy decoding with "
            "`ignore_eos`, every engine on the same workload in its own fresh process. **x** = how many times "
            "pagedllm is ahead: its rate over the peer's, or the peer's time or memory over pagedllm's (above 1: "
            "pagedllm faster or smaller). Each row names the CPU and ISA line it ran on; figures from different "

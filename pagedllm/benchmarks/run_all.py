@@ -38,6 +38,8 @@ STEPS: dict[str, list[tuple[str, bool]]] = {
     "nativedecode": [("kernels native-decode --out {R}/{P}native_decode.json", False)],
     "prefill": [("latency --input-len 7000 --output-len 2 --num-iters 1 --num-iters-warmup 0 --max-model-len 8192 "
                  "--dtype float32,bfloat16 --compare hf --output-json {R}/{P}prefill.json", False)],
+    # A Llama-3.2-1B-shaped model (random weights): vLLM, llama.cpp (BF16/Q8_0/Q4_0) and HF; about 25 min.
+    "scale": [("scale --shape llama-3.2-1b --output-json {R}/{P}scale-llama-3.2-1b.json", True)],
     "kvquality": [("kv-quality --dtype bfloat16 --calculate-kv-scales "
                    "--output-json {R}/{P}kv_cache_dtype_quality.json", False)],
     "scheduler": [("scheduler --num-running 64,256,1024 --num-steps 200 --output-json {R}/{P}scheduler.json", False)],

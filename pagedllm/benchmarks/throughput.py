@@ -178,7 +178,7 @@ def run_backend(backend: str, opts: dict[str, Any], workload_path: str, workdir:
     """One backend in one dtype ("auto": each engine's own default; hf: pagedllm's choice)."""
     env = dict(os.environ)
     spec: dict[str, Any] = {"backend": backend, "workload": workload_path, "seed": opts["seed"], "dtype": dtype,
-                            "sampling": opts.get("sampling") or GREEDY}
+                            "sampling": opts.get("sampling") or GREEDY, "detokenize": opts.get("detokenize", True)}
     if backend == "pagedllm":
         cmd = [sys.executable, "-m", "pagedllm.benchmarks.worker"]
         spec.update(model=opts["model"], engine_args={**opts["engine_args"], "dtype": dtype})

@@ -24,7 +24,8 @@ def run(spec: dict) -> dict:
     def make_params(output_len: int):
         from vllm import SamplingParams
 
-        return SamplingParams(max_tokens=output_len, ignore_eos=True, **spec["sampling"])
+        return SamplingParams(max_tokens=output_len, ignore_eos=True, detokenize=spec.get("detokenize", True),
+                              **spec["sampling"])
 
     llm, result = timed_generate(make_llm, make_params, spec["workload"])
     import vllm

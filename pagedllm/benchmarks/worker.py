@@ -1,4 +1,5 @@
-"""Child process of `pagedllm bench throughput` for the pagedllm and hf backends.
+"""Child process of `pagedllm bench throughput` for the pagedllm and hf backends (and of `bench
+scale`'s one-prompt measurements: the `latency` backend).
 
 `python -m pagedllm.benchmarks.worker SPEC.json` loads the model, runs the workload named in the
 spec, and writes a result JSON (or {"error": ...}). Each backend runs in a fresh process so that
@@ -34,7 +35,8 @@ def run_pagedllm(spec: dict[str, Any]) -> dict[str, Any]:
     def make_params(output_len: int) -> Any:
         from pagedllm.sampling_params import SamplingParams
 
-        return SamplingParams(max_tokens=output_len, ignore_eos=True, detokenize=True, **spec["sampling"])
+        return SamplingParams(max_tokens=output_len, ignore_eos=True, detokenize=spec.get("detokenize", True),
+                              **spec["sampling"])
 
     llm, result = timed_generate(make_llm, make_params, spec["workload"])
     return {**result, "num_kv_blocks": llm.llm_engine.num_blocks, "dtype": llm.llm_engine.model_config.dtype}
@@ -126,10 +128,20 @@ def run_hf(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def run_latency_child(spec: dict[str, Any]) -> dict[str, Any]:
+    """`bench latency`'s measurement of one engine (pagedllm or hf) on one prompt (`bench scale`)."""
+    from pagedllm.benchmarks.latency import run_hf_latency, run_latency
+
+    n = (spec["input_len"], spec["output_len"], spec["num_iters"], spec["num_warmup"])
+    if spec["engine"] == "hf":
+        return run_hf_latency(spec["model"], spec["engine_kwargs"]["dtype"], *n, spec["seed"])
+    return run_latency(spec["model"], spec["engine_kwargs"], *n, seed=spec["seed"])
+
+
 def main(argv: list[str]) -> int:
     spec = json.loads(Path(argv[0]).read_text())
     try:
-        result = {"pagedllm": run_pagedllm, "hf": run_hf}[spec["backend"]](spec)
+        result = {"pagedllm": run_pagedllm, "hf": run_hf, "latency": run_latency_child}[spec["backend"]](spec)
     except Exception as exc:  # reported by the parent as the reason this backend has no numbers
         traceback.print_exc()
         result = {"error": f"{type(exc).__name__}: {exc}"}

@@ -1,0 +1,122 @@
+"""docs/benchmarks.md's section on user-scale models: the result files of `pagedllm bench scale`
+(benchmarks/results/*scale-<shape>.json, in name order), one subsection per file: greedy agreement
+with llama.cpp, offline throughput against vLLM, one stream against llama.cpp per dtype with the
+weight-read roofline, a long prompt's time to first token, each engine's peak RSS and start-up."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pagedllm.benchmarks.report_render import GIB, load, run_block, table
+
+INTRO = """## User-scale models (Llama-3.2-1B and Qwen3-0.6B shapes, random weights)
+
+`pagedllm bench scale --shape llama-3.2-1b|qwen3-0.6b` builds a model with the real model's shape
+(layers, widths, heads, head width, MLP width, vocabulary, tied embeddings, RoPE; Llama's llama3
+frequency scaling, Qwen3's QK-norm) and random weights (transformers' own initialisation, seeded),
+saved as bf16 safetensors with the default model's tokenizer (49,152 tokens; the embedding and the
+LM head keep the real vocabulary, so their cost is real; prompts are random ids below 49,152).
+llama.cpp runs the same weights from a BF16 GGUF written under its `llama` / `qwen3` names, and
+from Q8_0 / Q4_0 files made by its own quantizer with its default choices. Each engine runs in a
+fresh process; peak RSS and start-up (spawn to model ready) are that process's. pagedllm's int8 and
+int4 (group 32) quantize the linear layers at load and keep the embedding / LM head in bf16;
+llama.cpp's quantizer stores its tied embedding in Q8_0 (Q8_0 file) or Q6_K (Q4_0 file).
+Targets: offline >= 1.5x vLLM; one stream >= 1.0x llama.cpp in every pair and >= 85 % of the
+weight-read roofline (bytes of weights one decode step reads / the copy bandwidth measured in the same
+process); a 4,000-token prompt >= 1.2x llama.cpp's prompt processing.
+"""
+
+
+def _gib(x: dict[str, Any]) -> str:
+    return f"{x['peak_rss_bytes'] / GIB:.2f}" if x.get("peak_rss_bytes") else "-"
+
+
+def _agreement(a: dict[str, Any]) -> str:
+    peer = a.get("llama.cpp", {})
+    if not peer.get("ok"):
+        return f"Greedy agreement with llama.cpp: not measured ({peer.get('reason', '?')}).\n"
+    return (f"Greedy agreement, pagedllm bf16 against llama.cpp BF16 after a {a['prompt_len']}-token prompt: the "
+            f"first {a['agreeing_prefix']} of {a['compared']} tokens agree ({a['agreeing_positions']} positions in "
+            f"all; pagedllm {a['pagedllm_tokens']}, llama.cpp {peer['tokens']}).\n")
+
+
+def _throughput(t: dict[str, Any]) -> str:
+    rows = []
+    for r in t["results"]:
+        if not r.get("ok"):
+            rows.append([r["backend"], r["dtype"], "skipped: " + r["reason"][:200], "", "", ""])
+            continue
+        rows.append([r["backend"], r["dtype"], f"{r['output_tokens_per_s']:.1f}", f"{r['total_tokens_per_s']:.1f}",
+                     _gib(r), f"{r['startup_s']:.1f}"])
+    w = t["workload"]
+    out = (f"Offline throughput, {w.get('num_requests', '?')} requests (prompts {w['input_len_range'][0]}:"
+           f"{w['input_len_range'][1]}, outputs {w['output_len_range'][0]}:{w['output_len_range'][1]} tokens):\n\n"
+           + table(["engine", "dtype", "output tok/s", "total tok/s", "peak RSS GiB", "start-up s"], rows))
+    if "output_speedup_vs_vllm" in t:
+        out += f"\npagedllm / vLLM output tokens/s: **{t['output_speedup_vs_vllm']:.2f}x** (target 1.5x).\n"
+    return out + "\n" + run_block(t.get("meta"))
+
+
+def _single_stream(s: dict[str, Any]) -> str:
+    rows = []
+    for row in s["rows"]:
+        ours, peer = row["pagedllm"], row["llama.cpp"]
+        if ours.get("ok"):
+            rows.append([f"pagedllm {row['pagedllm_scheme']}", f"{ours['decode_tokens_per_s']:.2f}",
+                         f"{ours['prefill_ms']:.0f}",
+                         f"{100 * ours['decode_weight_fraction_of_peak_bw']:.0f} % of "
+                         f"{ours['peak_copy_bytes_per_s'] / 1e9:.1f} GB/s ({ours['model']['decode_weight_bytes'] / 1e9:.2f} GB)",
+                         _gib(ours), f"{ours['startup_s']:.1f}", ""])
+        else:
+            rows.append([f"pagedllm {row['pagedllm_scheme']}", "skipped: " + ours["reason"][:200], "", "", "", "", ""])
+        if peer.get("ok"):
+            speed = row.get("decode_speedup_vs_llamacpp")
+            rows.append([f"llama.cpp {row['llamacpp_type']}", f"{peer['decode_tokens_per_s']:.2f}",
+                         f"{peer['prefill_ms']:.0f}", "", _gib(peer), f"{peer['startup_s']:.1f}",
+                         f"**{speed:.2f}x**" if speed else ""])
+        else:
+            rows.append([f"llama.cpp {row['llamacpp_type']}", "skipped: " + peer["reason"][:200], "", "", "", "", ""])
+    return (f"One stream ({s['input_len']}-token prompt, {s['output_len']} greedy tokens, median of {s['num_iters']}):\n\n"
+            + table(["engine", "decode tok/s", "prefill ms", "weight-read roofline", "peak RSS GiB", "start-up s",
+                     "pagedllm decode x"], rows)
+            + "\n" + run_block(s.get("meta")))
+
+
+def _prefill(p: dict[str, Any]) -> str:
+    rows = []
+    for name in ("pagedllm", "hf", "llama.cpp"):
+        x = p[name]
+        if not x.get("ok"):
+            rows.append([name, "skipped: " + x["reason"][:200], "", "", ""])
+            continue
+        ratio = p.get(f"ttft_speedup_vs_{name}")
+        rows.append([name, f"{x['prefill_ms'] / 1e3:.2f}", _gib(x), f"{x['startup_s']:.1f}",
+                     f"**{ratio:.2f}x**" if ratio else ""])
+    return (f"Time to first token of one {p['prompt_len']}-token prompt (bf16; median of {p['num_iters']} after "
+            f"{p['num_warmup']} warm-up):\n\n"
+            + table(["engine", "seconds", "peak RSS GiB", "start-up s", "pagedllm ahead"], rows)
+            + "\n" + run_block(p.get("meta")))
+
+
+def scale_section(results: Path) -> str | None:
+    runs = [r for p in sorted(results.glob("*scale-*.json")) if (r := load(p)) is not None]
+    if not runs:
+        return None
+    out = [INTRO]
+    for r in runs:
+        c = r["model"]["config"]
+        out.append(f"### {r['shape']}-shaped: {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, "
+                   f"{c['num_attention_heads']} heads ({c['num_key_value_heads']} KV) of width {c['head_dim']}, "
+                   f"MLP {c['intermediate_size']}, vocabulary {c['vocab_size']}\n")
+        if "agreement" in r:
+            out.append(_agreement(r["agreement"]))
+        if "throughput" in r:
+            out.append(_throughput(r["throughput"]))
+        if "single_stream" in r:
+            out.append(_single_stream(r["single_stream"]))
+        if "prefill" in r:
+            out.append(_prefill(r["prefill"]))
+        if r.get("note"):
+            out.append(r["note"] + "\n")
+    return "\n".join(out)
