@@ -146,10 +146,10 @@ _GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
 def run_llamacpp_latency(model: str | None, dtype: str, input_len: int, output_len: int, num_iters: int,
                          num_warmup: int, seed: int, peers_venv: str | None, threads: int,
-                         gguf_path: str | None = None) -> dict[str, Any]:
+                         gguf_path: str | None = None, extra_bufts: bool = True) -> dict[str, Any]:
     """llama.cpp on the same weights (the model's GGUF rewritten unquantized in `dtype`, or the GGUF
     file `gguf_path` as it is), the same prompt and the same number of threads, in a child process
-    of the peers' python."""
+    of the peers' python; `extra_bufts` False: without llama.cpp's repacked weight layouts."""
     import os
     import sys
     import tempfile
@@ -168,7 +168,7 @@ def run_llamacpp_latency(model: str | None, dtype: str, input_len: int, output_l
     prompt = random_workload(1, (input_len, input_len), (output_len, output_len), vocab_info(model), seed)[0]
     spec = {"backend": "llama.cpp", "tag": f"llama.cpp-{gguf_type}", "model_path": path,
             "prompt_token_ids": prompt.prompt_token_ids, "output_len": output_len, "num_iters": num_iters,
-            "num_warmup": num_warmup, "threads": threads}
+            "num_warmup": num_warmup, "threads": threads, "extra_bufts": extra_bufts}
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     print(f"--- llama.cpp ({gguf_type}, {Path(path).name}): starting ---", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="pagedllm-bench-") as workdir:
@@ -176,8 +176,8 @@ def run_llamacpp_latency(model: str | None, dtype: str, input_len: int, output_l
                         None)
     if run.returncode != 0 or "decode_ms_per_token" not in run.result:
         raise BackendUnavailable(f"llama.cpp failed: {run.result.get('error') or f'exit code {run.returncode}'}")
-    return run.result | {"gguf": path, "gguf_type": gguf_type, "peak_rss_bytes": run.peak_rss,
-                         "startup_s": run.result["ready_time"] - run.spawn_time}
+    return run.result | {"gguf": path, "gguf_type": gguf_type, "extra_bufts": extra_bufts,
+                         "peak_rss_bytes": run.peak_rss, "startup_s": run.result["ready_time"] - run.spawn_time}
 
 
 def _file_type(path: str) -> str:

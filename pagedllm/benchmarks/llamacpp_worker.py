@@ -4,7 +4,8 @@ quantizer; run by the peers' python as a script.
 Standalone on purpose (standard library, numpy and llama_cpp only). usage: llamacpp_worker.py SPEC.json
 A timing spec names the GGUF file, the prompt token ids, the output length, the iterations and the
 threads; the result has the median prefill time and mean decode time per token (greedy: argmax of
-the last logits, one token evaluated per step, as pagedllm's decode step does). A spec with
+the last logits, one token evaluated per step, as pagedllm's decode step does); ``"extra_bufts":
+false`` loads the weights without llama.cpp's repacked layouts. A spec with
 ``"quantize"`` (a llama.cpp file type such as ``Q4_0``) writes ``model_path`` quantized to ``output``
 with ``llama_model_quantize`` and its default choices (as the ``llama-quantize`` tool makes them).
 """
@@ -28,6 +29,27 @@ def quantize(spec: dict) -> dict:
     return {"output": spec["output"], "llama_cpp_version": llama_cpp.__version__}
 
 
+def _without_extra_bufts(kwargs: dict):
+    """A Llama whose weights stay in the GGUF's layout: llama.cpp's extra buffer types (weights
+    repacked for its AMX or AVX2/AVX-512 kernels) off, as pagedllm/eval/llamacpp.py loads them (its
+    AMX buffer type stops the process on hosts that do not give it the AMX tile state)."""
+    import llama_cpp
+    import llama_cpp.llama as llama_module
+
+    default = llama_cpp.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    llama_module.llama_cpp.llama_model_default_params = params
+    try:
+        return llama_module.Llama(**kwargs)
+    finally:
+        llama_module.llama_cpp.llama_model_default_params = default
+
+
 def run(spec: dict) -> dict:
     if "quantize" in spec:
         return quantize(spec)
@@ -37,8 +59,9 @@ def run(spec: dict) -> dict:
     t0 = time.perf_counter()
     prompt = spec["prompt_token_ids"]
     threads = spec["threads"]
-    llm = llama_cpp.Llama(model_path=spec["model_path"], n_threads=threads, n_threads_batch=threads,
-                          n_ctx=len(prompt) + spec["output_len"] + 8, n_batch=max(512, len(prompt)), verbose=False)
+    kwargs = dict(model_path=spec["model_path"], n_threads=threads, n_threads_batch=threads,
+                  n_ctx=len(prompt) + spec["output_len"] + 8, n_batch=max(512, len(prompt)), verbose=False)
+    llm = llama_cpp.Llama(**kwargs) if spec.get("extra_bufts", True) else _without_extra_bufts(kwargs)
     load_s = time.perf_counter() - t0
     ready = time.time()
     iters = []

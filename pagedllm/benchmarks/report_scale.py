@@ -21,7 +21,10 @@ llama.cpp runs the same weights from a BF16 GGUF written under its `llama` / `qw
 from Q8_0 / Q4_0 files made by its own quantizer with its default choices. Each engine runs in a
 fresh process; peak RSS and start-up (spawn to model ready) are that process's. pagedllm's int8 and
 int4 (group 32) quantize the linear layers at load and keep the embedding / LM head in bf16;
-llama.cpp's quantizer stores its tied embedding in Q8_0 (Q8_0 file) or Q6_K (Q4_0 file).
+llama.cpp's quantizer stores its tied embedding in Q8_0 (Q8_0 file) or Q6_K (Q4_0 file). llama.cpp
+runs with its extra buffer types off (the weights in the file's layout, no AMX / AVX-512 repacking)
+unless the run says `--llamacpp-extra-bufts`: its AMX buffer type stops the process on the
+quantized files on the AMX host (a segmentation fault at the first evaluation).
 Targets: offline >= 1.5x vLLM; one stream >= 1.0x llama.cpp in every pair and >= 85 % of the
 weight-read roofline (bytes of weights one decode step reads / the copy bandwidth measured in the same
 process); a 4,000-token prompt >= 1.2x llama.cpp's prompt processing.

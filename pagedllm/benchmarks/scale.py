@@ -15,6 +15,10 @@ dtype or quantization, the figure, and the engine process's peak RSS and start-u
 4. prefill: the time to first token of one --prefill-len prompt (bf16): pagedllm, HF transformers,
    llama.cpp's prompt processing (BF16).
 
+llama.cpp loads the weights in the GGUF's own layout (its extra buffer types off, as
+pagedllm/eval/llamacpp.py loads them) unless --llamacpp-extra-bufts: its AMX buffer type, which
+takes the Q8_0 / Q4_0 files, stops the process on this host.
+
 Each part records its own run metadata; --merge keeps the other parts of an existing --output-json,
 so the parts can run one at a time.
 
@@ -92,7 +96,7 @@ def _llamacpp(folder: str, gguf: dict[str, Any], n: tuple[int, int, int, int], a
         return gguf
     try:
         return {"ok": True, **run_llamacpp_latency(folder, "bfloat16", *n, 0, args.peers_venv,
-                                                   torch.get_num_threads(), gguf["path"])}
+                                                   torch.get_num_threads(), gguf["path"], args.llamacpp_extra_bufts)}
     except BackendUnavailable as exc:
         return {"ok": False, "reason": str(exc)}
 
@@ -227,6 +231,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--prefill-warmup", type=int, default=1)
     for part in ("agreement", "throughput", "latency", "prefill", "vllm", "llamacpp", "hf"):
         ap.add_argument(f"--skip-{part}", action="store_true")
+    ap.add_argument("--llamacpp-extra-bufts", action="store_true",
+                    help="llama.cpp with its repacked weight layouts (AMX, AVX-512); off by default: its AMX "
+                         "buffer type stops the process on the quantized files where the kernel gives no AMX tile state")
     ap.add_argument("--peers-venv", default=None)
     ap.add_argument("--timeout", type=float, default=None, help="seconds one engine process may take")
     ap.add_argument("--output-json")
