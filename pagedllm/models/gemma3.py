@@ -36,7 +36,7 @@ from pagedllm.layers.embedding import LMHead, VocabEmbedding
 from pagedllm.layers.gemma_norm import GemmaRMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, PPMissingLayer, head_dim_of
-from pagedllm.models.weights import check_complete, load_tensor
+from pagedllm.models.weights import fused_name, load_decoder_weights
 
 SLIDING, FULL = SLIDING_ATTENTION, FULL_ATTENTION
 
@@ -172,39 +172,8 @@ class Gemma3ForCausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def _on_other_stage(self, name: str) -> bool:
-        """True for checkpoint tensors (names without `model.`) that another pipeline stage holds."""
-        p = self.parallel
-        if name.startswith("layers."):
-            return not self.start_layer <= int(name.split(".")[1]) < self.end_layer
-        if name.startswith("embed_tokens."):
-            return not p.is_first_stage
-        if name.startswith(("norm.", "lm_head.")):
-            return not p.is_last_stage
-        return False
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copies checkpoint tensors (Hugging Face names, q/k/v and gate/up fused as in the Llama
         family) into parameters; returns the names loaded."""
-        params = dict(self.named_parameters(remove_duplicate=False))
-        loaded: set[str] = set()
-        tied = getattr(self.config, "tie_word_embeddings", False)
-        p = self.parallel
-        for ckpt_name, tensor in weights:
-            if tied and ckpt_name == "lm_head.weight":
-                continue
-            name, shard = ckpt_name.removeprefix("model."), None
-            if tied and name == "embed_tokens.weight" and p.is_last_stage and not p.is_first_stage:
-                name = "lm_head.weight"  # a tied LM head on a stage without the embedding loads its own copy
-            elif self._on_other_stage(name):
-                continue
-            for frag, (fused, shard_id) in self.stacked_params.items():
-                if frag in name:
-                    name, shard = name.replace(frag, fused), shard_id
-                    break
-            load_tensor(params, name, shard, ckpt_name, tensor, type(self).__name__)
-            loaded.add(name)
-        if tied and p.is_first_stage and p.is_last_stage:
-            loaded.add("lm_head.weight")
-        check_complete(params, loaded)
-        return loaded
+        return load_decoder_weights(self, weights, lambda name: name.removeprefix("model."),
+                                    lambda name: fused_name(name, self.stacked_params))

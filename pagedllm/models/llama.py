@@ -21,7 +21,7 @@ from pagedllm.layers.embedding import LMHead, VocabEmbedding
 from pagedllm.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
 from pagedllm.layers.rmsnorm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
-from pagedllm.models.weights import check_complete, load_tensor
+from pagedllm.models.weights import fused_name, load_decoder_weights
 
 
 def linear_method(quant_config, prefix: str, shards: tuple[str, ...] = ()):
@@ -190,50 +190,16 @@ class LlamaForCausalLM(nn.Module):
 
     def map_param(self, name: str) -> tuple[str, object]:
         """(parameter name, shard id) of checkpoint tensor `name` (without `model.`)."""
-        for frag, (fused, shard_id) in self.stacked_params.items():
-            if frag in name:
-                return name.replace(frag, fused), shard_id
-        return name, None
+        return fused_name(name, self.stacked_params)
 
     def _param_name(self, name: str) -> str:
         name = name.removeprefix("model.")
         return name
 
-    def _on_other_stage(self, name: str) -> bool:
-        """True for checkpoint tensors that another pipeline stage holds."""
-        p = self.parallel
-        if name.startswith("layers."):
-            i = int(name.split(".")[1])
-            return not self.start_layer <= i < self.end_layer
-        if name.startswith("embed_tokens."):
-            return not p.is_first_stage
-        if name.startswith(("norm.", "lm_head.")):
-            return not p.is_last_stage
-        return False
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copies checkpoint tensors (Hugging Face names) into parameters; returns the names loaded."""
-        params = dict(self.named_parameters(remove_duplicate=False))
-        loaded: set[str] = set()
-        tied = getattr(self.config, "tie_word_embeddings", False)
-        for ckpt_name, tensor in self.checkpoint_tensors(weights):
-            if "rotary_emb.inv_freq" in ckpt_name:
-                continue
-            if tied and ckpt_name == "lm_head.weight":
-                continue
-            name = self._param_name(ckpt_name)
-            p = self.parallel
-            if tied and name == "embed_tokens.weight" and p.is_last_stage and not p.is_first_stage:
-                name = "lm_head.weight"  # a tied LM head on a stage without the embedding loads its own copy
-            elif self._on_other_stage(name):
-                continue
-            name, shard = self.map_param(name)
-            load_tensor(params, name, shard, ckpt_name, tensor, type(self).__name__)
-            loaded.add(name)
-        if tied and self.parallel.is_first_stage and self.parallel.is_last_stage:
-            loaded.add("lm_head.weight")
-        check_complete(params, loaded)
-        return loaded
+        tensors = ((n, t) for n, t in self.checkpoint_tensors(weights) if "rotary_emb.inv_freq" not in n)
+        return load_decoder_weights(self, tensors, self._param_name, self.map_param)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
