@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import json
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,20 @@ CACHE_ENV = "PAGEDLLM_CACHE_DIR"
 def cache_dir() -> Path:
     """``$PAGEDLLM_CACHE_DIR`` or ``~/.cache/pagedllm``: converted tokenizers, model folders, kernels."""
     return Path(envs.PAGEDLLM_CACHE_DIR or Path.home() / ".cache" / "pagedllm").expanduser()
+
+
+def json_or_pair(text: str) -> dict[str, Any] | tuple[str, str] | None:
+    """A flag value in either of vLLM's forms for a named entry (`--lora-modules`,
+    `--extra-models`): a JSON object ('{...}', returned as the dict) or 'NAME=VALUE' (the two sides,
+    stripped; None without '='). ValueError naming the value where its JSON does not parse."""
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"cannot read {text!r} as JSON ({e})") from None
+    name, sep, value = text.partition("=")
+    return (name.strip(), value.strip()) if sep else None
 
 
 _libc: Any = None

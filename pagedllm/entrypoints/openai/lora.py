@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +21,7 @@ from pydantic import BaseModel, ConfigDict
 from pagedllm import envs
 from pagedllm.entrypoints.openai.errors import OpenAIError, bad_request
 from pagedllm.lora.request import LoRARequest
+from pagedllm.utils import json_or_pair
 
 logger = logging.getLogger(__name__)
 
@@ -38,20 +38,16 @@ class LoRAModulePath:
 def parse_lora_module(text: str) -> LoRAModulePath:
     """'name=path' or '{"name": ..., "path": ..., "base_model_name": ...}' (vLLM's forms)."""
     text = text.strip()
-    if text.startswith("{"):
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"cannot read {text!r} as JSON ({e})") from None
+    d = json_or_pair(text)
+    if isinstance(d, dict):
         unknown = sorted(set(d) - {"name", "path", "base_model_name"})
         if unknown or not isinstance(d.get("name"), str) or not isinstance(d.get("path"), str):
             raise ValueError(f"{text!r}: a LoRA module is {{\"name\": ..., \"path\": ..., \"base_model_name\": ...}}"
                              + (f" (unknown keys {unknown})" if unknown else ""))
         return LoRAModulePath(d["name"], d["path"], d.get("base_model_name"))
-    name, sep, path = text.partition("=")
-    if not sep or not name.strip() or not path.strip():
+    if d is None or not all(d):
         raise ValueError(f"cannot read {text!r} as name=path")
-    return LoRAModulePath(name.strip(), path.strip())
+    return LoRAModulePath(*d)
 
 
 class LoadLoRAAdapterRequest(BaseModel):

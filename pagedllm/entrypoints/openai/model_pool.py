@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.hardware import default_cpu_kv_bytes
 from pagedllm.metrics import PREFIX, PrometheusStatLogger
+from pagedllm.utils import json_or_pair
 
 logger = logging.getLogger(__name__)
 
@@ -46,12 +46,9 @@ def parse_extra_model(text: str) -> ExtraModel:
     """'NAME=PATH_OR_BUILTIN' or '{"name": ..., "model": ..., "<engine flag>": ...}'; ValueError
     naming the value and what is wrong."""
     text = text.strip()
-    if text.startswith("{"):
-        try:
-            d = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"cannot read {text!r} as JSON ({e})") from None
-        if not isinstance(d, dict) or not isinstance(d.get("name"), str) or not isinstance(d.get("model"), str):
+    d = json_or_pair(text)
+    if isinstance(d, dict):
+        if not isinstance(d.get("name"), str) or not isinstance(d.get("model"), str):
             raise ValueError(f"{text!r}: an extra model is {{\"name\": ..., \"model\": ..., <engine flags>}}")
         overrides = {k: v for k, v in d.items() if k not in ("name", "model")}
         known = {f.name for f in dataclasses.fields(EngineArgs)} - _NOT_OVERRIDABLE
@@ -72,11 +69,10 @@ def parse_extra_model(text: str) -> ExtraModel:
         except (TypeError, ValueError) as e:
             raise ValueError(f"{text!r}: {e}") from None
         name, model = d["name"].strip(), d["model"].strip()
+    elif d is None:
+        raise ValueError(f"cannot read {text!r} as NAME=PATH_OR_BUILTIN")
     else:
-        name, sep, model = (s.strip() for s in text.partition("="))
-        if not sep:
-            raise ValueError(f"cannot read {text!r} as NAME=PATH_OR_BUILTIN")
-        overrides = {}
+        (name, model), overrides = d, {}
     if not name or not model:
         raise ValueError(f"{text!r}: the name and the model must not be empty")
     return ExtraModel(name, model, overrides)
