@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from pagedllm.benchmarks.env import run_metadata
+from pagedllm.benchmarks.script import parser
 
 _WORDS = ("the model serves embeddings for retrieval with a paged cache and continuous batching of many "
           "short and long texts about cities rivers science music history food travel and software").split()
@@ -69,9 +70,7 @@ def run_embed(args: Any) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     """`pagedllm bench embed`: flags, the run, a line of figures, the JSON report."""
-    import argparse
-
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__, prog)
     ap.add_argument("--model", default="all-minilm-l6-v2", help="a sentence-transformers model pagedllm serves")
     ap.add_argument("--num-texts", type=int, default=1024)
     ap.add_argument("--min-words", type=int, default=8)

@@ -20,6 +20,7 @@ from typing import Any
 from pagedllm.benchmarks.embed import make_texts
 from pagedllm.benchmarks.env import run_metadata
 from pagedllm.benchmarks.gpu_check import write_json
+from pagedllm.benchmarks.script import parser
 
 
 def arrivals(n: int, rate: float, seed: int) -> list[float]:
@@ -123,9 +124,7 @@ def run_embed_mixed(args: Any) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     """`pagedllm bench embed-mixed`: flags, the run, the figures, the JSON report."""
-    import argparse
-
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__, prog)
     ap.add_argument("--model", default="smollm2-135m-instruct", help="a generation model (its decoder embeds)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--kv-cache-memory", default="512MiB")

@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pagedllm.benchmarks.script import parser
+
 
 def write_random_adapter(hf_config: Any, folder: Path, rank: int, seed: int) -> str:
     """A random PEFT adapter of rank `rank` on every linear layer of a Llama-layout model."""
@@ -130,9 +132,7 @@ def format_table(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
-    import argparse
-
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__, prog)
     ap.add_argument("--model", default=None, help="a Llama-layout model (default: the embedded default model)")
     ap.add_argument("--num-adapters", type=int, default=8, help="adapters mixed over the requests (= --max-loras)")
     ap.add_argument("--rank", type=int, default=16, help="every adapter's rank")

@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pagedllm.benchmarks.script import parser
+
 CODE = '''def load_users(path):
     users = []
     with open(path) as f:
@@ -169,9 +171,7 @@ def format_table(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
-    import argparse
-
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__, prog)
     ap.add_argument("--model", default=None, help="model (default: the embedded default model)")
     ap.add_argument("--speculative-config", action="append", default=None,
                     help="a configuration measured against none (JSON, as --speculative-config); repeat for "

@@ -26,6 +26,7 @@ from typing import Any
 from pagedllm.benchmarks.env import REPO_ROOT, run_metadata
 from pagedllm.benchmarks.peer_child import constrained_then_free
 from pagedllm.benchmarks.schemas import CHOICES, REGEXES, schema_prompt, varied_schemas
+from pagedllm.benchmarks.script import parser
 from pagedllm.benchmarks.throughput import (
     BackendUnavailable,
     _failure_reason,
@@ -200,9 +201,7 @@ def format_table(report: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     """`pagedllm bench structured`: flags, the run, the table, and the JSON report."""
-    import argparse
-
-    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__, prog)
     ap.add_argument("--structured", choices=KINDS, default="json-schema", help="the workload's structure")
     ap.add_argument("--num-prompts", type=int, default=64, help="requests, all submitted at once")
     ap.add_argument("--max-tokens", type=int, default=256, help="most tokens per reply")
