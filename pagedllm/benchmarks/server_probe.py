@@ -1,16 +1,25 @@
 """A server process seen from outside: a free loopback port for it, waiting for its /health,
-reading its /metrics, waiting until its engine is idle. `bench serve`, `bench soak` and the server
-tests (tests/integration/server_helpers.py) share these."""
+reading its /metrics, waiting until its engine is idle; `pagedllm serve` launched with its output
+in a log file (`bench soak`, `bench ui-cost`). `bench serve`, `bench soak` and the server tests
+(tests/integration/server_helpers.py) share these."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import socket
 import subprocess
+import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
+
+from pagedllm.benchmarks.script import ROOT
 
 _SAMPLE = re.compile(r"^(pagedllm:\w+)(?:\{[^}]*\})? (\S+)$", re.M)
 
@@ -61,3 +70,31 @@ def wait_idle(read_metrics: Callable[[], dict[str, float]], timeout: float, inte
             raise TimeoutError(f"the engine still holds requests or KV blocks after {timeout} s "
                                f"(running, waiting, KV usage): {busy}")
         time.sleep(interval)
+
+
+@contextmanager
+def served(log_prefix: str, serve_flags: list[str], timeout: float = 600) -> Iterator[tuple[str, subprocess.Popen, Path]]:
+    """`pagedllm serve SERVE_FLAGS` on a free loopback port, its output in a temporary log file
+    (`log_prefix`...log): yields (base URL, process, log path) once /health answers; SystemExit with
+    the log's tail where it never does. On the way out the server gets SIGTERM (killed after 30 s)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = Path(tempfile.mkstemp(prefix=log_prefix, suffix=".log")[1])
+    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port), *serve_flags]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
+    print("launching:", " ".join(cmd[3:]), f"(log {log_path})", flush=True)
+    log = open(log_path, "wb")
+    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        why = wait_healthy(url, server, timeout)
+        if why is not None:
+            raise SystemExit(f"the server {why}:\n{log_path.read_text()[-3000:]}")
+        yield url, server, log_path
+    finally:
+        if server.poll() is None:
+            server.send_signal(signal.SIGTERM)
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+        log.close()

@@ -27,21 +27,16 @@ import json
 import os
 import random
 import re
-import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
 import psutil
 
 from pagedllm.benchmarks.env import command_line, run_metadata
-from pagedllm.benchmarks.script import RESULTS, ROOT, parser
-from pagedllm.benchmarks.server_probe import free_port, parse_metrics, wait_healthy, wait_idle
+from pagedllm.benchmarks.script import RESULTS, parser
+from pagedllm.benchmarks.server_probe import parse_metrics, served, wait_idle
 
 GIB = 1 << 30
 BOUND_RE = re.compile(r"Memory bound of the engine core: ([\d.]+) GiB RSS at most = ([\d.]+) GiB now "
@@ -147,22 +142,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         (out / "serve_soak.md").write_text(soak_section(json.loads((out / "soak.json").read_text())))
         return
     meta = run_metadata()
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log_path = Path(tempfile.mkstemp(prefix="pagedllm-soak-", suffix=".log")[1])
-    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port),
-           "--disable-uvicorn-access-log", *args.serve_args]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
-    print("launching:", " ".join(cmd[3:]), f"(log {log_path})", flush=True)
-    log = open(log_path, "wb")
-    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     rng = random.Random(args.seed)
     rows: list[dict[str, Any]] = []
     streams_result: dict[str, Any] | None = None
-    try:
-        why = wait_healthy(url, server, 600)
-        if why is not None:
-            raise SystemExit(f"the server {why}:\n{log_path.read_text()[-3000:]}")
+    with served("pagedllm-soak-", ["--disable-uvicorn-access-log", *args.serve_args]) as (url, server, log_path):
         text = log_path.read_text()
         m = BOUND_RE.search(text)
         if m is None:
@@ -219,14 +202,6 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                   flush=True)
         peak.stop()
         alive = server.poll() is None and engine.is_running()
-    finally:
-        if server.poll() is None:
-            server.send_signal(signal.SIGTERM)
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                server.kill()
-        log.close()
     under = all(r["engine_peak_gib"] <= bound["total"] for r in rows) and (
         streams_result is None or streams_result["engine_peak_gib"] <= bound["total"])
     print(f"engine RSS {'stayed under' if under else 'WENT OVER'} the stated bound; server alive to the end: {alive}; "

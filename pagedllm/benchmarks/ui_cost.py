@@ -21,12 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import statistics
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -35,8 +31,8 @@ from typing import Any
 import httpx
 
 from pagedllm.benchmarks.env import command_line, run_metadata
-from pagedllm.benchmarks.script import ROOT, parser
-from pagedllm.benchmarks.server_probe import free_port, wait_healthy
+from pagedllm.benchmarks.script import parser
+from pagedllm.benchmarks.server_probe import served
 
 class Viewer(threading.Thread):
     """Reads the engine feed until stopped, parsing each event's JSON; counts the snapshots."""
@@ -98,21 +94,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     meta = run_metadata()
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log_path = Path(tempfile.mkstemp(prefix="pagedllm-ui-cost-", suffix=".log")[1])
-    cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", "--port", str(port),
-           "--disable-uvicorn-access-log", "--disable-log-stats", *args.serve_args]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
-    print("launching:", " ".join(cmd[3:]), f"(log {log_path})", flush=True)
-    log = open(log_path, "wb")
-    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     rng = random.Random(args.seed)
     rows: list[dict[str, Any]] = []
-    try:
-        why = wait_healthy(url, server, 600)
-        if why is not None:
-            raise SystemExit(f"the server {why}:\n{log_path.read_text()[-3000:]}")
+    with served("pagedllm-ui-cost-", ["--disable-uvicorn-access-log", "--disable-log-stats", *args.serve_args]) as (url, _, _):
         model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
 
         def prompts() -> list[list[int]]:
@@ -146,13 +130,6 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                          f"the engine core's time, handing them out {row['api_server_share_percent']:.3f}% of the API "
                          "server's" if watched else ""), flush=True)
                 time.sleep(0.5)  # the viewers are gone and the engine core's snapshots are off
-    finally:
-        server.terminate()
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        log.close()
     off = [r["tokens_per_s"] for r in rows if not r["viewer"]]
     on = [r["tokens_per_s"] for r in rows if r["viewer"]]
     drops = []  # per pair of rounds: 100 * (1 - with / without)
