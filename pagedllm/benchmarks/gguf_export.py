@@ -18,16 +18,25 @@ logger = logging.getLogger(__name__)
 _OUT_TYPES = ("F32", "F16", "BF16")
 
 
+def _target(src: str, name: str, dst: str | None) -> tuple[Path, bool]:
+    """Where an export of `src` goes (`dst`, else the cache's `gguf/<stem of src>.<name>.gguf`), its
+    folder made, and whether it is there already, no older than `src`."""
+    target = Path(dst) if dst else cache_dir() / "gguf" / f"{Path(src).stem}.{name}.gguf"
+    if target.exists() and target.stat().st_mtime >= Path(src).stat().st_mtime:
+        return target, True
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return target, False
+
+
 def export_unquantized_gguf(src: str, out_type: str, dst: str | None = None) -> str:
     """Path of `src` rewritten with every tensor in `out_type` (cached next to other artefacts)."""
     import gguf
 
     if out_type not in _OUT_TYPES:
         raise ValueError(f"out_type must be one of {_OUT_TYPES}, got {out_type!r}")
-    target = Path(dst) if dst else cache_dir() / "gguf" / f"{Path(src).stem}.{out_type}.gguf"
-    if target.exists() and target.stat().st_mtime >= Path(src).stat().st_mtime:
+    target, fresh = _target(src, out_type, dst)
+    if fresh:
         return str(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
     qtype = getattr(gguf.GGMLQuantizationType, out_type)
     reader = gguf.GGUFReader(src)
     arch = str(reader.fields["general.architecture"].contents())
@@ -72,10 +81,9 @@ def llamacpp_quantized_gguf(src: str, qtype: str, peers_venv: str | None = None,
 
     if qtype not in LLAMACPP_QUANT_TYPES:
         raise ValueError(f"qtype must be one of {LLAMACPP_QUANT_TYPES}, got {qtype!r}")
-    target = Path(dst) if dst else cache_dir() / "gguf" / f"{Path(src).stem}.{qtype}.llamacpp.gguf"
-    if target.exists() and target.stat().st_mtime >= Path(src).stat().st_mtime:
+    target, fresh = _target(src, f"{qtype}.llamacpp", dst)
+    if fresh:
         return str(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
     # An unquantized source is read as it is (its values are exact in float32); else its F32 export.
     f32 = src if _is_unquantized(src) else export_unquantized_gguf(src, "F32")
     python = peers_python(peers_venv)
