@@ -59,8 +59,11 @@ def run(spec: dict) -> dict:
     t0 = time.perf_counter()
     prompt = spec["prompt_token_ids"]
     threads = spec["threads"]
-    kwargs = dict(model_path=spec["model_path"], n_threads=threads, n_threads_batch=threads,
-                  n_ctx=len(prompt) + spec["output_len"] + 8, n_batch=max(512, len(prompt)), verbose=False)
+    n_ctx = len(prompt) + spec["output_len"] + 8
+    # the prompt in one call; llama-cpp-python keeps the logits of n_batch positions (a decode step
+    # past the n_batch-th token reads beyond them), so n_batch covers the whole context
+    kwargs = dict(model_path=spec["model_path"], n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
+                  n_batch=max(512, n_ctx), verbose=False)
     llm = llama_cpp.Llama(**kwargs) if spec.get("extra_bufts", True) else _without_extra_bufts(kwargs)
     load_s = time.perf_counter() - t0
     ready = time.time()
