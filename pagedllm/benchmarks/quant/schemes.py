@@ -29,6 +29,7 @@ import torch
 
 from pagedllm import LLM
 from pagedllm.benchmarks.ct_export import compressed_folder
+from pagedllm.benchmarks.env import run_metadata
 from pagedllm.benchmarks.gguf_export import llamacpp_quantized_gguf
 from pagedllm.benchmarks.latency import run_latency, run_llamacpp_latency
 from pagedllm.benchmarks.throughput import GREEDY
@@ -257,6 +258,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(args.threads)
+    meta = run_metadata()  # the run's command, CPU, versions and commit, for the report's provenance
     if args.speed:
         if args.schemes == ",".join(SCHEMES):
             peers = [f"llama.cpp-{q.lower()}" for q in LLAMACPP_FILES] if args.peer else []
@@ -264,7 +266,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         out = Path(args.out or "benchmarks/results/quantization_speed.json")
 
         def save(report: dict) -> None:
-            out.write_text(json.dumps({"args": vars(args), "load_avg_at_end": list(os.getloadavg()), **report},
+            out.write_text(json.dumps({"meta": meta, "args": vars(args), "load_avg_at_end": list(os.getloadavg()),
+                                       **report},
                                       indent=1))
 
         save(speed_run(args, save))
@@ -274,7 +277,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     for label in [] if args.schemes == "none" else args.schemes.split(","):  # none: the peer's rows only
         rows.append(measure(label, SCHEMES[label], args))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    Path(args.out).write_text(json.dumps({"meta": meta, "args": vars(args), "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
