@@ -12,6 +12,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from itertools import islice
 
 
 def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int], extra_keys: tuple = ()) -> bytes:
@@ -69,6 +70,11 @@ class BlockPool:
 
     def get_cached_block(self, block_hash: bytes) -> KVBlock | None:
         return self._cached.get(block_hash)
+
+    def next_free_ids(self, n: int) -> list[int]:
+        """The ids of the first `n` blocks of the free queue (those the next allocation takes),
+        changing nothing: the engine core's warm-up writes its dummy K/V there."""
+        return list(islice(self._free, n))
 
     # ---- allocation ----------------------------------------------------------------------
     def get_new_blocks(self, n: int) -> list[KVBlock]:

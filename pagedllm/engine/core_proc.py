@@ -4,6 +4,7 @@ It talks to the API server process over two ZeroMQ sockets (requests in, outputs
 MessagePack frames (engine/core_io.py). It ends when told to, when its parent dies (the kernel
 sends it SIGKILL, and it checks its parent besides) and on SIGTERM; SIGINT from a terminal is the
 parent's to handle. Any fault is reported to the front end as one DEAD message before exiting 1.
+Before it reports ready it runs the model's step paths once on dummy data (engine/warmup.py).
 Idle for a poll interval after steps, it trims the C heap (utils.trim_heap), so that its RSS is
 what it holds, not what a burst of differently shaped steps left free in the allocator.
 """
@@ -88,8 +89,10 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log
 
 def _serve(config: EngineConfig, inbox: zmq.Socket, outbox: zmq.Socket, codec: Codec, parent_pid: int) -> None:
     from pagedllm.engine.core import EngineCore
+    from pagedllm.engine.warmup import warm_up
 
     core = EngineCore(config)
+    warm_up(core)  # the step paths' first calls, before READY: not on the first request's path
     # Everything loaded so far (modules, the model's Python objects) lives as long as the process:
     # moved out of the collector's generations, no collection walks it again.
     gc.collect()

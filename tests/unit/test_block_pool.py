@@ -63,6 +63,16 @@ def test_allocation_pops_free_queue_front_and_sets_ref_counts() -> None:
     assert pool.num_free_blocks == 1  # a failed request takes nothing
 
 
+def test_next_free_ids_names_what_the_next_allocation_takes_and_changes_nothing() -> None:
+    pool = BlockPool(6)
+    a = pool.get_new_blocks(3)
+    pool.free_blocks(a[1:2])  # a block without a cached prefix goes to the front
+    assert pool.next_free_ids(3) == [1, 3, 4]
+    assert pool.next_free_ids(10) == [1, 3, 4, 5]
+    assert pool.num_free_blocks == 4 and pool.blocks[1].ref_cnt == 0
+    assert ids(pool.get_new_blocks(3)) == [1, 3, 4]
+
+
 def test_touch_and_free_count_references() -> None:
     pool = BlockPool(4)
     b0, b1 = pool.get_new_blocks(2)
