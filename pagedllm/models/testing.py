@@ -76,7 +76,7 @@ def build_tiny_tokenizer(vocab_size: int = 320):
 
 def make_tiny_checkpoint(
     out_dir: str,
-    arch: Literal["qwen2", "llama"] = "qwen2",
+    arch: Literal["qwen2", "llama", "qwen3"] = "qwen2",
     seed: int = 0,
     vocab_size: int = 320,
     tie: bool = False,
@@ -85,8 +85,8 @@ def make_tiny_checkpoint(
 ) -> str:
     """Save a tiny random ``arch`` model and a matching tokenizer into ``out_dir``.
 
-    The model has 2 layers, hidden size 64, 4 query heads and 2 KV heads (or the given counts);
-    ``vocab_size`` is raised to the tokenizer's size if that is larger.
+    The model has 2 layers, hidden size 64, 4 query heads and 2 KV heads (or the given counts;
+    qwen3: heads of 32, its q/k norms' weights random around 1 so that they count); ``vocab_size`` is raised to the tokenizer's size if that is larger.
     Returns ``out_dir``.
     """
     from transformers import AutoModelForCausalLM
@@ -95,6 +95,11 @@ def make_tiny_checkpoint(
     config = _tiny_config(arch, max(vocab_size, len(tok)), tie, num_attention_heads, num_key_value_heads)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if arch == "qwen3":  # from_config leaves the norms' weights at one
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    p.copy_(1.0 + 0.5 * torch.randn_like(p))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out))
@@ -105,9 +110,10 @@ def make_tiny_checkpoint(
 
 def _tiny_config(arch: str, vocab_size: int, tie: bool, num_heads: int = 4, num_kv_heads: int = 2):
     """Config of the tiny model (ids follow :data:`SPECIAL_TOKENS`)."""
-    from transformers import LlamaConfig, Qwen2Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-    classes = {"qwen2": (Qwen2Config, "Qwen2ForCausalLM"), "llama": (LlamaConfig, "LlamaForCausalLM")}
+    classes = {"qwen2": (Qwen2Config, "Qwen2ForCausalLM"), "llama": (LlamaConfig, "LlamaForCausalLM"),
+               "qwen3": (Qwen3Config, "Qwen3ForCausalLM")}
     if arch not in classes:
         raise ValueError(f"arch={arch!r} is not supported; use one of {sorted(classes)}")
     config_cls, architecture = classes[arch]
@@ -127,4 +133,5 @@ def _tiny_config(arch: str, vocab_size: int, tie: bool, num_heads: int = 4, num_
         bos_token_id=1,
         eos_token_id=2,
         dtype="float32",
+        **({"head_dim": 32} if arch == "qwen3" else {}),
     )

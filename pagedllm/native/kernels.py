@@ -124,6 +124,8 @@ class LlamaDecodeModel(ctypes.Structure):
         *((name, ctypes.POINTER(LoraLinear)) for name in ("lora_qkv", "lora_o", "lora_gate_up", "lora_down")),
         ("lora_rank", ctypes.c_int64), ("lora_dtype", ctypes.c_int64),
         ("lora_slots", PTR),  # per step: each row's slot (int32, -1: none), or NULL
+        # Qwen3's per-head RMSNorm of q and k before RoPE: per layer [num_layers] weights (NULL: none).
+        ("q_norm", _PP), ("k_norm", _PP),
     ]
 
 

@@ -10,7 +10,8 @@ step's sampled rows are few enough that the torch path's LM head is the same sma
 small_m_rows), the call goes on through the LM head: it returns those rows' logits, or, when every row
 samples greedily with nothing else to apply, their argmax, so that such a step runs no torch op.
 
-It applies to Llama-family models (Llama, Mistral, Qwen2) on one CPU rank, with a KV cache in the
+It applies to Llama-family models (Llama, Mistral, Qwen2, SmolLM2) and dense Qwen3 (its per-head
+RMSNorm of queries and keys before RoPE runs in the step too) on one CPU rank, with a KV cache in the
 model dtype, whose linear layers are each either dense in the model dtype or quantized in a layout
 of the native quantized kernel (4-bit group codes of int4 / GGUF / AWQ / GPTQ, int8, fp8, w8a8's
 row-major int8 codes with per-token int8 activations; the C step calls the same kernel function as
@@ -150,7 +151,7 @@ def _linear_layout(lin: nn.Module, dtype: torch.dtype
 def _unsupported_reason(model: nn.Module, dtype: torch.dtype, kv_dtype: torch.dtype) -> str | None:
     """Why the fused step cannot run this model, or None when it can."""
     from pagedllm.layers.rotary import RotaryEmbedding
-    from pagedllm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+    from pagedllm.models.llama import LlamaForCausalLM, LlamaMLP
 
     if not isinstance(model, LlamaForCausalLM) or type(model).forward is not LlamaForCausalLM.forward:
         return f"{type(model).__name__} is not a Llama-family decoder"
@@ -161,13 +162,23 @@ def _unsupported_reason(model: nn.Module, dtype: torch.dtype, kv_dtype: torch.dt
     p = model.parallel
     if p.tp.size != 1 or p.pp_size != 1:
         return "tensor or pipeline parallelism"
+    layer_types = _layer_types()
     for layer in model.layers:
-        # Exactly the Llama layer: families built on it (Qwen3's q/k norms, Phi-3's partial rotary,
-        # mixture-of-experts blocks) change what the C step would have to compute.
-        if (type(layer) is not LlamaDecoderLayer or type(layer.self_attn) is not LlamaAttention
-                or type(layer.mlp) is not LlamaMLP or type(layer.self_attn.rotary_emb) is not RotaryEmbedding):
+        # Exactly the layers the C step computes (_layer_types): other families built on the Llama
+        # layer (Phi-3's partial rotary, mixture-of-experts blocks, Qwen3-MoE) change what it would
+        # have to compute.
+        if (layer_types.get(type(layer)) is not type(layer.self_attn) or type(layer.mlp) is not LlamaMLP
+                or type(layer.self_attn.rotary_emb) is not RotaryEmbedding):
             return f"layer type {type(layer).__name__}"
         a, mlp = layer.self_attn, layer.mlp
+        if _has_qk_norm(a) != _has_qk_norm(model.layers[0].self_attn):
+            return "layers with and without q/k norms"
+        if _has_qk_norm(a):
+            eps = layer.input_layernorm.eps
+            for norm in (a.q_norm, a.k_norm):
+                w = norm.weight
+                if norm.eps != eps or w.dtype != dtype or w.shape != (a.head_dim,) or not w.is_contiguous():
+                    return "q/k norms of another eps, dtype or size than the step's"
         for lin in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj):
             layout = _linear_layout(lin, dtype)
             if isinstance(layout, str):
@@ -177,6 +188,22 @@ def _unsupported_reason(model: nn.Module, dtype: torch.dtype, kv_dtype: torch.dt
         if a.attn.sliding_window is not None:
             return "layers with windows of their own (the step takes one window for all)"
     return None
+
+
+def _layer_types() -> dict[type, type]:
+    """The decoder layer classes the C step computes, each with its exact attention class: the
+    Llama layer, and Qwen3's (the Llama layer with per-head q/k RMSNorm before RoPE)."""
+    from pagedllm.models.llama import LlamaAttention, LlamaDecoderLayer
+    from pagedllm.models.qwen3 import QKNormAttention, Qwen3DecoderLayer
+
+    return {LlamaDecoderLayer: LlamaAttention, Qwen3DecoderLayer: QKNormAttention}
+
+
+def _has_qk_norm(attn: nn.Module) -> bool:
+    """Whether this attention (of a layer _layer_types accepts) norms each q and k head before RoPE."""
+    from pagedllm.models.qwen3 import QKNormAttention
+
+    return type(attn) is QKNormAttention
 
 
 class StallGuard:
@@ -314,6 +341,9 @@ class NativeDecode:
             k_cache=ptrs([kv[0] for kv in kv_caches]), v_cache=ptrs([kv[1] for kv in kv_caches]),
             qkv_q=qkv_q, o_q=o_q, gate_up_q=gu_q, down_q=down_q,
         )
+        if _has_qk_norm(attn0):  # Qwen3: the per-head q and k norms before RoPE
+            self.model.q_norm = ptrs([layer.self_attn.q_norm.weight for layer in layers])
+            self.model.k_norm = ptrs([layer.self_attn.k_norm.weight for layer in layers])
         embed = self._codes(model.embed_tokens)
         if embed is not None:  # the embedding kept as codes: the step expands the rows it looks up
             self.model.embed_q, self.model.embed_rows = ctypes.pointer(embed), model.embed_tokens.rows

@@ -29,6 +29,12 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return make_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny") / "llama"), arch="llama", seed=3, tie=True)
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Qwen3: heads of 32 (q wider than the hidden size), random q/k norm weights."""
+    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny") / "qwen3"), arch="qwen3", seed=5, tie=True)
+
+
 def _needs_bf16(dtype: str) -> None:
     """Skip a 16-bit dtype whose GEMM kernel this build lacks."""
     if dtype == "bfloat16" and not load_decode_kernel().small_m_available() & 2:
@@ -70,11 +76,11 @@ def _both_paths(runner, batch):
     return (ref, ref_kv), (out, [kv.clone() for kv in runner.kv_caches])
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-def test_fused_step_matches_torch_path(arch, dtype, tiny_model_dir, tiny_llama_dir, one_torch_thread):
+def test_fused_step_matches_torch_path(arch, dtype, tiny_model_dir, tiny_llama_dir, tiny_qwen3_dir, one_torch_thread):
     _needs_bf16(dtype)
-    llm, runner = _runner(tiny_model_dir if arch == "qwen2" else tiny_llama_dir, dtype)
+    llm, runner = _runner({"qwen2": tiny_model_dir, "llama": tiny_llama_dir, "qwen3": tiny_qwen3_dir}[arch], dtype)
     assert runner.native_decode is not None
     max_rows = runner.native_decode.max_rows
     assert max_rows == {"float32": 32 if AVX512_FORM else 128, "bfloat16": 256, "float16": 256}[dtype]
@@ -396,3 +402,29 @@ def test_lm_head_with_a_grammar_mask_gives_the_masked_logits_and_argmax(dtype, t
         out.append(nd.run_head(*args, np.asarray(sample), greedy=greedy, mask=mask, mask_rows=mask_rows))
     assert torch.equal(out[0], ref)
     assert out[1].tolist() == ref.argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_qwen3_generation_runs_the_fused_step_and_matches_the_torch_path(dtype, tiny_qwen3_dir, monkeypatch,
+                                                                        one_torch_thread):
+    """Qwen3's q/k norms run inside the fused step (it is bound, and every decode step goes
+    through it): greedy tokens are the torch path's, logprobs too (bf16 at these few rows: bit
+    for bit; float32: up to the GEMMs' order of sums)."""
+    _needs_bf16(dtype)
+    # No prefix caching: the second run's prompts then compute as the first run's did.
+    llm = LLM(model=tiny_qwen3_dir, dtype=dtype, num_kv_blocks=256, block_size=16, enable_prefix_caching=False)
+    runner = llm.llm_engine.core.executor.runner
+    assert runner.native_decode is not None and runner.native_decode.model.q_norm
+    calls = _head_calls(runner, monkeypatch)
+    prompts = [{"prompt_token_ids": list(range(9, 9 + n))} for n in (4, 21, 37)]
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True, logprobs=2) for m in (20, 12, 16)]
+    fused, plain = _generate_both(llm, runner, prompts, params)
+    assert calls and set(calls) == {"logits"}
+    for a, b in zip(fused, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        if dtype == "bfloat16":
+            assert a.outputs[0].logprobs == b.outputs[0].logprobs
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert la.keys() == lb.keys()
+            for t in la:
+                assert la[t].logprob == pytest.approx(lb[t].logprob, abs=1e-4)

@@ -1,7 +1,8 @@
 /*
- * One decode step of a Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) in a single native
- * call: embedding -> per layer [RMSNorm, QKV, RoPE, KV write, paged attention, O, residual,
- * RMSNorm, gate|up, SiLU*mul, down, residual] -> final RMSNorm, for up to MAX_ROWS decode tokens.
+ * One decode step of a Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2, Qwen3) in a single
+ * native call: embedding -> per layer [RMSNorm, QKV, (Qwen3: RMSNorm of each query and key head),
+ * RoPE, KV write, paged attention, O, residual, RMSNorm, gate|up, SiLU*mul, down, residual] ->
+ * final RMSNorm, for up to MAX_ROWS decode tokens.
  *
  * A decode step is a pass over the weights with a few rows of activations. Run as torch ops it is
  * about 80 small ops per layer, each paying Python dispatch; here the whole stack is one call and
@@ -120,6 +121,9 @@ typedef struct {
     int64_t lora_rank, lora_dtype;
     /* Per step: each row's adapter slot (-1: none), or NULL when no row of the step has one. */
     const int32_t *lora_slots;
+    /* Qwen3's q/k norms: per layer, [num_layers] arrays of the RMSNorm weights [head_dim] applied
+     * to each query and key head after the QKV projection and before RoPE (eps: eps); NULL: none. */
+    const void *const *q_norm, *const *k_norm;
 } LlamaDecodeModel;
 
 /* The value as stored in dtype dt, read back as float32 (rounds to bf16 or float16). */
@@ -430,13 +434,24 @@ static void step_layers(const Step *c, int tid, int nth) {
         linear(qlin(md->qkv_q, l), xn, M, md->qkv_w[l], md->qkv_b[l], qkvn, Hd, c->qkv, dt, c->xb, team, lo, hi);
         lora_apply(c, lora_of(c, md->lora_qkv, l), xn, Hd, c->qkv, qkvn, team ? lo : 0, team ? hi : qkvn, 0, 0, lh);
         team_sync(team);
-        /* q rotated into its own rows; k rotated and v copied straight into their cache slots. */
+        /* q rotated into its own rows; k rotated and v copied straight into their cache slots.
+         * With q/k norms, each head is normed into its destination first and rotated in place
+         * there (the torch path's order: RMSNorm rounded to dtype, then RoPE). */
         lo = att_lo, hi = att_hi;
         for (int64_t it = lo; it < hi; it++) {
             const int64_t m = it / KVH, kh = it % KVH, slot = c->slot_mapping[m], pos = c->positions[m];
             const int64_t src = m * qkvn + qn + kh * D, dst = slot * kvn + kh * D;
-            rope_row(c->qkv, m * qkvn + kh * G * D, c->q, m * qn + kh * G * D, G, D, md->cos, md->sin, pos, dt);
-            rope_row(c->qkv, src, md->k_cache[l], dst, 1, D, md->cos, md->sin, pos, dt);
+            const int64_t qsrc = m * qkvn + kh * G * D, qdst = m * qn + kh * G * D;
+            if (md->q_norm != NULL) {
+                rms_norm((const char *)c->qkv + qsrc * es, G, D, md->q_norm[l], md->eps, (char *)c->q + qdst * es, dt);
+                rope_row(c->q, qdst, c->q, qdst, G, D, md->cos, md->sin, pos, dt);
+                rms_norm((const char *)c->qkv + src * es, 1, D, md->k_norm[l], md->eps,
+                         (char *)md->k_cache[l] + dst * es, dt);
+                rope_row(md->k_cache[l], dst, md->k_cache[l], dst, 1, D, md->cos, md->sin, pos, dt);
+            } else {
+                rope_row(c->qkv, qsrc, c->q, qdst, G, D, md->cos, md->sin, pos, dt);
+                rope_row(c->qkv, src, md->k_cache[l], dst, 1, D, md->cos, md->sin, pos, dt);
+            }
             memcpy((char *)md->v_cache[l] + dst * es, (const char *)c->qkv + (src + kvn) * es, (size_t)(D * es));
         }
         if (c->chained) team_sync(team);
