@@ -49,6 +49,9 @@ def skip_reason(core: Any) -> str | None:
     mc = core.model_config
     if mc.runner != "generate" or mc.is_encoder:
         return "a pooling model"
+    if core.config.cache_config.calculate_kv_scales and mc.kv_cache_dtype.startswith("fp8"):
+        # The fp8 cache's scales come from the first batch that runs: it must be a real request's.
+        return "--calculate-kv-scales takes the fp8 KV cache's scales from the first batch"
     return None
 
 

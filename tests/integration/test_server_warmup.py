@@ -101,3 +101,12 @@ def test_warm_up_leaves_the_engine_as_it_was(tiny_model_dir: str):
     assert warm_up(core) is not None  # a budget of 128 tokens: its prompt of 256 in two chunks of 128
     after = state()
     assert all(torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b for a, b in zip(before, after))
+
+
+def test_no_warm_up_where_the_first_batch_sets_the_fp8_kv_scales(tiny_model_dir: str):
+    llm = LLM(tiny_model_dir, dtype="float32", num_kv_blocks=64, max_num_seqs=4, kv_cache_dtype="fp8",
+              calculate_kv_scales=True)
+    core = llm.llm_engine.core
+    assert warm_up(core) is None
+    scales = [(m.k_scale, m.v_scale) for m in core.executor.runner.model.modules() if hasattr(m, "calculate_kv_scales")]
+    assert scales and all(s == (1.0, 1.0) for s in scales)  # still to be set by the first request
