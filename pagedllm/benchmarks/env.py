@@ -54,7 +54,8 @@ def _version(dist: str) -> str | None:
 def command_line() -> str:
     """This process's command: `pagedllm ARGS` under the CLI, else the script and its arguments."""
     prog = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
-    if prog in ("pagedllm", "__main__.py", ""):
+    script = sys.argv[0].replace("\\", "/") if sys.argv else ""
+    if prog in ("pagedllm", "__main__.py", "") or script.endswith("pagedllm/entrypoints/cli.py"):
         return "pagedllm " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     return " ".join(shlex.quote(a) for a in sys.argv)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +91,9 @@ def machine(meta: dict[str, Any] | None) -> str:
 
 def command(meta: dict[str, Any] | None) -> str:
     """The run's command with this checkout's absolute path left out."""
-    return str((meta or {}).get("command", "?")).replace(str(REPO) + "/", "")
+    cmd = str((meta or {}).get("command", "?")).replace(str(REPO) + "/", "")
+    # The CLI run as a script from a checkout (`python pagedllm/entrypoints/cli.py bench ...`) is `pagedllm`.
+    return re.sub(r"^\S*pagedllm/entrypoints/cli\.py(?= )", "pagedllm", cmd)
 
 
 def commit_text(commit: str | None) -> str:
