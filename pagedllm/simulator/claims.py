@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -28,6 +29,7 @@ from pagedllm.simulator.model import load_model_config  # noqa: E402
 from pagedllm.simulator.report import summarize  # noqa: E402
 from pagedllm.simulator.runner import Simulation, kv_blocks_for  # noqa: E402
 from pagedllm.simulator.trace import TraceRequest, synthetic_trace  # noqa: E402
+from pagedllm.benchmarks.env import run_metadata  # noqa: E402
 from pagedllm.benchmarks.script import RESULTS, ROOT, parser  # noqa: E402
 
 IMG = ROOT / "docs" / "img"
@@ -224,12 +226,22 @@ def claim_swap(cpu_profile: str | None):
         out[f"{mname} on {tp}x{hname}"] = dict(zip(map(str, ctxs), ts))
         ax.plot(ctxs, [1e3 * t for t in ts], marker="o", label=f"{mname}, {tp} x {hw.name} (model)")
     if cpu_profile and Path(cpu_profile).is_file():
+        # The simulator's CPU profile (its rate was measured on the host and commit it was calibrated on).
         hw = load_profile(cpu_profile)
         model = load_model_config("smollm2-135m")
         cost = CostModel(model, hw, 16)
         ts = [cost.step_time(StepFeatures(swap_blocks=math.ceil(c / 16))).moves for c in ctxs]
-        out["smollm2-135m on this CPU (measured copy rate)"] = dict(zip(map(str, ctxs), ts))
-        ax.plot(ctxs, [1e3 * t for t in ts], marker="s", label="smollm2-135m fp32, this CPU (measured)")
+        out["smollm2-135m, the CPU profile's copy rate"] = dict(zip(map(str, ctxs), ts))
+        out["cpu_profile_swap_bytes_per_s"] = hw.swap_bw
+        ax.plot(ctxs, [1e3 * t for t in ts], marker="s", label="smollm2-135m fp32, CPU profile (measured)")
+        # The engine's own block moves (out to the host pool and back), timed in this run.
+        from pagedllm.simulator.calibrate import measure_swap_bw
+
+        rate = measure_swap_bw(None)
+        out["swap_bytes_per_s_measured_now"] = rate
+        ts = [math.ceil(c / 16) * cost.block_bytes / rate for c in ctxs]
+        out["smollm2-135m on this CPU (rate measured in this run)"] = dict(zip(map(str, ctxs), ts))
+        ax.plot(ctxs, [1e3 * t for t in ts], marker="^", label="smollm2-135m fp32, this run's host (measured)")
     ax.axhspan(10, 20, color="grey", alpha=0.2, label="claimed 10-20 ms")
     ax.set(xscale="log", yscale="log", xlabel="tokens of the preempted request", ylabel="swap-out time (ms)",
            title="time to swap one request's KV to host")
@@ -303,12 +315,14 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     ap.add_argument("--only", nargs="*", default=list(CLAIMS))
     args = ap.parse_args(argv)
     results = json.loads(OUT.read_text()) if OUT.is_file() else {}
+    results["meta"] = run_metadata()
     for name in args.only:
         t = time.perf_counter()
         results[name] = CLAIMS[name]()
         print(f"{name}: {time.perf_counter() - t:.1f} s wall", file=sys.stderr)
         print(json.dumps(results[name], indent=1, default=float))
         OUT.parent.mkdir(parents=True, exist_ok=True)
+        results["meta"]["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]
         OUT.write_text(json.dumps(results, indent=1, default=float) + "\n")
     return 0
 
