@@ -237,6 +237,10 @@ class StallGuard:
         self.switches = 0  # team -> one thread, for logs and tests
         self._logged = -float("inf")
 
+    def stalled(self) -> bool:
+        """Whether steps run on one thread now (a stretch after stalls), without taking a step of it."""
+        return self.team > 1 and self.solo_left > 0
+
     def threads(self) -> int:
         """Threads for the next step: 0 (torch's) or 1."""
         if self.team > 1 and self.solo_left > 0:

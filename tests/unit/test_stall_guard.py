@@ -56,3 +56,29 @@ def test_one_thread_machines_never_switch() -> None:
     g = StallGuard(1)
     assert [_step(g, t) for t in [0.01] * 5 + [0.1] * 20] == [0] * 25
     assert g.switches == 0
+
+
+def test_prompt_steps_run_on_one_thread_while_the_guard_has_decode_steps_on_one(tiny_model_dir: str) -> None:
+    import torch
+
+    from pagedllm import LLM, SamplingParams
+
+    team = torch.get_num_threads()
+    if team < 2:
+        import pytest
+
+        pytest.skip("one torch thread: there is no team to leave")
+    llm = LLM(tiny_model_dir, dtype="float32", num_kv_blocks=64, max_num_seqs=4)
+    paths = llm.llm_engine.core.executor.runner.paths
+    if paths.native is None:
+        import pytest
+
+        pytest.skip("no fused decode step on this CPU: no stall guard")
+    assert paths.eager.guard is paths.native.nd.guard
+    seen: list[int] = []
+    paths.eager.model.register_forward_pre_hook(lambda *_: seen.append(torch.get_num_threads()))
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    llm.generate([{"prompt_token_ids": list(range(5, 40))}], params)
+    paths.native.nd.guard.solo_left = 10  # a stretch of one-thread steps after stalls
+    llm.generate([{"prompt_token_ids": list(range(7, 50))}], params)
+    assert seen == [team, 1] and torch.get_num_threads() == team

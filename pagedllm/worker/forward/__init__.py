@@ -38,6 +38,7 @@ class ForwardPaths:
         self.cuda_graph = cuda_graph
         self.native = native
         self.native_head = native_head
+        eager.guard = native.nd.guard if native is not None else None
 
     def select_path(self, step: PreparedStep) -> ForwardPath:
         """The path this step takes."""

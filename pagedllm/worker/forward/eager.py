@@ -38,8 +38,21 @@ class EagerPath(ForwardPath):
             self._num_splits = choose_num_splits
             self._sms = dev.num_sms(device) if device.type == "cuda" else dev.INTERPRETER_SMS
 
+    # The fused decode step's StallGuard (ForwardPaths sets it where that step exists): while it
+    # runs decode steps on one thread because another process holds a core, prompt steps run on
+    # one thread too. A team of torch threads waits at every op for the descheduled one: a
+    # 350-token prompt's first token took 0.9-1.9 s beside one busy process, 0.1 s alone.
+    guard: Any = None
+
     def run(self, step: PreparedStep) -> torch.Tensor:
-        return self.forward(step.batch)
+        if self.guard is None or not self.guard.stalled():
+            return self.forward(step.batch)
+        team = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return self.forward(step.batch)
+        finally:
+            torch.set_num_threads(team)
 
     def forward(self, batch: BatchArrays) -> torch.Tensor:
         """The final hidden states of the batch's tokens."""
