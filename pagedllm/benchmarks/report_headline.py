@@ -10,7 +10,6 @@ runs, and keep a dirty one only where no clean run of that figure exists on that
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -50,14 +49,6 @@ def _serve(rate: str) -> Callable[[dict[str, Any]], Figure]:
     return get
 
 
-def _server_over_offline(r: dict[str, Any]) -> Figure:
-    served = [x["servers"][0]["runs"][-1]["output_throughput"] for x in r["rounds"]]
-    offline = [x["servers"][0]["offline"]["output_tokens_per_s"] for x in r["rounds"]]
-    ratio = r["summary"]["offline_ratio"][-1]["median"]
-    return Figure(f"{statistics.median(served):.1f} tok/s", f"{statistics.median(offline):.1f} tok/s", ratio,
-                  r["rounds"][0]["servers"][0]["meta"])
-
-
 def _latency(dtype: str, peer: str, phase: str) -> Callable[[dict[str, Any]], Figure]:
     def get(r: dict[str, Any]) -> Figure:
         run = next(x for x in r["runs"] if x["dtype"] == dtype)
@@ -94,14 +85,6 @@ def _quantized(scheme: str, peer: str) -> Callable[[dict[str, Any]], Figure]:
     return get
 
 
-def _kv_memory(block_size: int) -> Callable[[dict[str, Any]], Figure]:
-    def get(r: dict[str, Any]) -> Figure:
-        x = next(x for x in r["results"] if x["block_size"] == block_size)
-        a, b = x["paged_utilization"], 1 - x["contiguous_max_len_waste"]
-        return Figure(f"{100 * a:.1f} % used", f"{100 * b:.1f} % used", a / b, r["meta"])
-    return get
-
-
 def _structured(r: dict[str, Any]) -> Figure:
     rows = {x["backend"]: x for x in r["results"] if x.get("ok")}
     a, b = rows["pagedllm"]["constrained_tokens_per_s"], rows["vllm"]["constrained_tokens_per_s"]
@@ -120,8 +103,6 @@ ROWS: tuple[tuple[str, str, str, Callable[[dict[str, Any]], Figure]], ...] = (
     ("Offline throughput, 128 requests, float32 (output)", "vLLM", "zen3_throughput.json",
      _throughput("float32", "output")),
     ("Serving, 48 requests at once (output)", "vLLM", "serve.json", _serve("inf")),
-    ("Server against the offline engine, 5 rounds (median)", "pagedllm offline", "serve-offline.json",
-     _server_over_offline),
     ("One stream, bf16 decode (AVX2: the default)", "llama.cpp", "zen3_latency.json",
      _latency("bfloat16", "llama.cpp", "decode")),
     ("One stream, float32 decode", "llama.cpp", "zen3_latency.json", _latency("float32", "llama.cpp", "decode")),
@@ -136,8 +117,6 @@ ROWS: tuple[tuple[str, str, str, Callable[[dict[str, Any]], Figure]], ...] = (
     ("Structured output, 64 JSON-schema requests, bf16 (output)", "vLLM", "amx_structured.json", _structured),
     ("Start-up to ready, bf16", "vLLM", "amx_throughput.json", _throughput("bfloat16", "startup")),
     ("Peak memory (RSS), 128 requests, bf16", "vLLM", "amx_throughput.json", _throughput("bfloat16", "rss")),
-    ("KV cache slots holding tokens, block 16 (simulated)", "contiguous at max_model_len", "memory.json",
-     _kv_memory(16)),
 )
 
 
