@@ -38,7 +38,8 @@ class ForwardPaths:
         self.cuda_graph = cuda_graph
         self.native = native
         self.native_head = native_head
-        eager.guard = native.nd.guard if native is not None else None
+        if native is not None:  # prompt steps follow the fused decode step's stall guard (EagerPath.run)
+            eager.guard = native.nd.guard
 
     def select_path(self, step: PreparedStep) -> ForwardPath:
         """The path this step takes."""
