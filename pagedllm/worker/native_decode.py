@@ -243,7 +243,7 @@ class StallGuard:
 
     def threads(self) -> int:
         """Threads for the next step: 0 (torch's) or 1."""
-        if self.team > 1 and self.solo_left > 0:
+        if self.stalled():
             self.solo_left -= 1
             self.probing = self.solo_left == 0
             return 1
