@@ -14,6 +14,7 @@ import logging
 import torch
 from torch import nn
 
+from pagedllm.layers.linear import dense_linear
 from pagedllm.quantization import kernels as K
 from pagedllm.quantization import native
 from pagedllm.quantization.formats import E4M3, GroupCodes
@@ -270,8 +271,9 @@ def finish_group_codes(layer: nn.Module, codes: torch.Tensor, scales: torch.Tens
                        bits: int, dtype: torch.dtype, perm: torch.Tensor | None = None) -> None:
     """Kernel layout: 4-bit codes in the native kernel's layout (CPUs with AVX-512
     BF16 or AVX2 + FMA) or packed for
-    ``_weight_int4pack_mm_for_cpu``, where the group size allows it; otherwise int8 codes with
-    per-group scales in the model dtype. e4m3 bytes (``bits`` :data:`E4M3`) stay as they are for the
+    ``_weight_int4pack_mm_for_cpu``, where the group size allows it; otherwise, where the native
+    kernel runs but not this group size, the weight expanded once to the model dtype (kernel
+    "dense"), and elsewhere int8 codes with per-group scales in the model dtype. e4m3 bytes (``bits`` :data:`E4M3`) stay as they are for the
     kernel, or are expanded once to the model dtype where it does not run."""
     group = codes.shape[1] // scales.shape[1]
     layer.group_size = group
@@ -301,6 +303,15 @@ def finish_group_codes(layer: nn.Module, codes: torch.Tensor, scales: torch.Tens
         _set(layer, "packed", packed)
         _set(layer, "scales_zeros", sz)
         return
+    if not layer.native and native.load_quant_kernel() is not None:
+        # Groups the native kernel does not take (GGUF Q6_K / Q3_K / Q2_K: 16 weights a scale):
+        # expanded once to the model dtype (in the layer's own input order), so that each step reads
+        # 2 bytes a weight through the dense layers' GEMM (and the fused decode step takes the
+        # layer) instead of widening the codes on every call (which writes and reads the dense weight).
+        layer.kernel = "dense"
+        _set(layer, "dense", GroupCodes(codes, scales, zeros, perm).dequantize().to(dtype).contiguous())
+        layer.perm = None
+        return
     shift = 1 << (bits - 1)  # centred codes: the zero kept, zero + shift * scale, stays small
     centred = (codes.to(torch.int16) - shift).to(torch.int8)
     layer.kernel = "int8_group"
@@ -321,6 +332,8 @@ def apply_group_codes(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | No
     if layer.native:
         y = native.group_linear(x, layer.packed if layer.kernel == "int4" else layer.qcodes, layer.qscales,
                                 layer.qzeros, bits=_KERNEL_BITS[layer.kernel], n=layer.out_features)
+    elif layer.kernel == "dense":
+        y = dense_linear(x, layer.dense if layer.dense.dtype == x.dtype else layer.dense.to(x.dtype))
     elif layer.kernel == "e4m3":
         y = torch.nn.functional.linear(x, layer.dense.to(x.dtype))
     elif layer.kernel == "int4":

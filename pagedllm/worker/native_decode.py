@@ -129,6 +129,11 @@ def _linear_layout(lin: nn.Module, dtype: torch.dtype
             return f"a linear weight in {lin.weight.dtype}"
         return _DENSE, 0, lin.weight, lin.weight, lin.weight, None
     name = getattr(qm, "name", type(qm).__name__)
+    if isinstance(qm, GroupCodesLinearMethod) and getattr(lin, "kernel", None) == "dense":
+        # group codes expanded once to the model dtype (groups the native kernel does not take)
+        if lin.dense.dtype != dtype:
+            return f"an expanded {name} weight in {lin.dense.dtype}"
+        return _DENSE, 0, lin.dense, lin.dense, lin.dense, None
     if not getattr(lin, "native", False):
         return f"{name} linear layers without the native quantized kernel"
     k = lin.in_features
@@ -321,7 +326,7 @@ class NativeDecode:
             self._keep.append(descs)
             dense = [lay[0] == _DENSE for lay in layouts]  # type: ignore[index]
             self.kinds.update(lay[0] for lay in layouts)  # type: ignore[misc]
-            weights = ptrs([m.weight if d else None for m, d in zip(mods, dense)])
+            weights = ptrs([lay[2] if d else None for lay, d in zip(layouts, dense)])  # type: ignore[index]
             q = None if all(dense) else ctypes.cast(descs, ctypes.POINTER(_QuantLinear))
             return weights, ptrs([m.bias for m in mods]), q
 
