@@ -383,7 +383,8 @@ def _cmd_latency(args: argparse.Namespace) -> int:
                              args.num_iters_warmup, args.workload_seed)
         return _finish(report, format_latency(report), args)
     report = run_latency_matrix(model, kwargs, dtypes, args.compare or [], args.input_len, args.output_len,
-                                args.num_iters, args.num_iters_warmup, args.workload_seed, args.peers_venv, args.repeat)
+                                args.num_iters, args.num_iters_warmup, args.workload_seed, args.peers_venv, args.repeat,
+                                llamacpp_extra_bufts=not args.llamacpp_no_extra_bufts)
     return _finish(report, format_latency_matrix(report), args)
 
 
@@ -402,6 +403,9 @@ def _add_latency(sub: Any) -> None:
                    help="peers to time on the same weights, prompt, dtype and threads (llama.cpp: the GGUF "
                         "model rewritten unquantized in each dtype; hf: transformers on its HF folder)")
     p.add_argument("--peers-venv", default=None, help="virtual environment with llama-cpp-python (default .venv-peers)")
+    p.add_argument("--llamacpp-no-extra-bufts", action="store_true",
+                   help="llama.cpp without its repacked weight layouts (AMX, AVX-512): its AMX buffer type stops the "
+                        "process on quantized files on hosts where the kernel gives no AMX tile state")
     p.add_argument("--repeat", type=int, default=1,
                    help="rounds of the whole comparison, alternating which engine runs first; each engine's "
                         "median round and the median of the per-round speed-ups are reported")

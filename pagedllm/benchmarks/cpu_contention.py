@@ -1,5 +1,5 @@
 """Single-request decode while other processes keep the CPU's cores busy, with the fused step's
-stall guard (pagedllm/worker/native_decode.py: StallGuard) off and on.
+stall guard (pagedllm/worker/stall_guard.py: StallGuard) off and on.
 
 Usage: .venv/bin/pagedllm bench cpu-contention [--dtype bfloat16] [--tokens 256]
     [--out benchmarks/results/cpu_contention.md]

@@ -231,9 +231,10 @@ def run_hf_latency(model: str | None, dtype: str, input_len: int, output_len: in
 
 def run_latency_matrix(model: str | None, engine_kwargs: dict[str, Any], dtypes: list[str], compare: list[str],
                        input_len: int, output_len: int, num_iters: int, num_warmup: int, seed: int = 0,
-                       peers_venv: str | None = None, repeat: int = 1) -> dict[str, Any]:
+                       peers_venv: str | None = None, repeat: int = 1, llamacpp_extra_bufts: bool = True
+                       ) -> dict[str, Any]:
     """pagedllm in each dtype, and each peer in `compare` (llama.cpp, hf) in the same dtype, in one
-    run; with repeat > 1, `repeat` rounds, pagedllm first in the odd rounds and last in the even ones,
+    run (`llamacpp_extra_bufts` False: llama.cpp without its repacked weight layouts); with repeat > 1, `repeat` rounds, pagedllm first in the odd rounds and last in the even ones,
     summarized by `summarize_rounds` (single-stream decode swings by 20 % between minutes here)."""
     from pagedllm.hardware import resolve_dtype
 
@@ -256,7 +257,7 @@ def run_latency_matrix(model: str | None, engine_kwargs: dict[str, Any], dtypes:
 
             def peers() -> dict[str, Any]:
                 return _time_peers(model, dtype, compare, input_len, output_len, num_iters, num_warmup, seed,
-                                   peers_venv, gguf_path)
+                                   peers_venv, gguf_path, llamacpp_extra_bufts)
 
             if r % 2 == 0:
                 mine = ours()
@@ -275,7 +276,8 @@ def run_latency_matrix(model: str | None, engine_kwargs: dict[str, Any], dtypes:
 
 
 def _time_peers(model: str | None, dtype: str, compare: list[str], input_len: int, output_len: int, num_iters: int,
-                num_warmup: int, seed: int, peers_venv: str | None, gguf_path: str | None = None) -> dict[str, Any]:
+                num_warmup: int, seed: int, peers_venv: str | None, gguf_path: str | None = None,
+                extra_bufts: bool = True) -> dict[str, Any]:
     """Each peer's timing in `dtype`: its result, or {"ok": False, "reason": ...} where it cannot run.
     `gguf_path`: the GGUF file llama.cpp runs as it is (else the model rewritten in `dtype`)."""
     import torch
@@ -287,7 +289,7 @@ def _time_peers(model: str | None, dtype: str, compare: list[str], input_len: in
         try:
             if peer == "llama.cpp":
                 p = run_llamacpp_latency(model, dtype, input_len, output_len, num_iters, num_warmup, seed,
-                                         peers_venv, torch.get_num_threads(), gguf_path)
+                                         peers_venv, torch.get_num_threads(), gguf_path, extra_bufts)
             elif peer == "hf":
                 p = run_hf_latency(model, dtype, input_len, output_len, num_iters, num_warmup, seed)
             else:

@@ -16,9 +16,10 @@ computes it:
 * embeddings scaled by sqrt(hidden) in the model dtype; a GeGLU MLP (gelu, tanh approximation);
   a tied LM head, and a final logit softcap where the config sets one.
 
-The fused native decode step computes the Llama layer and Qwen3's only (worker/native_decode.py
-declines other classes), so Gemma 3 runs the eager path, attention through the native CPU kernels
-with a per-layer window.
+Decode steps on the CPU run the fused native decode step (worker/native_decode.py, its Gemma form:
+these norms, GELU-tanh, the embedding scale, each layer's window, RoPE table and KV group); the
+other steps run this module's forward, attention through the native CPU kernels with a per-layer
+window.
 """
 
 from __future__ import annotations

@@ -126,6 +126,13 @@ class LlamaDecodeModel(ctypes.Structure):
         ("lora_slots", PTR),  # per step: each row's slot (int32, -1: none), or NULL
         # Qwen3's per-head RMSNorm of q and k before RoPE: per layer [num_layers] weights (NULL: none).
         ("q_norm", _PP), ("k_norm", _PP),
+        # Gemma 3: Gemma's norms and GELU-tanh (gemma 1), the embedding scale (0: none), the norms
+        # of the sublayer outputs (NULL: none); per layer its window, RoPE tables and KV group
+        # (NULL: the model-wide ones, one group); per step each group's slots and block tables.
+        ("gemma", ctypes.c_int64), ("embed_scale", ctypes.c_float),
+        ("attn_out_norm", _PP), ("mlp_out_norm", _PP),
+        ("layer_window", PTR), ("layer_cos", _PP), ("layer_sin", _PP), ("layer_group", PTR),
+        ("group_slots", _PP), ("group_tables", _PP),
     ]
 
 

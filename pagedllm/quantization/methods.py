@@ -14,7 +14,6 @@ import logging
 import torch
 from torch import nn
 
-from pagedllm.layers.linear import dense_linear
 from pagedllm.quantization import kernels as K
 from pagedllm.quantization import native
 from pagedllm.quantization.formats import E4M3, GroupCodes
@@ -306,8 +305,8 @@ def finish_group_codes(layer: nn.Module, codes: torch.Tensor, scales: torch.Tens
     if not layer.native and native.load_quant_kernel() is not None:
         # Groups the native kernel does not take (GGUF Q6_K / Q3_K / Q2_K: 16 weights a scale):
         # expanded once to the model dtype (in the layer's own input order), so that each step reads
-        # 2 bytes a weight through the dense layers' GEMM (and the fused decode step takes the
-        # layer) instead of widening the codes on every call (which writes and reads the dense weight).
+        # 2 bytes a weight (the fused decode step takes the layer as a dense one) instead of
+        # widening the codes on every call (which writes and reads the dense weight).
         layer.kernel = "dense"
         _set(layer, "dense", GroupCodes(codes, scales, zeros, perm).dequantize().to(dtype).contiguous())
         layer.perm = None
@@ -332,8 +331,8 @@ def apply_group_codes(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | No
     if layer.native:
         y = native.group_linear(x, layer.packed if layer.kernel == "int4" else layer.qcodes, layer.qscales,
                                 layer.qzeros, bits=_KERNEL_BITS[layer.kernel], n=layer.out_features)
-    elif layer.kernel == "dense":
-        y = dense_linear(x, layer.dense if layer.dense.dtype == x.dtype else layer.dense.to(x.dtype))
+    elif layer.kernel == "dense":  # decode rows of a CPU step run the fused decode step's GEMM instead
+        y = torch.nn.functional.linear(x, layer.dense if layer.dense.dtype == x.dtype else layer.dense.to(x.dtype))
     elif layer.kernel == "e4m3":
         y = torch.nn.functional.linear(x, layer.dense.to(x.dtype))
     elif layer.kernel == "int4":

@@ -255,15 +255,15 @@ class ModelRunner:
             self.draft.allocate(num_blocks)
         if getattr(self.model, "pooling_only", False):
             return  # no decode steps: neither CUDA graphs nor the fused native decode step
-        single = self.kv.groups.num_groups == 1  # the graphs and the fused step read one block table
-        if not single:
-            logger.info("KV cache in %s: no CUDA graphs, no fused native decode step", self.kv.groups.describe())
+        single = self.kv.groups.num_groups == 1  # the graphs read one block table; the fused step each group's
+        if not single and self.device_config.use_cuda_graphs:
+            logger.info("KV cache in %s: no CUDA graphs", self.kv.groups.describe())
         if self.device_config.use_cuda_graphs and single:
             self.capture_cuda_graphs()
-        if not self.is_cuda and self.native_kernel is not None and single:
+        if not self.is_cuda and self.native_kernel is not None:
             self.native_decode = NativeDecode.create(
                 self.model, self.kv_caches, self.dtype, self.kv_dtype,  # type: ignore[arg-type]
-                self.block_size, self.model_config.sliding_window)
+                self.block_size, self.model_config.sliding_window, self.kv.groups)
 
     def capture_cuda_graphs(self) -> None:
         """Decode-only steps at the configured padded batch sizes, captured once (GPU only)."""

@@ -10,10 +10,12 @@ step's sampled rows are few enough that the torch path's LM head is the same sma
 small_m_rows), the call goes on through the LM head: it returns those rows' logits, or, when every row
 samples greedily with nothing else to apply, their argmax, so that such a step runs no torch op.
 
-It applies to Llama-family models (Llama, Mistral, Qwen2, SmolLM2) and dense Qwen3 (its per-head
-RMSNorm of queries and keys before RoPE runs in the step too) on one CPU rank, with a KV cache in the
-model dtype, whose linear layers are each either dense in the model dtype or quantized in a layout
-of the native quantized kernel (4-bit group codes of int4 / GGUF / AWQ / GPTQ, int8, fp8, w8a8's
+It applies to Llama-family models (Llama, Mistral, Qwen2, SmolLM2), dense Qwen3 (its per-head
+RMSNorm of queries and keys before RoPE runs in the step too) and Gemma 3 in float32 or bfloat16
+(Gemma's norms and GELU-tanh, the embedding scale, the norms of the sublayers' outputs, and each
+layer's window, RoPE table and KV layer group, whose slots and block tables the step takes from
+the batch) on one CPU rank, with a KV cache in the model dtype, whose linear layers are each
+either dense in the model dtype or quantized in a layout of the native quantized kernel (4-bit group codes of int4 / GGUF / AWQ / GPTQ, int8, fp8, w8a8's
 row-major int8 codes with per-token int8 activations; the C step calls the same kernel function as
 the LinearMethod); every other step, and every other
 configuration, runs the torch path. `PAGEDLLM_NATIVE_DECODE=0` turns it off.
@@ -24,7 +26,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
-from collections import deque
 from functools import lru_cache
 
 import numpy as np
@@ -32,6 +33,7 @@ import torch
 from torch import nn
 
 from pagedllm import native
+from pagedllm.core.kv_groups import KVCacheGroups, single_group
 from pagedllm.layers.linear import UnquantizedLinearMethod
 from pagedllm.layers.native_linear import AVX512_FORM, small_m_rows
 from pagedllm.native import kernels
@@ -40,6 +42,7 @@ from pagedllm.native.kernels import LlamaDecodeModel as _Model
 from pagedllm.native.kernels import LoraLinear as _LoraLinear
 from pagedllm.native.kernels import QuantLinear as _QuantLinear
 from pagedllm.quantization.native import int8_activations, kernel_rows
+from pagedllm.worker.stall_guard import StallGuard
 
 logger = logging.getLogger(__name__)
 
@@ -158,8 +161,9 @@ def _unsupported_reason(model: nn.Module, dtype: torch.dtype, kv_dtype: torch.dt
     from pagedllm.layers.rotary import RotaryEmbedding
     from pagedllm.models.llama import LlamaForCausalLM, LlamaMLP
 
-    if not isinstance(model, LlamaForCausalLM) or type(model).forward is not LlamaForCausalLM.forward:
-        return f"{type(model).__name__} is not a Llama-family decoder"
+    gemma = _is_gemma3(model)
+    if not gemma and (not isinstance(model, LlamaForCausalLM) or type(model).forward is not LlamaForCausalLM.forward):
+        return f"{type(model).__name__} is not a Llama-family decoder or Gemma 3"
     if dtype not in _DTYPE_CODES:
         return f"dtype {dtype} (float32, bfloat16 and float16 only)"
     if kv_dtype != dtype:
@@ -167,13 +171,15 @@ def _unsupported_reason(model: nn.Module, dtype: torch.dtype, kv_dtype: torch.dt
     p = model.parallel
     if p.tp.size != 1 or p.pp_size != 1:
         return "tensor or pipeline parallelism"
+    if gemma and (dtype == torch.float16 or model.layers[0].self_attn.rotary_emb.cos.dtype != dtype):
+        return "Gemma 3 in float16 (its norms and GELU run in float32 and bfloat16 only)"
     layer_types = _layer_types()
     for layer in model.layers:
         # Exactly the layers the C step computes (_layer_types): other families built on the Llama
         # layer (Phi-3's partial rotary, mixture-of-experts blocks, Qwen3-MoE) change what it would
         # have to compute.
-        if (layer_types.get(type(layer)) is not type(layer.self_attn) or type(layer.mlp) is not LlamaMLP
-                or type(layer.self_attn.rotary_emb) is not RotaryEmbedding):
+        if (layer_types.get(type(layer)) is not type(layer.self_attn) or type(layer.self_attn.rotary_emb) is not
+                RotaryEmbedding or type(layer.mlp) is not (_gemma3_classes()[2] if gemma else LlamaMLP)):
             return f"layer type {type(layer).__name__}"
         a, mlp = layer.self_attn, layer.mlp
         if _has_qk_norm(a) != _has_qk_norm(model.layers[0].self_attn):
@@ -184,118 +190,73 @@ def _unsupported_reason(model: nn.Module, dtype: torch.dtype, kv_dtype: torch.dt
                 w = norm.weight
                 if norm.eps != eps or w.dtype != dtype or w.shape != (a.head_dim,) or not w.is_contiguous():
                     return "q/k norms of another eps, dtype or size than the step's"
+        if gemma:
+            reason = _gemma3_layer_reason(model, layer, dtype)
+            if reason is not None:
+                return reason
         for lin in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj):
             layout = _linear_layout(lin, dtype)
             if isinstance(layout, str):
                 return layout
         if a.head_dim > 1024 or a.attn.k_scale != 1.0 or a.attn.v_scale != 1.0:
             return "head size or KV scales"
-        if a.attn.sliding_window is not None:
+        if a.attn.sliding_window is not None and not gemma:
             return "layers with windows of their own (the step takes one window for all)"
+    return None
+
+
+def _gemma3_classes() -> tuple[type, type, type]:
+    """Gemma 3's model, layer and MLP classes."""
+    from pagedllm.models.gemma3 import Gemma3DecoderLayer, Gemma3ForCausalLM, Gemma3MLP
+
+    return Gemma3ForCausalLM, Gemma3DecoderLayer, Gemma3MLP
+
+
+def _is_gemma3(model: nn.Module) -> bool:
+    """Gemma 3's text decoder with its own forward (the C step's Gemma form computes exactly it)."""
+    cls = _gemma3_classes()[0]
+    return type(model) is cls and type(model).forward is cls.forward
+
+
+def _gemma3_layer_reason(model: nn.Module, layer: nn.Module, dtype: torch.dtype) -> str | None:
+    """Why the step's Gemma form cannot run this Gemma 3 layer (norms of one eps, in the dtype, of
+    the hidden size; RoPE tables as long as the step's), or None."""
+    eps = layer.input_layernorm.eps
+    norms = (layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
+             layer.post_feedforward_layernorm, model.norm)
+    for norm in norms:
+        w = norm.weight
+        if norm.eps != eps or w.dtype != dtype or w.shape != (model.config.hidden_size,) or not w.is_contiguous():
+            return "Gemma norms of another eps, dtype or size than the step's"
+    rot = layer.self_attn.rotary_emb
+    if rot.cos.shape != model.layers[0].self_attn.rotary_emb.cos.shape or rot.cos.dtype != dtype:
+        return "RoPE tables of another length or dtype than the first layer's"
     return None
 
 
 def _layer_types() -> dict[type, type]:
     """The decoder layer classes the C step computes, each with its exact attention class: the
-    Llama layer, and Qwen3's (the Llama layer with per-head q/k RMSNorm before RoPE)."""
+    Llama layer, Qwen3's (the Llama layer with per-head q/k RMSNorm before RoPE) and Gemma 3's."""
+    from pagedllm.models.gemma3 import Gemma3Attention, Gemma3DecoderLayer
     from pagedllm.models.llama import LlamaAttention, LlamaDecoderLayer
     from pagedllm.models.qwen3 import QKNormAttention, Qwen3DecoderLayer
 
-    return {LlamaDecoderLayer: LlamaAttention, Qwen3DecoderLayer: QKNormAttention}
+    return {LlamaDecoderLayer: LlamaAttention, Qwen3DecoderLayer: QKNormAttention, Gemma3DecoderLayer: Gemma3Attention}
 
 
 def _has_qk_norm(attn: nn.Module) -> bool:
     """Whether this attention (of a layer _layer_types accepts) norms each q and k head before RoPE."""
+    from pagedllm.models.gemma3 import Gemma3Attention
     from pagedllm.models.qwen3 import QKNormAttention
 
-    return type(attn) is QKNormAttention
-
-
-class StallGuard:
-    """How many threads the fused step runs on: torch's threads while their steps keep their usual
-    pace, one thread for a while once they stall.
-
-    A team waits at every barrier for its slowest thread (five barriers per layer). When another
-    process holds a core, nearly every barrier waits for a descheduled thread's next time slice:
-    measured with one busy process beside a bfloat16 single-request step on this 2-core machine, the
-    two-thread step's median went from 11.4 to 23.6 ms and its 90th percentile to 132 ms, while one
-    thread ran at 20.1 / 21.5 ms (benchmarks/bench_cpu_contention.py measures the engine). So: when the last WINDOW team steps took on average more than
-    SLOW times the fastest team step of their size (stalls come in bursts: one slow step, a GC
-    pause or a page fault, does not do it), the step runs on one thread for SOLO steps; then one
-    team step is tried; if it takes over SLOW times too, the next one-thread stretch is twice as
-    long (up to MAX_SOLO), else the team is back. Results are the same bits either way (a team
-    computes every element as one thread does)."""
-
-    SLOW = 2.0
-    WINDOW = 8
-    SOLO = 64
-    MAX_SOLO = 4096
-    RELAX = 1.002  # the fastest time creeps up per team step, as contexts (and steps) grow
-
-    def __init__(self, threads: int) -> None:
-        self.team = threads
-        self.best: dict[int, float] = {}
-        self.recent: deque[float] = deque(maxlen=self.WINDOW)  # team steps' time / their size's fastest
-        self.solo_left = 0
-        self.solo_len = self.SOLO
-        self.probing = False
-        self.switches = 0  # team -> one thread, for logs and tests
-        self._logged = -float("inf")
-
-    def stalled(self) -> bool:
-        """Whether steps run on one thread now (a stretch after stalls), without taking a step of it."""
-        return self.team > 1 and self.solo_left > 0
-
-    def threads(self) -> int:
-        """Threads for the next step: 0 (torch's) or 1."""
-        if self.stalled():
-            self.solo_left -= 1
-            self.probing = self.solo_left == 0
-            return 1
-        return 0
-
-    def record(self, key: int, threads: int, seconds: float) -> None:
-        """The time of a step that ran on `threads` (as threads() said); `key` tells steps of
-        different sizes apart (the fused step: rows, and whether it ran the LM head)."""
-        if self.team <= 1 or threads == 1:
-            return
-        prev = self.best.get(key)
-        self.best[key] = seconds if prev is None else min(prev * self.RELAX, seconds)
-        ratio = 1.0 if prev is None else seconds / prev
-        stalled = ratio > self.SLOW
-        if self.probing:
-            self.probing = False
-            if stalled:
-                self.solo_len = min(2 * self.solo_len, self.MAX_SOLO)
-                self.solo_left = self.solo_len
-            else:
-                self.solo_len = self.SOLO
-                self.recent.clear()
-                self._log("decode steps back on %d threads", self.team)
-            return
-        self.recent.append(ratio)
-        if len(self.recent) == self.WINDOW and sum(self.recent) > self.SLOW * self.WINDOW:
-            mean = sum(self.recent) / self.WINDOW
-            self.recent.clear()
-            self.solo_left = self.solo_len
-            self.switches += 1
-            self._log("decode steps on one thread for a while: the last %d %d-thread steps took %.1fx their usual "
-                      "time on average (another process is using a core)", self.WINDOW, self.team, mean)
-
-    def _log(self, msg: str, *args: object) -> None:
-        """At most one INFO line a minute (a busy neighbour can flip the choice every second)."""
-        now = time.monotonic()
-        level = logging.INFO if now - self._logged >= 60.0 else logging.DEBUG
-        if level == logging.INFO:
-            self._logged = now
-        logger.log(level, msg, *args)
+    return type(attn) in (QKNormAttention, Gemma3Attention)
 
 
 class NativeDecode:
     """The fused decode step bound to one model and its KV caches."""
 
     def __init__(self, lib: Binding, model: nn.Module, kv_caches: list[torch.Tensor], dtype: torch.dtype,
-                 block_size: int, sliding_window: int | None) -> None:
+                 block_size: int, sliding_window: int | None, groups: KVCacheGroups | None = None) -> None:
         self.lib = lib
         self.guard = StallGuard(torch.get_num_threads())
         self.dtype = dtype
@@ -336,6 +297,14 @@ class NativeDecode:
         down_w, down_b, down_q = lin("down_proj")
         self.quantized = any(q is not None for q in (qkv_q, o_q, gu_q, down_q))
         self.hidden = int(cfg.hidden_size)
+        # Layer l's K/V cache: kv_caches[l], or with KV layer groups the tensor of its slot.
+        groups = groups or single_group(len(layers))
+        self.num_groups = groups.num_groups
+        caches = [kv_caches[groups.layer_slot[layer.self_attn.attn.layer_idx]] for layer in layers]
+        gemma = _is_gemma3(model)
+        # Gemma 3: the MLP's input norm is pre_feedforward_layernorm (post_attention_layernorm norms
+        # the attention's output); the Llama family's is post_attention_layernorm.
+        mlp_norms = [layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm for layer in layers]
         self.model = _Model(
             num_layers=len(layers), hidden=self.hidden, num_heads=attn0.num_heads, num_kv_heads=attn0.num_kv_heads,
             head_dim=attn0.head_dim, intermediate=layers[0].mlp.gate_up_proj.out_features // 2,
@@ -345,23 +314,31 @@ class NativeDecode:
             embed=self._vocab_ptr(model.embed_tokens), final_norm=model.norm.weight.data_ptr(),
             cos=rotary.cos.data_ptr(), sin=rotary.sin.data_ptr(),
             input_norm=ptrs([layer.input_layernorm.weight for layer in layers]),
-            post_norm=ptrs([layer.post_attention_layernorm.weight for layer in layers]),
+            post_norm=ptrs([norm.weight for norm in mlp_norms]),
             qkv_w=qkv_w, qkv_b=qkv_b, o_w=o_w, o_b=o_b, gate_up_w=gu_w, gate_up_b=gu_b, down_w=down_w, down_b=down_b,
-            k_cache=ptrs([kv[0] for kv in kv_caches]), v_cache=ptrs([kv[1] for kv in kv_caches]),
+            k_cache=ptrs([kv[0] for kv in caches]), v_cache=ptrs([kv[1] for kv in caches]),
             qkv_q=qkv_q, o_q=o_q, gate_up_q=gu_q, down_q=down_q,
         )
-        if _has_qk_norm(attn0):  # Qwen3: the per-head q and k norms before RoPE
+        if _has_qk_norm(attn0):  # Qwen3, Gemma 3: the per-head q and k norms before RoPE
             self.model.q_norm = ptrs([layer.self_attn.q_norm.weight for layer in layers])
             self.model.k_norm = ptrs([layer.self_attn.k_norm.weight for layer in layers])
+        if gemma:
+            self._bind_gemma3(model, layers, ptrs)
+        if self.num_groups > 1:
+            self._layer_group = np.asarray([groups.layer_group[layer.self_attn.attn.layer_idx] for layer in layers],
+                                           dtype=np.int64)
+            self.model.layer_group = self._layer_group.ctypes.data
         embed = self._codes(model.embed_tokens)
         if embed is not None:  # the embedding kept as codes: the step expands the rows it looks up
             self.model.embed_q, self.model.embed_rows = ctypes.pointer(embed), model.embed_tokens.rows
             self.quantized = True
         head = model.lm_head
-        # The step can end with the LM head where the torch path's head is the same small-M GEMM.
-        self.has_head = head.quant_codes is not None and not head.dense or (
-            head.weight.dtype == dtype and head.weight.is_contiguous() and head.weight.dim() == 2
-            and head.weight.shape == (head.vocab_size, self.hidden))
+        # The step can end with the LM head where the torch path's head is the same small-M GEMM
+        # (and the logits are the head's: no softcap after it).
+        self.has_head = getattr(model, "final_logit_softcapping", None) is None and (
+            head.quant_codes is not None and not head.dense or (
+                head.weight.dtype == dtype and head.weight.is_contiguous() and head.weight.dim() == 2
+                and head.weight.shape == (head.vocab_size, self.hidden)))
         if self.has_head:
             self.model.lm_head, self.model.vocab = self._vocab_ptr(head), head.vocab_size
             self.vocab = int(head.vocab_size)
@@ -369,11 +346,24 @@ class NativeDecode:
             if head_q is not None:  # the torch path's LMHead reads these for decode rows: so does the step
                 self.model.lm_head_q = ctypes.pointer(head_q)
         # Everything the struct points at must stay alive and in place.
-        self._keep.extend([model, kv_caches, rotary.cos, rotary.sin])
+        self._keep.extend([model, kv_caches, caches, rotary.cos, rotary.sin])
         self.lora = self._bind_lora(layers)
         self.max_rows = quantized_rows(self.kinds, dtype) if self.quantized else DTYPE_ROWS[dtype]
         head_rows = QUANTIZED_HEAD_ROWS if self.has_head and self.model.lm_head_q else small_m_rows(dtype)
         self.max_head_rows = min(self.max_rows, head_rows)
+
+    def _bind_gemma3(self, model: nn.Module, layers: list[nn.Module], ptrs) -> None:  # noqa: ANN001
+        """Gemma 3's part of the step: its norms and GELU, the embedding scale, the norms of the
+        sublayers' outputs, and each layer's window and RoPE tables (those of its kind)."""
+        md = self.model
+        md.gemma, md.embed_scale = 1, float(model.embed_scale)
+        md.attn_out_norm = ptrs([layer.post_attention_layernorm.weight for layer in layers])
+        md.mlp_out_norm = ptrs([layer.post_feedforward_layernorm.weight for layer in layers])
+        self._windows = np.asarray([layer.self_attn.attn.sliding_window or 0 for layer in layers], dtype=np.int64)
+        md.layer_window = self._windows.ctypes.data
+        md.layer_cos = ptrs([layer.self_attn.rotary_emb.cos for layer in layers])
+        md.layer_sin = ptrs([layer.self_attn.rotary_emb.sin for layer in layers])
+        self._keep.extend([layer.self_attn.rotary_emb for layer in layers])
 
     def _bind_lora(self, layers: list[nn.Module]) -> bool:
         """Binds the LoRA slots of every layer's four linear layers (their LinearMethods wrapped by
@@ -420,8 +410,10 @@ class NativeDecode:
 
     @classmethod
     def create(cls, model: nn.Module, kv_caches: list[torch.Tensor], dtype: torch.dtype, kv_dtype: torch.dtype,
-               block_size: int, sliding_window: int | None) -> NativeDecode | None:
-        """The fused step for this model, or None (logged) where it does not apply."""
+               block_size: int, sliding_window: int | None, groups: KVCacheGroups | None = None) -> NativeDecode | None:
+        """The fused step for this model, or None (logged) where it does not apply. `groups`: the
+        KV cache's layer groups (core/kv_groups.py; kv_caches then holds one tensor per slot), or
+        None for one tensor per layer and one block table."""
         lib = load_decode_kernel()
         if lib is None:
             return None
@@ -438,7 +430,7 @@ class NativeDecode:
             return None
         # Quantized layers or vocab codes exist here only in the native kernel's layouts, which the
         # LinearMethods choose where that kernel loads (_linear_layout gives the reason otherwise).
-        nd = cls(lib, model, kv_caches, dtype, block_size, sliding_window)
+        nd = cls(lib, model, kv_caches, dtype, block_size, sliding_window, groups)
         if dtype == torch.float16 and (nd.quantized or nd.model.lm_head_q):
             # the quantized kernels take float32 or bf16 activations (llama_decode.c refuses these)
             logger.info("decode steps run as torch ops: float16 with quantized layers or vocabulary")
@@ -452,17 +444,41 @@ class NativeDecode:
         return num_tokens == num_reqs and 0 < num_reqs <= self.max_rows and not has_dense
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
-            block_tables: np.ndarray, seq_lens: np.ndarray, lora_slots: np.ndarray | None = None) -> torch.Tensor | None:
+            block_tables: np.ndarray, seq_lens: np.ndarray, lora_slots: np.ndarray | None = None,
+            kv_groups: list | None = None) -> torch.Tensor | None:
         """Final normed hidden states [M, hidden], or None when the kernel declines the step (then
         the KV cache is untouched and the torch path runs it). `lora_slots`: each row's LoRA
-        slot (int32, -1: none; the caller keeps it alive over the call), or None."""
+        slot (int32, -1: none; the caller keeps it alive over the call), or None. `kv_groups`:
+        with KV layer groups, the batch's KVGroupArrays of groups 1 .. G - 1 (slot_mapping and
+        block_tables are group 0's)."""
         self.model.lora_slots = None if lora_slots is None else lora_slots.ctypes.data
         M = len(input_ids)
         out = torch.empty(M, self.hidden, dtype=self.dtype)
         arrays = _step_arrays(input_ids, positions, slot_mapping, block_tables, seq_lens)
+        keep = self._bind_groups(arrays, kv_groups)  # noqa: F841 (alive over the call)
         rc = self._guarded(2 * M, self.lib.llama_decode_step, ctypes.byref(self.model), M, *_pointers(arrays),
                            out.data_ptr())
         return out if rc == 0 else None
+
+    def _bind_groups(self, arrays: list[np.ndarray], kv_groups: list | None) -> list[object]:
+        """Points the step at each KV group's slots and block tables (group 0's: the step's own
+        `arrays`); returns what must stay alive over the call."""
+        if self.num_groups == 1:
+            return []
+        if kv_groups is None or len(kv_groups) != self.num_groups - 1:
+            raise ValueError(f"kv_groups={None if kv_groups is None else len(kv_groups)}: the step's KV cache has "
+                             f"{self.num_groups} layer groups, so it takes the block tables of {self.num_groups - 1} "
+                             "groups besides the first")
+        slots = [arrays[2]] + [np.ascontiguousarray(g.slot_mapping, dtype=np.int64) for g in kv_groups]
+        tables = [arrays[3]] + [np.ascontiguousarray(g.block_tables, dtype=np.int64) for g in kv_groups]
+        for t in tables[1:]:
+            if t.shape != tables[0].shape:
+                raise ValueError(f"block tables of shape {t.shape}: every KV group's must be {tables[0].shape}")
+        slot_ptrs = (ctypes.c_void_p * len(slots))(*(a.ctypes.data for a in slots))
+        table_ptrs = (ctypes.c_void_p * len(tables))(*(a.ctypes.data for a in tables))
+        self.model.group_slots = ctypes.cast(slot_ptrs, _pp)
+        self.model.group_tables = ctypes.cast(table_ptrs, _pp)
+        return [slots, tables, slot_ptrs, table_ptrs]
 
     def _guarded(self, key: int, fn, *args) -> int:  # noqa: ANN001
         """One C step on the threads the stall guard chooses, its time reported back to the guard
@@ -482,16 +498,18 @@ class NativeDecode:
     def run_head(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
                  block_tables: np.ndarray, seq_lens: np.ndarray, sample_rows: np.ndarray,
                  greedy: bool, mask: torch.Tensor | None = None,
-                 mask_rows: np.ndarray | None = None,
-                 lora_slots: np.ndarray | None = None) -> np.ndarray | torch.Tensor | None:
+                 mask_rows: np.ndarray | None = None, lora_slots: np.ndarray | None = None,
+                 kv_groups: list | None = None) -> np.ndarray | torch.Tensor | None:
         """The step on to the LM head for the batch rows `sample_rows`: their argmax token ids [S]
         (int64) when `greedy`, else their float32 logits [S, vocab], equal to what the torch path's
         LM head gives for the same hidden states. With a structured-output `mask` (int32 [R, words])
         and `mask_rows` [S] (each sample row's mask row, -1 for none), the tokens a row's mask does
         not allow are -inf in its logits and never its argmax. None when the kernel declines the
-        step (then the KV cache is untouched and the torch path runs it). `lora_slots` as for run."""
+        step (then the KV cache is untouched and the torch path runs it). `lora_slots` and
+        `kv_groups` as for run."""
         self.model.lora_slots = None if lora_slots is None else lora_slots.ctypes.data
         arrays = _step_arrays(input_ids, positions, slot_mapping, block_tables, seq_lens)
+        keep = self._bind_groups(arrays, kv_groups)  # noqa: F841 (alive over the call)
         rows = np.ascontiguousarray(sample_rows, dtype=np.int64)
         S = len(rows)
         tokens = np.empty(S, dtype=np.int64) if greedy else None

@@ -1,8 +1,11 @@
 /*
- * One decode step of a Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2, Qwen3) in a single
- * native call: embedding -> per layer [RMSNorm, QKV, (Qwen3: RMSNorm of each query and key head),
- * RoPE, KV write, paged attention, O, residual, RMSNorm, gate|up, SiLU*mul, down, residual] ->
- * final RMSNorm, for up to MAX_ROWS decode tokens.
+ * One decode step of a Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2, Qwen3) or of Gemma 3
+ * in a single native call: embedding (Gemma: times sqrt(hidden)) -> per layer [RMSNorm, QKV,
+ * (Qwen3, Gemma 3: RMSNorm of each query and key head), RoPE, KV write, paged attention, O,
+ * (Gemma 3: RMSNorm,) residual, RMSNorm, gate|up, SiLU*mul (Gemma 3: GELU-tanh*mul), down,
+ * (Gemma 3: RMSNorm,) residual] -> final RMSNorm, for up to MAX_ROWS decode tokens. Gemma 3's
+ * layers each have their own window, RoPE table and KV group (block tables and slots of their
+ * group), and its norms are Gemma's (x * (1 + w), rounded once).
  *
  * A decode step is a pass over the weights with a few rows of activations. Run as torch ops it is
  * about 80 small ops per layer, each paying Python dispatch; here the whole stack is one call and
@@ -124,6 +127,22 @@ typedef struct {
     /* Qwen3's q/k norms: per layer, [num_layers] arrays of the RMSNorm weights [head_dim] applied
      * to each query and key head after the QKV projection and before RoPE (eps: eps); NULL: none. */
     const void *const *q_norm, *const *k_norm;
+    /* Gemma 3 (all NULL / 0 for the Llama family and Qwen3). gemma 1: every RMSNorm is Gemma's
+     * (float32 statistics, times 1 + w in float32, rounded once: GemmaRMSNorm) and the MLP's gate
+     * goes through GELU (tanh approximation) instead of SiLU. embed_scale: the embedding rows times
+     * this value (rounded to dtype), 0 for none. attn_out_norm / mlp_out_norm: per layer, the norms
+     * of the attention's and the MLP's outputs before they join the residual stream (NULL: none). */
+    int64_t gemma;
+    float embed_scale;
+    const void *const *attn_out_norm, *const *mlp_out_norm;
+    /* Per layer ([num_layers]): its window of keys (0: every key; NULL: sliding_window for all),
+     * its RoPE tables (NULL: cos / sin for all) and its KV group (NULL: one group). */
+    const int64_t *layer_window;
+    const void *const *layer_cos, *const *layer_sin;
+    const int64_t *layer_group;
+    /* Per step, with layer_group: each KV group's slot_mapping [M] and block tables [M, bt_stride]
+     * (group 0's are the call's own); NULL without groups. */
+    const int64_t *const *group_slots, *const *group_tables;
 } LlamaDecodeModel;
 
 /* The value as stored in dtype dt, read back as float32 (rounds to bf16 or float16). */
@@ -198,6 +217,17 @@ static void silu_mul(const void *gu, int64_t M, int64_t I, void *out, int dt, in
             const float g = ld(gu, m * 2 * I + i, dt), u = ld(gu, m * 2 * I + I + i, dt);
             st(out, m * I + i, round_dt(g / (1.0f + expf(-g)), dt) * u, dt);
         }
+}
+
+#include "gemma_decode.c"
+
+/* The model's RMSNorm of M rows of H: Gemma's or the Llama family's. */
+static inline void norm_rows(const LlamaDecodeModel *md, const void *x, int64_t M, int64_t H, const void *weight,
+                             void *out, int dt) {
+    if (md->gemma)
+        gemma_rms_norm(x, M, H, weight, md->eps, out, dt);
+    else
+        rms_norm(x, M, H, weight, md->eps, out, dt);
 }
 
 /* Rotate-half RoPE of `heads` heads of one row, read from src and written to dst (may alias):
@@ -407,6 +437,22 @@ static void lora_apply(const Step *c, const LoraLinear *ll, const void *x, int64
 #endif
 }
 
+/* The residual add of a sublayer's output c->o (columns [lo, hi) of each row: this thread's): as it
+ * is, or (Gemma 3) through layer l's norm of its output, `norms`. The norm reads whole rows, which
+ * other threads of a team wrote: it waits for them, then each thread norms every row into its
+ * own scratch xn and adds its columns. */
+static void add_normed(const Step *c, const void *const *norms, int64_t l, void *xn, int64_t lo, int64_t hi) {
+    const LlamaDecodeModel *md = c->md;
+    const int dt = (int)md->dtype;
+    if (norms == NULL) {
+        add_inplace(c->x, c->o, c->M, md->hidden, lo, hi, dt);
+        return;
+    }
+    team_sync(c->team);
+    norm_rows(md, c->o, c->M, md->hidden, norms[l], xn, dt);
+    add_inplace(c->x, xn, c->M, md->hidden, lo, hi, dt);
+}
+
 /*
  * The decoder layers for thread tid of nth (team) or the calling thread (tid 0 of 1). Work split:
  * the norms are computed by every thread for itself (no barrier before the GEMM that reads them);
@@ -414,7 +460,8 @@ static void lora_apply(const Step *c, const LoraLinear *ll, const void *x, int64
  * up by the same rows so that each thread's SiLU*mul reads only its own results, the residual add
  * by the columns each thread just computed; RoPE, the KV write and attention by (row, KV head),
  * in shares of about equal keys.
- * Barriers: after QKV, after attention, after O + residual, after SiLU*mul, after down + residual.
+ * Barriers: after QKV, after attention, after O + residual, after SiLU*mul, after down + residual;
+ * with Gemma's norms of the sublayer outputs, also after O and after down (add_normed).
  */
 static void step_layers(const Step *c, int tid, int nth) {
     const LlamaDecodeModel *md = c->md;
@@ -429,7 +476,13 @@ static void step_layers(const Step *c, int tid, int nth) {
     const int64_t att_lo = attention_split(c->seq_lens, M, KVH, tid, nth),
                   att_hi = attention_split(c->seq_lens, M, KVH, tid + 1, nth);
     for (int64_t l = 0; l < md->num_layers; l++) {
-        rms_norm(c->x, M, Hd, md->input_norm[l], md->eps, xn, dt);
+        const void *cos = md->layer_cos != NULL ? md->layer_cos[l] : md->cos;
+        const void *sin = md->layer_sin != NULL ? md->layer_sin[l] : md->sin;
+        const int64_t window = md->layer_window != NULL ? md->layer_window[l] : md->sliding_window;
+        const int64_t group = md->layer_group != NULL ? md->layer_group[l] : 0;
+        const int64_t *slots = md->layer_group != NULL ? md->group_slots[group] : c->slot_mapping;
+        const int64_t *tables = md->layer_group != NULL ? md->group_tables[group] : c->block_tables;
+        norm_rows(md, c->x, M, Hd, md->input_norm[l], xn, dt);
         team_share(qkvn, SHARE_ROWS, tid, nth, &lo, &hi);
         linear(qlin(md->qkv_q, l), xn, M, md->qkv_w[l], md->qkv_b[l], qkvn, Hd, c->qkv, dt, c->xb, team, lo, hi);
         lora_apply(c, lora_of(c, md->lora_qkv, l), xn, Hd, c->qkv, qkvn, team ? lo : 0, team ? hi : qkvn, 0, 0, lh);
@@ -439,37 +492,36 @@ static void step_layers(const Step *c, int tid, int nth) {
          * there (the torch path's order: RMSNorm rounded to dtype, then RoPE). */
         lo = att_lo, hi = att_hi;
         for (int64_t it = lo; it < hi; it++) {
-            const int64_t m = it / KVH, kh = it % KVH, slot = c->slot_mapping[m], pos = c->positions[m];
+            const int64_t m = it / KVH, kh = it % KVH, slot = slots[m], pos = c->positions[m];
             const int64_t src = m * qkvn + qn + kh * D, dst = slot * kvn + kh * D;
             const int64_t qsrc = m * qkvn + kh * G * D, qdst = m * qn + kh * G * D;
             if (md->q_norm != NULL) {
-                rms_norm((const char *)c->qkv + qsrc * es, G, D, md->q_norm[l], md->eps, (char *)c->q + qdst * es, dt);
-                rope_row(c->q, qdst, c->q, qdst, G, D, md->cos, md->sin, pos, dt);
-                rms_norm((const char *)c->qkv + src * es, 1, D, md->k_norm[l], md->eps,
-                         (char *)md->k_cache[l] + dst * es, dt);
-                rope_row(md->k_cache[l], dst, md->k_cache[l], dst, 1, D, md->cos, md->sin, pos, dt);
+                norm_rows(md, (const char *)c->qkv + qsrc * es, G, D, md->q_norm[l], (char *)c->q + qdst * es, dt);
+                rope_row(c->q, qdst, c->q, qdst, G, D, cos, sin, pos, dt);
+                norm_rows(md, (const char *)c->qkv + src * es, 1, D, md->k_norm[l], (char *)md->k_cache[l] + dst * es,
+                          dt);
+                rope_row(md->k_cache[l], dst, md->k_cache[l], dst, 1, D, cos, sin, pos, dt);
             } else {
-                rope_row(c->qkv, qsrc, c->q, qdst, G, D, md->cos, md->sin, pos, dt);
-                rope_row(c->qkv, src, md->k_cache[l], dst, 1, D, md->cos, md->sin, pos, dt);
+                rope_row(c->qkv, qsrc, c->q, qdst, G, D, cos, sin, pos, dt);
+                rope_row(c->qkv, src, md->k_cache[l], dst, 1, D, cos, sin, pos, dt);
             }
             memcpy((char *)md->v_cache[l] + dst * es, (const char *)c->qkv + (src + kvn) * es, (size_t)(D * es));
         }
         if (c->chained) team_sync(team);
         if (team)
-            paged_attention_items(c->q, qdt, qn, md->k_cache[l], md->v_cache[l], qdt, NULL, c->block_tables, c->bt_stride,
-                                  c->qsl, c->seq_lens, c->work, lo, hi, c->attn, H, KVH, D, md->block_size,
-                                  md->attn_scale, 1.0f, md->sliding_window);
+            paged_attention_items(c->q, qdt, qn, md->k_cache[l], md->v_cache[l], qdt, NULL, tables, c->bt_stride, c->qsl,
+                                  c->seq_lens, c->work, lo, hi, c->attn, H, KVH, D, md->block_size, md->attn_scale,
+                                  1.0f, window);
         else
-            paged_attention(c->q, qdt, qn, md->k_cache[l], md->v_cache[l], qdt, NULL, c->block_tables, c->bt_stride,
-                            c->qsl, c->seq_lens, c->work, M, c->attn, H, KVH, D, md->block_size, md->attn_scale, 1.0f,
-                            md->sliding_window);
+            paged_attention(c->q, qdt, qn, md->k_cache[l], md->v_cache[l], qdt, NULL, tables, c->bt_stride, c->qsl,
+                            c->seq_lens, c->work, M, c->attn, H, KVH, D, md->block_size, md->attn_scale, 1.0f, window);
         team_sync(team);
         team_share(Hd, SHARE_ROWS, tid, nth, &lo, &hi);
         linear(qlin(md->o_q, l), c->attn, M, md->o_w[l], md->o_b[l], Hd, qn, c->o, dt, c->xb, team, lo, hi);
         lora_apply(c, lora_of(c, md->lora_o, l), c->attn, qn, c->o, Hd, team ? lo : 0, team ? hi : Hd, 0, 0, lh);
-        add_inplace(c->x, c->o, M, Hd, lo, hi, dt);
+        add_normed(c, md->attn_out_norm, l, xn, lo, hi);
         team_sync(team);
-        rms_norm(c->x, M, Hd, md->post_norm[l], md->eps, xn, dt);
+        norm_rows(md, c->x, M, Hd, md->post_norm[l], xn, dt);
         team_share(I, 16, tid, nth, &lo, &hi); /* whole 16-lane runs for SiLU*mul */
         if (team) { /* gate rows [lo, hi) and the up rows that pair with them */
             linear(NULL, xn, M, md->gate_up_w[l], md->gate_up_b[l], 2 * I, Hd, c->gu, dt, c->xb, team, lo, hi);
@@ -482,12 +534,15 @@ static void step_layers(const Step *c, int tid, int nth) {
             lora_apply(c, lora_of(c, md->lora_gate_up, l), xn, Hd, c->gu, 2 * I, lo, hi, I + lo, I + hi, lh);
         else
             lora_apply(c, lora_of(c, md->lora_gate_up, l), xn, Hd, c->gu, 2 * I, 0, 2 * I, 0, 0, lh);
-        silu_mul(c->gu, M, I, c->act, dt, lo, hi);
+        if (md->gemma)
+            gelu_tanh_mul(c->gu, M, I, c->act, dt, lo, hi);
+        else
+            silu_mul(c->gu, M, I, c->act, dt, lo, hi);
         team_sync(team);
         team_share(Hd, SHARE_ROWS, tid, nth, &lo, &hi);
         linear(qlin(md->down_q, l), c->act, M, md->down_w[l], md->down_b[l], Hd, I, c->o, dt, c->xb, team, lo, hi);
         lora_apply(c, lora_of(c, md->lora_down, l), c->act, I, c->o, Hd, team ? lo : 0, team ? hi : Hd, 0, 0, lh);
-        add_inplace(c->x, c->o, M, Hd, lo, hi, dt);
+        add_normed(c, md->mlp_out_norm, l, xn, lo, hi);
         team_sync(team);
     }
 }
@@ -607,13 +662,13 @@ static void step_thread(const Step *c, void *out, int tid, int nth) {
     step_layers(c, tid, nth);
     if (S == 0) {
         for (int64_t m = tid; m < c->M; m += nth)
-            rms_norm((const char *)c->x + m * Hd * es, 1, Hd, md->final_norm, md->eps, (char *)out + m * Hd * es, dt);
+            norm_rows(md, (const char *)c->x + m * Hd * es, 1, Hd, md->final_norm, (char *)out + m * Hd * es, dt);
         return;
     }
     void *hs = (char *)c->hs + tid * S * Hd * es;
     for (int64_t s = 0; s < S; s++)
-        rms_norm((const char *)c->x + c->sample_rows[s] * Hd * es, 1, Hd, md->final_norm, md->eps,
-                 (char *)hs + s * Hd * es, dt);
+        norm_rows(md, (const char *)c->x + c->sample_rows[s] * Hd * es, 1, Hd, md->final_norm, (char *)hs + s * Hd * es,
+                  dt);
     int64_t lo, hi;
     team_share(V, SHARE_ROWS, tid, nth, &lo, &hi);
     linear(md->lm_head_q, hs, S, md->lm_head, NULL, V, Hd, c->y, dt, c->xb, c->team, lo, hi);
@@ -664,6 +719,8 @@ static int run_step(const LlamaDecodeModel *md, int64_t M, const int64_t *input_
         !linears_supported(md->gate_up_q, md->num_layers) || !linears_supported(md->down_q, md->num_layers))
         return 1;
     if (md->embed_q != NULL && !linears_supported(md->embed_q, 1)) return 1;
+    if (md->layer_group != NULL && (md->group_slots == NULL || md->group_tables == NULL)) return 1;
+    if (md->gemma && dt == LD_F16) return 1; /* Gemma's norms and GELU: float32 and bfloat16 only */
 #if !defined(LORA_BLOCKS)
     if (md->lora_slots != NULL) return 1; /* the LoRA rows' block kernels need AVX-512F or AVX2 + FMA */
 #endif
@@ -729,6 +786,9 @@ static int run_step(const LlamaDecodeModel *md, int64_t M, const int64_t *input_
         for (int64_t m = 0; m < M; m++)
             memcpy((char *)c.x + m * Hd * es, (const char *)md->embed + input_ids[m] * Hd * es, (size_t)(Hd * es));
     }
+
+    if (md->embed_scale != 0.0f) /* Gemma: the rows times sqrt(hidden) in dtype */
+        for (int64_t i = 0; i < M * Hd; i++) st(c.x, i, ld(c.x, i, dt) * md->embed_scale, dt);
 
     if (team) {
 #pragma omp parallel num_threads(nth)

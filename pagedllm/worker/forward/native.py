@@ -30,7 +30,8 @@ class NativeDecodePath(ForwardPath):
 
     def run(self, step: PreparedStep) -> torch.Tensor:
         b = step.batch if step.token_rows is None else step.token_rows
-        hidden = self.nd.run(b.input_ids, b.positions, b.slot_mapping, b.block_tables, b.seq_lens, step.lora_slots)
+        hidden = self.nd.run(b.input_ids, b.positions, b.slot_mapping, b.block_tables, b.seq_lens, step.lora_slots,
+                             b.kv_groups)
         return self.fallback.run(step) if hidden is None else hidden
 
 
@@ -85,7 +86,7 @@ class NativeHeadPath(ForwardPath):
                                                                                       step.counts)
             mask_rows = np.asarray([so.structured_rows.get(step.req_ids[j], -1) for j in row_req], dtype=np.int64)
         out = self.nd.run_head(rows.input_ids, rows.positions, rows.slot_mapping, rows.block_tables, rows.seq_lens,
-                               rows.sample_rows, greedy, mask, mask_rows, step.lora_slots)
+                               rows.sample_rows, greedy, mask, mask_rows, step.lora_slots, rows.kv_groups)
         if out is not None:
             step.grammar_masked = mask is not None
             return out
