@@ -1,8 +1,10 @@
 """docs/benchmarks.md's sections on the model families beyond the default model: mixture-of-experts
 decode from the result files of `pagedllm bench moe` (benchmarks/results/moe*.json, one run each, in
 name order), throughput and one stream of another model from `pagedllm bench throughput --model M
---compare ...` (benchmarks/results/family-throughput-*.json) and `pagedllm bench latency --model M --compare ...`
-(benchmarks/results/family-latency-*.json)."""
+--compare ...` (THROUGHPUT_FILES: benchmarks/results/family-throughput-*.json, and Gemma 3's runs on
+the AMX host, amx_gemma3_throughput*.json) and `pagedllm bench latency --model M --compare ...`
+(LATENCY_FILES: family-latency-*.json, amx_gemma3_latency*.json; one section per model, a table
+per file)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,9 @@ from typing import Any
 from pagedllm.benchmarks.report_render import load, run_block
 from pagedllm.benchmarks.report_sections import latency_matrix_table
 from pagedllm.benchmarks.throughput import format_table
+
+THROUGHPUT_FILES = ("family-throughput-*.json", "amx_gemma3_throughput*.json")
+LATENCY_FILES = ("family-latency-*.json", "amx_gemma3_latency*.json")
 
 INTRO = """## Mixture-of-experts decode (Qwen3-MoE shape)
 
@@ -57,11 +62,16 @@ def moe_section(results: Path) -> str | None:
     return "\n".join(out)
 
 
+def _files(results: Path, patterns: tuple[str, ...]) -> list[Path]:
+    """The result files matching any of the patterns, in name order."""
+    return sorted({p for pattern in patterns for p in results.glob(pattern)})
+
+
 def model_throughput_sections(results: Path) -> list[str]:
-    """One section per benchmarks/results/family-throughput-<model>.json (`pagedllm bench throughput
-    --model M --compare ...`: each engine's row and its ratio to pagedllm)."""
+    """One section per result file of THROUGHPUT_FILES (`pagedllm bench throughput --model M
+    --compare ...`: each engine's row and its ratio to pagedllm)."""
     out = []
-    for p in sorted(results.glob("family-throughput-*.json")):
+    for p in _files(results, THROUGHPUT_FILES):
         if (r := load(p)) is None:
             continue
         out.append(f"## Throughput: {r['model']['name']}\n\n```\n{format_table(r)}\n```\n"
@@ -70,11 +80,11 @@ def model_throughput_sections(results: Path) -> list[str]:
 
 
 def model_latency_sections(results: Path) -> list[str]:
-    """One section per benchmarks/results/family-latency-<model>.json (a latency matrix with its peers)."""
-    out = []
-    for p in sorted(results.glob("family-latency-*.json")):
+    """One section per model of the LATENCY_FILES (latency matrices with their peers): each file's
+    table, run record and note, in name order."""
+    tables: dict[str, list[str]] = {}
+    for p in _files(results, LATENCY_FILES):
         if (m := load(p)) is None:
             continue
-        name = m["runs"][0]["pagedllm"]["model"]["name"]
-        out.append(f"## One stream: {name}\n\n" + latency_matrix_table(m) + (f"\n{m['note']}\n" if m.get("note") else ""))
-    return out
+        tables.setdefault(m["runs"][0]["pagedllm"]["model"]["name"], []).append(latency_matrix_table(m))
+    return [f"## One stream: {name}\n\n" + "\n".join(parts) for name, parts in tables.items()]
