@@ -1,7 +1,8 @@
 """docs/benchmarks.md's section on user-scale models: the result files of `pagedllm bench scale`
 (benchmarks/results/*scale-<shape>.json, in name order), one subsection per file: greedy agreement
 with llama.cpp, offline throughput against vLLM, one stream against llama.cpp per dtype with the
-weight-read roofline, a long prompt's time to first token, each engine's peak RSS and start-up."""
+weight-read roofline, a long prompt's time to first token, served throughput and latency against
+vLLM's server, each engine's peak RSS and start-up."""
 
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ llama.cpp's quantizer stores its tied embedding in Q8_0 (Q8_0 file) or Q6_K (Q4_
 runs with its extra buffer types off (the weights in the file's layout, no AMX / AVX-512 repacking)
 unless the run says `--llamacpp-extra-bufts`: its AMX buffer type stops the process on the
 quantized files on the AMX host (a segmentation fault at the first evaluation).
-Targets: offline >= 1.5x vLLM; one stream >= 1.0x llama.cpp in every pair and >= 85 % of the
+The served part launches `pagedllm serve` and vLLM's server (bf16) in turn on the same folder and
+sends both the same streamed, greedy requests with `pagedllm bench serve`'s client.
+Targets: offline and served >= 1.5x vLLM; one stream >= 1.0x llama.cpp in every pair and >= 85 % of the
 weight-read roofline (bytes of weights one decode step reads / the copy bandwidth measured in the same
 process); a 4,000-token prompt >= 1.2x llama.cpp's prompt processing.
 """
@@ -102,6 +105,44 @@ def _prefill(p: dict[str, Any]) -> str:
             + "\n" + run_block(p.get("meta")))
 
 
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0f}"
+
+
+def _x(x: float | None) -> str:
+    return "-" if x is None else f"**{x:.2f}x**"
+
+
+def _serve(s: dict[str, Any]) -> str:
+    w = s["workload"]
+    servers = {x["engine"]: x for x in s["servers"]}
+    rows = []
+    for e, x in servers.items():
+        if not x["ok"]:
+            rows.append([e, "-", "not launched: " + x["reason"][:200], "", "", "", "", "", ""])
+    for r in s["runs"]:
+        x = servers[r["engine"]]
+        rows.append([r["engine"], str(r["request_rate"]),
+                     f"{r['completed']}" + (f" ({r['failed']} failed)" if r["failed"] else ""),
+                     f"{r['output_tokens_per_s']:.1f}", _ms(r["ttft_mean_ms"]), _ms(r["ttft_p95_ms"]),
+                     _ms(r["tpot_mean_ms"]), _ms(r["tpot_p95_ms"]),
+                     f"{x['peak_rss_bytes'] / GIB:.2f} / {x['startup_s']:.1f}"])
+    out = (f"Served: {w['num_requests']} streamed requests per rate (prompts {w['input_len_range'][0]}:"
+           f"{w['input_len_range'][1]}, outputs {w['output_len_range'][0]}:{w['output_len_range'][1]} tokens, "
+           f"greedy, ignore_eos), each rate on the same request set (rate inf: all at once; a finite rate: Poisson "
+           f"arrivals); server flags `{s['server_args']}`, vLLM's KV cache {s['vllm_kv_cache_space_gib']} GiB:\n\n"
+           + table(["server", "rate/s", "requests", "output tok/s", "TTFT mean ms", "TTFT p95 ms", "TPOT mean ms",
+                    "TPOT p95 ms", "peak RSS GiB / start-up s"], rows))
+    if s["ratios"]:
+        out += ("\npagedllm over vLLM (output tok/s ours / theirs; latencies theirs / ours; above 1 is pagedllm "
+                "ahead; target 1.5x output tok/s):\n\n"
+                + table(["rate/s", "output tok/s", "TTFT mean", "TTFT p95", "TPOT mean", "TPOT p95"],
+                        [[str(r["request_rate"]), _x(r["output_speedup_vs_vllm"]), _x(r["ttft_mean_speedup_vs_vllm"]),
+                          _x(r["ttft_p95_speedup_vs_vllm"]), _x(r["tpot_mean_speedup_vs_vllm"]),
+                          _x(r["tpot_p95_speedup_vs_vllm"])] for r in s["ratios"]]))
+    return out + "\n" + run_block(s.get("meta"))
+
+
 def scale_section(results: Path) -> str | None:
     runs = [r for p in sorted(results.glob("*scale-*.json")) if (r := load(p)) is not None]
     if not runs:
@@ -120,6 +161,8 @@ def scale_section(results: Path) -> str | None:
             out.append(_single_stream(r["single_stream"]))
         if "prefill" in r:
             out.append(_prefill(r["prefill"]))
+        if "serve" in r:
+            out.append(_serve(r["serve"]))
         if r.get("note"):
             out.append(r["note"] + "\n")
     return "\n".join(out)

@@ -14,6 +14,9 @@ dtype or quantization, the figure, and the engine process's peak RSS and start-u
    measured in the same process.
 4. prefill: the time to first token of one --prefill-len prompt (bf16): pagedllm, HF transformers,
    llama.cpp's prompt processing (BF16).
+5. serve: `pagedllm serve` and `vllm serve` (bf16) launched in turn and driven by `pagedllm bench
+   serve`'s client with the same --serve-num-prompts random requests at each --serve-request-rates
+   (benchmarks/scale_serve.py): output tok/s, mean / p95 TTFT and TPOT, pagedllm over vLLM.
 
 llama.cpp loads the weights in the GGUF's own layout (its extra buffer types off, as
 pagedllm/eval/llamacpp.py loads them) unless --llamacpp-extra-bufts: its AMX buffer type, which
@@ -229,7 +232,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--prefill-len", type=int, default=4000)
     ap.add_argument("--prefill-iters", type=int, default=1)
     ap.add_argument("--prefill-warmup", type=int, default=1)
-    for part in ("agreement", "throughput", "latency", "prefill", "vllm", "llamacpp", "hf"):
+    ap.add_argument("--serve-num-prompts", type=int, default=32, help="served requests per rate (default 32)")
+    ap.add_argument("--serve-request-rates", default="inf,1",
+                    help="served request rates per second, Poisson arrivals; inf = all at once (default inf,1)")
+    ap.add_argument("--launch-timeout", type=float, default=900.0, help="seconds to wait for a server's /health")
+    for part in ("agreement", "throughput", "latency", "prefill", "serve", "vllm", "llamacpp", "hf"):
         ap.add_argument(f"--skip-{part}", action="store_true")
     ap.add_argument("--llamacpp-extra-bufts", action="store_true",
                     help="llama.cpp with its repacked weight layouts (AMX, AVX-512); off by default: its AMX "
@@ -244,6 +251,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         ap.error(f"unknown pair(s) {', '.join(bad)}; choose from {', '.join(PAIRS)}")
     if args.merge and not args.output_json:
         ap.error("--merge needs --output-json")
+    if not args.skip_serve:
+        from pagedllm.benchmarks.scale_serve import parse_rates
+
+        try:
+            parse_rates(args.serve_request_rates)
+        except ValueError as exc:
+            ap.error(str(exc))
     cfg = shape_config(args.shape, args.layers, args.hidden)
     folder, bf16 = build_model(cfg)
     print(f"model: {folder}", file=sys.stderr, flush=True)
@@ -265,5 +279,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         result["single_stream"] = run_latency_part(folder, ggufs, args)
     if not args.skip_prefill:
         result["prefill"] = run_prefill_part(folder, ggufs, args)
+    if not args.skip_serve:
+        from pagedllm.benchmarks.scale_serve import run_serve_part
+
+        result["serve"] = run_serve_part(folder, args)
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(result, indent=2, default=str))
