@@ -113,6 +113,10 @@ def _x(x: float | None) -> str:
     return "-" if x is None else f"**{x:.2f}x**"
 
 
+def _rate(r: float | str) -> str:
+    return r if isinstance(r, str) else f"{r:g}"
+
+
 def _serve(s: dict[str, Any]) -> str:
     w = s["workload"]
     servers = {x["engine"]: x for x in s["servers"]}
@@ -122,7 +126,7 @@ def _serve(s: dict[str, Any]) -> str:
             rows.append([e, "-", "not launched: " + x["reason"][:200], "", "", "", "", "", ""])
     for r in s["runs"]:
         x = servers[r["engine"]]
-        rows.append([r["engine"], str(r["request_rate"]),
+        rows.append([r["engine"], _rate(r["request_rate"]),
                      f"{r['completed']}" + (f" ({r['failed']} failed)" if r["failed"] else ""),
                      f"{r['output_tokens_per_s']:.1f}", _ms(r["ttft_mean_ms"]), _ms(r["ttft_p95_ms"]),
                      _ms(r["tpot_mean_ms"]), _ms(r["tpot_p95_ms"]),
@@ -137,7 +141,7 @@ def _serve(s: dict[str, Any]) -> str:
         out += ("\npagedllm over vLLM (output tok/s ours / theirs; latencies theirs / ours; above 1 is pagedllm "
                 "ahead; target 1.5x output tok/s):\n\n"
                 + table(["rate/s", "output tok/s", "TTFT mean", "TTFT p95", "TPOT mean", "TPOT p95"],
-                        [[str(r["request_rate"]), _x(r["output_speedup_vs_vllm"]), _x(r["ttft_mean_speedup_vs_vllm"]),
+                        [[_rate(r["request_rate"]), _x(r["output_speedup_vs_vllm"]), _x(r["ttft_mean_speedup_vs_vllm"]),
                           _x(r["ttft_p95_speedup_vs_vllm"]), _x(r["tpot_mean_speedup_vs_vllm"]),
                           _x(r["tpot_p95_speedup_vs_vllm"])] for r in s["ratios"]]))
     return out + "\n" + run_block(s.get("meta"))

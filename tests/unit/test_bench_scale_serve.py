@@ -60,6 +60,7 @@ def test_failed_launch_or_requests_give_no_ratio() -> None:
     text = _serve({"workload": {"num_requests": 2, "input_len_range": [32, 512], "output_len_range": [16, 256]},
                    "server_args": "", "vllm_kv_cache_space_gib": 4, "servers": servers, "runs": runs, "ratios": [],
                    "meta": None})
+    assert "| pagedllm | 1 | 2 | " in text
     assert "not launched: the vllm server exited with code 1" in text and "pagedllm over vLLM" not in text
 
     failing = _report("vllm", [0.2], 2.2, 11, 4.0, 1.0)
