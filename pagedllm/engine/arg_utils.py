@@ -24,6 +24,7 @@ from pagedllm.config import (
     QUANTIZATION_METHODS,
     RUNNERS,
     SCHEDULING_POLICIES,
+    SERVE_MAX_NUM_SHARED_PREFILL_TOKENS,
     STORED_QUANTIZATION,
     CacheConfig,
     DeviceConfig,
@@ -247,10 +248,10 @@ class EngineArgs:
         choices=PREEMPTION_MODES)
     long_prefill_token_threshold: int = arg(_SCHED.long_prefill_token_threshold, "cap on one request's prompt chunk per step (0: none)", parse=int)
     max_num_partial_prefills: int = arg(_SCHED.max_num_partial_prefills, "most unfinished prompts per step (0: no limit)", parse=int)
-    max_num_shared_prefill_tokens: int = arg(
-        _SCHED.max_num_shared_prefill_tokens, "prompt tokens of a step that more than one request shares, "
-        "decodes on top (0: the whole token budget); smaller gives the first tokens of a burst sooner",
-        parse=int)
+    max_num_shared_prefill_tokens: int | None = arg(
+        None, "prompt tokens of a step that more than one request shares, decodes on top (0: the whole "
+        "token budget); smaller gives the first tokens of a burst sooner",
+        parse=int, shown_default=f"{SERVE_MAX_NUM_SHARED_PREFILL_TOKENS} (serve), {_SCHED.max_num_shared_prefill_tokens} (offline)")
     time_slice: int = arg(_SCHED.time_slice, "fair policy: steps a running request keeps its place while other users wait",
                           parse=int)
     user_weights: dict[str, float] = arg(
@@ -395,7 +396,9 @@ class EngineArgs:
             preemption_mode=self.preemption_mode,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             max_num_partial_prefills=self.max_num_partial_prefills,
-            max_num_shared_prefill_tokens=self.max_num_shared_prefill_tokens,
+            max_num_shared_prefill_tokens=(_SCHED.max_num_shared_prefill_tokens
+                                           if self.max_num_shared_prefill_tokens is None
+                                           else self.max_num_shared_prefill_tokens),
             time_slice=self.time_slice,
             user_weights=dict(self.user_weights),
             max_waiting_steps=self.max_waiting_steps,

@@ -124,3 +124,20 @@ def test_a_running_prompt_chunk_counts_against_the_cap() -> None:
 def test_the_cap_is_checked() -> None:
     with pytest.raises(ValueError, match="max_num_shared_prefill_tokens"):
         make_sched(max_num_shared_prefill_tokens=-1)
+
+
+def test_the_server_caps_shared_steps_by_default_and_offline_engines_do_not() -> None:
+    from pagedllm.config import SERVE_MAX_NUM_SHARED_PREFILL_TOKENS
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.entrypoints.cli import build_parser
+
+    def cap(argv: list[str]) -> int:
+        args = EngineArgs.from_cli_args(build_parser().parse_args(argv))
+        return args.create_scheduler_config(1024).max_num_shared_prefill_tokens
+
+    assert SERVE_MAX_NUM_SHARED_PREFILL_TOKENS == 512
+    assert cap(["serve"]) == 512
+    assert cap(["serve", "--max-num-shared-prefill-tokens", "0"]) == 0
+    assert cap(["serve", "--max-num-shared-prefill-tokens", "256"]) == 256
+    assert cap(["run-batch", "-i", "in.jsonl", "-o", "out.jsonl"]) == 0
+    assert EngineArgs().create_scheduler_config(1024).max_num_shared_prefill_tokens == 0  # LLM(...)

@@ -30,6 +30,7 @@ def _extra_model(text: str) -> Any:
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    from pagedllm.config import SERVE_MAX_NUM_SHARED_PREFILL_TOKENS
     from pagedllm.engine.arg_utils import EngineArgs, parse_size
 
     p = subparsers.add_parser(
@@ -38,6 +39,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions).",
     )
     EngineArgs.add_cli_args(p, model_positional=True)
+    # Chat clients wait for first tokens: the server caps a shared step's prompt tokens (config.py).
+    p.set_defaults(max_num_shared_prefill_tokens=SERVE_MAX_NUM_SHARED_PREFILL_TOKENS)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     g.add_argument("--port", type=int, default=8000, help="port to listen on")
