@@ -74,6 +74,7 @@ def run_metadata(extra_versions: dict[str, str | None] | None = None) -> dict[st
         "memory_gib": round(psutil.virtual_memory().total / (1 << 30), 1),
         "load_avg_at_start": [round(x, 2) for x in os.getloadavg()],
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"),
         "versions": versions,
         "commit": git_commit(),
     }

@@ -126,7 +126,7 @@ class EngineCore:
         )
         logger.info("%s", self.memory_bound.describe())
         logger.info(
-            "Model %s loaded (%s). KV cache (%.2f GiB, %s): %s; token budget %d per step, at most %d "
+            "Model %s loaded (%s). KV cache (%.2f GiB, %s): %s; token budget %d per step%s, at most %d "
             "sequences; %s policy, %s preemption (%d host swap blocks); ready in %.1f s",
             mc.model,
             mc.kind,
@@ -134,6 +134,8 @@ class EngineCore:
             mc.kv_cache_dtype,
             describe_capacity(groups, num_blocks, cc.block_size, mc.max_model_len, sc.max_num_batched_tokens),
             sc.max_num_batched_tokens,
+            (f" ({sc.max_num_shared_prefill_tokens} prompt tokens when shared)"
+             if 0 < sc.max_num_shared_prefill_tokens < sc.max_num_batched_tokens else ""),
             sc.max_num_seqs,
             sc.policy,
             sc.preemption_mode,
