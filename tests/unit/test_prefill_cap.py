@@ -135,8 +135,8 @@ def test_the_server_caps_shared_steps_by_default_and_offline_engines_do_not() ->
         args = EngineArgs.from_cli_args(build_parser().parse_args(argv))
         return args.create_scheduler_config(1024).max_num_shared_prefill_tokens
 
-    assert SERVE_MAX_NUM_SHARED_PREFILL_TOKENS == 512
-    assert cap(["serve"]) == 512
+    assert SERVE_MAX_NUM_SHARED_PREFILL_TOKENS == 1024
+    assert cap(["serve"]) == 1024
     assert cap(["serve", "--max-num-shared-prefill-tokens", "0"]) == 0
     assert cap(["serve", "--max-num-shared-prefill-tokens", "256"]) == 256
     assert cap(["run-batch", "-i", "in.jsonl", "-o", "out.jsonl"]) == 0
