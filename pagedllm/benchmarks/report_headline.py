@@ -1,5 +1,6 @@
 """The headline table at the top of docs/benchmarks.md: one row per figure a user asks about first
-(offline throughput, serving, one stream, a long prompt, a quantized model, start-up, memory), each
+(offline throughput, first tokens of chat streams, serving and one stream at user scale and on
+Gemma 3, a long prompt, a quantized model, structured output, start-up, memory), each
 with pagedllm's figure, the peer's, their ratio, and the run's date, commit, CPU and ISA line.
 
 Every row is read from a committed result file (ROWS names the file and what to take from it); a
@@ -41,14 +42,6 @@ def _throughput(dtype: str, metric: str) -> Callable[[dict[str, Any]], Figure]:
     return get
 
 
-def _serve(rate: str) -> Callable[[dict[str, Any]], Figure]:
-    def get(r: dict[str, Any]) -> Figure:
-        runs = {s["server"]: next(m for m in s["runs"] if str(m["request_rate"]) == rate) for s in r["servers"]}
-        a, b = runs["pagedllm"]["output_throughput"], runs["vllm"]["output_throughput"]
-        return Figure(f"{a:.1f} tok/s", f"{b:.1f} tok/s", a / b, r["servers"][0]["meta"])
-    return get
-
-
 def _latency(dtype: str, peer: str, phase: str) -> Callable[[dict[str, Any]], Figure]:
     def get(r: dict[str, Any]) -> Figure:
         run = next(x for x in r["runs"] if x["dtype"] == dtype)
@@ -77,6 +70,23 @@ def _scale_stream(scheme: str) -> Callable[[dict[str, Any]], Figure]:
     return get
 
 
+def _scale_serve(rate: str) -> Callable[[dict[str, Any]], Figure]:
+    def get(r: dict[str, Any]) -> Figure:
+        s = r["serve"]
+        runs = {x["engine"]: x for x in s["runs"] if str(x["request_rate"]) == rate}
+        a, b = runs["pagedllm"]["output_tokens_per_s"], runs["vllm"]["output_tokens_per_s"]
+        return Figure(f"{a:.1f} tok/s", f"{b:.1f} tok/s", a / b, s["meta"])
+    return get
+
+
+def _chat_ttft(streams: int) -> Callable[[dict[str, Any]], Figure]:
+    def get(r: dict[str, Any]) -> Figure:
+        level = {e["engine"]: next(x for x in e["levels"] if x["streams"] == streams) for e in r["engines"]}
+        a, b = level["pagedllm"]["ttft_mean_ms"], level["vllm"]["ttft_mean_ms"]
+        return Figure(f"{a:.0f} ms", f"{b:.0f} ms", b / a, r["meta"])
+    return get
+
+
 def _quantized(scheme: str, peer: str) -> Callable[[dict[str, Any]], Figure]:
     def get(r: dict[str, Any]) -> Figure:
         rows = {x["scheme"]: x for x in r["rows"]}
@@ -95,21 +105,23 @@ def _structured(r: dict[str, Any]) -> Figure:
 ROWS: tuple[tuple[str, str, str, Callable[[dict[str, Any]], Figure]], ...] = (
     ("Offline throughput, 128 requests, bf16 (output)", "vLLM", "amx_throughput.json",
      _throughput("bfloat16", "output")),
-    ("Offline throughput, 128 requests, float32 (output)", "vLLM", "amx_throughput.json",
-     _throughput("float32", "output")),
-    ("Offline throughput, 128 requests, bf16 (output)", "vLLM", "throughput.json", _throughput("bfloat16", "output")),
-    ("Offline throughput, 128 requests, float32 (output)", "vLLM", "throughput.json",
-     _throughput("float32", "output")),
     ("Offline throughput, 128 requests, float32 (output)", "vLLM", "zen3_throughput.json",
      _throughput("float32", "output")),
-    ("Serving, 48 requests at once (output)", "vLLM", "serve.json", _serve("inf")),
+    ("Chat, 16 guidellm streams, 256-token prompts (mean time to first token)", "vLLM", "amx_ttft_serve.json",
+     _chat_ttft(16)),
     ("One stream, bf16 decode (AVX2: the default)", "llama.cpp", "zen3_latency.json",
      _latency("bfloat16", "llama.cpp", "decode")),
     ("One stream, float32 decode", "llama.cpp", "zen3_latency.json", _latency("float32", "llama.cpp", "decode")),
     ("Llama-3.2-1B shape: offline throughput, 16 requests, bf16 (output)", "vLLM", "amx_scale-llama-3.2-1b.json",
      _scale_throughput),
+    ("Llama-3.2-1B shape: served, 32 requests at once, bf16 (output)", "vLLM", "amx_scale-llama-3.2-1b.json",
+     _scale_serve("inf")),
     ("Llama-3.2-1B shape: one stream, bf16 decode", "llama.cpp BF16", "amx_scale-llama-3.2-1b.json",
      _scale_stream("bf16")),
+    ("Gemma 3 270M: offline throughput, 128 requests, bf16 (output)", "vLLM", "amx_gemma3_throughput.json",
+     _throughput("bfloat16", "output")),
+    ("Gemma 3 270M Q4_K_M GGUF: one stream decode", "llama.cpp (same file)", "amx_gemma3_latency_gguf.json",
+     _latency("bfloat16", "llama.cpp", "decode")),
     ("Long prompt, 7,000 tokens, bf16 (time to first token)", "HF transformers", "amx_prefill.json",
      _latency("bfloat16", "hf", "prefill")),
     ("Quantized, 4-bit (int4 g32 vs Q4_0), one stream decode", "llama.cpp", "quantization_speed_final.json",
