@@ -8,12 +8,7 @@
  * to dtype once (pagedllm/layers/gemma_norm.py). */
 static void gemma_rms_norm(const void *x, int64_t M, int64_t H, const void *weight, float eps, void *out, int dt) {
     for (int64_t m = 0; m < M; m++) {
-        float ss = 0.0f;
-        for (int64_t i = 0; i < H; i++) {
-            const float v = ld(x, m * H + i, dt);
-            ss += v * v;
-        }
-        const float inv = 1.0f / sqrtf(ss / (float)H + eps);
+        const float inv = inv_rms(x, m, H, eps, dt);
         for (int64_t i = 0; i < H; i++) st(out, m * H + i, ld(x, m * H + i, dt) * inv * (1.0f + ld(weight, i, dt)), dt);
     }
 }

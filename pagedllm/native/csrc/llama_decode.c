@@ -155,6 +155,16 @@ static inline float round_dt(float v, int dt) {
 
 /* out[m] = RMSNorm(x[m]) * weight: float32 statistics; bf16 rounds the normalized row before the
  * weight multiplies it (as the torch path does). */
+/* 1 / sqrt(mean(x[m]^2) + eps) of row m of x [M, H], summed in float32 in order (the scalar norms). */
+static float inv_rms(const void *x, int64_t m, int64_t H, float eps, int dt) {
+    float ss = 0.0f;
+    for (int64_t i = 0; i < H; i++) {
+        const float v = ld(x, m * H + i, dt);
+        ss += v * v;
+    }
+    return 1.0f / sqrtf(ss / (float)H + eps);
+}
+
 static void rms_norm(const void *x, int64_t M, int64_t H, const void *weight, float eps, void *out, int dt) {
 #if defined(ELEMENTWISE_BF16)
     if (dt == LD_BF16 && H % 16 == 0) { /* the torch path's kernel (elementwise_bf16.c) */
@@ -169,12 +179,7 @@ static void rms_norm(const void *x, int64_t M, int64_t H, const void *weight, fl
         return;
     }
     for (int64_t m = 0; m < M; m++) {
-        float ss = 0.0f;
-        for (int64_t i = 0; i < H; i++) {
-            const float v = ld(x, m * H + i, dt);
-            ss += v * v;
-        }
-        const float inv = 1.0f / sqrtf(ss / (float)H + eps);
+        const float inv = inv_rms(x, m, H, eps, dt);
         for (int64_t i = 0; i < H; i++)
             st(out, m * H + i, round_dt(ld(x, m * H + i, dt) * inv, dt) * ld(weight, i, dt), dt);
     }
