@@ -181,10 +181,12 @@ def _add_throughput(sub: Any) -> None:
 # ---- serve ----------------------------------------------------------------------------------
 
 def _rate_list(text: str) -> list[float]:
-    rates = _csv(text, float)
-    if not rates or any(not r > 0 for r in rates):
-        raise argparse.ArgumentTypeError(f"request rates must be positive numbers or inf, got {text!r}")
-    return rates
+    from pagedllm.benchmarks.serve import parse_request_rates
+
+    try:
+        return parse_request_rates(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _launch_list(text: str) -> list[str]:

@@ -22,14 +22,10 @@ LATENCIES = (("ttft_mean", "ttft_ms", "mean"), ("ttft_p95", "ttft_ms", "p95"),
 
 
 def parse_rates(text: str) -> list[float]:
-    """'inf,1' -> [inf, 1.0]; every rate positive."""
-    try:
-        rates = [float(x) for x in str(text).split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"--serve-request-rates takes positive numbers or inf, got {text!r}") from None
-    if not rates or any(not r > 0 for r in rates):
-        raise ValueError(f"--serve-request-rates takes positive numbers or inf, got {text!r}")
-    return rates
+    """--serve-request-rates: 'inf,1' -> [inf, 1.0] (serve.parse_request_rates)."""
+    from pagedllm.benchmarks.serve import parse_request_rates
+
+    return parse_request_rates(text, "--serve-request-rates")
 
 
 def run_row(engine: str, m: dict[str, Any]) -> dict[str, Any]:

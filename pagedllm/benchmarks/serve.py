@@ -104,6 +104,17 @@ async def send_request(client: aiohttp.ClientSession, url: str, model: str | Non
     return result
 
 
+def parse_request_rates(text: str, flag: str = "--request-rate") -> list[float]:
+    """'inf,1' -> [inf, 1.0]: request rates per second (inf: all at once), every one positive."""
+    try:
+        rates = [float(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        rates = []
+    if not rates or any(not r > 0 for r in rates):
+        raise ValueError(f"{flag} takes positive numbers or inf, got {text!r}")
+    return rates
+
+
 def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
     """Send times (s after the start): Poisson process of `rate`/s, or all at 0 for rate inf."""
     if rate == float("inf"):

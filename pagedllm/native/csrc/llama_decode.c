@@ -153,8 +153,6 @@ static inline float round_dt(float v, int dt) {
     return ld(&h, 0, dt);
 }
 
-/* out[m] = RMSNorm(x[m]) * weight: float32 statistics; bf16 rounds the normalized row before the
- * weight multiplies it (as the torch path does). */
 /* 1 / sqrt(mean(x[m]^2) + eps) of row m of x [M, H], summed in float32 in order (the scalar norms). */
 static float inv_rms(const void *x, int64_t m, int64_t H, float eps, int dt) {
     float ss = 0.0f;
@@ -165,6 +163,8 @@ static float inv_rms(const void *x, int64_t m, int64_t H, float eps, int dt) {
     return 1.0f / sqrtf(ss / (float)H + eps);
 }
 
+/* out[m] = RMSNorm(x[m]) * weight: float32 statistics; bf16 rounds the normalized row before the
+ * weight multiplies it (as the torch path does). */
 static void rms_norm(const void *x, int64_t M, int64_t H, const void *weight, float eps, void *out, int dt) {
 #if defined(ELEMENTWISE_BF16)
     if (dt == LD_BF16 && H % 16 == 0) { /* the torch path's kernel (elementwise_bf16.c) */
