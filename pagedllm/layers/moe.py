@@ -1,8 +1,10 @@
 """Mixture-of-experts feed-forward block: a router picks each token's top-k experts, and each
 active expert runs one gated MLP (two GEMMs) on the contiguous rows of the tokens routed to it.
 
-Routing follows the reference implementation: softmax over the router logits in float32, then
-`torch.topk` (its order, ties included), optionally renormalised over the k chosen. Each expert's
+Routing follows the reference implementation: softmax over the router logits in float32, the k
+largest (the larger first; among equal probabilities the lower expert first, where `torch.topk`
+leaves ties to its selection algorithm: a stable sort instead, so that the fused native decode
+step, which routes the same way, picks the same experts), optionally renormalised over the k chosen. Each expert's
 output is scaled by its routing weight and added into the token's row in ascending expert order,
 as the reference does, so the float32 sums are taken in the same order.
 
@@ -32,11 +34,12 @@ _SINGLE = TensorParallelGroup()
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
           weights_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """[T, E] router logits -> (weights [T, k], expert ids [T, k]): float32 softmax, top-k in
-    torch.topk's order, renormalised over the k when `renormalize`; the weights in
-    `weights_dtype` (the logits' dtype when None)."""
+    """[T, E] router logits -> (weights [T, k], expert ids [T, k]): float32 softmax, the top k
+    (descending, the lower expert first on ties), renormalised over the k when `renormalize`; the
+    weights in `weights_dtype` (the logits' dtype when None)."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
+    weights, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
+    weights, ids = weights[:, :top_k], ids[:, :top_k]
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(weights_dtype or router_logits.dtype), ids

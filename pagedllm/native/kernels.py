@@ -133,6 +133,12 @@ class LlamaDecodeModel(ctypes.Structure):
         ("attn_out_norm", _PP), ("mlp_out_norm", _PP),
         ("layer_window", PTR), ("layer_cos", _PP), ("layer_sin", _PP), ("layer_group", PTR),
         ("group_slots", _PP), ("group_tables", _PP),
+        # Mixture-of-experts layers: experts, top-k, each expert's width, renormalise, float32
+        # routing weights; per layer [num_layers] the router and stacked expert weights (NULL
+        # router: a dense MLP; NULL router_w: no such layers).
+        *((name, ctypes.c_int64) for name in ("num_experts", "top_k", "expert_inter", "moe_renorm",
+                                              "moe_f32_weights")),
+        ("router_w", _PP), ("experts_w13", _PP), ("experts_w2", _PP),
     ]
 
 

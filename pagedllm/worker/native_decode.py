@@ -10,8 +10,9 @@ step's sampled rows are few enough that the torch path's LM head is the same sma
 small_m_rows), the call goes on through the LM head: it returns those rows' logits, or, when every row
 samples greedily with nothing else to apply, their argmax, so that such a step runs no torch op.
 
-It applies to Llama-family models (Llama, Mistral, Qwen2, SmolLM2), dense Qwen3 (its per-head
-RMSNorm of queries and keys before RoPE runs in the step too) and Gemma 3 in float32 or bfloat16
+It applies to Llama-family models (Llama, Mistral, Qwen2, SmolLM2), Qwen3 (its per-head
+RMSNorm of queries and keys before RoPE runs in the step too) with Qwen3-MoE's and Mixtral's
+mixture-of-experts blocks where their experts are dense (worker/native_moe.py) and Gemma 3 in float32 or bfloat16
 (Gemma's norms and GELU-tanh, the embedding scale, the norms of the sublayers' outputs, and each
 layer's window, RoPE table and KV layer group, whose slots and block tables the step takes from
 the batch) on one CPU rank, with a KV cache in the model dtype, whose linear layers are each
@@ -42,6 +43,7 @@ from pagedllm.native.kernels import LlamaDecodeModel as _Model
 from pagedllm.native.kernels import LoraLinear as _LoraLinear
 from pagedllm.native.kernels import QuantLinear as _QuantLinear
 from pagedllm.quantization.native import int8_activations, kernel_rows
+from pagedllm.worker.native_moe import bind_moe, is_moe, moe_reason
 from pagedllm.worker.stall_guard import StallGuard
 
 logger = logging.getLogger(__name__)
@@ -174,12 +176,16 @@ def _unsupported_reason(model: nn.Module, dtype: torch.dtype, kv_dtype: torch.dt
     if gemma and (dtype == torch.float16 or model.layers[0].self_attn.rotary_emb.cos.dtype != dtype):
         return "Gemma 3 in float16 (its norms and GELU run in float32 and bfloat16 only)"
     layer_types = _layer_types()
+    reason = moe_reason([layer.mlp for layer in model.layers], dtype)
+    if reason is not None:
+        return reason
     for layer in model.layers:
         # Exactly the layers the C step computes (_layer_types): other families built on the Llama
         # layer (Phi-3's partial rotary, mixture-of-experts blocks, Qwen3-MoE) change what it would
         # have to compute.
+        mlp_ok = type(layer.mlp) is (_gemma3_classes()[2] if gemma else LlamaMLP) or is_moe(layer.mlp)
         if (layer_types.get(type(layer)) is not type(layer.self_attn) or type(layer.self_attn.rotary_emb) is not
-                RotaryEmbedding or type(layer.mlp) is not (_gemma3_classes()[2] if gemma else LlamaMLP)):
+                RotaryEmbedding or not mlp_ok):
             return f"layer type {type(layer).__name__}"
         a, mlp = layer.self_attn, layer.mlp
         if _has_qk_norm(a) != _has_qk_norm(model.layers[0].self_attn):
@@ -194,7 +200,7 @@ def _unsupported_reason(model: nn.Module, dtype: torch.dtype, kv_dtype: torch.dt
             reason = _gemma3_layer_reason(model, layer, dtype)
             if reason is not None:
                 return reason
-        for lin in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj):
+        for lin in (a.qkv_proj, a.o_proj) + (() if is_moe(mlp) else (mlp.gate_up_proj, mlp.down_proj)):
             layout = _linear_layout(lin, dtype)
             if isinstance(layout, str):
                 return layout
@@ -239,9 +245,11 @@ def _layer_types() -> dict[type, type]:
     Llama layer, Qwen3's (the Llama layer with per-head q/k RMSNorm before RoPE) and Gemma 3's."""
     from pagedllm.models.gemma3 import Gemma3Attention, Gemma3DecoderLayer
     from pagedllm.models.llama import LlamaAttention, LlamaDecoderLayer
+    from pagedllm.models.moe import MixtralDecoderLayer, Qwen3MoeDecoderLayer
     from pagedllm.models.qwen3 import QKNormAttention, Qwen3DecoderLayer
 
-    return {LlamaDecoderLayer: LlamaAttention, Qwen3DecoderLayer: QKNormAttention, Gemma3DecoderLayer: Gemma3Attention}
+    return {LlamaDecoderLayer: LlamaAttention, Qwen3DecoderLayer: QKNormAttention, Gemma3DecoderLayer: Gemma3Attention,
+            Qwen3MoeDecoderLayer: QKNormAttention, MixtralDecoderLayer: LlamaAttention}
 
 
 def _has_qk_norm(attn: nn.Module) -> bool:
@@ -274,8 +282,10 @@ class NativeDecode:
 
         def lin(name: str) -> tuple[ctypes.Array, ctypes.Array, object]:
             """Dense weights (None where quantized), biases, and the descriptors (None: all dense)."""
-            mods = [getattr(layer.self_attn if name in ("qkv_proj", "o_proj") else layer.mlp, name) for layer in layers]
-            layouts = [_linear_layout(m, dtype) for m in mods]
+            # (a mixture-of-experts layer has no gate_up_proj / down_proj: None, bound by bind_moe)
+            mods = [getattr(layer.self_attn if name in ("qkv_proj", "o_proj") else layer.mlp, name, None)
+                    for layer in layers]
+            layouts = [(_DENSE, 0, None, None, None, None) if m is None else _linear_layout(m, dtype) for m in mods]
             descs = (_QuantLinear * len(mods))()
             for d, (kind, group, codes, scales, zeros, perm) in zip(descs, layouts):  # type: ignore[misc]
                 if kind != _DENSE:
@@ -289,7 +299,7 @@ class NativeDecode:
             self.kinds.update(lay[0] for lay in layouts)  # type: ignore[misc]
             weights = ptrs([lay[2] if d else None for lay, d in zip(layouts, dense)])  # type: ignore[index]
             q = None if all(dense) else ctypes.cast(descs, ctypes.POINTER(_QuantLinear))
-            return weights, ptrs([m.bias for m in mods]), q
+            return weights, ptrs([getattr(m, "bias", None) for m in mods]), q
 
         qkv_w, qkv_b, qkv_q = lin("qkv_proj")
         o_w, o_b, o_q = lin("o_proj")
@@ -307,7 +317,8 @@ class NativeDecode:
         mlp_norms = [layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm for layer in layers]
         self.model = _Model(
             num_layers=len(layers), hidden=self.hidden, num_heads=attn0.num_heads, num_kv_heads=attn0.num_kv_heads,
-            head_dim=attn0.head_dim, intermediate=layers[0].mlp.gate_up_proj.out_features // 2,
+            head_dim=attn0.head_dim, intermediate=next((layer.mlp.gate_up_proj.out_features // 2 for layer in layers
+                                                        if not is_moe(layer.mlp)), 0),
             dtype=_DTYPE_CODES[dtype], block_size=block_size, sliding_window=int(sliding_window or 0),
             max_position=rotary.cos.shape[0], eps=float(layers[0].input_layernorm.eps),
             attn_scale=float(attn0.attn.scale),
@@ -324,6 +335,7 @@ class NativeDecode:
             self.model.k_norm = ptrs([layer.self_attn.k_norm.weight for layer in layers])
         if gemma:
             self._bind_gemma3(model, layers, ptrs)
+        self.moe = bind_moe(self.model, [layer.mlp for layer in layers], ptrs)
         if self.num_groups > 1:
             self._layer_group = np.asarray([groups.layer_group[layer.self_attn.attn.layer_idx] for layer in layers],
                                            dtype=np.int64)
@@ -372,6 +384,8 @@ class NativeDecode:
         path's native LoRA call). False where there are none or the step cannot apply them."""
         fields = (("lora_qkv", "self_attn", "qkv_proj"), ("lora_o", "self_attn", "o_proj"),
                   ("lora_gate_up", "mlp", "gate_up_proj"), ("lora_down", "mlp", "down_proj"))
+        if self.moe:  # the experts have no LoRA slots here (steps with adapter rows run the torch path)
+            return False
         methods = [[getattr(getattr(layer, part), name).quant_method for layer in layers] for _, part, name in fields]
         if not all(hasattr(m, "lora_a") for ms in methods for m in ms):
             return False

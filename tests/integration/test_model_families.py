@@ -168,9 +168,10 @@ def test_longrope_tables_match_transformers():
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe", "mixtral", "olmoe", "phi3"])
-def test_fused_native_decode_takes_qwen3_and_declines_the_others(family):
-    """The C decode step computes the Llama layer and Qwen3's (q/k norms) only; the other families
-    run the eager path (Qwen3-MoE too: its attention is Qwen3's, its sparse block is not an MLP)."""
+def test_fused_native_decode_takes_qwen3_and_its_moe_and_declines_the_others(family):
+    """The C decode step computes the Llama layer, Qwen3's (q/k norms) and their mixture-of-experts
+    blocks (Qwen3-MoE, Mixtral); OLMoE (q/k norms over all heads, clip_qkv) and Phi-3 (partial
+    rotary, LongRoPE) run the eager path."""
     from pagedllm.models.registry import get_model_class
     from pagedllm.worker.native_decode import _unsupported_reason
 
@@ -179,7 +180,7 @@ def test_fused_native_decode_takes_qwen3_and_declines_the_others(family):
     model = get_model_class(config)(config, torch.float32)
     assert type(model).__name__ == hf_cls.__name__
     reason = _unsupported_reason(model, torch.float32, torch.float32)
-    assert reason is None if family == "qwen3" else reason is not None
+    assert reason is None if family in ("qwen3", "qwen3_moe", "mixtral") else reason is not None
 
 
 @pytest.mark.slow

@@ -122,27 +122,33 @@ def test_step_in_a_team_of_threads_gives_the_one_thread_bits(dtype, tiny_model_d
     hidden states, the KV cache, the logits and the argmax are the one-thread step's."""
     _needs_bf16(dtype)
     llm, runner = _runner(tiny_model_dir, dtype)
+    for rows in (1, 3, runner.native_decode.max_rows):
+        assert_team_gives_one_thread_bits(runner, _decode_batch(runner, [4 + 37 * i % 80 for i in range(rows)],
+                                                                seed=20 + rows))
+
+
+def assert_team_gives_one_thread_bits(runner, batch) -> None:
+    """The step's hidden states, KV cache, logits and argmax on two threads are those on one."""
     nd = runner.native_decode
-    for rows in (1, 3, nd.max_rows):
-        batch = _decode_batch(runner, [4 + 37 * i % 80 for i in range(rows)], seed=20 + rows)
-        args = (batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables, batch.seq_lens)
-        sample = np.arange(rows)[::-1].copy()
-        start = [kv.clone() for kv in runner.kv_caches]
-        results = []
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            out = []
-            for call in (lambda: nd.run(*args), lambda: nd.run_head(*args, sample, greedy=False),
-                         lambda: nd.run_head(*args, sample, greedy=True)):
-                for kv, s in zip(runner.kv_caches, start):
-                    kv.copy_(s)
-                out.append(call())
-            results.append((out, [kv.clone() for kv in runner.kv_caches]))
-        torch.set_num_threads(1)
-        (one, one_kv), (two, two_kv) = results
-        assert all(torch.equal(a, b) for a, b in zip(one_kv, two_kv))
-        assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
-        assert one[2].tolist() == two[2].tolist() == one[1].argmax(dim=-1).tolist()
+    rows = len(batch.input_ids)
+    args = (batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables, batch.seq_lens)
+    sample = np.arange(rows)[::-1].copy()
+    start = [kv.clone() for kv in runner.kv_caches]
+    results = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        out = []
+        for call in (lambda: nd.run(*args), lambda: nd.run_head(*args, sample, greedy=False),
+                     lambda: nd.run_head(*args, sample, greedy=True)):
+            for kv, s in zip(runner.kv_caches, start):
+                kv.copy_(s)
+            out.append(call())
+        results.append((out, [kv.clone() for kv in runner.kv_caches]))
+    torch.set_num_threads(1)
+    (one, one_kv), (two, two_kv) = results
+    assert all(torch.equal(a, b) for a, b in zip(one_kv, two_kv))
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+    assert one[2].tolist() == two[2].tolist() == one[1].argmax(dim=-1).tolist()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])

@@ -5,7 +5,11 @@
  * (Gemma 3: RMSNorm,) residual, RMSNorm, gate|up, SiLU*mul (Gemma 3: GELU-tanh*mul), down,
  * (Gemma 3: RMSNorm,) residual] -> final RMSNorm, for up to MAX_ROWS decode tokens. Gemma 3's
  * layers each have their own window, RoPE table and KV group (block tables and slots of their
- * group), and its norms are Gemma's (x * (1 + w), rounded once).
+ * group), and its norms are Gemma's (x * (1 + w), rounded once). A layer may have a mixture of
+ * experts in place of the MLP (Qwen3-MoE, Mixtral: router_w): each thread routes every row for
+ * itself (router GEMM, float32 softmax, top-k, renormalised), then computes its share of every
+ * active expert's gate|up rows and down columns on the rows routed to that expert, and sums each
+ * token's experts in ascending expert order, rounding as the torch path's FusedMoE.
  *
  * A decode step is a pass over the weights with a few rows of activations. Run as torch ops it is
  * about 80 small ops per layer, each paying Python dispatch; here the whole stack is one call and
@@ -66,6 +70,7 @@
 #endif
 
 #define MAX_ROWS 256
+#define MAX_EXPERTS 512 /* most experts of a mixture-of-experts layer */
 
 /* How one linear layer's weight is kept: LQ_DENSE reads the layer's dense weight (the per-layer
  * *_w pointers, in dtype); the others are linear_quant.c's layouts (its BITS values): 4-bit and
@@ -143,6 +148,14 @@ typedef struct {
     /* Per step, with layer_group: each KV group's slot_mapping [M] and block tables [M, bt_stride]
      * (group 0's are the call's own); NULL without groups. */
     const int64_t *const *group_slots, *const *group_tables;
+    /* Mixture-of-experts layers (Qwen3-MoE, Mixtral, OLMoE): per layer ([num_layers]) its router
+     * [num_experts, hidden] (NULL: the layer's MLP is the dense gate_up_w / down_w), its experts'
+     * stacked [gate | up] [num_experts, 2 * expert_inter, hidden] and down [num_experts, hidden,
+     * expert_inter]. Each token takes its top_k experts by the float32 softmax of its router
+     * logits, renormalised over the k when moe_renorm; the weights scale the experts' outputs in
+     * float32 (moe_f32_weights: Mixtral) or rounded to dtype. router_w NULL: no such layers. */
+    int64_t num_experts, top_k, expert_inter, moe_renorm, moe_f32_weights;
+    const void *const *router_w, *const *experts_w13, *const *experts_w2;
 } LlamaDecodeModel;
 
 /* The value as stored in dtype dt, read back as float32 (rounds to bf16 or float16). */
@@ -386,6 +399,12 @@ typedef struct {
     int64_t lora_nblocks, lora_hsize, lora_scratch;
     const int64_t *lora_order, *lora_blocks;
     float *lora_buf;
+    /* Mixture-of-experts layers: the rows of the (token, expert) pairs grouped by expert, shared
+     * ([M * top_k, hidden] expert outputs in ye; gu and act hold the pairs' rows), and each thread's
+     * own routing (moe_scratch bytes a thread in moe_buf: moe_carve, moe_route). */
+    void *ye;
+    char *moe_buf;
+    int64_t moe_scratch;
 } Step;
 
 #if defined(LORA_BLOCKS)
@@ -458,6 +477,124 @@ static void add_normed(const Step *c, const void *const *norms, int64_t l, void 
     add_inplace(c->x, xn, c->M, md->hidden, lo, hi, dt);
 }
 
+/* One thread's routing of the step's rows (every thread of a team computes the same, for
+ * itself): the router logits; each (token, slot) pair's expert and weight; the pairs grouped by
+ * expert in ascending order, tokens ascending inside an expert (the torch path's stable sort):
+ * their tokens (rows), weights (w) and input rows (xe), and each expert's first pair (start,
+ * start[E] = M * top_k). */
+typedef struct {
+    void *logits, *xe;
+    int64_t *rows, *start, *eid;
+    float *w, *wt;
+} MoeRoute;
+
+/* Carves one thread's MoeRoute out of buf (NULL: only counts); returns its bytes. */
+static int64_t moe_carve(const LlamaDecodeModel *md, int64_t M, char *buf, MoeRoute *r) {
+    const int64_t E = md->num_experts, P = M * md->top_k, es = md->dtype == LD_F32 ? 4 : 2;
+    const int64_t sizes[7] = {M * E * es, P * md->hidden * es, P * 8, (E + 1) * 8, P * 8, P * 4, P * 4};
+    void *parts[7];
+    int64_t off = 0;
+    for (int i = 0; i < 7; i++) {
+        parts[i] = buf == NULL ? NULL : buf + off;
+        off += (sizes[i] + 63) / 64 * 64;
+    }
+    if (r != NULL) {
+        r->logits = parts[0], r->xe = parts[1], r->rows = (int64_t *)parts[2], r->start = (int64_t *)parts[3];
+        r->eid = (int64_t *)parts[4], r->w = (float *)parts[5], r->wt = (float *)parts[6];
+    }
+    return off;
+}
+
+/* Routes the normed rows xn (this thread's) through layer l's router into r, as the torch path's
+ * route(): router logits in dtype, their softmax in float32, the top_k (the larger first, the
+ * lower expert on ties), renormalised over the k (moe_renorm), the weights in float32
+ * (moe_f32_weights) or rounded to dtype; then the pairs grouped by expert (a counting sort). */
+static void moe_route(const Step *c, int64_t l, const void *xn, const MoeRoute *r) {
+    const LlamaDecodeModel *md = c->md;
+    const int dt = (int)md->dtype;
+    const int64_t M = c->M, E = md->num_experts, K = md->top_k, Hd = md->hidden, es = dt == LD_F32 ? 4 : 2;
+    float p[MAX_EXPERTS];
+    gemm_rows(xn, M, md->router_w[l], NULL, E, Hd, r->logits, dt, 0, E);
+    for (int64_t e = 0; e <= E; e++) r->start[e] = 0;
+    for (int64_t m = 0; m < M; m++) {
+        float mx = -INFINITY, sum = 0.0f, ksum = 0.0f;
+        for (int64_t e = 0; e < E; e++) p[e] = ld(r->logits, m * E + e, dt), mx = p[e] > mx ? p[e] : mx;
+        for (int64_t e = 0; e < E; e++) p[e] = expf(p[e] - mx), sum += p[e];
+        const float inv = 1.0f / sum;
+        for (int64_t e = 0; e < E; e++) p[e] *= inv;
+        int64_t *ids = r->eid + m * K;
+        for (int64_t k = 0; k < K; k++) { /* the largest not yet taken */
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++) {
+                int taken = 0;
+                for (int64_t j = 0; j < k; j++) taken |= ids[j] == e;
+                if (!taken && (best < 0 || p[e] > p[best])) best = e;
+            }
+            ids[k] = best, r->wt[m * K + k] = p[best], ksum += p[best];
+            r->start[best + 1]++;
+        }
+        for (int64_t k = 0; k < K; k++) {
+            float w = md->moe_renorm ? r->wt[m * K + k] / ksum : r->wt[m * K + k];
+            r->wt[m * K + k] = md->moe_f32_weights ? w : round_dt(w, dt);
+        }
+    }
+    for (int64_t e = 0; e < E; e++) r->start[e + 1] += r->start[e];
+    int64_t next[MAX_EXPERTS];
+    for (int64_t e = 0; e < E; e++) next[e] = r->start[e];
+    for (int64_t i = 0; i < M * K; i++) { /* (token, slot) order: tokens ascending inside each expert */
+        const int64_t j = next[r->eid[i]]++, m = i / K;
+        r->rows[j] = m, r->w[j] = r->wt[i];
+        memcpy((char *)r->xe + j * Hd * es, (const char *)xn + m * Hd * es, (size_t)(Hd * es));
+    }
+}
+
+/* Layer l's mixture of experts on the normed rows xn into c->o (columns [lo, hi) of each row:
+ * this thread's share of the down projections' outputs), each expert's two GEMMs on its pairs'
+ * rows as the torch path's FusedMoE.run_experts: gate|up (this thread's rows of both), SiLU*mul,
+ * a barrier, down, then each token's sum over its experts in ascending expert order, every
+ * product and sum rounded to dtype. */
+static void moe_mlp(const Step *c, int64_t l, const void *xn, int tid, int nth, int64_t *lo_out, int64_t *hi_out) {
+    const LlamaDecodeModel *md = c->md;
+    const int dt = (int)md->dtype, team = c->team;
+    const int64_t E = md->num_experts, I = md->expert_inter, Hd = md->hidden, es = dt == LD_F32 ? 4 : 2;
+    MoeRoute r;
+    moe_carve(md, c->M, c->moe_buf + tid * c->moe_scratch, &r);
+    moe_route(c, l, xn, &r);
+    const char *w13 = (const char *)md->experts_w13[l], *w2 = (const char *)md->experts_w2[l];
+    int64_t lo, hi;
+    team_share(I, 16, tid, nth, &lo, &hi); /* whole 16-lane runs for SiLU*mul */
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t a = r.start[e], n = r.start[e + 1] - a;
+        if (n == 0) continue;
+        const void *x = (const char *)r.xe + a * Hd * es;
+        void *gu = (char *)c->gu + a * 2 * I * es, *act = (char *)c->act + a * I * es;
+        const void *w = w13 + e * 2 * I * Hd * es;
+        if (team) {
+            linear(NULL, x, n, w, NULL, 2 * I, Hd, gu, dt, c->xb, team, lo, hi);
+            linear(NULL, x, n, w, NULL, 2 * I, Hd, gu, dt, c->xb, team, I + lo, I + hi);
+        } else {
+            linear(NULL, x, n, w, NULL, 2 * I, Hd, gu, dt, c->xb, team, 0, 2 * I);
+        }
+        silu_mul(gu, n, I, act, dt, lo, hi);
+    }
+    team_sync(team);
+    team_share(Hd, SHARE_ROWS, tid, nth, &lo, &hi);
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t a = r.start[e], n = r.start[e + 1] - a;
+        if (n == 0) continue;
+        linear(NULL, (const char *)c->act + a * I * es, n, w2 + e * Hd * I * es, NULL, Hd, I,
+               (char *)c->ye + a * Hd * es, dt, c->xb, team, lo, hi);
+    }
+    for (int64_t m = 0; m < c->M; m++)
+        for (int64_t i = m * Hd + lo; i < m * Hd + hi; i++) st(c->o, i, 0.0f, dt);
+    for (int64_t j = 0; j < c->M * md->top_k; j++) { /* the pairs in expert order */
+        const int64_t m = r.rows[j];
+        for (int64_t i = lo; i < hi; i++)
+            st(c->o, m * Hd + i, ld(c->o, m * Hd + i, dt) + round_dt(ld(c->ye, j * Hd + i, dt) * r.w[j], dt), dt);
+    }
+    *lo_out = lo, *hi_out = hi;
+}
+
 /*
  * The decoder layers for thread tid of nth (team) or the calling thread (tid 0 of 1). Work split:
  * the norms are computed by every thread for itself (no barrier before the GEMM that reads them);
@@ -527,6 +664,12 @@ static void step_layers(const Step *c, int tid, int nth) {
         add_normed(c, md->attn_out_norm, l, xn, lo, hi);
         team_sync(team);
         norm_rows(md, c->x, M, Hd, md->post_norm[l], xn, dt);
+        if (md->router_w != NULL && md->router_w[l] != NULL) {
+            moe_mlp(c, l, xn, tid, nth, &lo, &hi);
+            add_normed(c, md->mlp_out_norm, l, xn, lo, hi);
+            team_sync(team);
+            continue;
+        }
         team_share(I, 16, tid, nth, &lo, &hi); /* whole 16-lane runs for SiLU*mul */
         if (team) { /* gate rows [lo, hi) and the up rows that pair with them */
             linear(NULL, xn, M, md->gate_up_w[l], md->gate_up_b[l], 2 * I, Hd, c->gu, dt, c->xb, team, lo, hi);
@@ -732,7 +875,13 @@ static int run_step(const LlamaDecodeModel *md, int64_t M, const int64_t *input_
     if (md->lora_slots != NULL && ((md->lora_dtype != LD_F32 && md->lora_dtype != LD_BF16) || dt == LD_F16 ||
                                    md->lora_rank < 1))
         return 1;
-    const int64_t widest = I > qn ? (I > Hd ? I : Hd) : (qn > Hd ? qn : Hd); /* the largest input size */
+    const int moe = md->router_w != NULL;
+    const int64_t Ie = moe ? md->expert_inter : 0, P = moe ? M * md->top_k : 0;
+    if (moe && (md->experts_w13 == NULL || md->experts_w2 == NULL || md->num_experts < 1 ||
+                md->num_experts > MAX_EXPERTS || md->top_k < 1 || md->top_k > md->num_experts || Ie < 1 || Ie % kq))
+        return 1;
+    const int64_t wide = I > Ie ? I : Ie;
+    const int64_t widest = wide > qn ? (wide > Hd ? wide : Hd) : (qn > Hd ? qn : Hd); /* the largest input size */
     const int torch_threads = omp_get_max_threads();
     if (md->threads > 0 && md->threads != torch_threads) omp_set_num_threads((int)md->threads); /* until return */
     const int team = omp_get_max_threads() > 1 && all_dense(md->qkv_q, md->num_layers) &&
@@ -756,7 +905,13 @@ static int run_step(const LlamaDecodeModel *md, int64_t M, const int64_t *input_
               .sample_rows = sample_rows, .logits = logits, .mask = mask, .ldm = ldm, .mask_rows = mask_rows};
     c.x = alloc(M * Hd * es), c.xn = alloc(nth * M * Hd * es), c.qkv = alloc(M * qkvn * es);
     c.q = alloc(M * qn * es), c.attn = alloc(M * qn * es), c.o = alloc(M * Hd * es);
-    c.gu = alloc(M * 2 * I * es), c.act = alloc(M * I * es), c.xb = alloc(M * widest * 2);
+    const int64_t gu_rows = P > M ? P : M; /* the dense MLP's rows, or the experts' (token, expert) pairs */
+    c.gu = alloc(gu_rows * 2 * wide * es), c.act = alloc(gu_rows * wide * es), c.xb = alloc(M * widest * 2);
+    if (moe) {
+        c.ye = alloc(P * Hd * es);
+        c.moe_scratch = moe_carve(md, M, NULL, NULL);
+        c.moe_buf = alloc(nth * c.moe_scratch);
+    }
     int64_t *lora_order = NULL;
 #if defined(LORA_BLOCKS)
     if (md->lora_slots != NULL) {
@@ -819,7 +974,7 @@ static int run_step(const LlamaDecodeModel *md, int64_t M, const int64_t *input_
         }
 
     free(c.x), free(c.xn), free(c.qkv), free(c.q), free(c.attn), free(c.o), free(c.gu), free(c.act), free(c.xb);
-    free(qsl), free(work), free(lora_order), free(c.lora_buf);
+    free(qsl), free(work), free(lora_order), free(c.lora_buf), free(c.ye), free(c.moe_buf);
     if (S > 0) {
         if (c.y != (void *)logits) free(c.y);
         free(c.hs), free(c.part_idx), free(c.part_max), free(c.part_nan);
