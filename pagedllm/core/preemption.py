@@ -26,7 +26,10 @@ class PreemptionCostModel:
     attention_flops_per_pair: float
     """Attention work of one (query, key) pair over all layers: 4 x layers x heads x head_dim."""
     kv_bytes_per_block: int
-    """Bytes of one KV block over all layers (K and V)."""
+    """Bytes of one block of the pool (K and V): of every layer, or with KV layer groups
+    (core/kv_groups.py) of the layers of one group."""
+    kv_groups: int = 1
+    """KV layer groups: a block of tokens takes one block in each (until a window frees them)."""
 
     def __post_init__(self) -> None:
         for name in ("flops_per_second", "copy_bytes_per_second"):
@@ -42,7 +45,7 @@ class PreemptionCostModel:
         return (num_tokens * self.flops_per_token + pairs * self.attention_flops_per_pair) / self.flops_per_second
 
     def swap_seconds(self, num_blocks: int) -> float:
-        """Moving `num_blocks` blocks to the host now and back later."""
+        """Moving `num_blocks` blocks of the pool (over all groups) to the host now and back later."""
         return 2 * num_blocks * self.kv_bytes_per_block / self.copy_bytes_per_second
 
     def prefers_swap(self, num_tokens: int, num_blocks: int) -> bool:
@@ -52,11 +55,12 @@ class PreemptionCostModel:
         """Sequence length above which swapping is cheaper (0: always; inf: never).
 
         Per token, recompute costs u + n v (attention grows with the length n) and a swap costs
-        s, a constant: swap wins once n > (s - u) / v.
+        s, a constant: swap wins once n > (s - u) / v. With KV layer groups s is that of a block in
+        every group, as long as no window has freed any (afterwards a swap costs less).
         """
         v = self.attention_flops_per_pair / (2 * self.flops_per_second)
         u = self.flops_per_token / self.flops_per_second + v
-        s = 2 * self.kv_bytes_per_block / (block_size * self.copy_bytes_per_second)
+        s = 2 * self.kv_bytes_per_block * self.kv_groups / (block_size * self.copy_bytes_per_second)
         if s <= u:
             return 0.0
         return (s - u) / v if v > 0 else float("inf")
@@ -71,7 +75,9 @@ def preemption_mode(scheduler: Any, req: Request) -> str:
         return "recompute"
     if mode == "auto" and scheduler.costs is not None:
         n = req.num_computed_tokens
-        return "swap" if scheduler.costs.prefers_swap(n, kv.blocks_needed(n)) else "recompute"
+        # The blocks it really holds and would move: every group's, a window group's only those of
+        # its window (KVCacheManager.held_entries).
+        return "swap" if scheduler.costs.prefers_swap(n, kv.held_entries(n)) else "recompute"
     return "swap"
 
 

@@ -104,7 +104,8 @@ class EngineCore:
         # The host swap pool exists only for preemption modes that can swap.
         num_swap_blocks = self.executor.determine_num_swap_blocks() if sc.preemption_mode != "recompute" else 0
         self.executor.initialize_swap_space(num_swap_blocks)
-        self.preemption_costs = self._measure_preemption_costs() if sc.preemption_mode == "auto" else None
+        self.preemption_costs = (self._measure_preemption_costs(block_bytes, groups.num_groups)
+                                 if sc.preemption_mode == "auto" else None)
         kv = KVCacheManager(num_blocks, cc.block_size, cc.enable_prefix_caching, num_swap_blocks, groups)
         spec = config.speculative_config
         self.scheduler = Scheduler(sc, kv, self.preemption_costs, make_proposer(spec) if spec is not None else None)
@@ -152,8 +153,9 @@ class EngineCore:
         tensors = [*model.parameters(), *model.buffers()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def _measure_preemption_costs(self) -> PreemptionCostModel:
-        """Measures FLOP/s and block-copy bytes/s once, for preemption mode auto."""
+    def _measure_preemption_costs(self, block_bytes: int, num_groups: int) -> PreemptionCostModel:
+        """Measures FLOP/s and block-copy bytes/s once, for preemption mode auto (`block_bytes`:
+        one block of the pool, the layers of one KV group; `num_groups`: the KV layer groups)."""
         mc, bs = self.model_config, self.config.cache_config.block_size
         flops, copy = self.executor.measure_preemption_rates()
         costs = PreemptionCostModel(
@@ -161,7 +163,8 @@ class EngineCore:
             copy_bytes_per_second=copy,
             flops_per_token=self.executor.flops_per_token(),
             attention_flops_per_pair=4.0 * mc.num_layers * mc.num_heads * mc.head_dim,
-            kv_bytes_per_block=mc.kv_bytes_per_token() * bs,
+            kv_bytes_per_block=block_bytes,
+            kv_groups=num_groups,
         )
         logger.info(
             "Preemption costs: %.1f GFLOP/s, %.2f GB/s block copies; swapping beats recompute from %.0f tokens",

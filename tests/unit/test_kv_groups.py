@@ -133,3 +133,57 @@ def test_prefix_hit_of_a_window_group_needs_only_the_window() -> None:
         kv.pool.uncache_block(kv.pool.get_cached_block(group_key(c.block_hashes[i], 1)))
     hits, n = kv.get_computed_blocks(c)
     assert n == 28 and [e is null for e in hits[1::2]] == [True] * 5 + [False] * 2
+
+
+def _recording_costs():
+    from dataclasses import dataclass, field
+
+    from pagedllm.core.preemption import PreemptionCostModel
+
+    @dataclass(frozen=True)
+    class Recording(PreemptionCostModel):
+        asked: list = field(default_factory=list)
+
+        def prefers_swap(self, num_tokens: int, num_blocks: int) -> bool:
+            self.asked.append((num_tokens, num_blocks))
+            return super().prefers_swap(num_tokens, num_blocks)
+
+    return Recording
+
+
+_Recording = _recording_costs()
+
+
+def test_auto_preemption_prices_the_blocks_a_window_group_really_holds() -> None:
+    """A 100-token request over a full group and a window group of 8 tokens holds 25 + 2 blocks,
+    not 2 x 25: the swap it would cost is that of 27 blocks of one group's layers. Rates chosen so
+    that swapping 27 blocks beats recomputing 100 tokens while swapping 50 (every block of both
+    groups, what the estimate counted before) would not."""
+    from pagedllm.core.preemption import PreemptionCostModel, preemption_mode
+    from pagedllm.core.scheduler import Scheduler
+
+    # recompute 100 tokens: 100 x 1 FLOP at 1 FLOP/s = 100 s; swap: 2 x blocks x 1.5 bytes at 1 byte/s
+    costs = PreemptionCostModel(flops_per_second=1.0, copy_bytes_per_second=1.0, flops_per_token=1.0,
+                                attention_flops_per_pair=0.0, kv_bytes_per_block=1.5, kv_groups=2)
+    kv = KVCacheManager(64, BS, enable_caching=False, num_swap_blocks=64, groups=plan_kv_groups([0, W]))
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=8, max_model_len=128, preemption_mode="auto"), kv,
+                      costs)
+    req = _request("a", list(range(100, 200)))
+    assert _run(kv, req, 8)[-1] == 25 + 2
+    assert kv.held_entries(100) == 27 and kv.blocks_needed(100) * kv.num_groups == 50
+    assert costs.swap_seconds(27) < costs.recompute_seconds(100) < costs.swap_seconds(50)
+    assert preemption_mode(sched, req) == "swap"
+    asked: list[tuple[int, int]] = []
+    sched.costs = _Recording(1.0, 1.0, 1.0, 0.0, 1.5, kv_groups=2, asked=asked)
+    preemption_mode(sched, req)
+    assert asked == [(100, 27)]  # (tokens to recompute, blocks to move)
+    # Without a window the two layers share one group: 25 blocks of both layers' bytes (3), and
+    # recompute is the cheaper.
+    full = KVCacheManager(64, BS, enable_caching=False, num_swap_blocks=64, groups=plan_kv_groups([0, 0]))
+    sched_full = Scheduler(SchedulerConfig(max_num_batched_tokens=8, max_model_len=128, preemption_mode="auto"),
+                           full, PreemptionCostModel(1.0, 1.0, 1.0, 0.0, 3.0))
+    req2 = _request("b", list(range(100, 200)))
+    _run(full, req2, 8)
+    assert full.held_entries(100) == 25 and preemption_mode(sched_full, req2) == "recompute"
+    # break-even: a swapped token costs a block in each group while no window frees any
+    assert costs.break_even_tokens(BS) == PreemptionCostModel(1.0, 1.0, 1.0, 0.0, 3.0).break_even_tokens(BS)
