@@ -125,6 +125,50 @@ def test_window_groups_under_preemption_match_transformers(tiny, references, mod
     assert llm.llm_engine.scheduler.num_preemptions_by_mode[mode] > 0
 
 
+def test_auto_preemption_costs_count_one_groups_layers_a_block(tiny):
+    """Preemption mode auto prices a swap by the blocks of the pool a request holds (each the K/V of
+    one group's layer, here 1 of 6) and a block of tokens at one block in each of the 6 groups."""
+    folder, _, _ = tiny
+    llm = LLM(folder, dtype="float32", num_kv_blocks=40, block_size=8, max_model_len=256, preemption_mode="auto",
+              swap_space=0.01)
+    costs = llm.llm_engine.core.preemption_costs
+    mc = llm.llm_engine.model_config
+    assert costs.kv_groups == 6
+    assert costs.kv_bytes_per_block == 8 * mc.kv_bytes_per_token() // 6 == llm.llm_engine.executor.runner.kv.bytes_per_block()
+
+
+def tp_greedy(folder: str, tp: int, prompts: list[list[int]], **kwargs) -> list[tuple[list[int], list[float]]]:
+    """Greedy tokens and their logprobs of an engine of `tp` ranks."""
+    llm = LLM(folder, dtype="float32", tensor_parallel_size=tp, **kwargs)
+    try:
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=1)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        if tp > 1:
+            assert llm.llm_engine.scheduler.kv.groups.num_groups > 1  # the window groups under TP
+        return [(o.outputs[0].token_ids, [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
+                for o in outs]
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def assert_tp_same(one: list, two: list) -> None:
+    """The same greedy tokens; logprobs within 1e-4 (the row-parallel all-reduce sums in another order)."""
+    for (ta, la), (tb, lb) in zip(one, two, strict=True):
+        assert ta == tb
+        assert max(abs(a - b) for a, b in zip(la, lb)) <= 1e-4
+
+
+def test_tensor_parallel_window_groups_match_one_rank(tiny, references):
+    """TP=2 (two worker processes, each with half the heads and MLP columns) over the KV layer groups
+    (1 full, 5 sliding of 8 tokens, each rank holding its heads' share of every group's blocks), with
+    chunked prefill: transformers' tokens, and one rank's logprobs within 1e-4."""
+    folder, _, prompts = tiny
+    room = dict(max_num_batched_tokens=16, num_kv_blocks=64, block_size=8, max_model_len=256)
+    two = tp_greedy(folder, 2, prompts, **room)
+    assert [t for t, _ in two] == [ref for ref, _ in references]
+    assert_tp_same(tp_greedy(folder, 1, prompts, **room), two)
+
+
 def test_long_context_holds_only_the_windows_blocks(tiny):
     """A 200-token prompt in 16-token chunks: the full group holds all its blocks, each window group
     only those of the last window (the pool of 48 blocks could not hold 6 x 27 = 162; the request
@@ -265,3 +309,16 @@ def test_gemma_3_270m_matches_transformers_gguf(gemma_270m):
                               return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
         ref_ids = ref.sequences[0, len(prompt):].tolist()
         assert_greedy_match(c.token_ids, ours_top, ref_ids, [s[0].topk(5).indices.tolist() for s in ref.scores])
+
+
+@needs_270m
+@pytest.mark.slow
+def test_gemma_3_270m_tensor_parallel_matches_one_rank(gemma_270m):
+    """The packaged model (expanded to float32; 4 heads, its 1 KV head replicated on both ranks) at
+    TP=2: the one-rank engine's greedy tokens, logprobs within 1e-4."""
+    tok = gemma_270m.get_tokenizer()
+    prompts = [tok.encode(p) for p in (*COMPLETIONS, "The capital of France is")]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=1)
+    one = [(o.outputs[0].token_ids, [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
+           for o in gemma_270m.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    assert_tp_same(one, tp_greedy("gemma-3-270m", 2, prompts, max_model_len=512, max_num_batched_tokens=256))
