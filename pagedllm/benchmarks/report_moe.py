@@ -1,6 +1,6 @@
 """docs/benchmarks.md's sections on the model families beyond the default model: mixture-of-experts
-decode from the result files of `pagedllm bench moe` (benchmarks/results/moe*.json, one run each, in
-name order), throughput and one stream of another model from `pagedllm bench throughput --model M
+decode from the result files of `pagedllm bench moe` (MOE_FILES: benchmarks/results/moe*.json and
+the AMX host's amx_moe*.json, one run each, in name order), throughput and one stream of another model from `pagedllm bench throughput --model M
 --compare ...` (THROUGHPUT_FILES: benchmarks/results/family-throughput-*.json, and Gemma 3's runs on
 the AMX host, amx_gemma3_throughput*.json) and `pagedllm bench latency --model M --compare ...`
 (LATENCY_FILES: family-latency-*.json, amx_gemma3_latency*.json; one section per model, a table
@@ -15,6 +15,7 @@ from pagedllm.benchmarks.report_render import load, run_block
 from pagedllm.benchmarks.report_sections import latency_matrix_table
 from pagedllm.benchmarks.throughput import format_table
 
+MOE_FILES = ("amx_moe*.json", "moe*.json")
 THROUGHPUT_FILES = ("family-throughput-*.json", "amx_gemma3_throughput*.json")
 LATENCY_FILES = ("family-latency-*.json", "amx_gemma3_latency*.json")
 
@@ -28,7 +29,8 @@ tests/integration/test_bench_moe_gguf.py checks that llama.cpp scores token wind
 as pagedllm does on the folder). Throughput: pagedllm against HF transformers (its best static
 batch) on random requests; one stream: a 128-token prompt and 64 greedy tokens, pagedllm against
 llama.cpp on the GGUF with the same threads. pagedllm runs the experts as one GEMM per active
-expert on its tokens' rows (`layers/moe.py`); the fused native decode step does not take MoE layers.
+expert on its tokens' rows (`layers/moe.py`); since a314b85 decode steps of up to 256 rows run the
+MoE layers in the fused native decode step (`worker/native_moe.py`), before it as torch ops.
 """
 
 
@@ -44,7 +46,7 @@ def _single_stream(row: dict[str, Any]) -> str:
 
 
 def moe_section(results: Path) -> str | None:
-    runs = [r for p in sorted(results.glob("moe*.json")) if (r := load(p)) is not None]
+    runs = [r for p in _files(results, MOE_FILES) if (r := load(p)) is not None]
     if not runs:
         return None
     out = [INTRO]
