@@ -189,6 +189,11 @@ class QuantizationConfig:
     embeddings: bool = False
     """Keep the token embedding and the LM head as codes too (int8/w8a8: int8 per 32 inputs; int4:
     4-bit groups; fp8: e4m3 per row; gguf: the file's blocks), with no dense copy."""
+    lm_head: bool = False
+    """Keep the LM head's codes in the scheme's layout too (int8/w8a8/gguf: int8 per 32 inputs;
+    int4: 4-bit groups; fp8: e4m3 per row) beside its dense weight: decode-sized rows read the
+    codes, larger calls and a tied token embedding the dense weight. Set for speculative
+    decoding's quantized draft model (its passes read mostly the LM head otherwise)."""
 
     def __post_init__(self) -> None:
         if self.method not in QUANTIZATION_METHODS:
@@ -201,6 +206,9 @@ class QuantizationConfig:
         if self.embeddings and self.method not in EMBEDDING_QUANTIZATION_METHODS:
             raise ValueError(f"quantize_embeddings applies to quantization {EMBEDDING_QUANTIZATION_METHODS}, "
                              f"not {self.method!r}")
+        if self.lm_head and (self.embeddings or self.method not in EMBEDDING_QUANTIZATION_METHODS):
+            raise ValueError(f"lm_head codes apply to quantization {EMBEDDING_QUANTIZATION_METHODS} without "
+                             f"quantize_embeddings, not {self.method!r} with embeddings={self.embeddings}")
 
     @property
     def skip_globs(self) -> tuple[str, ...]:

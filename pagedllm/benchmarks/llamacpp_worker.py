@@ -8,6 +8,12 @@ the last logits, one token evaluated per step, as pagedllm's decode step does); 
 false`` loads the weights without llama.cpp's repacked layouts. A spec with
 ``"quantize"`` (a llama.cpp file type such as ``Q4_0``) writes ``model_path`` quantized to ``output``
 with ``llama_model_quantize`` and its default choices (as the ``llama-quantize`` tool makes them).
+A spec with ``"generate"`` (a list of prompts' token ids) generates each greedily, one request at
+a time, up to ``max_tokens`` or a token of ``stop_token_ids`` (counted), with llama-cpp-python's speculative
+decoding where ``"draft"`` names one: ``{"method": "prompt_lookup", "max_ngram_size": n,
+"num_pred_tokens": k}`` (its ``LlamaPromptLookupDecoding``) or ``{"method": "draft_model",
+"model_path": gguf, "num_pred_tokens": k}`` (a second Llama decoding k tokens greedily, through
+its ``LlamaDraftModel`` interface); the result has each prompt's seconds and tokens.
 """
 
 from __future__ import annotations
@@ -50,9 +56,76 @@ def _without_extra_bufts(kwargs: dict):
         llama_module.llama_cpp.llama_model_default_params = default
 
 
+def _draft_llama(model_path: str, k: int, kwargs: dict):
+    """llama-cpp-python's draft interface over a second Llama: it keeps the K/V of the longest
+    prefix it shares with the tokens it is given, evaluates the rest and decodes k tokens greedily.
+    Loaded without llama.cpp's repacked layouts (_without_extra_bufts): on the AMX host its Q4_0
+    and Q8_0 weights in them stop the process at the first decode."""
+    import llama_cpp
+    import numpy as np
+    from llama_cpp.llama_speculative import LlamaDraftModel
+
+    class DraftLlama(LlamaDraftModel):
+        def __init__(self) -> None:
+            self.llm = _without_extra_bufts({**kwargs, "model_path": model_path})
+
+        def __call__(self, input_ids, /, **_):
+            llm, ids = self.llm, input_ids.tolist()
+            have = llm.input_ids[: llm.n_tokens].tolist()
+            keep = 0
+            while keep < min(len(have), len(ids) - 1) and have[keep] == ids[keep]:
+                keep += 1
+            llm.n_tokens = keep
+            llm._ctx.kv_cache_seq_rm(-1, keep, -1)
+            llm.eval(ids[keep:])
+            out = []
+            while True:
+                out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+                if len(out) == k:
+                    return np.asarray(out, dtype=np.intc)
+                llm.eval(out[-1:])
+
+    return DraftLlama()
+
+
+def generate(spec: dict) -> dict:
+    import llama_cpp
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    t0 = time.perf_counter()
+    threads = spec["threads"]
+    n_ctx = max(map(len, spec["generate"])) + spec["max_tokens"] + 16
+    kwargs = dict(n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, n_batch=max(512, n_ctx), verbose=False)
+    d = spec.get("draft")
+    draft = None
+    if d and d["method"] == "prompt_lookup":
+        draft = LlamaPromptLookupDecoding(max_ngram_size=d["max_ngram_size"], num_pred_tokens=d["num_pred_tokens"])
+    elif d:
+        draft = _draft_llama(d["model_path"], d["num_pred_tokens"], kwargs)
+    llm = llama_cpp.Llama(model_path=spec["model_path"], draft_model=draft, **kwargs)
+    load_s = time.perf_counter() - t0
+    stop = set(spec["stop_token_ids"])
+
+    def one(prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:
+        s0 = time.perf_counter()
+        out: list[int] = []
+        for tok in llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
+            out.append(int(tok))  # a stop token counts, as in pagedllm's outputs
+            if tok in stop or len(out) == max_tokens:
+                break
+        return time.perf_counter() - s0, out
+
+    one(spec["warm"], 16)  # warm-up (a prompt of its own: the timed ones find no cached prefix of theirs)
+    runs = [one(p, spec["max_tokens"]) for p in spec["generate"]]
+    return {"load_s": load_s, "seconds": [r[0] for r in runs], "tokens": [r[1] for r in runs],
+            "llama_cpp_version": llama_cpp.__version__}
+
+
 def run(spec: dict) -> dict:
     if "quantize" in spec:
         return quantize(spec)
+    if "generate" in spec:
+        return generate(spec)
     import llama_cpp
     import numpy as np
 

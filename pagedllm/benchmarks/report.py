@@ -28,6 +28,7 @@ from pagedllm.benchmarks.report_headline import headline_section
 from pagedllm.benchmarks.report_render import load, with_record
 from pagedllm.benchmarks.report_moe import model_latency_sections, model_throughput_sections, moe_section
 from pagedllm.benchmarks.report_scale import scale_section
+from pagedllm.benchmarks.report_spec import spec_section
 from pagedllm.benchmarks.report_ttft import ttft_section
 from pagedllm.benchmarks.report_sections import (
     kv_quality_section,
@@ -174,6 +175,8 @@ def render(res: Path = RESULTS, img_dir: Path = DOC.parent / "img", draw: bool =
     parts += model_throughput_sections(res) + model_latency_sections(res)
     if (scale := scale_section(res)) is not None:
         parts.append(scale)
+    if (spec := spec_section(res)) is not None:
+        parts.append(spec)
     for name in NOTES:
         if (note := res / name).exists():
             parts.append(note.read_text())

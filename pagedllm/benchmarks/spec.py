@@ -7,7 +7,12 @@ ratio, the acceptance rate and mean acceptance length, whether greedy outputs ar
 for token, and for a draft model its passes and their mean time beside the target's time per
 token without speculation. Each part runs on an engine of its own, loaded and warmed up before it
 is timed (the concurrent batch repeats the single-stream tasks: a suffix engine's cache of
-finished outputs never holds the answers it is timed on)."""
+finished outputs never holds the answers it is timed on). `--compare llama.cpp`: llama.cpp
+(llama-cpp-python in the peers' environment) on the same prompt tokens, single stream, greedy, on
+the model's GGUF rewritten unquantized in the same dtype: without speculation, with its prompt
+lookup decoding (`LlamaPromptLookupDecoding`, n-grams of up to 2 tokens, 2 proposed: its advice
+for CPUs) and with a draft model through its draft interface (the same GGUF quantized by
+llama.cpp to Q4_0 and to Q8_0, 3 tokens proposed, as pagedllm's self-drafts)."""
 
 from __future__ import annotations
 
@@ -69,20 +74,31 @@ MAX_CONCURRENCY = 128
 DEFAULT_CONFIGS = ['{"method": "ngram", "num_speculative_tokens": 4}', '{"method": "suffix"}']
 
 
-def _generate(llm: Any, conversations: list[list[dict[str, str]]], params: Any) -> tuple[float, list[list[int]]]:
+LLAMACPP_DRAFTS: list[dict[str, Any] | None] = [
+    None, {"method": "prompt_lookup", "max_ngram_size": 2, "num_pred_tokens": 2},
+    {"method": "draft_model", "quantization": "Q4_0", "num_pred_tokens": 3},
+    {"method": "draft_model", "quantization": "Q8_0", "num_pred_tokens": 3}]
+"""llama.cpp's runs under --compare llama.cpp (module docstring)."""
+
+
+def _generate(llm: Any, conversations: list[list[dict[str, str]]], params: Any,
+              prompts: list[list[int]] | None = None) -> tuple[float, list[list[int]]]:
     t0 = time.perf_counter()
     outs = llm.chat(conversations, params, use_tqdm=False)
-    return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
+    dt = time.perf_counter() - t0
+    if prompts is not None:
+        prompts += [list(o.prompt_token_ids) for o in outs]
+    return dt, [list(o.outputs[0].token_ids) for o in outs]
 
 
 def _measure(llm: Any, convs: list[list[dict[str, str]]], params: Any, part: str, num_single: int,
-             concurrency: int) -> dict[str, Any]:
+             concurrency: int, prompts: list[list[int]] | None = None) -> dict[str, Any]:
     """Single stream: the first `num_single` conversations alone, one after another; concurrent:
-    the first `concurrency` together."""
+    the first `concurrency` together. `prompts` collects the single stream's prompt token ids."""
     if part == "single":
         seconds, tokens = 0.0, []
         for conv in convs[:num_single]:
-            dt, toks = _generate(llm, [conv], params)
+            dt, toks = _generate(llm, [conv], params, prompts)
             seconds += dt
             tokens += toks
     elif concurrency:
@@ -91,6 +107,51 @@ def _measure(llm: Any, convs: list[list[dict[str, str]]], params: Any, part: str
         return {"seconds": 0.0, "output_tokens": 0, "output_tok_s": 0.0, "tokens": []}
     n = sum(map(len, tokens))
     return {"seconds": seconds, "output_tokens": n, "output_tok_s": n / seconds, "tokens": tokens}
+
+
+def run_llamacpp_spec(model: str | None, dtype: str, prompts: list[list[int]], warm: list[int], max_tokens: int,
+                      stop_token_ids: list[int], peers_venv: str | None) -> list[dict[str, Any]]:
+    """llama.cpp's LLAMACPP_DRAFTS runs over `prompts` one at a time (module docstring), each in a
+    child process of the peers' python: tokens/s and the tokens."""
+    import os
+    import sys
+    import tempfile
+
+    import torch
+
+    from pagedllm.benchmarks.gguf_export import export_unquantized_gguf, llamacpp_quantized_gguf
+    from pagedllm.benchmarks.latency import _GGUF_TYPES
+    from pagedllm.benchmarks.throughput import BackendUnavailable, peers_python, run_child
+    from pagedllm.models.loader import resolve_model
+
+    source = resolve_model(model)
+    if source.kind != "gguf":
+        raise BackendUnavailable(f"llama.cpp needs a GGUF model; {source.path} is a {source.kind} folder")
+    python = peers_python(peers_venv)
+    path = export_unquantized_gguf(source.path, _GGUF_TYPES[dtype])
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = []
+    for draft in LLAMACPP_DRAFTS:
+        spec_draft = draft
+        if draft is not None and draft["method"] == "draft_model":
+            spec_draft = {**draft, "model_path": llamacpp_quantized_gguf(source.path, draft["quantization"],
+                                                                         peers_venv, torch.get_num_threads())}
+        spec = {"backend": "llama.cpp", "tag": "llama.cpp-spec", "model_path": path, "generate": prompts,
+                "warm": warm, "max_tokens": max_tokens, "stop_token_ids": stop_token_ids,
+                "threads": torch.get_num_threads(), "draft": spec_draft}
+        print(f"--- llama.cpp ({_GGUF_TYPES[dtype]}), draft {json.dumps(draft)}: starting ---", file=sys.stderr,
+              flush=True)
+        with tempfile.TemporaryDirectory(prefix="pagedllm-bench-") as workdir:
+            run = run_child([str(python), str(Path(__file__).with_name("llamacpp_worker.py"))], env, spec, workdir,
+                            None)
+        if run.returncode != 0 or "seconds" not in run.result:
+            raise BackendUnavailable(f"llama.cpp failed: {run.result.get('error') or f'exit code {run.returncode}'}")
+        r = run.result
+        n = sum(map(len, r["tokens"]))
+        out.append({"draft": draft, "gguf": Path(path).name, "seconds": sum(r["seconds"]), "output_tokens": n,
+                    "output_tok_s": n / sum(r["seconds"]), "tokens": r["tokens"],
+                    "llama_cpp_version": r["llama_cpp_version"]})
+    return out
 
 
 def run_spec(opts: dict[str, Any]) -> dict[str, Any]:
@@ -108,6 +169,7 @@ def run_spec(opts: dict[str, Any]) -> dict[str, Any]:
                               "max_tokens": opts["max_tokens"], "num_prompts": opts["num_prompts"],
                               "concurrency": opts["concurrency"], "workload": opts.get("workload", "edit"),
                               "runs": []}
+    prompts: list[list[int]] = []
     for spec in [None, *configs]:
         run: dict[str, Any] = {"speculative_config": spec}
         counts = [0, 0, 0]
@@ -119,7 +181,14 @@ def run_spec(opts: dict[str, Any]) -> dict[str, Any]:
             draft = getattr(getattr(llm.llm_engine.executor, "runner", None), "draft", None)
             if draft is not None:  # count the timed part's passes only
                 draft.passes, draft.seconds = 0, 0.0
-            run[part] = _measure(llm, convs, params, part, opts["num_prompts"], opts["concurrency"])
+            run[part] = _measure(llm, convs, params, part, opts["num_prompts"], opts["concurrency"],
+                                 prompts if spec is None else None)
+            if spec is None and part == "single":
+                mc = llm.llm_engine.model_config
+                resolved = str(mc.dtype).removeprefix("torch.")
+                stop = sorted(mc.eos_token_ids)
+                warm_ids: list[int] = []
+                _generate(llm, warm, SamplingParams(temperature=0.0, max_tokens=1), warm_ids)
             if spec is not None:
                 s = llm.llm_engine.scheduler.get_stats().spec_decode
                 counts = [counts[0] + s.num_drafts, counts[1] + s.num_draft_tokens, counts[2] + s.num_accepted_tokens]
@@ -138,6 +207,12 @@ def run_spec(opts: dict[str, Any]) -> dict[str, Any]:
         run["ratio"] = {k: run[k]["output_tok_s"] / off[k]["output_tok_s"] if off[k]["output_tok_s"] else 0.0
                         for k in ("single", "concurrent")}
         run["same_greedy_tokens"] = {k: run[k]["tokens"] == off[k]["tokens"] for k in ("single", "concurrent")}
+    if opts.get("compare"):
+        peers = run_llamacpp_spec(opts["model"], resolved, prompts, warm_ids[0], opts["max_tokens"], stop,
+                                  opts.get("peers_venv"))
+        for p in peers:
+            p["same_tokens_as_pagedllm"] = sum(a == b for a, b in zip(p.pop("tokens"), off["single"]["tokens"]))
+        report["llamacpp"] = peers
     for run in report["runs"]:
         for k in ("single", "concurrent"):
             run[k].pop("tokens")
@@ -160,6 +235,11 @@ def format_table(r: dict[str, Any]) -> str:
                      f"{run['ratio']['single']:5.2f}x  {run['concurrent']['output_tok_s']:13.1f} "
                      f"{run['ratio']['concurrent']:5.2f}x  {acc:>10s}  {same['single'] and same['concurrent']}")
     lines.append("  acceptance: rate of proposed tokens accepted, mean tokens per speculating step")
+    for p in r.get("llamacpp", ()):
+        draft = json.dumps(p["draft"]) if p["draft"] else "none"
+        lines.append(f"  llama.cpp {p['llama_cpp_version']} ({p['gguf']}), draft {draft:72s} "
+                     f"{p['output_tok_s']:8.1f} tok/s single stream; {p['same_tokens_as_pagedllm']} of "
+                     f"{r['num_prompts']} outputs the same as pagedllm's without speculation")
     off = r["runs"][0]["single"]
     for run in r["runs"]:
         d = run.get("draft")
@@ -186,6 +266,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--kv-cache-memory", default="1GiB")
+    ap.add_argument("--compare", choices=["llama.cpp"], default=None,
+                    help="also run llama.cpp with and without its speculative decoding, single stream (a GGUF "
+                         "model)")
+    ap.add_argument("--peers-venv", default=None, help="the peers' environment (llama-cpp-python)")
     ap.add_argument("--output-json", default=None, help="write the report here")
     args = ap.parse_args(argv)
     if not 1 <= args.num_prompts <= len(TASKS):

@@ -16,6 +16,7 @@ from typing import Any
 from pagedllm.config import (
     DEVICES,
     DTYPES,
+    EMBEDDING_QUANTIZATION_METHODS,
     EXECUTOR_BACKENDS,
     KV_CACHE_DTYPES,
     LORA_DTYPES,
@@ -542,10 +543,12 @@ class EngineArgs:
         if max_pos < target.max_model_len:
             raise ValueError(f"the draft model {name!r} reaches {max_pos} positions, fewer than max_model_len="
                              f"{target.max_model_len}")
-        # As -q quantizes: the token embedding and LM head stay as stored (an int4 LM head made the
-        # int4 self-draft accept fewer tokens for little time saved: docs/speculative.md).
+        # As -q quantizes, and the LM head's codes beside its dense weight (a draft pass reads
+        # mostly the head otherwise; docs/speculative.md); the token embedding stays as stored.
         quant = EngineArgs(quantization=spec.quantization, quantization_group_size=self.quantization_group_size,
                            )._quantization_config(source, hf_config)
+        if quant is not None and quant.method in EMBEDDING_QUANTIZATION_METHODS and not quant.embeddings:
+            quant = dataclasses.replace(quant, lm_head=True)
         return dataclasses.replace(target, model=name, kind=source.kind, path=source.path, served_model_name=name,
                                    hf_config=hf_config, quantization=quant, tokenizer=None)
 

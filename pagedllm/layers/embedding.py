@@ -86,12 +86,14 @@ class LMHead(_VocabShard):
     """Projects final hidden states of selected tokens to float32 logits over the whole vocabulary.
 
     With codes only (:meth:`use_codes`) every call goes through the quantized kernel (decode rows)
-    or its batch path. :meth:`keep_int8` adds int8 codes of the weight (per group of 32 inputs, as
-    GGUF's Q8_0) beside the dense weight: decode-sized calls read the codes, larger ones the dense
-    weight (which a tied embedding still needs)."""
+    or its batch path. :meth:`keep_codes` adds codes of the weight (int8 per group of 32 inputs, as
+    GGUF's Q8_0, or another scheme's) beside the dense weight: decode-sized calls read the codes,
+    larger ones the dense weight (which a tied embedding still needs)."""
 
-    def keep_int8(self) -> None:
-        self.use_codes(quantize_rows(self.weight.detach(), "int8"), keep_weight=True)
+    def keep_codes(self, method: str = "int8", group_size: int = 128, clip_search: bool = False) -> None:
+        """Codes of the weight in ``method``'s layout (pagedllm.quantization.vocab.quantize_rows)
+        beside the dense weight."""
+        self.use_codes(quantize_rows(self.weight.detach(), method, group_size, clip_search), keep_weight=True)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         q = self.quant_codes

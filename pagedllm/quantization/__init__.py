@@ -229,12 +229,15 @@ def process_model(model: nn.Module, dtype: torch.dtype, label: str,
     vocab_before = vocab_after = 0
     if setup is not None and setup.config.embeddings:
         vocab_before, vocab_after = quantize_vocab(model, setup)
-    elif setup is not None and setup.lm_head_int8 and head is not None and hasattr(head, "keep_int8") \
-            and native.fits(head.weight.shape[1], 32):
-        head.keep_int8()
+    elif setup is not None and (setup.lm_head_int8 or setup.config.lm_head) and head is not None \
+            and hasattr(head, "keep_codes") and native.fits(head.weight.shape[1], 32):
+        c = setup.config
+        head.keep_codes(c.method if c.lm_head else "int8", c.group_size, c.clip_search)
         vocab_after = sum(t.numel() * t.element_size() for t in head.quant_codes[2:])  # beside the dense weight
-        logger.info("LM head: int8 codes per 32 inputs for decode rows (the GGUF keeps it quantized), %.1f MiB "
-                    "beside its dense weight", vocab_after / 2**20)
+        bits, group = head.qlayout
+        logger.info("LM head: %s codes per %d inputs for decode rows (%s), %.1f MiB beside its dense weight",
+                    {8: "int8", 4: "int4", 3: "fp8"}[bits], group,
+                    f"lm_head {c.method}" if c.lm_head else "the GGUF keeps it quantized", vocab_after / 2**20)
     itemsize = torch.empty(0, dtype=dtype).element_size()
     before = after = 0
     counts: dict[str, int] = {}

@@ -3,31 +3,34 @@ of the target, in the same step, and the target verifies them (worker/spec_decod
 
 The scheduler reserves each speculating request's proposal slots (core/spec_decode.py,
 DraftSlotsProposer: placeholders, as many as the adaptive controller allows). Before the target's
-forward pass, `DraftRunner.propose` runs the draft:
+forward pass, `DraftRunner.propose` runs the draft for the requests that speculate this step, and
+for no other (a step without proposals, such as every step with 32 or more running requests on a
+CPU, runs no draft pass at all):
 
-1. one pass over every scheduled request's tokens the draft has not seen, up to and including its
-   last known token: prompt chunks (the same chunks the target computes), plain decodes, and a
-   speculating request's last token (with, after a step whose proposals were all accepted, the
-   last of them); its argmax after a speculating request's last token is that request's first
-   proposal;
+1. one pass over each speculating request's tokens the draft has not computed, up to and including
+   its last known token: its last token, and what it computed in steps without proposals (its
+   prompt, decodes while it did not speculate; with, after a step whose proposals were all
+   accepted, the last of them); its argmax after the last token is the request's first proposal;
 2. k - 1 passes of one token per speculating request (the previous proposal in, the next out),
    while the request has proposals left to make.
 
 The proposals then replace the placeholders (SchedulerOutput.spec_token_ids) and the target step
 runs as for any other method. Greedy draft tokens are a point-mass proposal, so verification keeps
-the target's distribution for sampled requests as it does for n-gram proposals.
+the target's distribution for sampled requests as it does for n-gram proposals; what the draft
+proposes never changes a greedy request's tokens.
 
 The draft's KV cache has its own tensors (its own layers and head shape) indexed by the target's
 block tables and slot mapping (same tokenizer, same positions), so the engine's one KV cache
 manager holds both: every block id names a block in both caches, a block's bytes count both
-(KVMemory.extra_bytes_per_block), and swaps and copy-on-write move both. The draft computes every
-position the target computes, in the same step, except a proposal the draft made itself: when it
-is accepted its K/V is already written, except the last of a fully accepted step's proposals,
-which the draft writes at the start of the next step, or at once where it completes a block (only
-full blocks are ever shared through prefix caching). So a block the prefix cache hands out holds
-the draft's K/V too, also after a recompute preemption; a request's draft positions after its
-computed tokens are written before they are read. Rejected proposals' slots are written again, as
-the target's are.
+(KVMemory.extra_bytes_per_block), and swaps and copy-on-write move both. The draft computes a
+request's positions lazily, when it next speculates; a proposal the draft made itself and the
+target accepted already holds its K/V, except the last of a fully accepted step's proposals, which
+the draft writes in its next pass, or at once where it completes a block. The runner keeps the set
+of device blocks whose draft K/V is whole (`valid`), through copies, swaps (host blocks remember
+it) and fresh allocations, so a request that starts on blocks another request computed (a
+prefix-cache hit, a swap-in, a fork) starts its draft after the leading whole ones. A request's
+draft positions after its computed tokens are written before they are read; rejected proposals'
+slots are written again, as the target's are.
 """
 
 from __future__ import annotations
@@ -85,8 +88,13 @@ class DraftRunner:
         self.native: NativeDecode | None = None
         self._arena: mmap.mmap | None = None
         self.computed: dict[str, int] = {}
-        """req_id -> positions from 0 whose draft K/V is written (a preempted request's kept)."""
-        self._step: tuple[list[str], np.ndarray, np.ndarray, np.ndarray] | None = None
+        """req_id -> positions from 0 whose draft K/V is written (requests that have speculated)."""
+        self.valid: set[int] = set()
+        """Device blocks whose every position holds the draft's K/V (a prefix-cache hit on one is
+        one for the draft too)."""
+        self.host_valid: dict[int, bool] = {}
+        """Host (swap) blocks: whether the device block swapped out to it was in `valid`."""
+        self._step: tuple[list[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
         self.passes = 0
         """Draft forward passes run (for benchmarks and tests)."""
         self.seconds = 0.0
@@ -118,27 +126,33 @@ class DraftRunner:
 
     # ---- per step -------------------------------------------------------------------------
     def propose(self, so: SchedulerOutput, req_ids: list[str], rows: np.ndarray, counts: np.ndarray) -> None:
-        """Runs the draft over the step's new tokens and decodes each speculating request's
-        proposals, which replace its placeholders in so.spec_token_ids. Leaves the persistent
-        batch's tokens as they were."""
-        for rid in so.finished_req_ids - so.preempted_req_ids:
+        """Runs the draft over the speculating requests' tokens it has not computed and decodes
+        their proposals, which replace the placeholders in so.spec_token_ids; no pass at all in a
+        step without proposals. Leaves the persistent batch's tokens as they were."""
+        self._track_blocks(so)
+        for rid in so.finished_req_ids:  # a preempted request's draft positions come back with its blocks
             self.computed.pop(rid, None)
-        ib = self.ib
         spec = so.spec_token_ids
+        pick = [i for i, r in enumerate(req_ids) if spec.get(r)]
+        if not pick:
+            return
+        ib = self.ib
+        idx = np.asarray(pick, dtype=np.int64)
+        req_ids, rows, counts = [req_ids[i] for i in pick], rows[idx], counts[idx]
         saved, saved_tokens = ib.num_computed_tokens[rows].copy(), ib.num_tokens[rows].copy()
-        ks = np.fromiter((len(spec.get(r, ())) for r in req_ids), dtype=np.int64, count=len(req_ids))
-        ends = saved + counts - ks  # past the last known token each request computes this step
-        starts = np.fromiter((min(self.computed.get(r, c), c) for r, c in zip(req_ids, saved.tolist())),
+        ks = np.fromiter((len(spec[r]) for r in req_ids), dtype=np.int64, count=len(req_ids))
+        ends = saved + counts - ks  # past each request's last known token
+        starts = np.fromiter((min(self.computed[r] if r in self.computed else self._valid_prefix(int(row)), c)
+                              for r, row, c in zip(req_ids, rows.tolist(), saved.tolist())),
                              dtype=np.int64, count=len(req_ids))
-        self._step = (req_ids, rows, ends, ks)
+        self._step = (req_ids, rows, starts, ends, ks)
         try:
             ib.num_computed_tokens[rows] = starts
             batch = ib.prepare(rows, ends - starts, self.config.sliding_window, **self.batch_options)
-            first = np.flatnonzero(ks > 0)
-            tokens = self._run(batch, batch.query_start_loc[first + 1] - 1)
-            drafted = {int(i): [int(t)] for i, t in zip(first, tokens)}
-            for j in range(1, int(ks.max()) if len(ks) else 0):
-                active = np.asarray([i for i in first if ks[i] > j], dtype=np.int64)
+            tokens = self._run(batch, batch.query_start_loc[1:] - 1)
+            drafted = {i: [int(t)] for i, t in enumerate(tokens.tolist())}
+            for j in range(1, int(ks.max())):
+                active = np.flatnonzero(ks > j)
                 for i in active.tolist():
                     ib.extend_tokens(int(rows[i]), drafted[i][-1:])
                 ib.num_computed_tokens[rows[active]] = ends[active] + j - 1
@@ -153,20 +167,21 @@ class DraftRunner:
             spec[req_ids[i]] = toks
 
     def after_step(self, out: ModelRunnerOutput) -> None:
-        """Records what the draft has computed of each request of the step just run: through its
-        last known token, and the proposals it wrote that the target accepted; writes a fully
-        accepted step's last proposal at once where it completes a block."""
+        """Records what the draft has computed of each speculating request of the step just run:
+        through its last known token, and the proposals it wrote that the target accepted; writes
+        a fully accepted step's last proposal at once where it completes a block; marks the full
+        blocks it has now computed."""
         if self._step is None:
             return
-        req_ids, rows, ends, ks = self._step
+        req_ids, rows, starts, ends, ks = self._step
         self._step = None
         kept = dict(zip(out.req_ids, out.sampled_token_ids))
         late = []
         for i, rid in enumerate(req_ids):
             k = int(ks[i])
-            accepted = max(len(kept.get(rid) or ()) - 1, 0) if k else 0
-            self.computed[rid] = int(ends[i]) + min(accepted, k - 1) if k else int(ends[i])
-            if k and accepted == k and (int(ends[i]) + k) % self.block_size == 0 and rid in self.ib.req_index:
+            accepted = max(len(kept.get(rid) or ()) - 1, 0)
+            self.computed[rid] = int(ends[i]) + min(accepted, k - 1)
+            if accepted == k and (int(ends[i]) + k) % self.block_size == 0 and rid in self.ib.req_index:
                 late.append(i)
         if late:
             idx = np.asarray(late, dtype=np.int64)
@@ -181,6 +196,38 @@ class DraftRunner:
                 ib.num_computed_tokens[rows[idx]] = saved
             for i in late:
                 self.computed[req_ids[i]] = int(ends[i] + ks[i])
+        bs, table = self.block_size, self.ib.block_table
+        for i, rid in enumerate(req_ids):
+            if rid in self.ib.req_index:
+                self.valid.update(table[int(rows[i]), int(starts[i]) // bs : self.computed[rid] // bs].tolist())
+
+    def _valid_prefix(self, row: int) -> int:
+        """Positions from 0 of the request in this batch row whose draft K/V its blocks hold: its
+        leading blocks the draft has computed in full (a prefix-cache hit, a swapped-in request)."""
+        n = 0
+        for b in self.ib.block_table[row, : int(self.ib.num_blocks[row])].tolist():
+            if b not in self.valid:
+                break
+            n += 1
+        return n * self.block_size
+
+    def _track_blocks(self, so: SchedulerOutput) -> None:
+        """Keeps `valid` (the device blocks whose draft K/V is whole) through the step's block moves
+        (a destination is whole where its source was; every source is read before any destination
+        is written) and allocations (a block handed out to be written afresh is not)."""
+        valid, host = self.valid, self.host_valid
+        if so.blocks_to_swap_out or so.blocks_to_swap_in or so.blocks_to_copy:
+            outs = [(h, b in valid) for b, h in so.blocks_to_swap_out]
+            ins = [(b, host.get(h, False)) for h, b in [*so.blocks_to_swap_in]]
+            ins += [(d, s in valid) for s, d in so.blocks_to_copy]
+            host.update(outs)
+            for b, whole in ins:
+                (valid.add if whole else valid.discard)(b)
+        bs = self.block_size
+        for new in so.new_reqs:  # blocks past its computed tokens are written afresh
+            valid.difference_update(new.block_ids[new.num_computed_tokens // bs :])
+        for cached in so.cached_reqs:
+            valid.difference_update(cached.new_block_ids)
 
     def _run(self, batch: BatchArrays, sample_rows: np.ndarray) -> np.ndarray:
         """One draft forward pass over `batch`, writing its K/V; the argmax token after each of

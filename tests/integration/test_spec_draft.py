@@ -2,8 +2,10 @@
 verifies them. Greedy outputs are the same token for token as without speculation (the target
 itself as its own draft, accepting nearly everything; the target quantized to int4; a separate
 tiny draft of another shape), at block sizes 16 and 64, with chunked prefill, prefix caching and
-preemption; seeded sampling repeats itself; the KV pool is sized for both caches; bad configs
-are refused naming what is wrong."""
+preemption; seeded sampling repeats itself; the KV pool is sized for both caches; a quantized
+draft's LM head runs from codes of its scheme while the target's stays dense; a step without
+proposals runs no draft pass, and a request the draft skipped catches up when it speculates; bad
+configs are refused naming what is wrong."""
 
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ def reference() -> list[list[int]]:
     return tokens(LLM(**BASE, num_kv_blocks=128, block_size=16))
 
 
-@pytest.mark.parametrize("block_size,quantization,budget", [(16, None, 48), (64, "int4", 40)])
+@pytest.mark.parametrize("block_size,quantization,budget", [(16, None, 48), (64, "int4", 40), (16, "int8", 48)])
 def test_greedy_same_with_draft(block_size: int, quantization: str | None, budget: int,
                                 reference: list[list[int]]) -> None:
     """Chunked prefill (a budget under the prompts' length) and prefix caching (the bakery prompts
@@ -53,6 +55,14 @@ def test_greedy_same_with_draft(block_size: int, quantization: str | None, budge
     llm = LLM(**BASE, num_kv_blocks=blocks, block_size=block_size, max_num_batched_tokens=budget,
               speculative_config=draft(3, quantization=quantization))
     assert tokens(llm) == reference
+    runner = llm.llm_engine.executor.runner
+    assert runner.model.lm_head.quant_codes is None  # the target's head as stored
+    head = runner.draft.model.lm_head
+    if quantization is not None:  # the draft's head as codes of its scheme, beside the dense weight
+        assert head.dense and head.qlayout[0] == {"int4": 4, "int8": 8}[quantization]
+        assert runner.draft.native is not None and runner.draft.native.model.lm_head_q
+    else:
+        assert head.quant_codes is None
     stats = llm.llm_engine.scheduler.get_stats()
     s = stats.spec_decode
     assert s.num_drafts > 10, s
@@ -70,6 +80,27 @@ def test_greedy_same_with_draft(block_size: int, quantization: str | None, budge
     after = llm.llm_engine.scheduler.get_stats().spec_decode
     rate = (after.num_accepted_tokens - before.num_accepted_tokens) / (after.num_draft_tokens - before.num_draft_tokens)
     assert rate > (0.95 if quantization is None else 0.3), (before, after)
+
+
+def test_no_draft_pass_without_proposals() -> None:
+    """32 running requests fill the rows a CPU step takes with proposals (core/spec_adaptive.py):
+    none proposes, and the draft runs no pass at all, the outputs those without speculation. A
+    request that then speculates alone, on the prompt blocks the target computed without the
+    draft (prefix-cache hits), has the draft catch up over its whole prompt first: the target as
+    its own draft accepts nearly everything."""
+    prompts = [f"{PROMPTS[i % 4]} ({i})" for i in range(32)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    engine = {**BASE, "num_kv_blocks": 256, "block_size": 16, "max_num_batched_tokens": 4096, "max_num_seqs": 64}
+    want = tokens(LLM(**engine), prompts, params)
+    llm = LLM(**engine, speculative_config=draft(3))
+    d = llm.llm_engine.executor.runner.draft
+    assert tokens(llm, prompts, params) == want
+    assert d.passes == 0 and not d.computed and not d.valid
+    assert llm.llm_engine.scheduler.get_stats().spec_decode.num_drafts == 0
+    assert tokens(llm, prompts[:1], GREEDY) == tokens(LLM(**engine), prompts[:1], GREEDY)
+    s = llm.llm_engine.scheduler.get_stats()
+    assert d.passes > 0 and s.prefix_cache_hits > 0 and s.spec_decode.acceptance_rate > 0.95, s
+    check_pool_whole(llm)
 
 
 def test_greedy_same_under_preemption(reference: list[list[int]]) -> None:

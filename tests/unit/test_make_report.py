@@ -68,6 +68,36 @@ def _render(tmp_path: Path, name: str, data: dict) -> str:
     return doc.read_text()
 
 
+def test_spec_section_shows_each_config_and_llamacpp(tmp_path):
+    """A `bench spec --compare llama.cpp` result: each configuration against off, acceptance, the
+    draft's pass time, whether greedy tokens matched, and llama.cpp's speculative runs with the
+    ratios of pagedllm's off and best configuration against each."""
+    def run(spec, tok_s, same=True, **extra):
+        part = {"seconds": 1.0, "output_tokens": 100, "output_tok_s": tok_s}
+        return {"speculative_config": spec, "single": part, "concurrent": dict(part, output_tok_s=0.0),
+                "ratio": {"single": tok_s / 100.0, "concurrent": 0.0},
+                "same_greedy_tokens": {"single": same, "concurrent": True}, **extra}
+    draft = {"method": "draft_model", "num_speculative_tokens": 3, "quantization": "int4"}
+    acc = {"num_drafts": 10, "num_draft_tokens": 30, "num_accepted_tokens": 15, "acceptance_rate": 0.5,
+           "mean_acceptance_length": 2.5}
+    peer = {"gguf": "m.BF16.gguf", "seconds": 1.0, "output_tokens": 50, "llama_cpp_version": "0.3.36",
+            "same_tokens_as_pagedllm": 1}
+    data = {"meta": {"command": "pagedllm bench spec --compare llama.cpp", "commit": "abc1234", "time": "t"},
+            "model": "default", "dtype": "auto", "max_tokens": 128, "num_prompts": 4, "concurrency": 0,
+            "workload": "chat",
+            "runs": [run(None, 100.0), run(draft, 150.0, False, acceptance=acc, draft={"passes": 9, "seconds": 0.045,
+                                                                                      "ms_per_pass": 5.0})],
+            "llamacpp": [dict(peer, draft=None, output_tok_s=50.0),
+                         dict(peer, draft={"method": "prompt_lookup", "max_ngram_size": 2, "num_pred_tokens": 2},
+                              output_tok_s=60.0)]}
+    text = _render(tmp_path, "amx_spec_chat.json", data)
+    assert "## Speculative decoding" in text and "### `amx_spec_chat.json`: chat questions" in text
+    assert f"| `{json.dumps(draft)}` | 150.0 | 1.50x | 50.0% | 2.50 | 5.00 | NO |" in text
+    assert "| off | 100.0 | 1.00x | - | - | - | yes |" in text
+    assert "| off | 50.0 | 1.00x | 2.00x | 3.00x | 1 of 4 |" in text
+    assert '"prompt_lookup", "max_ngram_size": 2, "num_pred_tokens": 2}` | 60.0 | 1.20x | 1.67x | 2.50x |' in text
+
+
 def test_serve_section_shows_the_server_over_offline_ratio(tmp_path):
     from pagedllm.benchmarks.serve import offline_ratios
 

@@ -150,7 +150,7 @@ def test_int8_lm_head_gives_the_torch_heads_logits(dtype, tiny_llama_dir, one_to
     function in the fused step's head as in the torch path's LMHead: the same logits to the bit."""
     llm, runner = _runner(tiny_llama_dir, dtype, **SCHEMES["int4"])
     head = runner.model.lm_head
-    head.keep_int8()
+    head.keep_codes()
     w = head.weight.float()
     hidden = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(0)).to(head.weight.dtype)
     with torch.inference_mode():

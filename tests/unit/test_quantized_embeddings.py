@@ -119,6 +119,12 @@ def test_the_flag_needs_a_quantization_that_takes_it():
         EngineArgs(quantize_embeddings=True).create_engine_config()
     with pytest.raises(ValueError, match="not 'awq'"):
         QuantizationConfig(method="awq", embeddings=True)
+    # the LM head's codes beside its dense weight (a quantized speculative draft's): the same schemes,
+    # and not on top of embeddings kept as codes alone
+    with pytest.raises(ValueError, match="lm_head codes apply.*not 'awq'"):
+        QuantizationConfig(method="awq", lm_head=True)
+    with pytest.raises(ValueError, match="lm_head codes apply.*embeddings=True"):
+        QuantizationConfig(method="int8", embeddings=True, lm_head=True)
 
 
 def test_gguf_keeps_the_files_q8_0_embedding_blocks(one_torch_thread):
