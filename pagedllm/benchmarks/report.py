@@ -30,6 +30,7 @@ from pagedllm.benchmarks.report_moe import model_latency_sections, model_through
 from pagedllm.benchmarks.report_scale import scale_section
 from pagedllm.benchmarks.report_spec import spec_section
 from pagedllm.benchmarks.report_ttft import ttft_section
+from pagedllm.benchmarks.report_ui import ui_cost_section
 from pagedllm.benchmarks.report_sections import (
     kv_quality_section,
     latency_matrix_table,
@@ -189,6 +190,8 @@ def render(res: Path = RESULTS, img_dir: Path = DOC.parent / "img", draw: bool =
         parts.append(embed_section(embeds))
     if (mixed := load(res / "amx_embed_mixed.json")) is not None:
         parts.append(embed_mixed_section(mixed))
+    if (ui := ui_cost_section(res)) is not None:
+        parts.append(ui)
     if (host := load(res / "host_overhead.json")) is not None:
         parts.append(host_overhead_section(with_record(host, "host_overhead.json", res)))
     sched = load(res / "bench_scheduling.json") or load(res / "bench_scheduling_quick.json")
