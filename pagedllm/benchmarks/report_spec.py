@@ -19,7 +19,9 @@ INTRO = """## Speculative decoding
 each part on an engine of its own in one run; the single stream runs the tasks one at a time, the
 concurrent part runs them together (docs/speculative.md says how each method proposes and how
 the adaptive lengths turn it off). Every table below says whether greedy outputs were the same
-token for token as without speculation. Under `--compare llama.cpp`, llama.cpp runs the same
+token for token as without speculation (single stream, and the concurrent batch where there is
+one); in bf16 on the AMX host a single stream's are not (its one-row steps and its verification
+steps of several rows take different GEMM forms: docs/speculative.md). Under `--compare llama.cpp`, llama.cpp runs the same
 prompt tokens one at a time on the model's GGUF rewritten unquantized in the same dtype, with
 llama-cpp-python's speculative decoding: its prompt lookup (`LlamaPromptLookupDecoding`) and a
 draft model through its `LlamaDraftModel` interface (the same GGUF quantized by llama.cpp).
@@ -38,7 +40,8 @@ def _file_section(name: str, r: dict[str, Any]) -> str:
     head = ["speculative config", "single stream tok/s", "ratio"]
     if conc:
         head += [f"{conc} concurrent tok/s", "ratio"]
-    head += ["acceptance", "tokens per speculating step", "draft pass ms", "same greedy tokens"]
+    head += ["acceptance", "tokens per speculating step", "draft pass ms",
+             "same greedy tokens" + (" (single / concurrent)" if conc else "")]
     rows = []
     for run in r["runs"]:
         a, d = run.get("acceptance"), run.get("draft")
@@ -47,9 +50,10 @@ def _file_section(name: str, r: dict[str, Any]) -> str:
         if conc:
             row += [fmt(run["concurrent"]["output_tok_s"]), f"{run['ratio']['concurrent']:.2f}x"]
         same = run["same_greedy_tokens"]
+        yes = {True: "yes", False: "NO"}
         row += [f"{100 * a['acceptance_rate']:.1f}%" if a else "-", f"{a['mean_acceptance_length']:.2f}" if a else "-",
                 fmt(d["ms_per_pass"], ".2f") if d else "-",
-                "yes" if same["single"] and (same["concurrent"] or not conc) else "NO"]
+                f"{yes[same['single']]} / {yes[same['concurrent']]}" if conc else yes[same["single"]]]
         rows.append(row)
     out.append(table(head, rows))
     peers = r.get("llamacpp")
