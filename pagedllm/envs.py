@@ -61,7 +61,7 @@ _VARS: tuple[EnvVar, ...] = (
     EnvVar("PAGEDLLM_ATTENTION_BACKEND", str, "", "force an attention backend: `torch` or `triton` "
            "(default: the native CPU kernel on a CPU, Triton on a GPU)", ("torch", "triton")),
     _native("DECODE", "fused decode step of dense and quantized Llama-family models"),
-    _native("FLASH", "flash-attention kernel for prompt chunks"),
+    _native("FLASH", "flash-attention kernel for prompt chunks and the encoders' (BERT) attention kernel"),
     _native("LINEAR", "small-M GEMM (decode batches, short chunks)"),
     _native("ELEMENTWISE", "RMSNorm / SiLU·mul / RoPE rows"),
     _native("QUANT", "quantized GEMM kernels (int8, int4, fp8, GGUF codes)"),

@@ -223,19 +223,30 @@ def structured_section(r: dict[str, Any]) -> str:
 
 
 def embed_section(runs: list[dict[str, Any]]) -> str:
-    """`pagedllm bench embed`: all-MiniLM-L6-v2 embeddings against sentence-transformers' encode."""
+    """`pagedllm bench embed`: all-MiniLM-L6-v2 embeddings against sentence-transformers' encode and,
+    where the run has it, vLLM's CPU build."""
+    def vllm_cells(r: dict[str, Any]) -> list[str]:
+        v = r.get("vllm")
+        if not v:
+            return ["not run", "", ""]
+        if not v["ok"]:
+            return ["skipped", "", ""]
+        return [f"{v['texts_per_s']:.1f}", f"{v['ratio']:.2f}x", f"{v['min_cosine']:.6f}"]
+
     rows = [[r["config"]["dtype"], str(r["config"]["num_texts"]), str(r["prompt_tokens"]),
              f"{r['pagedllm_texts_per_s']:.1f}", f"{r['sentence_transformers_texts_per_s']:.1f}",
-             f"{r['ratio']:.2f}x", f"{r['min_cosine']:.6f}"] for r in runs]
+             f"{r['ratio']:.2f}x", f"{r['min_cosine']:.6f}", *vllm_cells(r)] for r in runs]
     out = [
         "## Embeddings\n",
         "`pagedllm bench embed`: all-MiniLM-L6-v2 (the packaged sentence-transformers model) embedding the same "
-        "texts with `LLM.embed` (every text at once, batched by the step budget) and with sentence-transformers' "
-        f"`encode` (float32, batch size {runs[0]['config']['batch_size']}), one after the other in the same run, "
-        "each after a warm-up pass. The host was shared with other jobs: the absolute rates move by several times "
-        "between runs; the ratio is of the same run.\n",
+        "texts with `LLM.embed` (every text at once, batched by the step budget), with sentence-transformers' "
+        f"`encode` (float32, batch size {runs[0]['config']['batch_size']}) and with vLLM's CPU build (`LLM.embed`, "
+        "runner \"pooling\", pagedllm's dtype and step budget, in its own process), one after the other in the "
+        "same run, each after a warm-up pass. Ratios are pagedllm's rate over the other's; the cosines are of "
+        "each text's embedding against pagedllm's. The host was shared with other jobs: the absolute rates move "
+        "between runs; the ratios are of the same run.\n",
         table(["pagedllm dtype", "texts", "tokens", "pagedllm texts/s", "sentence-transformers texts/s", "ratio",
-               "smallest cosine"], rows),
+               "smallest cosine", "vLLM texts/s", "vs vLLM", "smallest cosine (vLLM)"], rows),
     ]
     out += ["\n" + run_block(r["meta"]) for r in runs]
     return "\n".join(out) + "\n"

@@ -69,6 +69,36 @@ def torch_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return F.linear(x, weight, bias)
 
 
+# The elementwise op fused_linear applies to x W^T + b inside oneDNN's GEMM (its post-op), by name.
+_POST_OPS = {"gelu": ("gelu", "none"), "gelu_tanh": ("gelu", "tanh"), "relu": ("relu", "")}
+_POST_TORCH = {"gelu": F.gelu, "gelu_tanh": lambda y: F.gelu(y, approximate="tanh"), "relu": F.relu}
+
+
+def fused_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, post: str | None = None,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+    """post(x W^T + b) (`post`: "gelu", "gelu_tanh", "relu" or None), or x W^T + b + residual, as one
+    oneDNN call (the bias, the activation or the sum in the GEMM's epilogue, no pass over the output
+    after it) for rows of float32, or of bf16 where the CPU multiplies bf16 (not WIDENED_DTYPES),
+    from MKLDNN_MIN_ROWS rows; elsewhere dense_linear and torch's op. On all-MiniLM-L6-v2's
+    1,900-row steps (2-core Xeon): the MLP's up projection and GELU 8.8 against 16.8 ms in float32,
+    1.7 against 2.3 ms in bf16; the down projection and the residual 8.3 against 10.0 ms, 1.4
+    against 1.6 ms."""
+    if post is not None and residual is not None:
+        raise ValueError(f"fused_linear takes a post-op ({post!r}) or a residual, not both")
+    if (_ONEDNN_LINEAR is not None and x.dim() == 2 and x.shape[0] >= MKLDNN_MIN_ROWS and weight.device.type == "cpu"
+            and x.dtype == weight.dtype and (weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16
+                                                                            and weight.dtype not in WIDENED_DTYPES))):
+        x = x.contiguous()
+        if residual is not None:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, residual.contiguous(), weight, bias, "add")
+        attr, algorithm = _POST_OPS[post] if post is not None else ("none", "")
+        return _ONEDNN_LINEAR(x, weight, bias, attr, [], algorithm)
+    y = dense_linear(x, weight, bias)
+    if residual is not None:
+        return y + residual
+    return _POST_TORCH[post](y) if post is not None else y
+
+
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T + b for a dense weight (linear layers and the LM head): decode rows and short prompt
     chunks (up to small_m_rows) through the small-M kernel, everything else torch_linear."""

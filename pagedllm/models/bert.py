@@ -12,16 +12,19 @@ has one [SEP], at its end, and is type 0 throughout.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.attention.encoder import encoder_attention, encoder_attention_runs
 from pagedllm.distributed.parallel_state import ParallelContext
-from pagedllm.layers.linear import Linear, QKVLinear
+from pagedllm.layers.linear import Linear, QKVLinear, fused_linear
 from pagedllm.models.weights import check_complete, load_tensor
 
-_ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
+# hidden_act -> fused_linear's post-op name
+_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "relu": "relu"}
 
 
 def _check_supported(config, parallel: ParallelContext, quant_config) -> None:
@@ -36,21 +39,28 @@ def _check_supported(config, parallel: ParallelContext, quant_config) -> None:
 
 
 class _Segments:
-    """The step's sequences laid out for batched attention: padded index [B, L] into the flat
-    tokens, which padded slots are real, and the flat order of the real ones."""
+    """The step's sequences: each one's first row and length in the flat tokens (int64), whether the
+    native kernel attends (`native`: pagedllm.attention.encoder), and, for torch's attention
+    (`padded`), a padded index [B, L] into the flat tokens, which padded slots are real, and the key
+    mask."""
 
-    def __init__(self, positions: torch.Tensor) -> None:
+    def __init__(self, positions: torch.Tensor, native: bool) -> None:
+        self.native = native
         T = positions.shape[0]
         starts = torch.nonzero(positions == 0).flatten()
         ends = torch.cat([starts[1:], starts.new_tensor([T])])
-        lens = ends - starts
-        L = int(lens.max())
-        offs = torch.arange(L, device=positions.device)
-        self.valid = offs[None, :] < lens[:, None]  # [B, L]
-        self.index = torch.where(self.valid, starts[:, None] + offs[None, :], 0)
-        self.key_mask = self.valid[:, None, None, :]  # [B, 1, 1, L]
+        self.lens = ends - starts
         self.single = len(starts) == 1
         self.starts = starts
+
+    @cached_property
+    def padded(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(index [B, L], valid [B, L], key_mask [B, 1, 1, L])."""
+        L = int(self.lens.max())
+        offs = torch.arange(L, device=self.starts.device)
+        valid = offs[None, :] < self.lens[:, None]
+        index = torch.where(valid, self.starts[:, None] + offs[None, :], 0)
+        return index, valid, valid[:, None, None, :]
 
 
 class BertLayer(nn.Module):
@@ -69,17 +79,23 @@ class BertLayer(nn.Module):
 
     def attention(self, x: torch.Tensor, seg: _Segments) -> torch.Tensor:
         T, H, D = x.shape[0], self.num_heads, self.head_dim
-        q, k, v = self.qkv(x).view(T, 3, H, D).unbind(1)
+        qkv = fused_linear(x, self.qkv.weight, self.qkv.bias)
+        if seg.native:
+            return encoder_attention(qkv, seg.starts, seg.lens, H, D, D ** -0.5)
+        q, k, v = qkv.view(T, 3, H, D).unbind(1)
         if seg.single:  # one sequence: no padding
             o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
             return o.transpose(0, 1).reshape(T, H * D)
-        q, k, v = (t[seg.index].transpose(1, 2) for t in (q, k, v))  # [B, H, L, D]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=seg.key_mask)
-        return o.transpose(1, 2)[seg.valid].reshape(T, H * D)
+        index, valid, key_mask = seg.padded
+        q, k, v = (t[index].transpose(1, 2) for t in (q, k, v))  # [B, H, L, D]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)
+        return o.transpose(1, 2)[valid].reshape(T, H * D)
 
     def forward(self, x: torch.Tensor, seg: _Segments) -> torch.Tensor:
-        x = self.attn_norm(x + self.attn_out(self.attention(x, seg)))
-        return self.out_norm(x + self.down(self.act(self.up(x))))
+        attn = self.attn_out
+        x = self.attn_norm(fused_linear(self.attention(x, seg), attn.weight, attn.bias, residual=x))
+        h = fused_linear(x, self.up.weight, self.up.bias, post=self.act)
+        return self.out_norm(fused_linear(h, self.down.weight, self.down.bias, residual=x))
 
 
 class BertModel(nn.Module):
@@ -113,7 +129,8 @@ class BertModel(nn.Module):
         return (before - before[seg.starts][seq] > 0).to(torch.int64)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        seg = _Segments(positions)
+        seg = _Segments(positions, encoder_attention_runs(self.embed_norm.weight.dtype, self.layers[0].head_dim,
+                                                          input_ids.device))
         x = (self.word_embeddings(input_ids) + self.position_embeddings(positions)
              + self.token_type_embeddings(self.token_types(input_ids, seg)))
         x = self.embed_norm(x)

@@ -39,6 +39,15 @@ FLASH_BF16_AMX = Kernel("flash_bf16_amx", I32)
 FLASH = Library("flash_attention.c", (FLASH_PREFILL_F32, FLASH_PREFILL_BF16, FLASH_LANES, FLASH_BF16_WIDENED,
                                       FLASH_BF16_AMX), lambda: envs.PAGEDLLM_NATIVE_FLASH)
 
+# encoder_attention.c: an encoder step's bidirectional attention over each sequence, read from the
+# flat QKV projection in place.
+_ENCODER_ATTENTION_ARGS = (ptr("qkv"), i64("ld"), ptr("starts"), ptr("lens"), *_ints("nseq", "H", "D"), f32("scale"),
+                           ptr("out"), i64("ldo"))
+ENCODER_ATTENTION_F32 = Kernel("encoder_attention_f32", I32, _ENCODER_ATTENTION_ARGS)
+ENCODER_ATTENTION_BF16 = Kernel("encoder_attention_bf16", I32, _ENCODER_ATTENTION_ARGS)
+ENCODER_ATTENTION = Library("encoder_attention.c", (ENCODER_ATTENTION_F32, ENCODER_ATTENTION_BF16),
+                            lambda: envs.PAGEDLLM_NATIVE_FLASH)
+
 # small_m_gemm.c: GEMMs of a few rows.
 SMALL_M_AVAILABLE = Kernel("small_m_available", I32)
 SMALL_M_AMX_ROWS = Kernel("small_m_amx_rows", I32)
