@@ -103,13 +103,17 @@ def test_no_draft_pass_without_proposals() -> None:
     check_pool_whole(llm)
 
 
-def test_greedy_same_under_preemption(reference: list[list[int]]) -> None:
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_greedy_same_under_preemption(mode: str, reference: list[list[int]]) -> None:
     """A KV pool of 12 blocks of 16 tokens holds about two requests: requests are preempted
-    (recompute) while speculating and resume with the same tokens."""
-    llm = LLM(**BASE, num_kv_blocks=12, block_size=16, max_num_seqs=4, speculative_config=draft(3))
+    (recompute, or swap: the draft's K/V goes to the host pool and back with the target's) while
+    speculating and resume with the same tokens; the target as its own draft still accepts nearly
+    everything, so the draft's K/V a resumed request starts from is its own."""
+    llm = LLM(**BASE, num_kv_blocks=12, block_size=16, max_num_seqs=4, speculative_config=draft(3),
+              preemption_mode=mode, swap_space=0.05)
     assert tokens(llm) == reference
     stats = llm.llm_engine.scheduler.get_stats()
-    assert stats.num_preemptions_by_mode["recompute"] > 0 and stats.spec_decode.acceptance_rate > 0.95, stats
+    assert stats.num_preemptions_by_mode[mode] > 0 and stats.spec_decode.acceptance_rate > 0.95, stats
     check_pool_whole(llm)
 
 
