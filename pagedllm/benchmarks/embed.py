@@ -58,9 +58,9 @@ def run_vllm(args: Any, folder: str, texts: list[str]) -> dict[str, Any]:
                 "gpu_memory_utilization": args.vllm_gpu_memory_utilization}
         print("--- vllm: starting ---", file=sys.stderr, flush=True)
         run = run_child(cmd, env, spec, workdir, args.timeout)
-    if run.returncode != 0 or "elapsed_s" not in run.result:
+    if "elapsed_s" not in run.result:  # written before vLLM's teardown, which may abort (embed_vllm_worker.py)
         raise BackendUnavailable(_failure_reason("vllm", run))
-    return run.result
+    return {**run.result, "exit_code": run.returncode}
 
 
 def run_embed(args: Any) -> dict[str, Any]:
@@ -110,7 +110,7 @@ def run_embed(args: Any) -> dict[str, Any]:
             report["meta"]["versions"]["vllm"] = v["vllm_version"]
             report["vllm"] = {"ok": True, "dtype": v["dtype"], "load_s": v["load_s"], "prompt_tokens": v["prompt_tokens"],
                               "texts_per_s": len(texts) / v["elapsed_s"], "ratio": v["elapsed_s"] / t_ours,
-                              "min_cosine": float(vcos.min())}
+                              "min_cosine": float(vcos.min()), "exit_code": v["exit_code"]}
     return report
 
 

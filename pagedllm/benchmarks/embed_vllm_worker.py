@@ -11,8 +11,11 @@ by VLLM_CPU_KVCACHE_SPACE (GiB, set by the parent): an encoder keeps no KV cache
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
+
+_ENGINE: list = []  # the engine, kept alive until the process ends (below)
 
 
 def run(spec: dict) -> dict:
@@ -25,6 +28,7 @@ def run(spec: dict) -> dict:
               gpu_memory_utilization=spec["gpu_memory_utilization"],
               max_num_batched_tokens=spec["max_num_batched_tokens"])
     load_s = time.perf_counter() - t_load
+    _ENGINE.append(llm)
     llm.embed(texts[: spec["warmup"]], use_tqdm=False)
     t0 = time.perf_counter()
     outs = llm.embed(texts, use_tqdm=False)
@@ -39,4 +43,13 @@ def run(spec: dict) -> dict:
 if __name__ == "__main__":
     from peer_child import child_main  # this script's folder is first on sys.path
 
-    sys.exit(child_main(sys.argv[1:], run))
+    rc = child_main(sys.argv[1:], run)
+    # The result is written before vLLM's teardown, which the engine (kept alive until here) starts
+    # now: its race between the engine process's exit and its monitor thread aborted this process
+    # (SIGABRT, "terminate called without an active exception") in one of two runs here, before the
+    # result was written when the teardown ran as `run` returned. The parent reads the result.
+    if _ENGINE:
+        _ENGINE[0].llm_engine.engine_core.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
