@@ -2,9 +2,10 @@
 rows of each adapter in the step x A^T B^T (shrink to the slot's rank, expand to the outputs; the
 scale is folded into B), from the adapter's slot in the layer's preallocated stacks.
 
-The step's rows are grouped by slot once per step (`LoRAStep`), not per layer: adapters with few
-rows in the step (decodes) go through one native call for all of them (native/csrc/lora.c), the
-rows of an adapter with many (a prompt chunk) through two torch GEMMs. A step without adapter rows
+The step's rows are grouped by slot once per step (`LoRAStep`), not per layer: where the native
+kernel applies (the CPU, float32 or bfloat16) every adapter row, decodes and prompt chunks alike,
+goes through one native call per layer for all of them (native/csrc/lora.c); elsewhere (a GPU)
+each adapter's rows take two torch GEMMs. A step without adapter rows
 costs every layer two attribute tests. On a row-parallel layer the delta is added to the rank's
 partial product, before the layer's all-reduce."""
 

@@ -394,8 +394,9 @@ typedef struct {
     const int32_t *mask;
     int64_t ldm;
     const int64_t *mask_rows;
-    /* LoRA rows (md->lora_slots): ordered by slot in blocks of <= LORA_RB (lora_plan), and each
-     * thread's scratch: h of every block (lora_hsize floats) then the block's rows in float32. */
+    /* LoRA rows (md->lora_slots): ordered by slot in blocks of <= LORA_RB (lora_plan). lora_buf
+     * holds h of every block, shared by the team (lora_hsize floats), then each thread's scratch
+     * for a block's rows in float32 (lora_scratch floats a thread). */
     int64_t lora_nblocks, lora_hsize, lora_scratch;
     const int64_t *lora_order, *lora_blocks;
     float *lora_buf;
@@ -408,13 +409,14 @@ typedef struct {
 } Step;
 
 #if defined(LORA_BLOCKS)
-/* h of every LoRA row of the step (its slot's A times x [M, K]), for one linear layer. */
-static void lora_shrink_step(const Step *c, const LoraLinear *ll, const void *x, int64_t K, float *h) {
+/* h of the LoRA rows of blocks [b_lo, b_hi) of the step (their slot's A times x [M, K]), for
+ * one linear layer; xf: this thread's scratch. */
+static void lora_shrink_step(const Step *c, const LoraLinear *ll, const void *x, int64_t K, float *h, float *xf,
+                             int64_t b_lo, int64_t b_hi) {
     const LlamaDecodeModel *md = c->md;
     const int wdt = (int)md->lora_dtype;
     const int64_t n = ll->num_slices * md->lora_rank, es = wdt == LD_F32 ? 4 : 2;
-    float *xf = h + c->lora_hsize;
-    for (int64_t bi = 0; bi < c->lora_nblocks; bi++) {
+    for (int64_t bi = b_lo; bi < b_hi; bi++) {
         const int64_t b0 = c->lora_blocks[bi];
         const int nb = (int)(c->lora_blocks[bi + 1] - b0);
         lora_block_h(x, K, (int)md->dtype, c->lora_order + b0, nb,
@@ -448,16 +450,27 @@ static inline const LoraLinear *lora_of(const Step *c, const LoraLinear *ll, int
 }
 
 /* The LoRA deltas of a linear layer's rows after its base GEMM wrote y[:, lo:hi) (and, for
- * gate|up, y[:, lo2:hi2)): h from x, then the expand over those columns. */
+ * gate|up, y[:, lo2:hi2)), for thread tid of nth: h from x, then the expand over those columns.
+ * In a team each thread computes h of its share of the blocks into the team's h and waits for the
+ * others before its expand (every block's h is the same bits whichever thread computes it; the
+ * next write of h, the next layer's, comes after the team's barrier that follows every sublayer). */
 static void lora_apply(const Step *c, const LoraLinear *ll, const void *x, int64_t K, void *y, int64_t N,
-                       int64_t lo, int64_t hi, int64_t lo2, int64_t hi2, float *h) {
+                       int64_t lo, int64_t hi, int64_t lo2, int64_t hi2, int tid, int nth) {
 #if defined(LORA_BLOCKS)
     if (ll == NULL) return;
-    lora_shrink_step(c, ll, x, K, h);
+    float *h = c->lora_buf, *xf = c->lora_buf + c->lora_hsize + tid * c->lora_scratch;
+    const int64_t nb = c->lora_nblocks;
+    if (c->team) {
+        lora_shrink_step(c, ll, x, K, h, xf, nb * tid / nth, nb * (tid + 1) / nth);
+        team_sync(1);
+    } else {
+        lora_shrink_step(c, ll, x, K, h, xf, 0, nb);
+    }
     lora_expand_step(c, ll, h, N, y, lo, hi);
     if (hi2 > lo2) lora_expand_step(c, ll, h, N, y, lo2, hi2);
 #else
-    (void)c, (void)ll, (void)x, (void)K, (void)y, (void)N, (void)lo, (void)hi, (void)lo2, (void)hi2, (void)h;
+    (void)c, (void)ll, (void)x, (void)K, (void)y, (void)N, (void)lo, (void)hi, (void)lo2, (void)hi2, (void)tid,
+        (void)nth;
 #endif
 }
 
@@ -613,7 +626,6 @@ static void step_layers(const Step *c, int tid, int nth) {
     const int64_t es = dt == LD_F32 ? 4 : 2;
     const int qdt = dt == LD_F32 ? DT_F32 : dt == LD_BF16 ? DT_BF16 : DT_F16;
     void *xn = (char *)c->xn + tid * M * Hd * es;
-    float *lh = c->lora_buf != NULL ? c->lora_buf + tid * c->lora_scratch : NULL;
     int64_t lo, hi;
     const int64_t att_lo = attention_split(c->seq_lens, M, KVH, tid, nth),
                   att_hi = attention_split(c->seq_lens, M, KVH, tid + 1, nth);
@@ -627,7 +639,7 @@ static void step_layers(const Step *c, int tid, int nth) {
         norm_rows(md, c->x, M, Hd, md->input_norm[l], xn, dt);
         team_share(qkvn, SHARE_ROWS, tid, nth, &lo, &hi);
         linear(qlin(md->qkv_q, l), xn, M, md->qkv_w[l], md->qkv_b[l], qkvn, Hd, c->qkv, dt, c->xb, team, lo, hi);
-        lora_apply(c, lora_of(c, md->lora_qkv, l), xn, Hd, c->qkv, qkvn, team ? lo : 0, team ? hi : qkvn, 0, 0, lh);
+        lora_apply(c, lora_of(c, md->lora_qkv, l), xn, Hd, c->qkv, qkvn, team ? lo : 0, team ? hi : qkvn, 0, 0, tid, nth);
         team_sync(team);
         /* q rotated into its own rows; k rotated and v copied straight into their cache slots.
          * With q/k norms, each head is normed into its destination first and rotated in place
@@ -660,7 +672,7 @@ static void step_layers(const Step *c, int tid, int nth) {
         team_sync(team);
         team_share(Hd, SHARE_ROWS, tid, nth, &lo, &hi);
         linear(qlin(md->o_q, l), c->attn, M, md->o_w[l], md->o_b[l], Hd, qn, c->o, dt, c->xb, team, lo, hi);
-        lora_apply(c, lora_of(c, md->lora_o, l), c->attn, qn, c->o, Hd, team ? lo : 0, team ? hi : Hd, 0, 0, lh);
+        lora_apply(c, lora_of(c, md->lora_o, l), c->attn, qn, c->o, Hd, team ? lo : 0, team ? hi : Hd, 0, 0, tid, nth);
         add_normed(c, md->attn_out_norm, l, xn, lo, hi);
         team_sync(team);
         norm_rows(md, c->x, M, Hd, md->post_norm[l], xn, dt);
@@ -679,9 +691,9 @@ static void step_layers(const Step *c, int tid, int nth) {
                    team, 0, 2 * I);
         }
         if (team)
-            lora_apply(c, lora_of(c, md->lora_gate_up, l), xn, Hd, c->gu, 2 * I, lo, hi, I + lo, I + hi, lh);
+            lora_apply(c, lora_of(c, md->lora_gate_up, l), xn, Hd, c->gu, 2 * I, lo, hi, I + lo, I + hi, tid, nth);
         else
-            lora_apply(c, lora_of(c, md->lora_gate_up, l), xn, Hd, c->gu, 2 * I, 0, 2 * I, 0, 0, lh);
+            lora_apply(c, lora_of(c, md->lora_gate_up, l), xn, Hd, c->gu, 2 * I, 0, 2 * I, 0, 0, tid, nth);
         if (md->gemma)
             gelu_tanh_mul(c->gu, M, I, c->act, dt, lo, hi);
         else
@@ -689,7 +701,7 @@ static void step_layers(const Step *c, int tid, int nth) {
         team_sync(team);
         team_share(Hd, SHARE_ROWS, tid, nth, &lo, &hi);
         linear(qlin(md->down_q, l), c->act, M, md->down_w[l], md->down_b[l], Hd, I, c->o, dt, c->xb, team, lo, hi);
-        lora_apply(c, lora_of(c, md->lora_down, l), c->act, I, c->o, Hd, team ? lo : 0, team ? hi : Hd, 0, 0, lh);
+        lora_apply(c, lora_of(c, md->lora_down, l), c->act, I, c->o, Hd, team ? lo : 0, team ? hi : Hd, 0, 0, tid, nth);
         add_normed(c, md->mlp_out_norm, l, xn, lo, hi);
         team_sync(team);
     }
@@ -919,10 +931,11 @@ static int run_step(const LlamaDecodeModel *md, int64_t M, const int64_t *input_
         int64_t m;
         c.lora_order = lora_order, c.lora_blocks = lora_order + M;
         c.lora_nblocks = lora_plan(md->lora_slots, M, lora_order, lora_order + M, &m);
-        /* h of every block at the widest layer's n (qkv's three slices), then LORA_RB rows of x */
-        c.lora_hsize = c.lora_nblocks * LORA_RB * 3 * md->lora_rank;
-        c.lora_scratch = (c.lora_hsize + LORA_RB * widest + 15) / 16 * 16;
-        if (c.lora_nblocks > 0) c.lora_buf = alloc(nth * c.lora_scratch * (int64_t)sizeof(float));
+        /* h of every block at the widest layer's n (qkv's three slices), then LORA_RB rows of x a thread */
+        c.lora_hsize = (c.lora_nblocks * LORA_RB * 3 * md->lora_rank + 15) / 16 * 16;
+        c.lora_scratch = (LORA_RB * widest + 15) / 16 * 16;
+        if (c.lora_nblocks > 0)
+            c.lora_buf = alloc((c.lora_hsize + nth * c.lora_scratch) * (int64_t)sizeof(float));
     }
 #endif
     if (S > 0) {

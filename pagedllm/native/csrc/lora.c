@@ -15,8 +15,9 @@
  * serves all of them): lora_plan orders them, lora_block_h (the shrink: with AVX-512, bf16 dot
  * products where rows and A are bf16 and the CPU has AVX-512 BF16, else float32 FMAs) and
  * lora_block_expand do one block. The fused decode step (llama_decode.c includes this file) runs
- * the same block functions inside its threads, each thread expanding only the output columns it
- * computed, so a row's delta is the same bits on either path: every output column is one FMA
+ * the same block functions inside its threads (each thread the shrink of its share of the blocks,
+ * then, after a barrier, the expand of the output columns it computed), so a row's delta is the
+ * same bits on either path: every output column is one FMA
  * chain over the slice's R entries of h from zero, then one rounded add to y, whatever columns a
  * call covers (the columns past the last full vector of a range too: under a mask, or in a
  * vector padded with zeros). With neither (or AVX-512 and K not a multiple of 16) lora_sgmv takes
