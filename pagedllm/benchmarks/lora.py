@@ -65,6 +65,7 @@ def _throughput(llm: Any, reqs: list, loras: list) -> dict[str, float]:
 
 def run_lora(opts: dict[str, Any]) -> dict[str, Any]:
     from pagedllm import LLM, LoRARequest
+    from pagedllm.benchmarks.env import run_metadata
     from pagedllm.benchmarks.workloads import parse_range, random_workload, vocab_info
     from pagedllm.models.loader import load_hf_config, resolve_model
 
@@ -73,8 +74,8 @@ def run_lora(opts: dict[str, Any]) -> dict[str, Any]:
     reqs = random_workload(opts["num_prompts"], parse_range(opts["input_len_range"], "input"),
                            parse_range(opts["output_len_range"], "output"), vocab_info(model), opts["seed"])
     engine = {"dtype": opts["dtype"], "kv_cache_memory": opts["kv_cache_memory"]}
-    report: dict[str, Any] = {"model": model or "default", "num_adapters": n, "rank": rank, "dtype": opts["dtype"],
-                              "num_prompts": len(reqs)}
+    report: dict[str, Any] = {"benchmark": "lora", "meta": run_metadata(), "model": model or "default",
+                              "num_adapters": n, "rank": rank, "dtype": opts["dtype"], "num_prompts": len(reqs)}
     with tempfile.TemporaryDirectory(prefix="pagedllm-lora-") as tmp:
         paths = [write_random_adapter(hf_config, Path(tmp) / f"a{i}", rank, i) for i in range(n + 1)]
         # Both engines stay loaded and the phases alternate, round after round (best of each

@@ -25,6 +25,7 @@ from pagedllm.benchmarks.report_extra import (
     scheduling_section,
 )
 from pagedllm.benchmarks.report_headline import headline_section
+from pagedllm.benchmarks.report_lora import lora_section
 from pagedllm.benchmarks.report_render import load, with_record
 from pagedllm.benchmarks.report_moe import model_latency_sections, model_throughput_sections, moe_section
 from pagedllm.benchmarks.report_scale import scale_section
@@ -178,6 +179,8 @@ def render(res: Path = RESULTS, img_dir: Path = DOC.parent / "img", draw: bool =
         parts.append(scale)
     if (spec := spec_section(res)) is not None:
         parts.append(spec)
+    if (lora := lora_section(res)) is not None:
+        parts.append(lora)
     for name in NOTES:
         if (note := res / name).exists():
             parts.append(note.read_text())

@@ -131,3 +131,18 @@ def test_serve_section_shows_repeated_rounds_and_their_median(tmp_path):
     assert "## Online serving" in text and "### 3 rounds of `pagedllm`" in text
     assert "| inf | 0.80, 0.95, 0.60 | **0.80** |" in text
     assert "Server / offline output tok/s per round (last rate): 80.0 / 100.0, 95.0 / 100.0, 60.0 / 100.0." in text
+
+
+def test_lora_section_shows_each_phase_against_the_base_model(tmp_path):
+    """A `bench lora` result: the three phases with their ratio to the base model, the load costs."""
+    phase = {"seconds": 2.0, "output_tokens": 2000}
+    data = {"benchmark": "lora", "model": "default", "num_adapters": 8, "rank": 16, "dtype": "auto",
+            "num_prompts": 64, "base": dict(phase, output_tok_s=1000.0), "lora": dict(phase, output_tok_s=800.0),
+            "lora_no_adapter_rows": dict(phase, output_tok_s=1010.0), "load_ms": {"check": 16.2, "worker": 21.4},
+            "meta": {"command": "pagedllm bench lora --rounds 2", "commit": "abc1234", "time": "2026-12-07"}}
+    text = _render(tmp_path, "amx_lora.json", data)
+    assert "### `amx_lora.json`: 64 requests, default (auto), 8 adapters of rank 16" in text
+    assert "| 8 adapters of rank 16 on every linear layer, mixed | 800.0 | 0.80x |" in text
+    assert "| LoRA on, no adapter rows | 1010.0 | 1.01x |" in text
+    assert "the front end's check 16 ms, the worker's read and layout 21 ms" in text
+    assert "pagedllm bench lora --rounds 2" in text
