@@ -8,7 +8,7 @@ Time is the engine process's CPU time on one thread (torch and OpenMP), not wall
 machine this runs on is shared, and wall-clock step times of the same work varied 6x between
 runs minutes apart, while CPU time of a single thread stays with the work done.
 A non-negative least-squares fit of step time on [1, tokens, prefill pairs, decode context,
-sequences, sampled rows] gives the profile's rates.
+sequences, sampled rows, 1 if the step computes prompt tokens] gives the profile's rates.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from pagedllm.simulator.worker import SimWorker
 
 logger = logging.getLogger(__name__)
 
-FIT_TERMS = ("step_s", "per_token_s", "per_prefill_pair_s", "per_decode_context_s", "per_seq_s", "per_sample_s")
+FIT_TERMS = ("step_s", "per_token_s", "per_prefill_pair_s", "per_decode_context_s", "per_seq_s", "per_sample_s",
+             "prompt_step_s")
 
 
 @dataclasses.dataclass
@@ -127,7 +128,7 @@ def fit_profile(model: SimModel, rows: list[list[float]], seconds: list[float], 
     x, y = np.asarray(rows, dtype=float), np.asarray(seconds, dtype=float)
     c = nnls(x, y)
     pred = x @ c
-    step, per_tok, per_pair, per_ctx, per_seq, per_sample = (float(v) for v in c)
+    step, per_tok, per_pair, per_ctx, per_seq, per_sample, prompt_step = (float(v) for v in c)
     if per_tok <= 0:
         raise RuntimeError("calibration found no per-token cost: the calibration runs were too small")
     gemm_flops = model.flops_per_token / per_tok
@@ -140,6 +141,7 @@ def fit_profile(model: SimModel, rows: list[list[float]], seconds: list[float], 
         step_overhead_s=step,
         per_seq_s=per_seq,
         per_sample_s=max(0.0, per_sample - model.lm_head_flops / gemm_flops),
+        prompt_step_s=prompt_step,
         swap_bw=swap_bw,
         copy_bw=swap_bw,
         memory_bytes=memory_bytes,
@@ -226,10 +228,22 @@ VALIDATION_CONFIGS = [
 ]
 
 
+# Held out: a larger workload than any above (decode batches up to 48 rows, 2048-token prompt
+# steps), offline and at a Poisson rate; its steps are in no fit (neither the leave-one-out fits
+# nor the profile written), so it is simulated with the written profile.
+HELD_OUT_NAME = "held out: 48 requests, prompts 32-512, outputs 16-256"
+HELD_OUT_ARGS = {**VALIDATION_BASE, "num_kv_blocks": 2048}
+
+
 def validation_trace(mode: str, quick: bool) -> list[TraceRequest]:
     n = 6 if quick else 8
     rate = math.inf if mode == "offline" else 0.5
     return synthetic_trace(n, rate, "16:96", "4:16", seed=7, num_prefixes=2, prefix_len=32)
+
+
+def held_out_trace(mode: str, quick: bool) -> list[TraceRequest]:
+    rate = math.inf if mode == "offline" else 0.5
+    return synthetic_trace(12 if quick else 48, rate, "uniform:32:512", "uniform:16:256", seed=11)
 
 
 def simulate_like(engine_kwargs: dict[str, Any], profile: HardwareProfile, sim_model: SimModel,
@@ -242,35 +256,45 @@ def simulate_like(engine_kwargs: dict[str, Any], profile: HardwareProfile, sim_m
 
 
 def real_validation_runs(model: str | None, quick: bool = False) -> list[dict[str, Any]]:
-    """Every validation configuration through the real engine, offline and at a Poisson rate."""
+    """Every validation configuration and the held-out workload through the real engine, offline
+    and at a Poisson rate."""
     from pagedllm.simulator.report import summarize
 
+    plan = [(name, mode, {**VALIDATION_BASE, **kw}, validation_trace(mode, quick), False)
+            for mode in ("offline", "poisson") for name, kw in VALIDATION_CONFIGS]
+    plan += [(HELD_OUT_NAME, mode, HELD_OUT_ARGS, held_out_trace(mode, quick), True)
+             for mode in ("offline", "poisson")]
     runs = []
-    for mode in ("offline", "poisson"):
-        trace = validation_trace(mode, quick)
-        for name, kw in VALIDATION_CONFIGS:
-            kwargs = {**VALIDATION_BASE, **kw}
-            run = run_real(model, kwargs, trace)
-            runs.append({"name": name, "mode": mode, "engine_args": kwargs, "trace": trace, "run": run,
-                         "summary": summarize(run.requests, run.elapsed_s, 2.0, 0.1)})
-            logger.info("real %s %s: %.1f s", name, mode, run.elapsed_s)
+    for name, mode, kwargs, trace, held_out in plan:
+        run = run_real(model, kwargs, trace)
+        runs.append({"name": name, "mode": mode, "engine_args": kwargs, "trace": trace, "run": run,
+                     "held_out": held_out, "summary": summarize(run.requests, run.elapsed_s, 2.0, 0.1)})
+        logger.info("real %s %s: %.1f s", name, mode, run.elapsed_s)
     return runs
+
+
+def fitted_steps(calibration: list[tuple[list[float], float]], runs: list[dict[str, Any]],
+                 leave_out: int = -1) -> list[tuple[list[float], float]]:
+    """The steps a profile is fitted on: the calibration workloads' and those of every validation
+    run but the held-out ones and run `leave_out`."""
+    return list(calibration) + [st for j, o in enumerate(runs) if j != leave_out and not o["held_out"]
+                                for st in o["run"].steps]
 
 
 def validate(model: str | None, runs: list[dict[str, Any]], calibration: list[tuple[list[float], float]],
              swap_bw: float) -> list[dict[str, Any]]:
     """Simulator vs real engine per run. Each run is simulated with a profile fitted on the steps
-    of the calibration workloads and of every *other* run (leave one out), never its own."""
+    of the calibration workloads and of every *other* run (leave one out), never its own; the
+    held-out runs' steps are in no fit."""
     sim_model = model_from_checkpoint(model, "float32")
     keys = ("elapsed_s", "output_tok_s", "mean_ttft_s", "p99_ttft_s", "mean_tpot_s")
     rows = []
     for i, r in enumerate(runs):
-        steps = list(calibration) + [st for j, o in enumerate(runs) if j != i for st in o["run"].steps]
-        profile, _ = profile_from_steps(model, steps, swap_bw)
+        profile, _ = profile_from_steps(model, fitted_steps(calibration, runs, i), swap_bw)
         sim = simulate_like(r["engine_args"], profile, sim_model, r["trace"], r["run"].num_kv_blocks)
         real = r["summary"]
         row = {
-            "name": r["name"], "mode": r["mode"], "engine_args": r["engine_args"],
+            "name": r["name"], "mode": r["mode"], "held_out": r["held_out"], "engine_args": r["engine_args"],
             "real": {k: real[k] for k in keys} | {"preemptions_by_mode": r["run"].preemptions_by_mode,
                                                    "num_steps": len(r["run"].steps)},
             "sim": {k: sim[k] for k in keys} | {"preemptions_by_mode": sim["preemptions_by_mode"],

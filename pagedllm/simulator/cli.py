@@ -219,9 +219,11 @@ def _write_json(report: dict[str, Any], path: str | None) -> None:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Calibration runs, then (with --validate) the validation runs in the same process, so that
-    both see the same machine load; the profile is fitted on every step measured."""
+    both see the same machine load; the profile is fitted on every step measured but the held-out
+    workload's."""
     from pagedllm.simulator.calibrate import (
         calibration_steps,
+        fitted_steps,
         measure_swap_bw,
         profile_from_steps,
         real_validation_runs,
@@ -233,15 +235,15 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     swap_bw = measure_swap_bw(args.model)
     steps = calibration_steps(args.model, quick=args.quick)
     runs = real_validation_runs(args.model, quick=args.quick) if args.validate else []
-    all_steps = steps + [st for r in runs for st in r["run"].steps]
-    profile, fit = profile_from_steps(args.model, all_steps, swap_bw)
+    profile, fit = profile_from_steps(args.model, fitted_steps(steps, runs), swap_bw)
     profile.save(args.output)
     print(f"profile written to {args.output}: {json.dumps(fit['coefficients'])}; fit error "
           f"{100 * fit['mean_abs_rel_err']:.1f}% per step, {100 * (fit['total_predicted_s'] / fit['total_measured_s'] - 1):+.1f}% "
           f"in total over {fit['num_steps']} steps")
     if args.validate:
         rows = validate(args.model, runs, steps, swap_bw)
-        steps_json = [{"name": r["name"], "mode": r["mode"], "steps": r["run"].steps} for r in runs]
+        steps_json = [{"name": r["name"], "mode": r["mode"], "held_out": r["held_out"], "steps": r["run"].steps}
+                      for r in runs]
         _write_json({"profile": profile.to_dict(), "fit": fit, "rows": rows, "calibration_steps": steps,
                      "validation_steps": steps_json}, args.validate)
         for r in rows:

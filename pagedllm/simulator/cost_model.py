@@ -2,6 +2,7 @@
 
     t = overhead + gemm + attention_prefill + attention_decode + moves + comm, where
     overhead  = step_overhead_s + per_seq_s * seqs + per_sample_s * sampled
+                + prompt_step_s if the step computes any prompt token
     gemm      = max(tokens * 2N / tp / gemm_flops, weight_bytes / tp / weight_read_bw)
                 + sampled * 2 * hidden * vocab / tp / gemm_flops          (lm_head rows)
     prefill   = pairs * 4 * layers * heads * head_dim / tp / attn_flops
@@ -42,8 +43,9 @@ class StepFeatures:
     copy_blocks: int = 0
 
     def as_row(self) -> list[float]:
-        """Regressors of the calibration fit, in CostModel.coefficients' order."""
-        return [1.0, self.num_tokens, self.prefill_pairs, self.decode_context, self.num_seqs, self.num_sampled]
+        """Regressors of the calibration fit, in calibrate.FIT_TERMS' order."""
+        return [1.0, self.num_tokens, self.prefill_pairs, self.decode_context, self.num_seqs, self.num_sampled,
+                1.0 if self.prefill_tokens else 0.0]
 
 
 @dataclass
@@ -96,6 +98,8 @@ class CostModel:
     def step_time(self, f: StepFeatures) -> StepCost:
         hw = self.hw
         overhead = hw.step_overhead_s + hw.per_seq_s * f.num_seqs
+        if f.prefill_tokens:
+            overhead += hw.prompt_step_s
         gemm = 0.0
         if f.num_tokens:
             gemm = max(f.num_tokens * self.s_token, self.s_weights) + f.num_sampled * self.s_sample

@@ -39,6 +39,10 @@ class HardwareProfile:
     """Cost per scheduled request in a step (input preparation, bookkeeping)."""
     per_sample_s: float = 0.0
     """Cost per sampled row beyond its lm_head GEMM (sampler, output processing)."""
+    prompt_step_s: float = 0.0
+    """Extra fixed cost of a step that computes any prompt token (prompt chunk or recomputation).
+    On a CPU such a step runs the model layer by layer through torch, where a decode-only step is
+    one native call (worker/native_decode.py); the built-in GPU profiles price both alike (0)."""
     swap_bw: float = 16e9
     """Bytes/s of KV blocks between device and host (swap-out and swap-in)."""
     copy_bw: float = 100e9
@@ -61,7 +65,7 @@ class HardwareProfile:
             v = getattr(self, name)
             if v is not None and not v > 0:
                 raise ProfileError(f"profile {self.name!r}: {name} must be positive or null, got {v}")
-        for name in ("step_overhead_s", "per_seq_s", "per_sample_s", "link_latency_s"):
+        for name in ("step_overhead_s", "per_seq_s", "per_sample_s", "prompt_step_s", "link_latency_s"):
             if getattr(self, name) < 0:
                 raise ProfileError(f"profile {self.name!r}: {name} must be non-negative, got {getattr(self, name)}")
         for name in ("swap_bw", "copy_bw"):

@@ -3,14 +3,16 @@ units, trace validation and the command line."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
+import types
 
 import numpy as np
 import pytest
 
 from pagedllm.config import CacheConfig, SchedulerConfig
-from pagedllm.simulator.calibrate import fit_profile, nnls
+from pagedllm.simulator.calibrate import fit_profile, fitted_steps, nnls
 from pagedllm.simulator.cost_model import CostModel, StepFeatures
 from pagedllm.simulator.hardware import HardwareProfile, gpu_profile, load_profile
 from pagedllm.simulator.model import SimModel, load_model_config
@@ -22,8 +24,8 @@ from pagedllm.simulator.worker import SimWorker
 TOY = SimModel.from_dict({"layers": 2, "hidden": 8, "heads": 2, "kv_heads": 1, "intermediate": 16,
                           "vocab": 32, "dtype_bytes": 2}, "toy")
 UNIT_HW = HardwareProfile(name="unit", gemm_flops=1e9, attn_flops=1e8, kv_read_bw=1e6, weight_read_bw=None,
-                          step_overhead_s=0.001, per_seq_s=0.0001, per_sample_s=0.00001, swap_bw=1e6,
-                          copy_bw=2e6, link_bw=1e6, link_latency_s=1e-5)
+                          step_overhead_s=0.001, per_seq_s=0.0001, per_sample_s=0.00001, prompt_step_s=0.002,
+                          swap_bw=1e6, copy_bw=2e6, link_bw=1e6, link_latency_s=1e-5)
 
 
 def test_cost_model_units_by_hand() -> None:
@@ -35,7 +37,8 @@ def test_cost_model_units_by_hand() -> None:
     f = StepFeatures(num_tokens=10, num_seqs=3, num_sampled=2, prefill_pairs=55, decode_context=100,
                      swap_blocks=2, copy_blocks=1)
     c = cost.step_time(f)
-    assert c.overhead == pytest.approx(0.001 + 3 * 0.0001)
+    assert c.overhead == pytest.approx(0.001 + 3 * 0.0001)  # no prompt tokens: no prompt_step_s
+    assert cost.step_time(dataclasses.replace(f, prefill_tokens=4)).overhead == pytest.approx(0.001 + 3 * 0.0001 + 0.002)
     # 10 tokens x 2 x 1192 FLOPs at 1 GFLOP/s, plus 2 lm_head rows (2 x 8 x 32 FLOPs) and the sampler.
     assert c.gemm == pytest.approx(10 * 2384 / 1e9 + 2 * (512 / 1e9 + 1e-5))
     # 55 pairs x 4 x 2 layers x 2 heads x 4 dims at 0.1 GFLOP/s.
@@ -168,16 +171,33 @@ def test_worker_matches_real_worker(tiny_model_dir: str, one_torch_thread) -> No
 
 def test_fit_recovers_known_rates() -> None:
     rng = np.random.default_rng(0)
-    rows = [[1.0, t, p, c, s, k] for t, p, c, s, k in rng.integers(1, 500, size=(200, 5)).tolist()]
-    truth = np.array([0.01, 2e-3, 1e-6, 5e-6, 1e-4, 0.0])
+    # Half the steps compute prompt tokens (pairs > 0, indicator 1), half are decode-only.
+    rows = [[1.0, t, p * (i % 2), c, s, k, float(i % 2)]
+            for i, (t, p, c, s, k) in enumerate(rng.integers(1, 500, size=(200, 5)).tolist())]
+    truth = np.array([0.01, 2e-3, 1e-6, 5e-6, 1e-4, 1e-3, 0.02])  # per sample > the lm_head row (4.3e-4)
     secs = (np.asarray(rows) @ truth).tolist()
     assert np.allclose(nnls(np.asarray(rows), np.asarray(secs)), truth, atol=1e-9)
     prof, fit = fit_profile(TOY, rows, secs, 1e9, 1 << 30, "fit")
     assert prof.gemm_flops == pytest.approx(TOY.flops_per_token / 2e-3)
     assert prof.step_overhead_s == pytest.approx(0.01) and fit["mean_abs_rel_err"] < 1e-9
+    assert prof.prompt_step_s == pytest.approx(0.02)
     cost = CostModel(TOY, prof, 16)
-    f = StepFeatures(num_tokens=7, prefill_pairs=30, decode_context=40, num_seqs=3, num_sampled=0)
-    assert cost.step_seconds(f) == pytest.approx(float(np.dot(f.as_row(), truth)))
+    prompt = StepFeatures(num_tokens=7, prefill_tokens=5, prefill_pairs=30, decode_context=40, num_seqs=3)
+    decode = StepFeatures(num_tokens=3, decode_tokens=3, decode_context=40, num_seqs=3, num_sampled=3)
+    for f in (prompt, decode):
+        assert cost.step_seconds(f) == pytest.approx(float(np.dot(f.as_row(), truth)))
+    assert cost.step_seconds(prompt) - cost.step_seconds(dataclasses.replace(prompt, prefill_tokens=0)) == (
+        pytest.approx(0.02))
+
+
+def test_held_out_steps_are_in_no_fit() -> None:
+    calib = [([1.0] * 7, 0.5)]
+    runs = [{"held_out": False, "run": types.SimpleNamespace(steps=[([2.0] * 7, 1.0)])},
+            {"held_out": False, "run": types.SimpleNamespace(steps=[([3.0] * 7, 2.0)])},
+            {"held_out": True, "run": types.SimpleNamespace(steps=[([4.0] * 7, 3.0)])}]
+    assert [t for _, t in fitted_steps(calib, runs)] == [0.5, 1.0, 2.0]
+    assert [t for _, t in fitted_steps(calib, runs, leave_out=0)] == [0.5, 2.0]
+    assert [t for _, t in fitted_steps(calib, runs, leave_out=2)] == [0.5, 1.0, 2.0]
 
 
 def test_cli_simulate_json_sweep_and_errors(tmp_path, capsys) -> None:
