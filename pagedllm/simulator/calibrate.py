@@ -231,7 +231,6 @@ VALIDATION_CONFIGS = [
 # Held out: a larger workload than any above (decode batches up to 48 rows, 2048-token prompt
 # steps), offline and at a Poisson rate; its steps are in no fit (neither the leave-one-out fits
 # nor the profile written), so it is simulated with the written profile.
-HELD_OUT_NAME = "held out: 48 requests, prompts 32-512, outputs 16-256"
 HELD_OUT_ARGS = {**VALIDATION_BASE, "num_kv_blocks": 2048}
 
 
@@ -262,8 +261,10 @@ def real_validation_runs(model: str | None, quick: bool = False) -> list[dict[st
 
     plan = [(name, mode, {**VALIDATION_BASE, **kw}, validation_trace(mode, quick), False)
             for mode in ("offline", "poisson") for name, kw in VALIDATION_CONFIGS]
-    plan += [(HELD_OUT_NAME, mode, HELD_OUT_ARGS, held_out_trace(mode, quick), True)
-             for mode in ("offline", "poisson")]
+    for mode in ("offline", "poisson"):
+        trace = held_out_trace(mode, quick)
+        plan.append((f"held out: {len(trace)} requests, prompts 32-512, outputs 16-256", mode, HELD_OUT_ARGS,
+                     trace, True))
     runs = []
     for name, mode, kwargs, trace, held_out in plan:
         run = run_real(model, kwargs, trace)

@@ -230,12 +230,17 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         validate,
     )
 
+    from pagedllm.benchmarks.env import run_metadata
+
     # One thread everywhere, set before torch loads: step times are then the engine's CPU time.
     os.environ["OMP_NUM_THREADS"] = "1"
+    meta = run_metadata()  # machine, versions, commit (+dirty) and command line of this run
     swap_bw = measure_swap_bw(args.model)
     steps = calibration_steps(args.model, quick=args.quick)
     runs = real_validation_runs(args.model, quick=args.quick) if args.validate else []
     profile, fit = profile_from_steps(args.model, fitted_steps(steps, runs), swap_bw)
+    meta["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    profile = dataclasses.replace(profile, source={**profile.source, "run": meta})
     profile.save(args.output)
     print(f"profile written to {args.output}: {json.dumps(fit['coefficients'])}; fit error "
           f"{100 * fit['mean_abs_rel_err']:.1f}% per step, {100 * (fit['total_predicted_s'] / fit['total_measured_s'] - 1):+.1f}% "
@@ -244,7 +249,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         rows = validate(args.model, runs, steps, swap_bw)
         steps_json = [{"name": r["name"], "mode": r["mode"], "held_out": r["held_out"], "steps": r["run"].steps}
                       for r in runs]
-        _write_json({"profile": profile.to_dict(), "fit": fit, "rows": rows, "calibration_steps": steps,
+        _write_json({"meta": meta, "profile": profile.to_dict(), "fit": fit, "rows": rows, "calibration_steps": steps,
                      "validation_steps": steps_json}, args.validate)
         for r in rows:
             print(f"{r['name']:42s} {r['mode']:8s} tput real {r['real']['output_tok_s']:7.2f} sim "
