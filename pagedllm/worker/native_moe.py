@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from pagedllm.layers.linear import UnquantizedLinearMethod
 from pagedllm.layers.moe import FusedMoE
 
 
@@ -35,7 +36,7 @@ def moe_reason(mlps: list[nn.Module], dtype: torch.dtype) -> str | None:
         for w in (m.gate.weight, m.w13, m.w2):
             if w.dtype != dtype or not w.is_contiguous():
                 return f"expert or router weights in {w.dtype} or not contiguous"
-        if m.gate.bias is not None or type(m.gate.quant_method).__name__ != "UnquantizedLinearMethod":
+        if m.gate.bias is not None or type(m.gate.quant_method) is not UnquantizedLinearMethod:
             return "a router with a bias or quantized"
     if first.num_experts > 512:
         return f"{first.num_experts} experts (the step takes up to 512)"
