@@ -19,7 +19,8 @@ import os
 import subprocess
 import sys
 import time
-from pagedllm.benchmarks.env import command_line, git_commit
+from pagedllm.benchmarks.env import command_line, run_metadata
+from pagedllm.benchmarks.report_render import cpu
 from pagedllm.benchmarks.script import RESULTS, ROOT, parser
 
 CHAOS = "tests/integration/test_server_chaos.py"
@@ -61,14 +62,19 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     print(f"{passed}/{len(runs)} chaos runs passed")
     if args.no_write:
         return
+    meta = run_metadata()
     result = {"command": "nice -n 10 " + command_line(), "time": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "commit": git_commit(), "runs": runs, "storm": storm, "load_avg_at_end": [round(x, 1) for x in os.getloadavg()]}
+              "commit": meta["commit"], "meta": meta, "runs": runs, "storm": storm,
+              "load_avg_at_end": [round(x, 1) for x in os.getloadavg()]}
     out = RESULTS
     (out / "chaos_runs.json").write_text(json.dumps(result, indent=1) + "\n")
     seeds = [r["seed"] for r in runs]
     secs = [r["seconds"] for r in runs]
     lines = [
         "## Chaos: seeds in a row, and 1,000 random disconnects",
+        "",
+        "Host: {}, {}, {} cores. Earlier series: [perf-history.md](perf-history.md#chaos-series).".format(
+            *cpu(meta), meta["cpu_cores"]),
         "",
         f"```\n{result['command']}\n```",
         "",
