@@ -23,8 +23,9 @@ from typing import Any
 from pagedllm.benchmarks.script import parser
 
 
-def write_random_adapter(hf_config: Any, folder: Path, rank: int, seed: int) -> str:
-    """A random PEFT adapter of rank `rank` on every linear layer of a Llama-layout model."""
+def write_random_adapter(hf_config: Any, folder: Path, rank: int, seed: int, b_std: float = 0.01) -> str:
+    """A random PEFT adapter of rank `rank` on every linear layer of a Llama-layout model: A with
+    entries of standard deviation 1 / sqrt(inputs), B's entries of standard deviation `b_std`, alpha = 2 rank."""
     import torch
     from safetensors.torch import save_file
 
@@ -41,7 +42,7 @@ def write_random_adapter(hf_config: Any, folder: Path, rank: int, seed: int) -> 
         for mod, (n_in, n_out) in shapes.items():
             key = f"base_model.model.model.layers.{layer}.{mod}"
             tensors[f"{key}.lora_A.weight"] = torch.randn(rank, n_in, generator=g) / n_in**0.5
-            tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, rank, generator=g) * 0.01
+            tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, rank, generator=g) * b_std
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(folder / "adapter_model.safetensors"))
     (folder / "adapter_config.json").write_text(json.dumps({

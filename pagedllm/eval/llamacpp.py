@@ -83,11 +83,12 @@ def llamacpp_tokenize(gguf_path: str, text: str, special: bool = False) -> list[
 
 
 def llamacpp_greedy(gguf_path: str, prompts: list[list[int]], max_tokens: int, threads: int = 2,
-                    top: int = 5) -> list[tuple[list[int], list[list[int]]]]:
+                    top: int = 5, lora: str | None = None) -> list[tuple[list[int], list[list[int]]]]:
     """llama.cpp's greedy continuation of each prompt of token ids (argmax of the last logits,
-    ``max_tokens`` tokens, end of text ignored): (tokens, the ``top`` best ids at each step)."""
+    ``max_tokens`` tokens, end of text ignored): (tokens, the ``top`` best ids at each step);
+    ``lora``: a GGUF LoRA adapter applied at scale 1 (llama.cpp's ``--lora``)."""
     out = _run_peer({"kind": "greedy", "model": gguf_path, "prompts": prompts, "max_tokens": max_tokens,
-                     "threads": threads, "top": top})
+                     "threads": threads, "top": top, "lora": lora})
     return [(o["tokens"], o["top"]) for o in out["outputs"]]
 
 
@@ -160,8 +161,9 @@ def _greedy(job: dict) -> dict:
     n, top = int(job["max_tokens"]), int(job["top"])
     longest = max(len(p) for p in job["prompts"])
     # logits_all: this llama-cpp-python leaves ``scores`` at zero for the last position otherwise
+    lora = {"lora_path": job["lora"]} if job.get("lora") else {}
     llm = _llama(model_path=job["model"], n_ctx=longest + n + 8, n_batch=max(512, longest), logits_all=True,
-                 n_threads=job["threads"], n_threads_batch=job["threads"], verbose=False)
+                 n_threads=job["threads"], n_threads_batch=job["threads"], verbose=False, **lora)
     outputs = []
     for prompt in job["prompts"]:
         llm.reset()

@@ -1,4 +1,4 @@
-"""A PEFT adapter's tensors laid onto a model's linear layers, in the layout of the layers' LoRA
+"""An adapter's tensors (PEFT's or GGUF's, read into the same modules) laid onto a model's linear layers, in the layout of the layers' LoRA
 slots: a slot holds A [slices * R, in] and B [out, slices * R], block-diagonal over the layer's
 fused slices (q | k | v, gate | up), each slice's rank padded with zeros to R = --max-lora-rank.
 An adapter is kept as its pieces (where each goes in the slot), not padded.
@@ -59,7 +59,7 @@ def lay_out(adapter: PeftAdapter, model: nn.Module, max_rank: int, dtype: torch.
     out: dict[str, list[Piece]] = {}
     covered: set[tuple[str, object]] = set()
     for mod in adapter.modules:
-        a_name, b_name = f"{mod.name}.lora_A.weight", f"{mod.name}.lora_B.weight"
+        a_name, b_name = mod.a_name, mod.b_name
         r = mod.rank
         try:
             pieces = list(model.checkpoint_tensors([(f"{mod.name}.weight", mod.lora_b)]))  # type: ignore[operator]

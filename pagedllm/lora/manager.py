@@ -17,7 +17,7 @@ from torch import nn
 from pagedllm.config import LoRAConfig
 from pagedllm.lora.layers import LoRALinearMethod, LoRAStep, lora_kernel
 from pagedllm.lora.layout import Piece, lay_out, lora_target_layers
-from pagedllm.lora.peft import read_peft_adapter
+from pagedllm.lora.gguf_adapter import read_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class LoRAManager:
             self.cpu_cache.move_to_end(lora_id)
             return w
         t0 = time.perf_counter()
-        adapter = read_peft_adapter(path, self.config.max_lora_rank)
+        adapter = read_adapter(path, self.config.max_lora_rank, self.model.config)
         w = lay_out(adapter, self.model, self.config.max_lora_rank, self.dtype, self.layers)
         self.num_loads += 1
         logger.info("Loaded LoRA adapter %d from %s (rank %d, %d layers) in %.0f ms", lora_id, path, adapter.rank,

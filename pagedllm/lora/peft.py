@@ -33,6 +33,13 @@ class ModuleLoRA:
     """The module's checkpoint name, e.g. model.layers.0.self_attn.q_proj."""
     lora_a: torch.Tensor
     lora_b: torch.Tensor
+    a_name: str = ""
+    """The file's name of A (and B) for messages; PEFT's `<name>.lora_A.weight` when empty."""
+    b_name: str = ""
+
+    def __post_init__(self) -> None:
+        self.a_name = self.a_name or f"{self.name}.lora_A.weight"
+        self.b_name = self.b_name or f"{self.name}.lora_B.weight"
 
     @property
     def rank(self) -> int:
@@ -86,6 +93,15 @@ def _tensors(folder: Path) -> dict[str, torch.Tensor]:
     raise ValueError(f"LoRA adapter {str(folder)!r}: no adapter_model.safetensors (or adapter_model.bin) in it")
 
 
+def both_halves(path: str, label: str, ab: dict, keys: tuple[str, str]) -> tuple:
+    """ab[keys[0]], ab[keys[1]] (A's and B's entries of one module); a ValueError naming the
+    module (`label`) and the missing half."""
+    for key in keys:
+        if key not in ab:
+            raise ValueError(f"LoRA adapter {path!r}: {label} has no {key} tensor")
+    return ab[keys[0]], ab[keys[1]]
+
+
 def read_peft_adapter(path: str, max_rank: int) -> PeftAdapter:
     """The adapter's modules with B pre-scaled; a ValueError naming the file, field or tensor for
     anything this engine cannot serve exactly (rank over `max_rank` among them)."""
@@ -114,10 +130,7 @@ def read_peft_adapter(path: str, max_rank: int) -> PeftAdapter:
         raise ValueError(f"LoRA adapter {path!r}: adapter_model holds no LoRA tensors")
     modules = []
     for name, ab in sorted(pairs.items()):
-        if set(ab) != {"lora_A", "lora_B"}:
-            missing = ({"lora_A", "lora_B"} - set(ab)).pop()
-            raise ValueError(f"LoRA adapter {path!r}: module {name!r} has no {missing} tensor")
-        a, b = ab["lora_A"], ab["lora_B"]
+        a, b = both_halves(path, f"module {name!r}", ab, ("lora_A", "lora_B"))
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
             raise ValueError(f"LoRA adapter {path!r}: tensor {name}.lora_A {tuple(a.shape)} and lora_B "
                              f"{tuple(b.shape)} do not share a rank")

@@ -12,7 +12,7 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.lora.layout import lay_out
-from pagedllm.lora.peft import read_peft_adapter
+from pagedllm.lora.gguf_adapter import read_adapter
 from pagedllm.lora.request import LoRARequest
 
 
@@ -49,6 +49,6 @@ class LoRAChecker:
                     raise ValueError(f"lora_int_id {lora.lora_int_id} is already bound to {seen!r}, not "
                                      f"{lora.lora_path!r}: give each adapter its own id")
                 return
-            adapter = read_peft_adapter(lora.lora_path, lc.max_lora_rank)
+            adapter = read_adapter(lora.lora_path, lc.max_lora_rank, self.config.model_config.hf_config)
             lay_out(adapter, self._meta_model(), lc.max_lora_rank, torch.float32)
             self._checked[lora.lora_int_id] = lora.lora_path

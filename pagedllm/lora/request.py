@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class LoRARequest:
-    """An adapter by name, a positive integer id unique to it on this engine, and its folder
-    (PEFT's `adapter_config.json` + `adapter_model.safetensors`)."""
+    """An adapter by name, a positive integer id unique to it on this engine, and its path: a
+    folder (PEFT's `adapter_config.json` + `adapter_model.safetensors`) or a GGUF LoRA file
+    (llama.cpp's format)."""
 
     lora_name: str
     lora_int_id: int

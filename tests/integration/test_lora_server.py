@@ -1,4 +1,5 @@
-"""LoRA adapters on a real server from the openai SDK: --lora-modules (both forms) listed in
+"""LoRA adapters on a real server from the openai SDK: --lora-modules (both forms, and a GGUF LoRA
+file beside the PEFT folders) listed in
 /v1/models with their parent, the request's `model` picking the adapter (greedy text equal to
 transformers + PEFT), an unknown name 404 in OpenAI's shape, and POST /v1/load_lora_adapter /
 /v1/unload_lora_adapter behind the API key: a bad adapter 400 naming the tensor, unloading an
@@ -15,6 +16,7 @@ import openai
 import pytest
 
 from pagedllm.models.testing import make_tiny_checkpoint
+from gguf_files import write_gguf_lora
 from server_helpers import assert_error_shape, serve
 from test_lora import MAX_TOKENS, PROMPTS, make_adapter, peft_reference
 
@@ -32,8 +34,12 @@ def setup(tmp_path_factory):
         "c": make_adapter(base, root / "c", 3, r=4, lora_alpha=4, target_modules=["down_proj"], use_rslora=True),
         "big": make_adapter(base, root / "big", 4, r=16, lora_alpha=16, target_modules=["o_proj"]),
     }
+    from transformers import AutoConfig
+
+    # adapter a again, as llama.cpp's converter writes it
+    paths["g"] = write_gguf_lora(paths["a"], str(root / "a.gguf"), "llama", AutoConfig.from_pretrained(base))
     with serve(root, base, "--dtype", "float32", "--kv-cache-memory", "32MiB", "--api-key", KEY,
-               "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--lora-modules", f"a={paths['a']}",
+               "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--lora-modules", f"a={paths['a']}", f"g={paths['g']}",
                json.dumps({"name": "b", "path": paths["b"], "base_model_name": "base"}),
                env={"PAGEDLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}) as s:
         yield s, base, paths
@@ -58,8 +64,8 @@ def _expected(base: str, adapter: str | None, prompt: list[int]) -> str:
 
 def test_models_list_adapters_with_parent(client):
     cards = {m.id: m for m in client.models.list().data}
-    assert set(cards) == {"base", "a", "b"}
-    assert cards["a"].parent == "base" and cards["b"].parent == "base"
+    assert set(cards) == {"base", "a", "b", "g"}
+    assert cards["a"].parent == "base" and cards["b"].parent == "base" and cards["g"].parent == "base"
     assert client.models.retrieve("a").parent == "base"
 
 
@@ -70,6 +76,7 @@ def test_model_names_the_adapter(setup, client):
         texts[model] = _text(client, model, PROMPTS[0])
         assert texts[model] == _expected(base, paths.get(model), PROMPTS[0]), model
     assert len(set(texts.values())) == 3
+    assert _text(client, "g", PROMPTS[0]) == texts["a"]  # the GGUF file of adapter a: the same float32 tensors
 
 
 def test_unknown_adapter_is_404(client):
