@@ -9,7 +9,12 @@ The base engine and the LoRA engine stay loaded side by side and the phases alte
 --rounds rounds (the best of each kept), so that other load on a shared host slows them alike.
 
 The adapters are written in PEFT's format (adapter_config.json + adapter_model.safetensors) for
-a Llama-layout model (q/k/v/o and gate/up/down projections), from the model's config."""
+a Llama-layout model (q/k/v/o and gate/up/down projections), from the model's config.
+
+--compare vllm runs vLLM's CPU build (the peers' environment, as `bench throughput --compare`
+does, through throughput.run_backend and vllm_worker.py) on the same requests with the same
+adapter folders, request i with adapter i mod N as in pagedllm's LoRA phase, in the dtype pagedllm
+ran, --rounds generate calls in one process (the fastest kept)."""
 
 from __future__ import annotations
 
@@ -64,6 +69,30 @@ def _throughput(llm: Any, reqs: list, loras: list) -> dict[str, float]:
     return {"seconds": dt, "output_tokens": n_out, "output_tok_s": n_out / dt}
 
 
+def _vllm_with_adapters(opts: dict[str, Any], reqs: list, paths: list[str], rank: int, dtype: str,
+                        workdir: str) -> dict[str, Any]:
+    """vLLM's CPU build on the requests with the adapters mixed as pagedllm's LoRA phase mixes
+    them: its output tok/s, or {"error": why} where it cannot run."""
+    from pagedllm.benchmarks.throughput import BackendUnavailable, run_backend
+    from pagedllm.benchmarks.workloads import dump_workload
+
+    workload = str(Path(workdir) / "workload.json")
+    dump_workload(reqs, workload)
+    backend_opts = {"seed": opts["seed"], "model": opts["model"], "peers_venv": opts["peers_venv"], "engine_args": {},
+                    "vllm_kv_cache_space": opts["vllm_kv_cache_space"], "timeout": opts["timeout"]}
+    try:
+        r = run_backend("vllm", backend_opts, workload, workdir, dtype,
+                        extra={"lora": {"paths": paths, "max_lora_rank": rank}, "rounds": opts["rounds"]})
+    except BackendUnavailable as exc:
+        print(f"vLLM with the adapters: not run: {exc}", flush=True)
+        return {"error": str(exc)}
+    print(f"vLLM with the adapters: {r['output_tokens']} output tokens in {r['elapsed_s']:.1f} s: "
+          f"{r['output_tokens_per_s']:.1f} tok/s", flush=True)
+    return {"output_tok_s": r["output_tokens_per_s"], "seconds": r["elapsed_s"], "output_tokens": r["output_tokens"],
+            "round_s": r.get("round_s", [r["elapsed_s"]]), "dtype": r["dtype"], "version": r.get("vllm_version"),
+            "startup_s": r["startup_s"], "peak_rss_bytes": r["peak_rss_bytes"]}
+
+
 def run_lora(opts: dict[str, Any]) -> dict[str, Any]:
     from pagedllm import LLM, LoRARequest
     from pagedllm.benchmarks.env import run_metadata
@@ -101,8 +130,13 @@ def run_lora(opts: dict[str, Any]) -> dict[str, Any]:
         runner.lora._weights(extra.lora_int_id, extra.lora_path)
         t2 = time.perf_counter()
         report["load_ms"] = {"check": (t1 - t0) * 1e3, "worker": (t2 - t1) * 1e3}
+        dtype = str(llm.llm_engine.model_config.dtype)
         base.llm_engine.shutdown()
         llm.llm_engine.shutdown()
+        if opts.get("compare") == "vllm":
+            report["vllm"] = _vllm_with_adapters(opts, reqs, paths[:n], rank, dtype, tmp)
+            if "output_tok_s" in report["vllm"]:
+                report["ratio_vs_vllm"] = report["lora"]["output_tok_s"] / report["vllm"]["output_tok_s"]
         if opts.get("http_load", True):  # POST /v1/load_lora_adapter on a real server, streams running
             from pagedllm.benchmarks.lora_http import measure_http_load
 
@@ -123,6 +157,12 @@ def format_table(r: dict[str, Any]) -> str:
              f"({r['ratio_no_adapter_rows']:.3f}x)",
              f"  loading one adapter: check {r['load_ms']['check']:.1f} ms, worker read + layout "
              f"{r['load_ms']['worker']:.1f} ms"]
+    v = r.get("vllm")
+    if v and "output_tok_s" in v:
+        lines.insert(3, f"  vLLM {v['version']} ({v['dtype']}), the same adapters: {v['output_tok_s']:8.1f} output tok/s  "
+                        f"(pagedllm with the adapters {r['ratio_vs_vllm']:.3f}x)")
+    elif v:
+        lines.insert(3, f"  vLLM with the same adapters: not run: {v['error']}")
     h = r.get("http_load")
     if h:
         lines.append(f"  POST /v1/load_lora_adapter with {h['streams']} streams running: median "
@@ -145,6 +185,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--kv-cache-memory", default="2GiB")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=2, help="rounds of the three phases, alternating (best kept)")
+    ap.add_argument("--compare", choices=["vllm"], default=None,
+                    help="also run vLLM's CPU build (--peers-venv) on the same requests with the same adapters")
+    ap.add_argument("--peers-venv", default=None,
+                    help="the peers' environment with vLLM (default: $PAGEDLLM_PEERS_VENV, else .venv-peers)")
+    ap.add_argument("--vllm-kv-cache-space", type=int, default=2, help="vLLM's VLLM_CPU_KVCACHE_SPACE in GiB")
+    ap.add_argument("--timeout", type=float, default=None, help="seconds vLLM's run may take")
     ap.add_argument("--no-http-load", dest="http_load", action="store_false",
                     help="skip timing POST /v1/load_lora_adapter on a real server")
     ap.add_argument("--output-json", default=None, help="write the report here")

@@ -31,10 +31,13 @@ def child_main(argv: list, run: Callable[[dict], dict]) -> int:
 
 
 def timed_generate(make_llm: Callable[[], Any], make_params: Callable[[int], Any],
-                   workload: str) -> tuple[Any, dict[str, Any]]:
+                   workload: str, rounds: int = 1,
+                   lora_for: Callable[[int], Any] | None = None) -> tuple[Any, dict[str, Any]]:
     """Loads the engine (`make_llm()`, its imports included), then generates the workload file's
-    requests ({"prompt_token_ids", "output_len"}) with `make_params(output_len)` each; returns the
-    engine and the throughput run's figures (load and generate times, request and token counts)."""
+    requests ({"prompt_token_ids", "output_len"}) with `make_params(output_len)` each, `rounds`
+    times (the fastest kept; every round's seconds in "round_s"); `lora_for(i)`: request i's
+    adapter (the engine's LoRARequest). Returns the engine and the throughput run's figures (load
+    and generate times, request and token counts)."""
     t_load = time.perf_counter()
     llm = make_llm()
     load_s = time.perf_counter() - t_load
@@ -43,17 +46,23 @@ def timed_generate(make_llm: Callable[[], Any], make_params: Callable[[int], Any
         reqs = json.load(f)
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in reqs]
     params = [make_params(r["output_len"]) for r in reqs]
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=True)
-    elapsed = time.perf_counter() - t0
-    return llm, {
+    extra = {"lora_request": [lora_for(i) for i in range(len(reqs))]} if lora_for is not None else {}
+    round_s = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=True, **extra)
+        round_s.append(time.perf_counter() - t0)
+    result = {
         "ready_time": ready,
         "load_s": load_s,
-        "elapsed_s": elapsed,
+        "elapsed_s": min(round_s),
         "num_requests": len(outs),
         "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
         "output_tokens": sum(len(c.token_ids) for o in outs for c in o.outputs),
     }
+    if rounds > 1:
+        result["round_s"] = round_s
+    return llm, result
 
 
 def constrained_then_free(llm: Any, workload: str, params: Callable[..., Any],

@@ -1,7 +1,8 @@
 """docs/benchmarks.md's section on LoRA adapters: one table per result file of `pagedllm bench lora`
 (LORA_FILES: benchmarks/results/amx_lora*.json and lora*.json, in name order): output tokens/s of
 the base model alone, with N adapters mixed over the requests and with LoRA on but no adapter
-rows, each against the base model, and what loading one adapter at run time cost."""
+rows, each against the base model, vLLM's CPU build with the same adapters where the run had
+`--compare vllm`, and what loading one adapter at run time cost."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ INTRO = """## LoRA adapters
 `pagedllm bench lora`: the same random requests on the base model alone, with N random adapters
 (rank R, on every linear layer) mixed uniformly over the requests, and on the LoRA engine without
 adapter rows; both engines stay loaded and the phases alternate round after round (the best of
-each kept). docs/lora.md says how the deltas run.
+each kept). With `--compare vllm`, vLLM's CPU build runs the same requests with the same adapter
+folders mixed the same way, in the dtype pagedllm ran, the same number of rounds in one process
+(the fastest kept). docs/lora.md says how the deltas run.
 """
 
 
@@ -29,9 +32,17 @@ def _file_section(name: str, r: dict[str, Any]) -> str:
     rows = [["base model alone (LoRA off)", "base"],
             [f"{r['num_adapters']} adapters of rank {r['rank']} on every linear layer, mixed", "lora"],
             ["LoRA on, no adapter rows", "lora_no_adapter_rows"]]
+    vllm = r.get("vllm") or {}
+    if "output_tok_s" in vllm:
+        rows.insert(2, [f"vLLM {vllm['version']} ({vllm['dtype']}): the same adapters, mixed the same way", "vllm"])
     out.append(table(["phase", "output tok/s", "against the base model"],
                      [[label, f"{r[key]['output_tok_s']:.1f}", f"{r[key]['output_tok_s'] / base:.2f}x"]
                       for label, key in rows]))
+    if "output_tok_s" in vllm:
+        out.append(f"\npagedllm with the adapters: **{r['lora']['output_tok_s'] / vllm['output_tok_s']:.2f}x** vLLM's "
+                   "CPU build with the same adapters.")
+    elif vllm:
+        out.append(f"\nvLLM with the same adapters did not run: {vllm['error']}")
     load_ms = r.get("load_ms")
     if load_ms:
         out.append(f"\nLoading one adapter in-process: the front end's check {load_ms['check']:.0f} ms, the worker's "

@@ -174,8 +174,9 @@ def _failure_reason(backend: str, run: ChildRun) -> str:
 
 
 def run_backend(backend: str, opts: dict[str, Any], workload_path: str, workdir: str,
-                dtype: str = "auto") -> dict[str, Any]:
-    """One backend in one dtype ("auto": each engine's own default; hf: pagedllm's choice)."""
+                dtype: str = "auto", extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One backend in one dtype ("auto": each engine's own default; hf: pagedllm's choice);
+    `extra`: more fields of the child's spec (vllm_worker.py's "lora" and "rounds")."""
     env = dict(os.environ)
     spec: dict[str, Any] = {"backend": backend, "workload": workload_path, "seed": opts["seed"], "dtype": dtype,
                             "sampling": opts.get("sampling") or GREEDY, "detokenize": opts.get("detokenize", True)}
@@ -196,6 +197,7 @@ def run_backend(backend: str, opts: dict[str, Any], workload_path: str, workdir:
         env.pop("PYTHONPATH", None)
     else:
         raise BackendUnavailable(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
+    spec.update(extra or {})
     print(f"--- {backend} ({dtype}): starting ---", file=sys.stderr, flush=True)
     spec["tag"] = f"{backend}-{dtype}"
     run = run_child(cmd, env, spec, workdir, opts.get("timeout"))

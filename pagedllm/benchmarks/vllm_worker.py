@@ -2,7 +2,9 @@
 
 Standalone on purpose: it imports only the standard library and vllm, since pagedllm is not
 installed in the peers' virtual environment. usage: vllm_worker.py SPEC.json
-The spec names the Hugging Face model folder, the workload JSON and where to write the result.
+The spec names the Hugging Face model folder, the workload JSON and where to write the result;
+with "lora" ({"paths": [...], "max_lora_rank": R}) request i runs with adapter i mod N (PEFT
+folders, N = max_loras), and "rounds" repeats the generate call (the fastest kept).
 """
 
 from __future__ import annotations
@@ -19,7 +21,17 @@ def run(spec: dict) -> dict:
         kwargs = {"model": spec["hf_model_dir"], "dtype": spec.get("dtype", "auto"), "seed": spec.get("seed", 0)}
         if spec.get("max_model_len"):
             kwargs["max_model_len"] = spec["max_model_len"]
+        if lora:
+            kwargs.update(enable_lora=True, max_loras=len(lora["paths"]), max_lora_rank=lora["max_lora_rank"])
         return LLM(**kwargs)
+
+    lora = spec.get("lora")
+
+    def lora_for(i: int):
+        from vllm.lora.request import LoRARequest
+
+        k = i % len(lora["paths"])
+        return LoRARequest(f"a{k}", k + 1, lora["paths"][k])
 
     def make_params(output_len: int):
         from vllm import SamplingParams
@@ -27,7 +39,8 @@ def run(spec: dict) -> dict:
         return SamplingParams(max_tokens=output_len, ignore_eos=True, detokenize=spec.get("detokenize", True),
                               **spec["sampling"])
 
-    llm, result = timed_generate(make_llm, make_params, spec["workload"])
+    llm, result = timed_generate(make_llm, make_params, spec["workload"], spec.get("rounds", 1),
+                                 lora_for if lora else None)
     import vllm
 
     return {**result, "vllm_version": vllm.__version__,
