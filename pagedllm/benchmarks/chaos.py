@@ -1,7 +1,7 @@
 """Runs the server chaos tests many times in a row with different seeds, then one storm of 1,000
 random disconnects, and records the outcome in benchmarks/results/chaos_runs.{json,md}.
 
-usage: nice pagedllm bench chaos [--seeds 20] [--first-seed 1] [--disconnects 1000] [--no-write]
+usage: nice pagedllm bench chaos [--seeds 20] [--first-seed 1] [--disconnects 1000] [--no-write | --note-only]
 
 It times nothing worth a quiet machine (it is the test suite, repeated), so it needs no bench lock.
 
@@ -19,8 +19,9 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 from pagedllm.benchmarks.env import command_line, run_metadata
-from pagedllm.benchmarks.report_render import cpu
+from pagedllm.benchmarks.report_render import Hosts
 from pagedllm.benchmarks.script import RESULTS, ROOT, parser
 
 CHAOS = "tests/integration/test_server_chaos.py"
@@ -45,7 +46,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--first-seed", type=int, default=1)
     ap.add_argument("--disconnects", type=int, default=1000, help="requests of the final storm (0: skip it)")
     ap.add_argument("--no-write", action="store_true", help="print only; leave benchmarks/results alone")
+    ap.add_argument("--note-only", action="store_true",
+                    help="run nothing; make chaos_runs.md again from the chaos_runs.json that is there")
     args = ap.parse_args(argv)
+    if args.note_only:
+        write(json.loads((RESULTS / "chaos_runs.json").read_text()), RESULTS)
+        return
 
     runs = []
     for seed in range(args.first_seed, args.first_seed + args.seeds):
@@ -66,15 +72,24 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     result = {"command": "nice -n 10 " + command_line(), "time": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "commit": meta["commit"], "meta": meta, "runs": runs, "storm": storm,
               "load_avg_at_end": [round(x, 1) for x in os.getloadavg()]}
-    out = RESULTS
+    write(result, RESULTS)
+    print(f"wrote {RESULTS / 'chaos_runs.json'} and {RESULTS / 'chaos_runs.md'}")
+
+
+def write(result: dict, out: Path) -> None:
+    """chaos_runs.json, and the page's section chaos_runs.md made from it (`--note-only` makes the
+    section again from the JSON that is there)."""
     (out / "chaos_runs.json").write_text(json.dumps(result, indent=1) + "\n")
+    runs, storm, meta = result["runs"], result["storm"], result["meta"]
+    passed = sum(r["passed"] for r in runs)
+    host = Hosts(out).of(meta, "chaos_runs.json")
     seeds = [r["seed"] for r in runs]
     secs = [r["seconds"] for r in runs]
     lines = [
         "## Chaos: seeds in a row, and 1,000 random disconnects",
         "",
-        "Host: {}, {}, {} cores. Earlier series: [perf-history.md](perf-history.md#chaos-series).".format(
-            *cpu(meta), meta["cpu_cores"]),
+        "Host: {} ({}), {}, {} cores. Earlier series: [perf-history.md](perf-history.md#chaos-series).".format(
+            meta["cpu_model"], host.get("label", "?"), host.get("isa", "?"), meta["cpu_cores"]),
         "",
         f"```\n{result['command']}\n```",
         "",
@@ -94,7 +109,6 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                   f"({storm['seconds']:.0f} s; the test checks /health 200, the same greedy text before and "
                   "after, every KV block free and the scheduler's integrity check after every step)."]
     (out / "chaos_runs.md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {out / 'chaos_runs.json'} and {out / 'chaos_runs.md'}")
 
 
 if __name__ == "__main__":
