@@ -14,7 +14,8 @@ a Llama-layout model (q/k/v/o and gate/up/down projections), from the model's co
 --compare vllm runs vLLM's CPU build (the peers' environment, as `bench throughput --compare`
 does, through throughput.run_backend and vllm_worker.py) on the same requests with the same
 adapter folders, request i with adapter i mod N as in pagedllm's LoRA phase, in the dtype pagedllm
-ran, --rounds generate calls in one process (the fastest kept)."""
+ran, --rounds generate calls in one process (the fastest kept); then, for scale, vLLM without LoRA
+on the same requests."""
 
 from __future__ import annotations
 
@@ -69,28 +70,39 @@ def _throughput(llm: Any, reqs: list, loras: list) -> dict[str, float]:
     return {"seconds": dt, "output_tokens": n_out, "output_tok_s": n_out / dt}
 
 
-def _vllm_with_adapters(opts: dict[str, Any], reqs: list, paths: list[str], rank: int, dtype: str,
-                        workdir: str) -> dict[str, Any]:
-    """vLLM's CPU build on the requests with the adapters mixed as pagedllm's LoRA phase mixes
-    them: its output tok/s, or {"error": why} where it cannot run."""
+def _vllm(opts: dict[str, Any], workload: str, workdir: str, dtype: str, what: str,
+          extra: dict[str, Any]) -> dict[str, Any]:
+    """One run of vLLM's CPU build on the workload file (`extra`: vllm_worker.py's "lora" or
+    none): its output tok/s, or {"error": why} where it cannot run."""
     from pagedllm.benchmarks.throughput import BackendUnavailable, run_backend
-    from pagedllm.benchmarks.workloads import dump_workload
 
-    workload = str(Path(workdir) / "workload.json")
-    dump_workload(reqs, workload)
     backend_opts = {"seed": opts["seed"], "model": opts["model"], "peers_venv": opts["peers_venv"], "engine_args": {},
                     "vllm_kv_cache_space": opts["vllm_kv_cache_space"], "timeout": opts["timeout"]}
     try:
-        r = run_backend("vllm", backend_opts, workload, workdir, dtype,
-                        extra={"lora": {"paths": paths, "max_lora_rank": rank}, "rounds": opts["rounds"]})
+        r = run_backend("vllm", backend_opts, workload, workdir, dtype, extra={**extra, "rounds": opts["rounds"]})
     except BackendUnavailable as exc:
-        print(f"vLLM with the adapters: not run: {exc}", flush=True)
+        print(f"vLLM {what}: not run: {exc}", flush=True)
         return {"error": str(exc)}
-    print(f"vLLM with the adapters: {r['output_tokens']} output tokens in {r['elapsed_s']:.1f} s: "
+    print(f"vLLM {what}: {r['output_tokens']} output tokens in {r['elapsed_s']:.1f} s: "
           f"{r['output_tokens_per_s']:.1f} tok/s", flush=True)
     return {"output_tok_s": r["output_tokens_per_s"], "seconds": r["elapsed_s"], "output_tokens": r["output_tokens"],
             "round_s": r.get("round_s", [r["elapsed_s"]]), "dtype": r["dtype"], "version": r.get("vllm_version"),
             "startup_s": r["startup_s"], "peak_rss_bytes": r["peak_rss_bytes"]}
+
+
+def _compare_vllm(opts: dict[str, Any], reqs: list, paths: list[str], rank: int, dtype: str,
+                  workdir: str) -> dict[str, Any]:
+    """vLLM's CPU build on the requests with the adapters mixed as pagedllm's adapter phase mixes
+    them ("vllm"), then on the same requests without LoRA ("vllm_base")."""
+    from pagedllm.benchmarks.workloads import dump_workload
+
+    workload = str(Path(workdir) / "workload.json")
+    dump_workload(reqs, workload)
+    out = {"vllm": _vllm(opts, workload, workdir, dtype, "with the adapters",
+                         {"lora": {"paths": paths, "max_lora_rank": rank}})}
+    if "output_tok_s" in out["vllm"]:
+        out["vllm_base"] = _vllm(opts, workload, workdir, dtype, "without LoRA", {})
+    return out
 
 
 def run_lora(opts: dict[str, Any]) -> dict[str, Any]:
@@ -134,7 +146,7 @@ def run_lora(opts: dict[str, Any]) -> dict[str, Any]:
         base.llm_engine.shutdown()
         llm.llm_engine.shutdown()
         if opts.get("compare") == "vllm":
-            report["vllm"] = _vllm_with_adapters(opts, reqs, paths[:n], rank, dtype, tmp)
+            report.update(_compare_vllm(opts, reqs, paths[:n], rank, dtype, tmp))
             if "output_tok_s" in report["vllm"]:
                 report["ratio_vs_vllm"] = report["lora"]["output_tok_s"] / report["vllm"]["output_tok_s"]
         if opts.get("http_load", True):  # POST /v1/load_lora_adapter on a real server, streams running
@@ -157,10 +169,12 @@ def format_table(r: dict[str, Any]) -> str:
              f"({r['ratio_no_adapter_rows']:.3f}x)",
              f"  loading one adapter: check {r['load_ms']['check']:.1f} ms, worker read + layout "
              f"{r['load_ms']['worker']:.1f} ms"]
-    v = r.get("vllm")
+    v, vb = r.get("vllm"), r.get("vllm_base") or {}
     if v and "output_tok_s" in v:
         lines.insert(3, f"  vLLM {v['version']} ({v['dtype']}), the same adapters: {v['output_tok_s']:8.1f} output tok/s  "
                         f"(pagedllm with the adapters {r['ratio_vs_vllm']:.3f}x)")
+        if "output_tok_s" in vb:
+            lines.insert(4, f"  vLLM without LoRA:          {vb['output_tok_s']:8.1f} output tok/s")
     elif v:
         lines.insert(3, f"  vLLM with the same adapters: not run: {v['error']}")
     h = r.get("http_load")

@@ -21,7 +21,7 @@ INTRO = """## LoRA adapters
 adapter rows; both engines stay loaded and the phases alternate round after round (the best of
 each kept). With `--compare vllm`, vLLM's CPU build runs the same requests with the same adapter
 folders mixed the same way, in the dtype pagedllm ran, the same number of rounds in one process
-(the fastest kept). docs/lora.md says how the deltas run.
+(the fastest kept), then without LoRA on the same requests. docs/lora.md says how the deltas run.
 """
 
 
@@ -32,15 +32,20 @@ def _file_section(name: str, r: dict[str, Any]) -> str:
     rows = [["base model alone (LoRA off)", "base"],
             [f"{r['num_adapters']} adapters of rank {r['rank']} on every linear layer, mixed", "lora"],
             ["LoRA on, no adapter rows", "lora_no_adapter_rows"]]
-    vllm = r.get("vllm") or {}
+    vllm, vllm_base = r.get("vllm") or {}, r.get("vllm_base") or {}
     if "output_tok_s" in vllm:
         rows.insert(2, [f"vLLM {vllm['version']} ({vllm['dtype']}): the same adapters, mixed the same way", "vllm"])
+    if "output_tok_s" in vllm_base:
+        rows.insert(3, [f"vLLM {vllm_base['version']} ({vllm_base['dtype']}): LoRA off", "vllm_base"])
     out.append(table(["phase", "output tok/s", "against the base model"],
                      [[label, f"{r[key]['output_tok_s']:.1f}", f"{r[key]['output_tok_s'] / base:.2f}x"]
                       for label, key in rows]))
     if "output_tok_s" in vllm:
         out.append(f"\npagedllm with the adapters: **{r['lora']['output_tok_s'] / vllm['output_tok_s']:.2f}x** vLLM's "
                    "CPU build with the same adapters.")
+        if "output_tok_s" in vllm_base:
+            out.append(f" vLLM with the adapters ran at {vllm['output_tok_s'] / vllm_base['output_tok_s']:.2f}x its "
+                       "own rate without LoRA.")
     elif vllm:
         out.append(f"\nvLLM with the same adapters did not run: {vllm['error']}")
     load_ms = r.get("load_ms")

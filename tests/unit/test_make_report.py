@@ -150,16 +150,20 @@ def test_lora_section_shows_each_phase_against_the_base_model(tmp_path):
 
 
 def test_lora_section_shows_vllm_with_the_same_adapters(tmp_path):
-    """`bench lora --compare vllm`: vLLM's row beside the phases, and pagedllm's ratio to it."""
+    """`bench lora --compare vllm`: vLLM's rows (with the adapters, LoRA off) beside the phases, and
+    pagedllm's ratio to vLLM with the adapters."""
     phase = {"seconds": 2.0, "output_tokens": 2000}
     data = {"benchmark": "lora", "model": "default", "num_adapters": 8, "rank": 16, "dtype": "auto",
             "num_prompts": 64, "base": dict(phase, output_tok_s=1000.0), "lora": dict(phase, output_tok_s=800.0),
             "lora_no_adapter_rows": dict(phase, output_tok_s=1010.0),
             "vllm": dict(phase, output_tok_s=320.0, version="0.32.0", dtype="bfloat16"), "ratio_vs_vllm": 2.5,
+            "vllm_base": dict(phase, output_tok_s=640.0, version="0.32.0", dtype="bfloat16"),
             "meta": {"command": "pagedllm bench lora --compare vllm", "commit": "abc1234", "time": "2026-12-07"}}
     text = _render(tmp_path, "amx_lora_vllm.json", data)
     assert "| vLLM 0.32.0 (bfloat16): the same adapters, mixed the same way | 320.0 | 0.32x |" in text
-    assert "pagedllm with the adapters: **2.50x** vLLM's CPU build with the same adapters." in text
+    assert "| vLLM 0.32.0 (bfloat16): LoRA off | 640.0 | 0.64x |" in text
+    assert ("pagedllm with the adapters: **2.50x** vLLM's CPU build with the same adapters. vLLM with the adapters "
+            "ran at 0.50x its own rate without LoRA.") in text
     data["vllm"] = {"error": "vLLM's CPU build is not installed: no bin/python in /x"}
     (tmp_path / "no-vllm").mkdir()
     text = _render(tmp_path / "no-vllm", "amx_lora_vllm.json", data)
