@@ -19,7 +19,7 @@ def create_executor(config: EngineConfig) -> Any:
         from pagedllm.executor.uniproc import InProcessExecutor
 
         return InProcessExecutor(config.model_config, config.cache_config, config.device_config, config.lora_config,
-                                 config.draft_model_config)
+                                 config.draft_model_config, speculative=config.speculative_config is not None)
     if pc.distributed_executor_backend == "ray":
         from pagedllm.executor.ray_executor import RayExecutor
 

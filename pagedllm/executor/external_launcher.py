@@ -38,7 +38,8 @@ class ExternalLauncherExecutor:
         self.parallel = init_parallel_context(pc, rank, mc.num_layers, "env://")
         torch.manual_seed(mc.seed)
         self.runner = ModelRunner(mc, config.cache_config, config.device_config, parallel=self.parallel,
-                                  lora_config=config.lora_config)
+                                  lora_config=config.lora_config,
+                                  speculative=config.speculative_config is not None)
         self.runner.load_model()
         self.driver_rank = (pc.pipeline_parallel_size - 1) * pc.tensor_parallel_size
 

@@ -16,11 +16,11 @@ logger = logging.getLogger(__name__)
 class InProcessExecutor:
     def __init__(
         self, model_config: ModelConfig, cache_config: CacheConfig, device_config: DeviceConfig | None = None,
-        lora_config: LoRAConfig | None = None, draft_config: ModelConfig | None = None,
+        lora_config: LoRAConfig | None = None, draft_config: ModelConfig | None = None, speculative: bool = False,
     ) -> None:
         torch.manual_seed(model_config.seed)
         self.runner = ModelRunner(model_config, cache_config, device_config, lora_config=lora_config,
-                                  draft_config=draft_config)
+                                  draft_config=draft_config, speculative=speculative)
         self.runner.load_model()
 
     def determine_num_blocks(self) -> int:

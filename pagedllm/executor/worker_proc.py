@@ -35,7 +35,8 @@ class RankWorker:
         self.ctx = init_parallel_context(config.parallel_config, rank, mc.num_layers, init_method)
         torch.manual_seed(mc.seed)
         self.runner = ModelRunner(mc, config.cache_config, config.device_config, parallel=self.ctx,
-                                  lora_config=config.lora_config)
+                                  lora_config=config.lora_config,
+                                  speculative=config.speculative_config is not None)
         self.runner.load_model()
 
     def handle(self, msg: dict[str, Any]) -> tuple[bool, Any]:

@@ -69,9 +69,31 @@ def kernel_dtypes() -> frozenset[torch.dtype]:
 
 @lru_cache(maxsize=1)
 def amx_rows() -> int:
-    """The fewest rows of x from which the kernel's bf16 GEMMs run on AMX tiles (0: no AMX here)."""
+    """The fewest rows of x from which the kernel's bf16 GEMMs run on AMX tiles by default (0: no
+    AMX here; amx_rows_from changes it for a while)."""
     lib = load_linear_kernel()
     return lib.small_m_amx_rows() if lib is not None else 0
+
+
+# What both libraries that hold the kernel were last given by amx_rows_from (None: nothing yet).
+_amx_from: int | None = None
+
+
+def amx_rows_from(rows: int) -> None:
+    """Where the CPU has AMX-BF16: bf16 GEMMs of `rows` rows of x or more run on the tiles from now
+    on (0: from amx_rows(), the default), fewer in the AVX-512 BF16 form, in which each row gives
+    the bits it gives alone (the two forms sum in different orders). A speculating engine raises it
+    for a step of one request's last token and proposals, so that each of those rows gives the bits
+    of the single row the request decodes without speculation. One setting per process, in this
+    module's library and the fused decode step's (llama_decode.c includes the kernel); passed on
+    only when it changes."""
+    global _amx_from
+    if _amx_from == rows or not amx_rows():  # amx_rows() first: its cache holds the default
+        return
+    for lib in (load_linear_kernel(), native.load(kernels.DECODE)):
+        if lib is not None:
+            lib.small_m_amx_from(rows)
+    _amx_from = rows
 
 
 @lru_cache(maxsize=None)

@@ -25,6 +25,7 @@ from pagedllm.distributed.parallel_state import ParallelContext
 from pagedllm.core.scheduler_output import Logprobs, ModelRunnerOutput, SchedulerOutput
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.linear import Linear
+from pagedllm.layers.native_linear import amx_rows_from
 from pagedllm.utils import tune_heap
 from pagedllm.worker import device as dev
 from pagedllm.worker import preemption_cost
@@ -43,7 +44,7 @@ from pagedllm.worker.input_batch import BatchArrays, InputBatch, token_rows
 from pagedllm.worker.kv_memory import KVMemory
 from pagedllm.worker.model_load import build_model
 from pagedllm.worker.native_decode import NativeDecode
-from pagedllm.worker.spec_decode import SpecRows, split_spec_rows, verify_step
+from pagedllm.worker.spec_decode import SpecRows, alone_rows, split_spec_rows, verify_step
 from pagedllm.worker.pooler import Pooler
 from pagedllm.worker.sample import (
     Sampler,
@@ -84,6 +85,7 @@ class ModelRunner:
         parallel: ParallelContext | None = None,
         lora_config: LoRAConfig | None = None,
         draft_config: ModelConfig | None = None,
+        speculative: bool = False,
     ) -> None:
         self.model_config = model_config
         self.lora_config = lora_config
@@ -100,6 +102,7 @@ class ModelRunner:
         self.is_cuda = self.device.type == "cuda"
         if not self.is_cuda:
             tune_heap()
+        self.speculative = speculative or draft_config is not None  # any method (see execute_model)
         self._cuda_graphs: CudaGraphRunner | None = None
         # Small decode-only steps as one native call (CPU; set once the KV cache exists).
         self._native_decode: NativeDecode | None = None
@@ -315,6 +318,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        amx_rows_from(alone_rows(so) if self.speculative else 0)  # bf16 on AMX: rows as a step without proposals
         step = self._prepare(so)
         if step is None:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedllm.core.scheduler_output import Logprobs
+from pagedllm.core.scheduler_output import Logprobs, SchedulerOutput
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.sample import (
     Sampler,
@@ -63,6 +63,21 @@ class SpecRows:
             out.append(acc)
             acc += len(p) + 1
         return out
+
+
+def alone_rows(so: SchedulerOutput) -> int:
+    """The fewest rows of x from which a speculating step's bf16 GEMMs may run on AMX tiles
+    (layers/native_linear.amx_rows_from): past this step's rows when it is one request's last
+    token and its proposals, 0 (the default) otherwise. Without speculation a single stream
+    decodes one row per step, in the AVX-512 BF16 form, and the tiles sum in another order; a
+    verification of its 1 + k rows in that form gives each row the bits it has alone, so greedy
+    outputs are those of speculation off. Steps of several requests (or a prompt chunk) take the
+    tiles as they do without speculation. The cost: a verification of 5 or more rows runs slower
+    in that form than on the tiles (docs/speculative.md)."""
+    if len(so.num_scheduled_tokens) != 1:
+        return 0
+    ((rid, n),) = so.num_scheduled_tokens.items()
+    return n + 1 if n == 1 + len(so.spec_token_ids.get(rid, ())) else 0
 
 
 def split_spec_rows(spec: dict[str, list[int]], req_ids: list[str], rows: np.ndarray, sample_req: np.ndarray,

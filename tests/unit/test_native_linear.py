@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.layers.native_linear import amx_rows, kernel_dtypes, load_linear_kernel, small_m_linear, small_m_rows
+from pagedllm.layers.native_linear import (amx_rows, amx_rows_from, kernel_dtypes, load_linear_kernel, small_m_linear,
+                                          small_m_rows)
 
 pytestmark = pytest.mark.skipif(load_linear_kernel() is None, reason="no C compiler, or neither AVX-512 nor AVX2 + FMA")
 F16_NOTE = " (only builds for AVX2 + F16C without AVX-512 have one)"
@@ -101,3 +102,32 @@ def test_amx_rows_do_not_depend_on_the_batch(N):
         assert torch.equal(part, whole[lo:hi]), (lo, hi)
     ref = F.linear(x[:small_m_rows(torch.bfloat16)].double(), w.double(), b.double())
     torch.testing.assert_close(whole.double(), ref, rtol=2**-8, atol=1e-3)  # as test_small_m_linear_matches_fp32
+
+
+@pytest.mark.skipif(not amx_rows(), reason="no AMX-BF16 on this CPU (or the OS does not lend the tiles)")
+@pytest.mark.parametrize("M", [2, 5, 9])
+def test_rows_below_amx_from_give_their_bits_alone(M):
+    """A single bf16 row runs in the AVX-512 BF16 form, a batch on the tiles, which sum in another
+    order: some of 64 rows differ from their bits alone. With amx_rows_from(M + 1), as a speculating
+    engine sets it for one request's verification rows, an M-row batch runs in the AVX-512 form and
+    each row gives its bits alone; amx_rows_from(0) restores the default."""
+    g = torch.Generator().manual_seed(M)
+    K, N, R = 576, 960, 64
+    x = torch.randn(R, K, generator=g).bfloat16()
+    w = (torch.randn(N, K, generator=g) / K**0.5).bfloat16()
+    b = torch.randn(N, generator=g).bfloat16()
+    alone = torch.cat([small_m_linear(x[i:i + 1].contiguous(), w, b) for i in range(R)])
+
+    def batches_differ() -> int:
+        return sum(not torch.equal(small_m_linear(x[i:i + M].contiguous(), w, b), alone[i:i + M])
+                   for i in range(0, R - M + 1, M))
+
+    assert batches_differ() > 0
+    try:
+        amx_rows_from(M + 1)
+        assert load_linear_kernel().small_m_amx_rows() == M + 1
+        assert batches_differ() == 0
+    finally:
+        amx_rows_from(0)
+    assert load_linear_kernel().small_m_amx_rows() == amx_rows() == 2
+    assert batches_differ() > 0

@@ -22,8 +22,9 @@
  * the kernel in 8-lane vectors (gemm_tile_avx2), bf16 and (with F16C) float16 widened to float32
  * in registers; CPUs with AVX-512 but not its BF16 dot products have no bf16 kernel, and AVX-512
  * builds no float16 one. On CPUs with AMX-BF16, bf16 GEMMs of 2 rows or more run on AMX tiles
- * instead (gemm_rows_amx): 16 W rows x 32 columns of K as the first operand straight from W, x
- * packed once per call as the second, 2 x 2 tiles of 16 x 16 float32 sums.
+ * instead (gemm_rows_amx; a caller can raise that for a while: small_m_amx_from): 16 W rows x 32
+ * columns of K as the first operand straight from W, x packed once per call as the second, 2 x 2
+ * tiles of 16 x 16 float32 sums.
  *
  * Layouts: x [M, K], w [N, K], bias [N] or NULL, y [M, N], all of element type dt (0 float32,
  * 1 bf16 as uint16, 2 float16 as uint16); K % 16 == 0 for float32, K % 32 == 0 for bf16 and
@@ -113,7 +114,7 @@ static inline void st(void *p, int64_t i, float v, int dt) {
 static void gemm_rows(const void *x, int64_t M, const void *w, const void *bias, int64_t N, int64_t K, void *y, int dt,
                       int64_t n_lo, int64_t n_hi) {
 #if HAVE_AMX_BF16
-    if (dt == LD_BF16 && M >= AMX_MIN_ROWS && amx_permitted() &&
+    if (dt == LD_BF16 && M >= amx_from_rows && amx_permitted() &&
         gemm_rows_amx((const uint16_t *)x, M, (const uint16_t *)w, (const uint16_t *)bias, N, K, (uint16_t *)y, n_lo,
                       n_hi) == 0)
         return;
@@ -225,14 +226,27 @@ int small_m_available(void) {
            (HAVE_AVX2_F32 ? 4 : 0) | (HAVE_AVX2_F16 ? 8 : 0);
 }
 
-/* The fewest rows of x a bf16 GEMM runs on AMX tiles with; 0 where it never does (a build without
- * AMX-BF16, or an OS that does not lend this process the tile registers). */
-int small_m_amx_rows(void) {
+/* The fewest rows of x a bf16 GEMM runs on AMX tiles with now (AMX_MIN_ROWS unless
+ * small_m_amx_from set another); 0 where it never does (a build without AMX-BF16, or an OS that does
+ * not lend this process the tile registers). */
+int64_t small_m_amx_rows(void) {
 #if HAVE_AMX_BF16
-    return amx_permitted() ? AMX_MIN_ROWS : 0;
+    return amx_permitted() ? amx_from_rows : 0;
 #else
     return 0;
 #endif
+}
+
+/* bf16 GEMMs of `rows` rows of x or more run on AMX tiles from now on (rows <= 0: AMX_MIN_ROWS, the
+ * default), fewer in the AVX-512 BF16 form, each of whose rows gives the bits it gives alone. This
+ * library's setting, for every later call. Returns small_m_amx_rows(). */
+int64_t small_m_amx_from(int64_t rows) {
+#if HAVE_AMX_BF16
+    amx_from_rows = rows > 0 ? rows : AMX_MIN_ROWS;
+#else
+    (void)rows;
+#endif
+    return small_m_amx_rows();
 }
 
 /* y = x W^T (+ bias): 0, or 1 for what it does not take (K not a multiple of its step, no kernel). */

@@ -5,9 +5,20 @@
  * memory and the AVX-512 BF16 form reads W as fast; from 2 to 4 rows both run at the memory's rate,
  * from 5 rows the tiles are faster (30 layers of the default model, 2-core Xeon: 5 rows 8.8 against
  * 11.4 ms, 8 rows 9.3 against 16.7, 64 rows 19.2 against 72.2; benchmarks/bench_small_m_gemm.py).
- * From 2 rows on, then, a row of x gives the same bits in any batch. */
+ * From 2 rows on, then, a row of x gives the same bits in any batch.
+ *
+ * The tile unit does not sum as the AVX-512 BF16 dot products do, nor as any sequence of float32
+ * additions: in one tile product (K = 32) of random bf16 data, two nonzero products give their
+ * exact sum rounded once, but from three on neither the exact sum rounded once nor the pairs' sums
+ * added in turn (to nearest or toward zero) give the tile's bits, and no order of VDPBF16PS does
+ * over K = 576, so no AVX-512 form gives a row the bits the tiles give it. A caller that needs a
+ * step of several rows to give each row the bits it has alone (speculative decoding: one request's
+ * verification rows against the single row it decodes without proposals) raises the threshold for
+ * that step (small_m_amx_from). */
 #define AMX_MIN_ROWS 2
-/* Per-thread scratch of the packed x (kept between calls: a step's GEMMs reuse it). */
+/* The rows from which gemm_rows takes the tiles now (small_m_amx_from). One setting per library,
+ * read by every thread of a team. */
+static int64_t amx_from_rows = AMX_MIN_ROWS;
 static __thread uint32_t *amx_xp;
 static __thread int64_t amx_xp_words;
 static __thread uint16_t *amx_wpad;

@@ -1,0 +1,57 @@
+"""Speculative decoding in bfloat16 on a CPU with AMX: greedy outputs are the same token for token
+as without speculation, for n-gram, suffix and an int4 self-draft. There a bf16 GEMM of one row runs
+in the AVX-512 BF16 form and from two rows on AMX tiles, which sum in another order; a speculating
+engine puts single rows on the tiles too (layers/native_linear.amx_one_row), so that the single row
+of a step without proposals gives the bits its verification rows give. The chat questions and
+lengths are those on which the two forms parted (at the 30th to 68th token) before."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.benchmarks.spec import CHAT
+from pagedllm.layers.native_linear import amx_rows, kernel_dtypes
+
+pytestmark = [
+    pytest.mark.usefixtures("one_torch_thread"),
+    pytest.mark.skipif(not amx_rows() or torch.bfloat16 not in kernel_dtypes(),
+                       reason="no AMX-BF16 on this CPU (or the OS does not lend the tiles): bf16 rows give the "
+                              "same bits alone as in a batch (tests/unit/test_native_linear.py)"),
+]
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=128)
+BASE = {"dtype": "bfloat16", "max_model_len": 512, "kv_cache_memory": "256MiB"}
+CONFIGS = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4},
+    "suffix": {"method": "suffix"},
+    "int4 self-draft": {"method": "draft_model", "num_speculative_tokens": 3, "quantization": "int4"},
+}
+
+
+def answers(llm: LLM) -> list[list[int]]:
+    """Each of the first four chat questions alone (a single stream: steps of one row without
+    proposals)."""
+    return [list(llm.chat([[{"role": "user", "content": q}]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids)
+            for q in CHAT[:4]]
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list[int]]:
+    llm = LLM(**BASE)
+    try:
+        return answers(llm)
+    finally:
+        del llm
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_bf16_greedy_same_with_speculation(name: str, reference: list[list[int]]) -> None:
+    llm = LLM(**BASE, speculative_config=CONFIGS[name])
+    got = answers(llm)
+    stats = llm.llm_engine.scheduler.get_stats().spec_decode
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0, stats  # it did speculate
+    for i, (a, b) in enumerate(zip(got, reference)):
+        first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        assert a == b, f"question {i}: parts from speculation off at token {first} of {len(b)}"
