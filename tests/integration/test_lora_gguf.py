@@ -141,6 +141,7 @@ LLAMACPP_TOKENS = 16
 LLAMACPP_MIN_EXACT = 6
 
 
+@pytest.mark.slow  # an oracle run: the default model in float32 on both engines, about 30 s
 def test_gguf_adapter_agrees_with_llamacpp(tmp_path, capsys):
     from pagedllm.eval.llamacpp import llamacpp_greedy, llamacpp_unavailable
 
