@@ -115,7 +115,9 @@ def run_lora(opts: dict[str, Any]) -> dict[str, Any]:
     hf_config = load_hf_config(resolve_model(model))
     reqs = random_workload(opts["num_prompts"], parse_range(opts["input_len_range"], "input"),
                            parse_range(opts["output_len_range"], "output"), vocab_info(model), opts["seed"])
-    engine = {"dtype": opts["dtype"], "kv_cache_memory": opts["kv_cache_memory"]}
+    # No prefix caching: every phase of every round computes every prompt (with it, a round's
+    # phases would reuse different shares of the blocks earlier rounds left in each engine's cache).
+    engine = {"dtype": opts["dtype"], "kv_cache_memory": opts["kv_cache_memory"], "enable_prefix_caching": False}
     report: dict[str, Any] = {"benchmark": "lora", "meta": run_metadata(), "model": model or "default",
                               "num_adapters": n, "rank": rank, "dtype": opts["dtype"], "num_prompts": len(reqs)}
     with tempfile.TemporaryDirectory(prefix="pagedllm-lora-") as tmp:

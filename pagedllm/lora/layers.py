@@ -31,6 +31,32 @@ def lora_kernel() -> Any:
     return native.load(kernels.LORA)
 
 
+@lru_cache(maxsize=1)
+def lora_amx() -> bool:
+    """Whether the native kernel runs bf16 deltas on AMX tiles here (lora_amx.h)."""
+    kernel = lora_kernel()
+    return kernel is not None and bool(kernel.lora_amx_available())
+
+
+def pack_a_tiles(a: torch.Tensor) -> torch.Tensor:
+    """A slot's A [n, K] in the AMX tiles' layout (lora_amx.h's ap): [K/32, ceil(n/16), 16, 16, 2]."""
+    n, k = a.shape
+    pad = torch.zeros(-(-n // 16) * 16, k, dtype=a.dtype, device=a.device)
+    pad[:n] = a
+    return pad.view(-1, 16, k // 32, 16, 2).permute(2, 0, 3, 1, 4).reshape(-1)
+
+
+def pack_bt_tiles(bt: torch.Tensor, num_slices: int, rank: int) -> torch.Tensor:
+    """A slot's B^T [num_slices * R, N] in the AMX tiles' layout (lora_amx.h's bp): per slice,
+    blocks of 16 columns of ranks padded to RP, kk ranks (16 or 32) a tile, as pairs."""
+    n, cols = bt.shape
+    kk = 16 if rank <= 16 else 32
+    rp = -(-rank // kk) * kk
+    pad = torch.zeros(num_slices, rp, -(-cols // 16) * 16, dtype=bt.dtype, device=bt.device)
+    pad[:, :rank, :cols] = bt.view(num_slices, rank, cols)
+    return pad.view(num_slices, rp // kk, kk // 2, 2, -1, 16).permute(0, 4, 1, 2, 5, 3).reshape(-1)
+
+
 @dataclass
 class LoRAStep:
     """This step's adapter rows: `groups` (slot, rows) for adapters with many rows, rows a slice
@@ -74,6 +100,11 @@ class LoRALinearMethod:
             (p.device for p in layer.parameters()), torch.device("cpu"))
         self.lora_a = torch.zeros(num_slots, n, layer.in_features, dtype=dtype, device=device)
         self.lora_bt = torch.zeros(num_slots, n, layer.out_features, dtype=dtype, device=device)  # B transposed
+        # The same slots in the AMX tiles' layout, where the native kernel runs bf16 deltas on them.
+        self.lora_ap = self.lora_bp = None
+        if dtype == torch.bfloat16 and device.type == "cpu" and layer.in_features % 32 == 0 and lora_amx():
+            self.lora_ap = torch.stack([pack_a_tiles(a) for a in self.lora_a])
+            self.lora_bp = torch.stack([pack_bt_tiles(bt, len(slices), max_rank) for bt in self.lora_bt])
 
     def __getattr__(self, name: str) -> Any:
         # The base method's attributes (its name, its kernel flags) read through the wrapper.
@@ -90,6 +121,9 @@ class LoRALinearMethod:
             r, rows = p.lora_a.shape[0], p.lora_b.shape[0]
             a[p.col : p.col + r].copy_(p.lora_a)
             bt[p.col : p.col + r, p.start : p.start + rows].copy_(p.lora_b.t())
+        if self.lora_ap is not None:
+            self.lora_ap[slot] = pack_a_tiles(a)
+            self.lora_bp[slot] = pack_bt_tiles(bt, len(self.ranges), self.max_rank)
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = self.base_method.apply(layer, x, bias)
@@ -108,10 +142,10 @@ class LoRALinearMethod:
     def _native(self, x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor) -> None:
         if x.stride(-1) != 1:
             x = x.contiguous()
-        a, bt = self.lora_a, self.lora_bt
+        a, bt, ap, bp = self.lora_a, self.lora_bt, self.lora_ap, self.lora_bp
         rc = lora_kernel().lora_sgmv(
             x.data_ptr(), x.stride(0), _DT[x.dtype], x.shape[0], slots.data_ptr(), a.data_ptr(), bt.data_ptr(),
-            _DT[a.dtype], len(self.ranges), self.max_rank, self.ranges.data_ptr(), a.shape[2], bt.shape[2],
+            None if ap is None else ap.data_ptr(), None if bp is None else bp.data_ptr(), _DT[a.dtype], len(self.ranges), self.max_rank, self.ranges.data_ptr(), a.shape[2], bt.shape[2],
             y.data_ptr(), y.stride(0), _DT[y.dtype])
         if rc:
             raise RuntimeError(f"lora_sgmv failed ({rc})")

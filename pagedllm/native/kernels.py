@@ -106,9 +106,10 @@ _PP = ctypes.POINTER(ctypes.c_void_p)
 
 
 class LoraLinear(ctypes.Structure):
-    """One linear layer's LoRA slots (lora.c's layout: A [slots, n, K], B^T [slots, n, N])."""
+    """One linear layer's LoRA slots (lora.c's layout: A [slots, n, K], B^T [slots, n, N]; ap, bp:
+    the same in the AMX tiles' layout of lora_amx.h, or NULL)."""
 
-    _fields_ = [("a", PTR), ("bt", PTR), ("ranges", PTR), ("num_slices", ctypes.c_int64)]
+    _fields_ = [("a", PTR), ("bt", PTR), ("ranges", PTR), ("num_slices", ctypes.c_int64), ("ap", PTR), ("bp", PTR)]
 
 
 class LlamaDecodeModel(ctypes.Structure):
@@ -174,8 +175,9 @@ SAMPLING = Library("sampling.c", (TOP_P_CUTS, SAMPLE_ROWS, APPLY_TOKEN_BITMASK),
 
 # lora.c: the LoRA deltas of rows of several adapters in one call.
 LORA_SGMV = Kernel("lora_sgmv", I32, (
-    ptr("x"), i64("ldx"), i32("x_dt"), i64("T"), ptr("slots"), ptr("a"), ptr("bt"), i32("w_dt"),
-    *_ints("num_slices", "R"), ptr("ranges"), *_ints("K", "N"), ptr("y"), i64("ldy"), i32("y_dt")))
-LORA = Library("lora.c", (LORA_SGMV,), lambda: envs.PAGEDLLM_NATIVE_LORA)
+    ptr("x"), i64("ldx"), i32("x_dt"), i64("T"), ptr("slots"), ptr("a"), ptr("bt"), ptr("ap"), ptr("bp"),
+    i32("w_dt"), *_ints("num_slices", "R"), ptr("ranges"), *_ints("K", "N"), ptr("y"), i64("ldy"), i32("y_dt")))
+LORA_AMX_AVAILABLE = Kernel("lora_amx_available", I32)
+LORA = Library("lora.c", (LORA_SGMV, LORA_AMX_AVAILABLE), lambda: envs.PAGEDLLM_NATIVE_LORA)
 
 LIBRARIES = (ATTENTION, FLASH, LINEAR, ELEMENTWISE, QUANT, DECODE, SAMPLING, LORA)

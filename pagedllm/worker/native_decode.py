@@ -400,7 +400,9 @@ class NativeDecode:
             for d, m in zip(arr, ms):
                 d.a, d.bt, d.ranges, d.num_slices = (m.lora_a.data_ptr(), m.lora_bt.data_ptr(), m.ranges.data_ptr(),
                                                      len(m.ranges))
-                self._keep.extend([m.lora_a, m.lora_bt, m.ranges])
+                if m.lora_ap is not None:  # the AMX tiles' copies (lora_amx.h)
+                    d.ap, d.bp = m.lora_ap.data_ptr(), m.lora_bp.data_ptr()
+                self._keep.extend([m.lora_a, m.lora_bt, m.ranges, m.lora_ap, m.lora_bp])
             self._keep.append(arr)
             setattr(self.model, field, ctypes.cast(arr, ctypes.POINTER(_LoraLinear)))
         self.model.lora_rank, self.model.lora_dtype = first.max_rank, codes[first.lora_a.dtype]

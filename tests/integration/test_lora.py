@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, LoRARequest, SamplingParams
+from pagedllm.lora.layers import lora_amx
 from pagedllm.models.testing import make_tiny_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -265,6 +266,8 @@ def test_native_decode_step_adds_the_deltas(setup, dtype):
         pytest.skip("no fused native decode step here")
     nd = runner.native_decode
     assert nd.lora
+    if dtype == "bfloat16" and lora_amx():  # the step's deltas run on AMX tiles, as the torch path's do
+        assert all(nd.model.lora_qkv[i].ap for i in range(nd.model.num_layers))
     extra = LoRARequest("attn2", 9, make_adapter(base, root / f"attn2-{dtype}", 11, r=8, lora_alpha=8,
                                                  target_modules=["q_proj", "v_proj", "down_proj"]))
     loras = [requests["attn"], None, requests["mlp"], requests["all"], extra, requests["attn"], None, extra]

@@ -30,9 +30,8 @@ static inline int amx_permitted(void) {
     return s;
 }
 
-/* Loads palette 1 with all eight tiles at their largest: 16 rows of 64 bytes (16 float32 sums, or
- * 32 bf16 as 16 pairs, per row) on the calling thread. */
-static inline void amx_configure(void) {
+/* Loads palette 1 with tiles 0-7 of rows[t] rows of colsb[t] bytes each on the calling thread. */
+static inline void amx_configure_tiles(const uint8_t *rows, const uint16_t *colsb) {
     struct {
         uint8_t palette_id, start_row, reserved[14];
         uint16_t colsb[16];
@@ -41,10 +40,18 @@ static inline void amx_configure(void) {
     memset(&cfg, 0, sizeof cfg);
     cfg.palette_id = 1;
     for (int t = 0; t < 8; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
+        cfg.rows[t] = rows[t];
+        cfg.colsb[t] = colsb[t];
     }
     _tile_loadconfig(&cfg);
+}
+
+/* All eight tiles at their largest: 16 rows of 64 bytes (16 float32 sums, or 32 bf16 as 16
+ * pairs, per row). */
+static inline void amx_configure(void) {
+    static const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+    static const uint16_t colsb[8] = {64, 64, 64, 64, 64, 64, 64, 64};
+    amx_configure_tiles(rows, colsb);
 }
 #else
 #define HAVE_AMX_BF16 0

@@ -91,11 +91,12 @@ typedef struct {
 
 /* One linear layer's LoRA slots (lora.c's layout): A [slots, n, K], B^T [slots, n, N] with
  * n = num_slices * rank, and each slice's [first, one past the last] output column. a NULL: the
- * layer has no LoRA. */
+ * layer has no LoRA. ap, bp: the same slots in the AMX tiles' layout (lora_amx.h), or NULL. */
 typedef struct {
     const void *a, *bt;
     const int64_t *ranges;
     int64_t num_slices;
+    const void *ap, *bp;
 } LoraLinear;
 
 typedef struct {
@@ -394,10 +395,10 @@ typedef struct {
     const int32_t *mask;
     int64_t ldm;
     const int64_t *mask_rows;
-    /* LoRA rows (md->lora_slots): ordered by slot in blocks of <= LORA_RB (lora_plan). lora_buf
-     * holds h of every block, shared by the team (lora_hsize floats), then each thread's scratch
-     * for a block's rows in float32 (lora_scratch floats a thread). */
-    int64_t lora_nblocks, lora_hsize, lora_scratch;
+    /* LoRA rows (md->lora_slots): ordered by slot in blocks of <= LORA_RB_MAX (lora_plan). lora_buf
+     * holds h of every block, shared by the team (lora_hsize floats, lora_hblock a block), then
+     * each thread's scratch for a block's rows (lora_scratch floats a thread). */
+    int64_t lora_nblocks, lora_hsize, lora_hblock, lora_scratch;
     const int64_t *lora_order, *lora_blocks;
     float *lora_buf;
     /* Mixture-of-experts layers: the rows of the (token, expert) pairs grouped by expert, shared
@@ -414,32 +415,44 @@ typedef struct {
 static void lora_shrink_step(const Step *c, const LoraLinear *ll, const void *x, int64_t K, float *h, float *xf,
                              int64_t b_lo, int64_t b_hi) {
     const LlamaDecodeModel *md = c->md;
-    const int wdt = (int)md->lora_dtype;
-    const int64_t n = ll->num_slices * md->lora_rank, es = wdt == LD_F32 ? 4 : 2;
+    const int wdt = (int)md->lora_dtype, dt = (int)md->dtype;
+    const int64_t R = md->lora_rank, n = ll->num_slices * R, es = wdt == LD_F32 ? 4 : 2;
+    const int amx = lora_amx_take(ll->ap, ll->bp, dt, wdt, K);
+#if HAVE_AMX_BF16
+    const int64_t pa = lora_amx_a_elems(n, K);
+#else
+    const int64_t pa = 0;
+#endif
     for (int64_t bi = b_lo; bi < b_hi; bi++) {
-        const int64_t b0 = c->lora_blocks[bi];
+        const int64_t b0 = c->lora_blocks[bi], s = md->lora_slots[c->lora_order[b0]];
         const int nb = (int)(c->lora_blocks[bi + 1] - b0);
-        lora_block_h(x, K, (int)md->dtype, c->lora_order + b0, nb,
-                     (const char *)ll->a + md->lora_slots[c->lora_order[b0]] * n * K * es, wdt, n, K, xf,
-                     h + bi * LORA_RB * n);
+        lora_h(amx, x, K, dt, c->M, c->lora_order + b0, nb, (const char *)ll->a + s * n * K * es,
+               amx ? (const uint16_t *)ll->ap + s * pa : NULL, wdt, ll->num_slices, R, K, xf, h + bi * c->lora_hblock);
     }
 }
 
-/* y[m, lo:hi] += the LoRA rows' deltas from h (lora_shrink_step), y [M, N] in the step's dtype. */
-static void lora_expand_step(const Step *c, const LoraLinear *ll, const float *h, int64_t N, void *y, int64_t lo,
-                             int64_t hi) {
+/* y[m, lo:hi] += the LoRA rows' deltas from h (lora_shrink_step), y [M, N] in the step's dtype;
+ * K: the layer's inputs. */
+static void lora_expand_step(const Step *c, const LoraLinear *ll, const float *h, int64_t K, int64_t N, void *y,
+                             int64_t lo, int64_t hi) {
     const LlamaDecodeModel *md = c->md;
     const int wdt = (int)md->lora_dtype, dt = (int)md->dtype;
     const int64_t R = md->lora_rank, n = ll->num_slices * R, es = wdt == LD_F32 ? 4 : 2;
     const int64_t ys = dt == LD_F32 ? 4 : 2;
+    const int amx = lora_amx_take(ll->ap, ll->bp, dt, wdt, K);
+#if HAVE_AMX_BF16
+    const int64_t pb = lora_amx_b_elems(ll->num_slices, R, N);
+#else
+    const int64_t pb = 0;
+#endif
     for (int64_t bi = 0; bi < c->lora_nblocks; bi++) {
-        const int64_t b0 = c->lora_blocks[bi];
+        const int64_t b0 = c->lora_blocks[bi], s = md->lora_slots[c->lora_order[b0]];
         const int nb = (int)(c->lora_blocks[bi + 1] - b0);
-        char *yt[LORA_RB] = {0};
+        char *yt[LORA_RB_MAX] = {0};
         for (int r = 0; r < nb; r++) yt[r] = (char *)y + c->lora_order[b0 + r] * N * ys;
-        lora_block_expand(h + bi * LORA_RB * n, nb,
-                          (const char *)ll->bt + md->lora_slots[c->lora_order[b0]] * n * N * es, wdt, ll->num_slices,
-                          R, ll->ranges, N, lo, hi, yt, dt);
+        lora_expand(amx, h + bi * c->lora_hblock, nb, (const char *)ll->bt + s * n * N * es,
+                    amx ? (const uint16_t *)ll->bp + s * pb : NULL, wdt, ll->num_slices, R, ll->ranges, N, lo, hi, yt,
+                    dt);
     }
 }
 #endif
@@ -466,8 +479,8 @@ static void lora_apply(const Step *c, const LoraLinear *ll, const void *x, int64
     } else {
         lora_shrink_step(c, ll, x, K, h, xf, 0, nb);
     }
-    lora_expand_step(c, ll, h, N, y, lo, hi);
-    if (hi2 > lo2) lora_expand_step(c, ll, h, N, y, lo2, hi2);
+    lora_expand_step(c, ll, h, K, N, y, lo, hi);
+    if (hi2 > lo2) lora_expand_step(c, ll, h, K, N, y, lo2, hi2);
 #else
     (void)c, (void)ll, (void)x, (void)K, (void)y, (void)N, (void)lo, (void)hi, (void)lo2, (void)hi2, (void)tid,
         (void)nth;
@@ -930,10 +943,13 @@ static int run_step(const LlamaDecodeModel *md, int64_t M, const int64_t *input_
         lora_order = malloc((size_t)(2 * M + 1) * sizeof(int64_t));
         int64_t m;
         c.lora_order = lora_order, c.lora_blocks = lora_order + M;
-        c.lora_nblocks = lora_plan(md->lora_slots, M, lora_order, lora_order + M, &m);
-        /* h of every block at the widest layer's n (qkv's three slices), then LORA_RB rows of x a thread */
-        c.lora_hsize = (c.lora_nblocks * LORA_RB * 3 * md->lora_rank + 15) / 16 * 16;
-        c.lora_scratch = (LORA_RB * widest + 15) / 16 * 16;
+        /* blocks of LORA_AMX_RB rows where the deltas may run on AMX tiles (either form takes them) */
+        const int rb = dt == LD_BF16 && md->lora_dtype == LD_BF16 && lora_amx_available() ? LORA_AMX_RB : LORA_RB;
+        c.lora_nblocks = lora_plan(md->lora_slots, M, rb, lora_order, lora_order + M, &m);
+        /* h of every block at the widest layer's n (qkv's three slices), then a thread's scratch */
+        c.lora_hblock = (lora_h_floats(3, md->lora_rank) + 15) / 16 * 16;
+        c.lora_hsize = c.lora_nblocks * c.lora_hblock;
+        c.lora_scratch = (lora_scratch_floats(3 * md->lora_rank, widest) + 15) / 16 * 16;
         if (c.lora_nblocks > 0)
             c.lora_buf = alloc((c.lora_hsize + nth * c.lora_scratch) * (int64_t)sizeof(float));
     }
