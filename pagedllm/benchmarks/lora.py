@@ -14,8 +14,8 @@ a Llama-layout model (q/k/v/o and gate/up/down projections), from the model's co
 --compare vllm runs vLLM's CPU build (the peers' environment, as `bench throughput --compare`
 does, through throughput.run_backend and vllm_worker.py) on the same requests with the same
 adapter folders, request i with adapter i mod N as in pagedllm's LoRA phase, in the dtype pagedllm
-ran, --rounds generate calls in one process (the fastest kept); then, for scale, vLLM without LoRA
-on the same requests."""
+ran, --rounds generate calls in one process (the fastest kept), without prefix caching as pagedllm's
+engines run here; then, for scale, vLLM without LoRA on the same requests."""
 
 from __future__ import annotations
 
@@ -79,7 +79,8 @@ def _vllm(opts: dict[str, Any], workload: str, workdir: str, dtype: str, what: s
     backend_opts = {"seed": opts["seed"], "model": opts["model"], "peers_venv": opts["peers_venv"], "engine_args": {},
                     "vllm_kv_cache_space": opts["vllm_kv_cache_space"], "timeout": opts["timeout"]}
     try:
-        r = run_backend("vllm", backend_opts, workload, workdir, dtype, extra={**extra, "rounds": opts["rounds"]})
+        r = run_backend("vllm", backend_opts, workload, workdir, dtype,
+                        extra={**extra, "rounds": opts["rounds"], "enable_prefix_caching": False})
     except BackendUnavailable as exc:
         print(f"vLLM {what}: not run: {exc}", flush=True)
         return {"error": str(exc)}
@@ -119,7 +120,8 @@ def run_lora(opts: dict[str, Any]) -> dict[str, Any]:
     # phases would reuse different shares of the blocks earlier rounds left in each engine's cache).
     engine = {"dtype": opts["dtype"], "kv_cache_memory": opts["kv_cache_memory"], "enable_prefix_caching": False}
     report: dict[str, Any] = {"benchmark": "lora", "meta": run_metadata(), "model": model or "default",
-                              "num_adapters": n, "rank": rank, "dtype": opts["dtype"], "num_prompts": len(reqs)}
+                              "num_adapters": n, "rank": rank, "dtype": opts["dtype"], "num_prompts": len(reqs),
+                              "prefix_caching": False}
     with tempfile.TemporaryDirectory(prefix="pagedllm-lora-") as tmp:
         paths = [write_random_adapter(hf_config, Path(tmp) / f"a{i}", rank, i) for i in range(n + 1)]
         # Both engines stay loaded and the phases alternate, round after round (best of each

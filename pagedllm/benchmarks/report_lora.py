@@ -21,7 +21,8 @@ INTRO = """## LoRA adapters
 adapter rows; both engines stay loaded and the phases alternate round after round (the best of
 each kept). With `--compare vllm`, vLLM's CPU build runs the same requests with the same adapter
 folders mixed the same way, in the dtype pagedllm ran, the same number of rounds in one process
-(the fastest kept), then without LoRA on the same requests. docs/lora.md says how the deltas run.
+(the fastest kept), then without LoRA on the same requests. Every engine runs without prefix
+caching (each round computes every prompt); a run that had it on says so under its table. docs/lora.md says how the deltas run.
 """
 
 
@@ -57,6 +58,9 @@ def _file_section(name: str, r: dict[str, Any]) -> str:
         out.append(f" On a server with {h['streams']} streams running, `POST /v1/load_lora_adapter` took "
                    f"{h['load_ms_median']:.0f} ms (median, {h['load_ms_max']:.0f} ms at most, {len(h['load_ms'])} "
                    f"loads); the first request with a new adapter {statistics.median(h['first_request_ms']):.0f} ms.")
+    if "prefix_caching" not in r:
+        out.append("\n\nRun with prefix caching on: later rounds reused prompt blocks of earlier ones, in different "
+                   "shares per engine and phase.")
     out.append("\n")
     if r.get("note"):
         out.append(f"\n{r['note']}\n")

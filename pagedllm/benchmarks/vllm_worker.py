@@ -4,7 +4,8 @@ Standalone on purpose: it imports only the standard library and vllm, since page
 installed in the peers' virtual environment. usage: vllm_worker.py SPEC.json
 The spec names the Hugging Face model folder, the workload JSON and where to write the result;
 with "lora" ({"paths": [...], "max_lora_rank": R}) request i runs with adapter i mod N (PEFT
-folders, N = max_loras), and "rounds" repeats the generate call (the fastest kept).
+folders, N = max_loras), "rounds" repeats the generate call (the fastest kept), and
+"enable_prefix_caching" (where given) sets vLLM's prefix caching.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ def run(spec: dict) -> dict:
             kwargs["max_model_len"] = spec["max_model_len"]
         if lora:
             kwargs.update(enable_lora=True, max_loras=len(lora["paths"]), max_lora_rank=lora["max_lora_rank"])
+        if spec.get("enable_prefix_caching") is not None:
+            kwargs["enable_prefix_caching"] = spec["enable_prefix_caching"]
         return LLM(**kwargs)
 
     lora = spec.get("lora")

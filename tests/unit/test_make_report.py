@@ -147,6 +147,10 @@ def test_lora_section_shows_each_phase_against_the_base_model(tmp_path):
     assert "the front end's check 16 ms, the worker's read and layout 21 ms" in text
     assert "pagedllm bench lora --rounds 2" in text
     assert "vLLM" not in text.split("### `amx_lora.json`")[1]
+    assert "Run with prefix caching on" in text  # a result from before the benchmark turned it off
+    (tmp_path / "no-prefix").mkdir()
+    text = _render(tmp_path / "no-prefix", "amx_lora.json", dict(data, prefix_caching=False))
+    assert "Run with prefix caching on" not in text.split("### `amx_lora.json`")[1]
 
 
 def test_lora_section_shows_vllm_with_the_same_adapters(tmp_path):
