@@ -97,6 +97,23 @@ static inline int64_t lora_h_floats(int64_t num_slices, int64_t R) {
     return v > t ? v : t;
 }
 
+/* Before and after a thread's blocks of a layer on the tiles (lora_amx_begin, _tile_release);
+ * nothing where !amx. */
+static inline void lora_tiles_begin(int amx, int64_t R) {
+#if HAVE_AMX_BF16
+    if (amx) lora_amx_begin(R);
+#else
+    (void)amx, (void)R;
+#endif
+}
+static inline void lora_tiles_end(int amx) {
+#if HAVE_AMX_BF16
+    if (amx) _tile_release();
+#else
+    (void)amx;
+#endif
+}
+
 /* h of a block of nb <= LORA_RB_MAX rows of one slot (rows: their indices in x, T rows ldx
  * apart): on the tiles where amx (lora_amx_take; ap: the slot's packed A, h then bf16), else
  * LORA_RB rows at a time by the ISA form (as: the slot's A, h [nb][n] float32). */
@@ -187,6 +204,7 @@ int lora_sgmv(const void *x, int64_t ldx, int x_dt, int64_t T, const int32_t *sl
                 failed = 1;
             } else {
                 float *h = xf + sf;
+                lora_tiles_begin(amx, R);
 #pragma omp for schedule(static)
                 for (int64_t bi = 0; bi < nblocks; bi++) {
                     const int64_t b0 = blocks[bi];
@@ -200,6 +218,7 @@ int lora_sgmv(const void *x, int64_t ldx, int x_dt, int64_t T, const int32_t *sl
                                 amx ? (const uint16_t *)bp + s * pb : NULL, w_dt, num_slices, R, ranges, N, 0, N, yt,
                                 y_dt);
                 }
+                lora_tiles_end(amx);
                 free(xf);
             }
         }
@@ -207,6 +226,7 @@ int lora_sgmv(const void *x, int64_t ldx, int x_dt, int64_t T, const int32_t *sl
         return failed ? 2 : 0;
     }
 #endif
+    (void)ap, (void)bp; /* the vector and scalar forms read the row-major copies */
 #pragma omp parallel if (T >= 16) reduction(| : failed)
     {
         float *xf = (float *)malloc((size_t)(K + n) * sizeof(float));

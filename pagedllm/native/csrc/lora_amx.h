@@ -14,7 +14,8 @@
  * torch form's bf16 GEMM rounds its h); the expand multiplies those bf16 h by B^T on the tiles,
  * one tile product per column and kk ranks, and adds the float32 sum to y rounded once (lora_add16).
  * Every entry is the same sequence of tile products whatever rows or columns share its tiles, so
- * a row's delta is the same bits in any block, in any call and over any split of the columns. */
+ * a row's delta is the same bits in any block, in any call and over any split of the columns.
+ * The block functions run on the tiles lora_amx_begin loads (the caller's, once for its blocks). */
 #define LORA_AMX_RB 16 /* rows of one slot handled together on the tiles */
 
 /* Ranks per tile product of the expand (16 or 32) and R padded to a multiple of it. */
@@ -32,11 +33,14 @@ static inline int lora_amx_take(const void *ap, const void *bp, int x_dt, int w_
     return ap != NULL && bp != NULL && x_dt == 1 && w_dt == 1 && K % 32 == 0 && amx_permitted();
 }
 
-/* tmm0-3: [16 rows, 16 outputs] float32 sums; tmm4: 16 rows of kk bf16 (the rows of x: kk = 32;
- * h: the expand's kk); tmm5-6: kk / 2 lines of 16 pairs (A's or B^T's packed blocks). */
-static inline void lora_amx_configure(int64_t kk) {
-    const uint8_t h = (uint8_t)(kk / 2), rows[8] = {16, 16, 16, 16, 16, h, h, 0};
-    const uint16_t colsb[8] = {64, 64, 64, 64, (uint16_t)(kk * 2), 64, 64, 0};
+/* Loads the tiles both block functions use, for adapters of rank R, on the calling thread (which
+ * calls _tile_release after its last block): tmm0-3: [16 rows, 16 outputs] float32 sums; tmm4-5:
+ * the shrink's 16 rows of 32 bf16 of x and 16 lines of 16 pairs of A; tmm6-7: the expand's 16 rows
+ * of kk bf16 of h and kk / 2 lines of 16 pairs of B^T. */
+static inline void lora_amx_begin(int64_t R) {
+    const int64_t kk = lora_amx_kk(R);
+    const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, (uint8_t)(kk / 2)};
+    const uint16_t colsb[8] = {64, 64, 64, 64, 64, 64, (uint16_t)(kk * 2), 64};
     amx_configure_tiles(rows, colsb);
 }
 
@@ -64,7 +68,6 @@ static void lora_amx_block_h(const uint16_t *x, int64_t ldx, int64_t T, const in
     } else {
         for (int r = 0; r < nb; r++) memcpy(xs + r * K, x + rows[r] * ldx, (size_t)K * 2);
     }
-    lora_amx_configure(32);
     for (int64_t ob0 = 0; ob0 < OB; ob0 += 4) {
         const int64_t nob = OB - ob0 < 4 ? OB - ob0 : 4;
         _tile_zero(0);
@@ -78,16 +81,16 @@ static void lora_amx_block_h(const uint16_t *x, int64_t ldx, int64_t T, const in
             _tile_loadd(5, ak, 64);
             _tile_dpbf16ps(0, 4, 5);
             if (nob > 1) {
-                _tile_loadd(6, ak + 512, 64);
-                _tile_dpbf16ps(1, 4, 6);
+                _tile_loadd(5, ak + 512, 64);
+                _tile_dpbf16ps(1, 4, 5);
             }
             if (nob > 2) {
                 _tile_loadd(5, ak + 1024, 64);
                 _tile_dpbf16ps(2, 4, 5);
             }
             if (nob > 3) {
-                _tile_loadd(6, ak + 1536, 64);
-                _tile_dpbf16ps(3, 4, 6);
+                _tile_loadd(5, ak + 1536, 64);
+                _tile_dpbf16ps(3, 4, 5);
             }
         }
         const int64_t hs = OB * 64; /* bytes between rows of hf [16][OB * 16] */
@@ -96,7 +99,6 @@ static void lora_amx_block_h(const uint16_t *x, int64_t ldx, int64_t T, const in
         if (nob > 2) _tile_stored(2, hf + (ob0 + 2) * 16, hs);
         if (nob > 3) _tile_stored(3, hf + (ob0 + 3) * 16, hs);
     }
-    _tile_release();
     for (int r = 0; r < LORA_AMX_RB; r++)
         for (int64_t i = 0; i < num_slices; i++) {
             uint16_t *hr = hb + (r * num_slices + i) * RP;
@@ -114,7 +116,6 @@ static void lora_amx_block_expand(const uint16_t *hb, int nb, const uint16_t *bp
     const int64_t kk = lora_amx_kk(R), RP = lora_amx_rp(R), RC = RP / kk, NB = (N + 15) / 16;
     const int64_t hstride = num_slices * RP * 2;
     float c[4][256] __attribute__((aligned(64)));
-    lora_amx_configure(kk);
     for (int64_t i = 0; i < num_slices; i++) {
         const int64_t a = ranges[2 * i] > lo ? ranges[2 * i] : lo, b = ranges[2 * i + 1] < hi ? ranges[2 * i + 1] : hi;
         if (a >= b) continue;
@@ -129,20 +130,20 @@ static void lora_amx_block_expand(const uint16_t *hb, int nb, const uint16_t *bp
             for (int64_t rc = 0; rc < RC; rc++) {
                 const uint16_t *b0 = bi + (cb0 * RC + rc) * kk * 16, *bs = b0;
                 const int64_t step = RC * kk * 16; /* elements from one column block to the next */
-                _tile_loadd(4, hi_ + rc * kk, hstride);
-                _tile_loadd(5, bs, 64);
-                _tile_dpbf16ps(0, 4, 5);
+                _tile_loadd(6, hi_ + rc * kk, hstride);
+                _tile_loadd(7, bs, 64);
+                _tile_dpbf16ps(0, 6, 7);
                 if (ncb > 1) {
-                    _tile_loadd(6, bs + step, 64);
-                    _tile_dpbf16ps(1, 4, 6);
+                    _tile_loadd(7, bs + step, 64);
+                    _tile_dpbf16ps(1, 6, 7);
                 }
                 if (ncb > 2) {
-                    _tile_loadd(5, bs + 2 * step, 64);
-                    _tile_dpbf16ps(2, 4, 5);
+                    _tile_loadd(7, bs + 2 * step, 64);
+                    _tile_dpbf16ps(2, 6, 7);
                 }
                 if (ncb > 3) {
-                    _tile_loadd(6, bs + 3 * step, 64);
-                    _tile_dpbf16ps(3, 4, 6);
+                    _tile_loadd(7, bs + 3 * step, 64);
+                    _tile_dpbf16ps(3, 6, 7);
                 }
             }
             _tile_stored(0, c[0], 64);
@@ -157,5 +158,4 @@ static void lora_amx_block_expand(const uint16_t *hb, int nb, const uint16_t *bp
             }
         }
     }
-    _tile_release();
 }
