@@ -172,12 +172,14 @@ def flash_supported(q: torch.Tensor, kv_cache: torch.Tensor, query_len: int, seq
 
 
 def flash_prefill(q: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor, query_start: int,
-                  query_len: int, seq_len: int, scale: float, sliding_window: int = 0) -> torch.Tensor | None:
+                  query_len: int, seq_len: int, scale: float, sliding_window: int = 0,
+                  out: torch.Tensor | None = None) -> torch.Tensor | None:
     """Attention of one prompt chunk (queries q[query_start : query_start + query_len], at positions
     seq_len - query_len ..) over keys 0 .. seq_len - 1 of the paged cache, read through `blocks`
     ([ceil(seq_len / block_size)] int64 block ids), causal, within `sliding_window` when > 0.
     q: [T, H, D] and kv_cache: [2, num_blocks, block_size, KVH, D], both bf16 or both float32.
-    -> [query_len, H * D] in q's dtype, or None where the kernel could not allocate its buffers."""
+    -> [query_len, H * D] in q's dtype (written into `out`, contiguous rows of the step's output,
+    when given), or None where the kernel could not allocate its buffers."""
     fn = flash_function(q.dtype)
     if fn is None or kv_cache.dtype != q.dtype:
         raise RuntimeError(f"the native flash kernel does not run {q.dtype} over a {kv_cache.dtype} cache here")
@@ -186,7 +188,11 @@ def flash_prefill(q: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor,
         q = q.contiguous()  # rows of one token must be contiguous; tokens may sit in wider rows
     _, _, bs, kvh, _ = kv_cache.shape
     blocks = blocks.to(torch.int64).contiguous()
-    out = torch.empty(query_len, H * D, dtype=q.dtype)
+    if out is None:
+        out = torch.empty(query_len, H * D, dtype=q.dtype)
+    elif out.shape != (query_len, H * D) or out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError(f"flash_prefill: out must be a contiguous [{query_len}, {H * D}] {q.dtype} tensor, "
+                         f"got {tuple(out.shape)} {out.dtype}")
     rc = fn(
         q.data_ptr(),  # q
         query_start,  # q_start

@@ -73,10 +73,11 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scal
 
 def dense_attention(
     q: torch.Tensor, kv_cache: torch.Tensor, d: DenseAttention, scale: float, k_scale: float, v_scale: float,
-    sliding_window: int = 0,
+    sliding_window: int = 0, out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One long chunk: gather its context once, then fused flash attention (GEMM-shaped tiles).
-    -> [query_len, H * D].
+    -> [query_len, H * D]; the native kernel writes it into `out` (the chunk's rows of the step's
+    output) when given, the torch path copies it there.
 
     bf16 queries over a bf16 cache, and float32 over float32, take the native flash kernel instead
     (flash_attention.c: AMX tiles or vdpbf16ps, or float32 FMAs on float32 or widened bf16, for Q K^T and P V,
@@ -85,10 +86,11 @@ def dense_attention(
     > 0 limits each query to that many keys ending at its own position.
     """
     if flash_supported(q, kv_cache, d.query_len, d.seq_len, sliding_window):
-        out = flash_prefill(q, kv_cache, d.blocks, d.query_start, d.query_len, d.seq_len, scale, sliding_window)
-        if out is not None:  # None: the kernel found no memory for its buffers
-            return out
-    return dense_attention_sdpa(q, kv_cache, d, scale, k_scale, v_scale, sliding_window)
+        o = flash_prefill(q, kv_cache, d.blocks, d.query_start, d.query_len, d.seq_len, scale, sliding_window, out)
+        if o is not None:  # None: the kernel found no memory for its buffers
+            return o
+    o = dense_attention_sdpa(q, kv_cache, d, scale, k_scale, v_scale, sliding_window)
+    return o if out is None else out.copy_(o)
 
 
 def window_mask(query_len: int, seq_len: int, sliding_window: int) -> torch.Tensor:
@@ -155,8 +157,8 @@ def paged_attention(
             md.sliding_window, k_scale, v_scale,
         )
         for d in md.dense:
-            out[d.query_start : d.query_start + d.query_len] = dense_attention(q, kv_cache, d, scale, k_scale, v_scale,
-                                                                                   md.sliding_window)
+            dense_attention(q, kv_cache, d, scale, k_scale, v_scale, md.sliding_window,
+                            out[d.query_start : d.query_start + d.query_len])
         return out
     T, H, D = q.shape
     kvh = k.shape[1]

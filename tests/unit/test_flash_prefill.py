@@ -173,6 +173,16 @@ def test_dense_attention_takes_flash_for_fp32_and_agrees_with_torch_flash():
         flash_prefill(q, kv.to(torch.float16), blocks, 0, n, seq_len, D**-0.5)
     # Buffers that cannot be allocated (K/V tiles of 2^42 keys): no result rather than a partial one.
     assert flash_prefill(q, kv, blocks, 0, 1, 2**42, D**-0.5) is None
+    # Written into the chunk's rows of a step's output, in place, with the same numbers; the torch
+    # path (a chunk the kernel does not take) copies its result there.
+    step_out = torch.full((n + 5, H * D), 7.0)
+    assert dense_attention(q, kv, d, D**-0.5, 1.0, 1.0, out=step_out[5:]).data_ptr() == step_out[5:].data_ptr()
+    assert torch.equal(step_out[5:], ours) and torch.equal(step_out[:5], torch.full((5, H * D), 7.0))
+    step_out.fill_(7.0)
+    dense_attention(q, kv, d, D**-0.5, 1.0, 1.0, sliding_window=0, out=step_out[:n])
+    assert torch.equal(step_out[:n], ours)
+    with pytest.raises(ValueError, match="contiguous"):
+        flash_prefill(q, kv, blocks, 0, n, seq_len, D**-0.5, out=torch.empty(n, H * D + 1))
 
 
 def test_the_avx2_form_leaves_the_largest_chunks_to_torch_flash(monkeypatch):

@@ -128,3 +128,39 @@ def test_float32_kernels_against_the_torch_formulas(rows):
     for out, ref in zip((*rope(pos, q, k), *rope(pos, q.contiguous(), k.contiguous())),
                         [rope._rotate(t.contiguous(), cos, sin) for t in (q, k)] * 2):
         assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rows_split_over_the_team_equal_one_thread(dtype):
+    """A prompt step's rows (256 x 576 here, above the kernels' split bound of 2^14 elements) go
+    to the team's threads; every row is computed as on one thread, so the results are the same
+    to the bit at any thread count."""
+    if dtype == torch.bfloat16 and not hasattr(load_elementwise_kernel(), "rms_norm_bf16"):
+        pytest.skip("the bf16 kernels need AVX-512")
+    from pagedllm.layers.native_elementwise import rope_bf16
+    from pagedllm.layers.rotary import RotaryEmbedding
+    from types import SimpleNamespace
+
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(256, 576, generator=g) * 3).to(dtype)
+    a = torch.randn(256, 576, generator=g).to(dtype)
+    w = (torch.rand(576, generator=g) + 0.5).to(dtype)
+    gu = (torch.randn(256, 2 * 1536, generator=g) * 4).to(dtype)
+    rope = RotaryEmbedding(SimpleNamespace(rope_theta=10000.0), 64, 512, dtype)
+    qk = torch.randn(256, 9 * 64 + 2 * 3 * 64, generator=g).to(dtype)[:, : 12 * 64]  # strided q|k rows
+    pos = torch.randint(0, 512, (256,), generator=g)
+
+    def run():
+        return (*rms_norm_bf16(x, w, 1e-5, a), rms_norm_bf16(x, w, 1e-5)[1], silu_mul_bf16(gu),
+                rope_bf16(qk, pos, rope.cos, rope.sin, 64))
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run()
+        torch.set_num_threads(2)
+        team = run()
+    finally:
+        torch.set_num_threads(threads)
+    for o, t in zip(one, team):
+        assert torch.equal(o, t)

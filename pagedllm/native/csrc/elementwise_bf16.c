@@ -23,7 +23,12 @@
 
 #include "bf16.h"
 
-#define ELEMENTWISE_PARALLEL_MIN (1 << 18)
+/* Elements (T x row length) from which an entry point splits its rows over the team. A prompt step's
+ * rows pay for it from a few dozen rows on: at 256 rows of 576 (SmolLM2-135M) on two cores the
+ * residual add + RMSNorm takes 34 us split against 65 us on one thread, RoPE of q and k 32 against
+ * 56 us (bf16); the team's threads spin at the barrier between a step's calls, so waking it costs a
+ * microsecond or two. The old bound, 1 << 18, kept those calls on one thread. */
+#define ELEMENTWISE_PARALLEL_MIN (1 << 14)
 
 #if defined(__AVX512F__)
 #include "elementwise_avx512.h"
