@@ -423,14 +423,13 @@ static void lora_shrink_step(const Step *c, const LoraLinear *ll, const void *x,
 #else
     const int64_t pa = 0;
 #endif
-    lora_tiles_begin(amx && b_lo < b_hi, R);
     for (int64_t bi = b_lo; bi < b_hi; bi++) {
         const int64_t b0 = c->lora_blocks[bi], s = md->lora_slots[c->lora_order[b0]];
         const int nb = (int)(c->lora_blocks[bi + 1] - b0);
         lora_h(amx, x, K, dt, c->M, c->lora_order + b0, nb, (const char *)ll->a + s * n * K * es,
                amx ? (const uint16_t *)ll->ap + s * pa : NULL, wdt, ll->num_slices, R, K, xf, h + bi * c->lora_hblock);
     }
-    lora_tiles_end(amx && b_lo < b_hi);
+    lora_tiles_end(amx);
 }
 
 /* y[m, lo:hi] += the LoRA rows' deltas from h (lora_shrink_step), y [M, N] in the step's dtype;
@@ -447,7 +446,6 @@ static void lora_expand_step(const Step *c, const LoraLinear *ll, const float *h
 #else
     const int64_t pb = 0;
 #endif
-    lora_tiles_begin(amx && lo < hi, R);
     for (int64_t bi = 0; bi < c->lora_nblocks; bi++) {
         const int64_t b0 = c->lora_blocks[bi], s = md->lora_slots[c->lora_order[b0]];
         const int nb = (int)(c->lora_blocks[bi + 1] - b0);
@@ -457,7 +455,7 @@ static void lora_expand_step(const Step *c, const LoraLinear *ll, const float *h
                     amx ? (const uint16_t *)ll->bp + s * pb : NULL, wdt, ll->num_slices, R, ll->ranges, N, lo, hi, yt,
                     dt);
     }
-    lora_tiles_end(amx && lo < hi);
+    lora_tiles_end(amx);
 }
 #endif
 

@@ -97,18 +97,10 @@ static inline int64_t lora_h_floats(int64_t num_slices, int64_t R) {
     return v > t ? v : t;
 }
 
-/* Before and after a thread's blocks of a layer on the tiles (lora_amx_begin, _tile_release);
- * nothing where !amx. */
-static inline void lora_tiles_begin(int amx, int64_t R) {
-#if HAVE_AMX_BF16
-    if (amx) lora_amx_begin(R);
-#else
-    (void)amx, (void)R;
-#endif
-}
+/* After a thread's blocks of a layer: releases the tiles where they ran on them (lora_amx_done). */
 static inline void lora_tiles_end(int amx) {
 #if HAVE_AMX_BF16
-    if (amx) _tile_release();
+    if (amx) lora_amx_done();
 #else
     (void)amx;
 #endif
@@ -204,7 +196,6 @@ int lora_sgmv(const void *x, int64_t ldx, int x_dt, int64_t T, const int32_t *sl
                 failed = 1;
             } else {
                 float *h = xf + sf;
-                lora_tiles_begin(amx, R);
 #pragma omp for schedule(static)
                 for (int64_t bi = 0; bi < nblocks; bi++) {
                     const int64_t b0 = blocks[bi];

@@ -15,7 +15,8 @@
  * one tile product per column and kk ranks, and adds the float32 sum to y rounded once (lora_add16).
  * Every entry is the same sequence of tile products whatever rows or columns share its tiles, so
  * a row's delta is the same bits in any block, in any call and over any split of the columns.
- * The block functions run on the tiles lora_amx_begin loads (the caller's, once for its blocks). */
+ * The block functions load the tiles for their rows (lora_amx_rows); the caller releases them
+ * after its blocks (lora_amx_done). */
 #define LORA_AMX_RB 16 /* rows of one slot handled together on the tiles */
 
 /* Ranks per tile product of the expand (16 or 32) and R padded to a multiple of it. */
@@ -33,15 +34,28 @@ static inline int lora_amx_take(const void *ap, const void *bp, int x_dt, int w_
     return ap != NULL && bp != NULL && x_dt == 1 && w_dt == 1 && K % 32 == 0 && amx_permitted();
 }
 
-/* Loads the tiles both block functions use, for adapters of rank R, on the calling thread (which
- * calls _tile_release after its last block): tmm0-3: [16 rows, 16 outputs] float32 sums; tmm4-5:
- * the shrink's 16 rows of 32 bf16 of x and 16 lines of 16 pairs of A; tmm6-7: the expand's 16 rows
- * of kk bf16 of h and kk / 2 lines of 16 pairs of B^T. */
-static inline void lora_amx_begin(int64_t R) {
-    const int64_t kk = lora_amx_kk(R);
-    const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, (uint8_t)(kk / 2)};
-    const uint16_t colsb[8] = {64, 64, 64, 64, 64, 64, (uint16_t)(kk * 2), 64};
-    amx_configure_tiles(rows, colsb);
+/* The tiles both block functions use, for adapters of rank R and blocks of m rows (8 or 16):
+ * tmm0-3: [m rows, 16 outputs] float32 sums; tmm4-5: the shrink's m rows of 32 bf16 of x and 16
+ * lines of 16 pairs of A; tmm6-7: the expand's m rows of kk bf16 of h and kk / 2 lines of 16 pairs
+ * of B^T. lora_amx_rows loads them where the calling thread has them loaded for other rows (or
+ * none: lora_amx_m 0), lora_amx_done releases them after a thread's blocks. A tile product's
+ * entries do not depend on how many rows the tiles hold. */
+static __thread int lora_amx_m;
+static inline int lora_amx_rows(int64_t R, int nb) {
+    const int m = nb <= 8 ? 8 : 16;
+    if (m != lora_amx_m) {
+        const int64_t kk = lora_amx_kk(R);
+        const uint8_t rows[8] = {(uint8_t)m, (uint8_t)m, (uint8_t)m, (uint8_t)m, (uint8_t)m, 16, (uint8_t)m,
+                                 (uint8_t)(kk / 2)};
+        const uint16_t colsb[8] = {64, 64, 64, 64, 64, 64, (uint16_t)(kk * 2), 64};
+        amx_configure_tiles(rows, colsb);
+        lora_amx_m = m;
+    }
+    return m;
+}
+static inline void lora_amx_done(void) {
+    if (lora_amx_m) _tile_release();
+    lora_amx_m = 0;
 }
 
 /* Floats of scratch lora_amx_block_h needs: 16 rows of K bf16, then 16 rows of n float32 sums. */
@@ -59,7 +73,8 @@ static void lora_amx_block_h(const uint16_t *x, int64_t ldx, int64_t T, const in
     const int64_t n = num_slices * R, OB = (n + 15) / 16, KC = K / 32, RP = lora_amx_rp(R);
     uint16_t *xs = (uint16_t *)scratch;
     float *hf = scratch + 8 * K;
-    int inplace = rows[0] + LORA_AMX_RB <= T;
+    const int m = lora_amx_rows(R, nb);
+    int inplace = rows[0] + m <= T;
     for (int r = 1; r < nb && inplace; r++) inplace = rows[r] == rows[0] + r;
     const uint16_t *xb = xs;
     int64_t xstride = K * 2;
@@ -99,7 +114,7 @@ static void lora_amx_block_h(const uint16_t *x, int64_t ldx, int64_t T, const in
         if (nob > 2) _tile_stored(2, hf + (ob0 + 2) * 16, hs);
         if (nob > 3) _tile_stored(3, hf + (ob0 + 3) * 16, hs);
     }
-    for (int r = 0; r < LORA_AMX_RB; r++)
+    for (int r = 0; r < m; r++)
         for (int64_t i = 0; i < num_slices; i++) {
             uint16_t *hr = hb + (r * num_slices + i) * RP;
             const float *fr = hf + r * OB * 16 + i * R;
@@ -115,6 +130,7 @@ static void lora_amx_block_expand(const uint16_t *hb, int nb, const uint16_t *bp
                                   int y_dt) {
     const int64_t kk = lora_amx_kk(R), RP = lora_amx_rp(R), RC = RP / kk, NB = (N + 15) / 16;
     const int64_t hstride = num_slices * RP * 2;
+    lora_amx_rows(R, nb);
     float c[4][256] __attribute__((aligned(64)));
     for (int64_t i = 0; i < num_slices; i++) {
         const int64_t a = ranges[2 * i] > lo ? ranges[2 * i] : lo, b = ranges[2 * i + 1] < hi ? ranges[2 * i + 1] : hi;
