@@ -16,6 +16,7 @@ Measured against torch's kernels in benchmarks/bench_quant_kernels.py (docs/quan
 
 from __future__ import annotations
 
+import sys
 from functools import lru_cache
 
 import torch
@@ -153,6 +154,16 @@ def small_m_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, z
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
+@lru_cache(maxsize=1)
+def w8a8_rows() -> int:
+    """Most rows of x :func:`w8a8_small_m_linear` takes: every number where its kernel runs on AMX
+    tiles (AMX-INT8, from 5 rows; linear_quant_amx.h): its products beat ``torch._int_mm`` (oneDNN's
+    gemm_api, VNNI without AMX) on SmolLM2's layers up to 2048 rows, but for the 576 x 1536 down
+    projection from 512 rows, where the two are within 10% (docs/quantization.md); else SMALL_M."""
+    lib = load_quant_kernel()
+    return sys.maxsize if lib is not None and lib.w8a8_amx_rows() > 0 else SMALL_M
+
+
 def _w8a8_rows(x: torch.Tensor, k: int) -> torch.Tensor:
     """x's rows [M, K] as the w8a8 kernels read them: float32 and bfloat16 as they are, float16 as
     float32 (exact), contiguous."""
@@ -162,15 +173,15 @@ def _w8a8_rows(x: torch.Tensor, k: int) -> torch.Tensor:
 
 def w8a8_small_m_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, wsum: torch.Tensor
                         ) -> torch.Tensor | None:
-    """w8a8's x [..., K] @ (codes * scales)^T through the kernel when x has at most SMALL_M rows (else
-    None), equal to :func:`pagedllm.quantization.kernels.int8_dynamic_linear` to the bit: each row of x
+    """w8a8's x [..., K] @ (codes * scales)^T through the kernel when x has at most :func:`w8a8_rows`
+    rows (else None), equal to :func:`pagedllm.quantization.kernels.int8_dynamic_linear` to the bit: each row of x
     quantized to int8 with one scale (the same formula and rounding), exact int32 sums, then the
     same two fp32 products. ``codes`` int8 [N, K] row-major, ``scales`` float32 [N], ``wsum`` int32 [N]
     (the codes' row sums). float32 and bfloat16 x go in as they are; float16 as float32 (exact), the
     result rounded back, as the torch path does."""
     k = codes.shape[1]
     m = x.numel() // k
-    if m > SMALL_M:
+    if m > w8a8_rows():
         return None
     xk = _w8a8_rows(x, k)
     n = codes.shape[0]

@@ -12,7 +12,10 @@ this sets the kernel's threading threshold.
 shape) through the native kernel on the row-major codes, through the torch path (per-token
 quantization + ``torch._int_mm``), and the int8 method's tiled kernel; 256 tokens through the torch
 path on the transposed copy [K, N] and on the transpose view of the row-major codes, and the cost
-of re-laying the codes out once (a transposed copy), which a single layout would pay per call.
+of re-laying the codes out once (a transposed copy), which a single layout would pay per call;
+then per number of rows (1 to 64, 30 distinct weights) the w8a8 call as dispatched (AMX tiles
+from w8a8_amx_rows() rows where the CPU has AMX-INT8), its vpdpbusd form, and the batch path
+(``torch._int_mm`` between the kernel's passes).
 Run: flock /tmp/pagedllm-bench.lock pagedllm bench kernels quant [--decode-pass | --w8a8]
 """
 
@@ -152,6 +155,28 @@ def w8a8(reps: int = 15) -> None:
         }
         print(f"{name} {n}x{k}: 1 token: " + ", ".join(f"{a} {t * 1e6:.1f} us" for a, t in one.items())
               + "; 256 tokens: " + ", ".join(f"{a} {t * 1e6:.0f} us" for a, t in batch.items()), flush=True)
+        print(f"{name} {n}x{k} rows: " + "; ".join(_w8a8_forms(layers, per_layer, k)), flush=True)
+
+
+def _w8a8_forms(layers, per_layer, k: int) -> list[str]:
+    """Per number of rows (30 distinct weights): w8a8_linear as dispatched (AMX tiles from
+    w8a8_amx_rows() rows where there are any), its vpdpbusd form, and the batch path
+    (native.w8a8_batch_linear: torch._int_mm between the kernel's passes)."""
+    lib = native.load_quant_kernel()
+    amx = lib.w8a8_amx_rows()
+    out = []
+    for m in (1, 2, 4, 8, 16, 32, 64):
+        x = torch.randn(m, k).bfloat16()
+        call = per_layer(lambda q, s, ws, t: native.w8a8_small_m_linear(x, q, s, ws)
+                         if m <= native.w8a8_rows() else native.w8a8_batch_linear(x, q, s))
+        lib.w8a8_amx_from(1 << 62)
+        vnni = per_layer(lambda q, s, ws, t: native.w8a8_small_m_linear(x, q, s, ws)) \
+            if m <= native.w8a8_rows() else float("nan")
+        lib.w8a8_amx_from(amx)
+        batch = per_layer(lambda q, s, ws, t: native.w8a8_batch_linear(x, q, s))
+        form = "tiles" if amx and m >= amx else "vpdpbusd" if m <= native.w8a8_rows() else "batch"
+        out.append(f"{m}: {call * 1e6:.1f} us ({form}), vpdpbusd {vnni * 1e6:.1f}, _int_mm {batch * 1e6:.1f}")
+    return out
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:

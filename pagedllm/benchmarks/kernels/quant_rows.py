@@ -5,7 +5,8 @@ and the float32 GEMM on the float weight. Sets native.SMALL_M / E4M3_ROWS (docs:
 
     pagedllm bench kernels quant-rows [--threads 2] [--rows 16,32,64,128,256]
 
-Prints one line per (shape, rows): "bits:kernel_ms/batch_ms" for each kind, and the float32 GEMM.
+Prints one line per (shape, rows): "bits:kernel_ms/batch_ms" for each kind, and the float32 GEMM;
+where w8a8_linear runs on AMX tiles, also "w8a8-vnni:ms", the same call in its vpdpbusd form.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     lib = native.load_quant_kernel()
     if lib is None:
         raise SystemExit("the native quantized kernel does not run on this CPU")
+    amx = lib.w8a8_amx_rows()  # rows from which w8a8_linear takes AMX tiles (0: never)
     kernels = {4: lib.int4_linear_bf16, 8: lib.int8_linear_bf16, 3: lib.e4m3_linear_bf16}
     for n, k in ((3072, 576), (576, 1536)):  # SmolLM2's gate_up and down projections
         w = torch.randn(n, k) * 0.05
@@ -57,9 +59,16 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                                                  y.data_ptr(), 1, 1))
                 batch = _ms(lambda: torch.nn.functional.linear(x, native.dequantize(c, s, z, bits, n, torch.float32)))
                 row.append(f"{bits}:{kern:.2f}/{batch:.2f}")
-            kern = _ms(lambda: lib.w8a8_linear(x.data_ptr(), m, codes8.data_ptr(), s8.data_ptr(), wsum.data_ptr(), n, k,
-                                               y.data_ptr(), 1))
-            row.append(f"w8a8:{kern:.2f}/{_ms(lambda: native.w8a8_batch_linear(x, codes8, s8)):.2f}")
+
+            def w8a8() -> int:
+                return lib.w8a8_linear(x.data_ptr(), m, codes8.data_ptr(), s8.data_ptr(), wsum.data_ptr(), n, k,
+                                       y.data_ptr(), 1)
+
+            row.append(f"w8a8:{_ms(w8a8):.3f}/{_ms(lambda: native.w8a8_batch_linear(x, codes8, s8)):.3f}")
+            if amx:  # the same call in the vpdpbusd form
+                lib.w8a8_amx_from(1 << 62)
+                row.append(f"w8a8-vnni:{_ms(w8a8):.3f}")
+                lib.w8a8_amx_from(amx)
             row.append(f"fp32:{_ms(lambda: torch.nn.functional.linear(x, w)):.2f}")
             print(*row, flush=True)
 

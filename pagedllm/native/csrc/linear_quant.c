@@ -32,7 +32,8 @@
  *
  * w8a8 (w8a8_linear) keeps its int8 codes row-major, [N, K], the matrix torch._int_mm reads for
  * batches (as its transpose, a view), with one fp32 scale per output row, and quantizes each row
- * of x to int8 with one scale per row, as the torch path does; see there.
+ * of x to int8 with one scale per row, as the torch path does; see there. On CPUs with AMX-INT8 it
+ * runs on AMX tiles from 5 rows (TDPBSSD on the same codes, linear_quant_amx.h), the same bits.
  *
  * CPUs with AVX2 and FMA but not AVX-512 BF16 run the same layouts and the same arithmetic in 8-lane
  * vectors (LQ_AVX2, linear_quant_avx2.h): each tile as two halves of 8 output rows (bytes 0-31 and 32-63 of each
@@ -101,8 +102,13 @@ typedef struct {
 
 #if defined(LQ_AVX512)
 #include "linear_quant_avx512.h"
+#include "amx.h"
+#include "linear_quant_amx.h"
 #elif defined(LQ_AVX2)
 #include "linear_quant_avx2.h"
+#endif
+#ifndef HAVE_AMX_INT8
+#define HAVE_AMX_INT8 0
 #endif
 
 #ifdef LQ_HAVE_KERNELS
@@ -243,6 +249,9 @@ int int8_linear_bf16(const uint16_t *x, int64_t M, const uint8_t *codes, const u
 int w8a8_linear(const void *x, int64_t M, const int8_t *codes, const float *scales, const int32_t *wsum,
                 int64_t N, int64_t K, void *y, int f32) {
     if (M < 1 || K < 1) return 1;
+#if HAVE_AMX_INT8
+    if (M >= w8a8_amx_from_rows && amx_permitted()) return w8a8_linear_amx(x, M, codes, scales, N, K, y, f32);
+#endif
     const int64_t KP = (K + 63) / 64 * 64, es = f32 ? 4 : 2;
     uint8_t *xq = (uint8_t *)aligned_alloc(64, (size_t)(M * KP));
     float *d = (float *)malloc(sizeof(float) * M);
@@ -262,6 +271,29 @@ int w8a8_linear(const void *x, int64_t M, const int8_t *codes, const float *scal
     return 0;
 }
 
+/* Rows of x from which w8a8_linear runs on AMX tiles now (W8A8_AMX_MIN_ROWS unless w8a8_amx_from set
+ * another); 0 where it never does (a build without AMX-INT8, or an OS that does not lend this process
+ * the tile registers). */
+int64_t w8a8_amx_rows(void) {
+#if HAVE_AMX_INT8
+    return amx_permitted() ? w8a8_amx_from_rows : 0;
+#else
+    return 0;
+#endif
+}
+
+/* w8a8_linear calls of `rows` rows of x or more run on AMX tiles from now on (rows <= 0:
+ * W8A8_AMX_MIN_ROWS, the default), fewer in the vpdpbusd form (the same bits either way; tests and
+ * benchmarks compare the two). This library's setting, for every later call. Returns w8a8_amx_rows(). */
+int64_t w8a8_amx_from(int64_t rows) {
+#if HAVE_AMX_INT8
+    w8a8_amx_from_rows = rows > 0 ? rows : W8A8_AMX_MIN_ROWS;
+#else
+    (void)rows;
+#endif
+    return w8a8_amx_rows();
+}
+
 /*
  * w8a8 batches (more rows than the kernel above takes) run torch._int_mm (oneDNN's int8 GEMM) between
  * these two passes, so that the torch formula's dozen elementwise ops around it (kernels.int8_dynamic_linear)
@@ -271,9 +303,11 @@ int w8a8_linear(const void *x, int64_t M, const int8_t *codes, const float *scal
  *   w8a8_scale_rows:    acc [M, N] int32 to y [M, N] = (float(acc) * d[m]) * scales[n], each product
  *                       rounded to fp32 as torch rounds it, stored in fp32 or rounded to bf16.
  */
-int w8a8_quantize_rows(const void *x, int64_t M, int64_t K, int f32, int8_t *xq, float *d) {
-    if (M < 1 || K < 1) return 1;
-    const int64_t es = f32 ? 4 : 2, KP = (K + 63) / 64 * 64;
+/* Each row of x [M, K] (bf16 or fp32) quantized by w8a8_quantize_row, d[m] its scale, stored as signed
+ * int8: rows of K bytes at xq, or, with xp (AMX-INT8 builds), TDPBSSD's packed second operand
+ * (linear_quant_amx.h), zero rows up to a multiple of 16. 2 where a row's scratch cannot be had. */
+static int w8a8_quantize_each(const void *x, int64_t M, int64_t K, int f32, float *d, int8_t *xq, int32_t *xp) {
+    const int64_t es = f32 ? 4 : 2, KP = (K + 63) / 64 * 64, rows = xp != NULL ? (M + 15) / 16 * 16 : M;
     int bad = 0;
 #pragma omp parallel if (M * K >= (1 << 17))
     {
@@ -283,14 +317,28 @@ int w8a8_quantize_rows(const void *x, int64_t M, int64_t K, int f32, int8_t *xq,
             bad = 1;
         }
 #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) {
+        for (int64_t m = 0; m < rows; m++) {
             if (row == NULL) continue;
-            d[m] = w8a8_quantize_row((const char *)x + m * K * es, f32, K, KP, row);
+            if (m < M)
+                d[m] = w8a8_quantize_row((const char *)x + m * K * es, f32, K, KP, row);
+            else
+                memset(row, 128, (size_t)KP); /* q = 0 */
+#if HAVE_AMX_INT8
+            if (xp != NULL) {
+                w8a8_row_to_tiles(row, KP / 64, xp + m / 16 * (KP / 64) * 256 + m % 16);
+                continue;
+            }
+#endif
             w8a8_row_to_signed(row, xq + m * K, K);
         }
         free(row);
     }
     return bad ? 2 : 0;
+}
+
+int w8a8_quantize_rows(const void *x, int64_t M, int64_t K, int f32, int8_t *xq, float *d) {
+    if (M < 1 || K < 1) return 1;
+    return w8a8_quantize_each(x, M, K, f32, d, xq, NULL);
 }
 
 int w8a8_scale_rows(const int32_t *acc, int64_t M, int64_t N, const float *d, const float *scales, void *y, int f32) {

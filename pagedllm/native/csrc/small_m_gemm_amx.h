@@ -43,48 +43,11 @@ static void amx_pack_x(const uint16_t *x, int64_t M, int64_t K, uint32_t *xp) {
 }
 
 /* 16 W rows x 32 K columns times 16 x rows into accumulators: the k-loop of one output block of up
- * to 2 x 2 tiles (two_n: a second 16 W rows at w1; two_m: a second 16 x rows at b1). */
+ * to 2 x 2 tiles (two_n: a second 16 W rows at w1; two_m: a second 16 x rows at b1; amx.h). */
 static inline __attribute__((always_inline)) void amx_block(const uint16_t *w0, const uint16_t *w1, int64_t ws,
                                                            const uint32_t *b0, const uint32_t *b1, int64_t KC,
                                                            int two_n, int two_m) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    if (two_n && two_m) {
-        for (int64_t kc = 0; kc < KC; kc++) {
-            _tile_loadd(4, w0 + kc * 32, ws);
-            _tile_loadd(5, w1 + kc * 32, ws);
-            _tile_loadd(6, b0 + kc * 256, 64);
-            _tile_loadd(7, b1 + kc * 256, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-        }
-    } else if (two_n) {
-        for (int64_t kc = 0; kc < KC; kc++) {
-            _tile_loadd(4, w0 + kc * 32, ws);
-            _tile_loadd(5, w1 + kc * 32, ws);
-            _tile_loadd(6, b0 + kc * 256, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(2, 5, 6);
-        }
-    } else if (two_m) {
-        for (int64_t kc = 0; kc < KC; kc++) {
-            _tile_loadd(4, w0 + kc * 32, ws);
-            _tile_loadd(6, b0 + kc * 256, 64);
-            _tile_loadd(7, b1 + kc * 256, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-        }
-    } else {
-        for (int64_t kc = 0; kc < KC; kc++) {
-            _tile_loadd(4, w0 + kc * 32, ws);
-            _tile_loadd(6, b0 + kc * 256, 64);
-            _tile_dpbf16ps(0, 4, 6);
-        }
-    }
+    amx_tile_block(0, w0, ws, w1, ws, b0, b1, KC, two_n, two_m);
 }
 
 /* y[m0 .. m0 + mr - 1][n0 .. n0 + nr - 1] from a [16 W rows, 16 x rows] float32 tile c, the bias
