@@ -79,18 +79,27 @@ class LLM(PoolingAPI):
         messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Applies the model's chat template to each conversation and generates its reply."""
+        """Applies the model's chat template to each conversation and generates its reply (vLLM's
+        argument order): `lora_request` one adapter for all or one per conversation, `tools` (JSON
+        schemas of functions) and `chat_template_kwargs` (e.g. `enable_thinking`) passed to the
+        template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.get_tokenizer()
+        extra = dict(chat_template_kwargs or {})
+        if tools is not None:
+            extra["tools"] = tools
         prompts: list[PromptType] = []
         for conv in conversations:
-            text = tok.apply_chat_template(conv, add_generation_prompt, chat_template, continue_final_message)
+            text = tok.apply_chat_template(conv, add_generation_prompt, chat_template, continue_final_message, **extra)
             prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     @staticmethod
     def _final_only(params: SamplingParams) -> SamplingParams:

@@ -135,6 +135,19 @@ def test_chat_answers_paris(llm: LLM) -> None:
     assert "Paris" in out.outputs[0].text, out.outputs[0].text
 
 
+def test_chat_passes_tools_and_template_kwargs(llm: LLM) -> None:
+    """tools and chat_template_kwargs reach the template as transformers renders them."""
+    template = ("{% for t in tools %}[{{ t['function']['name'] }}]{% endfor %}<{{ flavor }}>"
+                "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    (out,) = llm.chat(msgs, SamplingParams(temperature=0.0, max_tokens=2), False, None, template,
+                      tools=tools, chat_template_kwargs={"flavor": "dry"})
+    hf = llm.get_tokenizer().hf.apply_chat_template(msgs, tokenize=False, chat_template=template, tools=tools,
+                                                    flavor="dry", add_generation_prompt=True)
+    assert out.prompt == hf == "[get_weather]<dry>Weather in Paris?"
+
+
 # ---- batch and chunked-prefill invariance ---------------------------------------------------
 
 

@@ -1,9 +1,10 @@
 """Speculative decoding in bfloat16 on a CPU with AMX: greedy outputs are the same token for token
 as without speculation, for n-gram, suffix and an int4 self-draft. There a bf16 GEMM of one row runs
 in the AVX-512 BF16 form and from two rows on AMX tiles, which sum in another order; a speculating
-engine puts single rows on the tiles too (layers/native_linear.amx_one_row), so that the single row
-of a step without proposals gives the bits its verification rows give. The chat questions and
-lengths are those on which the two forms parted (at the 30th to 68th token) before."""
+engine runs a step of one request's last token and its proposals in the AVX-512 form
+(worker/spec_decode.alone_rows, layers/native_linear.amx_rows_from), so that each of its rows gives
+the bits it gives alone. The chat questions and lengths are those on which the two forms parted (at
+the 30th to 68th token) before."""
 
 from __future__ import annotations
 
