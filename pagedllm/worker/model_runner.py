@@ -44,7 +44,7 @@ from pagedllm.worker.input_batch import BatchArrays, InputBatch, token_rows
 from pagedllm.worker.kv_memory import KVMemory
 from pagedllm.worker.model_load import build_model
 from pagedllm.worker.native_decode import NativeDecode
-from pagedllm.worker.spec_decode import SpecRows, alone_rows, split_spec_rows, verify_step
+from pagedllm.worker.spec_decode import SpecRows, alone_rows, split_spec_rows, verifies_only, verify_step
 from pagedllm.worker.pooler import Pooler
 from pagedllm.worker.sample import (
     Sampler,
@@ -130,14 +130,14 @@ class ModelRunner:
         # How the input batch lays out attention work for this backend (fixed once it is chosen):
         # with the native CPU kernel, prompt chunks past dense_thresholds attend densely (the
         # native bf16 or fp32 flash kernel, or torch's flash attention for long chunks).
-        dense_tokens, dense_pairs = (dense_thresholds(self.dtype, self.kv_dtype, model_config.head_dim)
-                                     if self.attn_backend.native is not None else (0, 0))
+        native = self.attn_backend.native is not None
+        dense_tokens, dense_pairs = dense_thresholds(self.dtype, self.kv_dtype, model_config.head_dim) if native else (0, 0)
         self.batch_options: dict[str, Any] = {
-            "build_groups": self.attn_backend.needs_groups,
-            "query_tile": self.attn_backend.query_tile,
-            "dense_min_tokens": dense_tokens,
-            "dense_min_pairs": dense_pairs,
+            "build_groups": self.attn_backend.needs_groups, "query_tile": self.attn_backend.query_tile,
+            "dense_min_tokens": dense_tokens, "dense_min_pairs": dense_pairs,
         }
+        # Steps of decodes and verifications only (spec_decode.verifies_only): native work items of one token.
+        self.token_options = {**self.batch_options, "query_tile": 1} if native else self.batch_options
         # The forward paths, built once the model is loaded (see _build_paths).
         self.paths: ForwardPaths | None = None
         self.pooler = Pooler(None)  # pooling requests' hidden states (worker/pooler.py)
@@ -362,14 +362,14 @@ class ModelRunner:
         if so.spec_token_ids:  # proposals follow the last token, as known tokens for this step's layout
             for rid, proposals in so.spec_token_ids.items():
                 self.input_batch.extend_tokens(self.input_batch.req_index[rid], proposals)
-        batch = self.input_batch.prepare(rows, counts, self.model_config.sliding_window, **self.batch_options)
+        tokens = verifies_only(so)  # each token attends alone, in the decode form, as without proposals
+        batch = self.input_batch.prepare(rows, counts, self.model_config.sliding_window,
+                                         **(self.token_options if tokens else self.batch_options))
         lora = self.lora is not None and self.lora.prepare(req_ids, batch.query_start_loc)
         step = PreparedStep(so, req_ids, rows, counts, batch, lora=lora,
                             lora_slots=self.lora.step.token_slots if lora else None)
-        if so.spec_token_ids and self._native_decode is not None and not lora and not batch.kv_groups:
-            spec = so.spec_token_ids  # decodes and verifications only: the native step takes each token as a row
-            if all(n == 1 + len(spec.get(rid, ())) for rid, n in so.num_scheduled_tokens.items()):
-                step.token_rows = token_rows(batch)
+        if tokens and self._native_decode is not None and not lora and not batch.kv_groups:
+            step.token_rows = token_rows(batch)  # the native step takes each token as a row
         return step
 
     def _drop_proposals(self, so: SchedulerOutput) -> None:

@@ -80,6 +80,18 @@ def alone_rows(so: SchedulerOutput) -> int:
     return n + 1 if n == 1 + len(so.spec_token_ids.get(rid, ())) else 0
 
 
+def verifies_only(so: SchedulerOutput) -> bool:
+    """Whether the step verifies proposals and holds nothing else: every request runs its last token
+    and its proposals (if any). Then every token attends over the cache alone, as a decode of its
+    own (one token a work item of the native attention kernel, or a row of the fused decode step:
+    input_batch.token_rows), in the form and order of sums that token takes decoded without
+    proposals; a tile of several query tokens sums its scores in another order (the kernel's
+    transposed tiles, paged_attention.c), which parts greedy outputs from speculation off in
+    bfloat16."""
+    spec = so.spec_token_ids
+    return bool(spec) and all(n == 1 + len(spec.get(rid, ())) for rid, n in so.num_scheduled_tokens.items())
+
+
 def split_spec_rows(spec: dict[str, list[int]], req_ids: list[str], rows: np.ndarray, sample_req: np.ndarray,
                     sample_rows: np.ndarray) -> tuple[SpecRows | None, np.ndarray]:
     """The speculating requests among the step's sampling ones, and the mask of the others."""

@@ -98,6 +98,33 @@ def test_work_items_split_queries_into_tiles():
     assert b.work.tolist() == [[0, 0, 1], [1, 0, 8], [1, 8, 8], [1, 16, 3], [2, 0, 2]]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_token_items_give_each_token_the_bits_it_decodes_alone(dtype):
+    """A verification step's work items of one token each (query_tile 1: model_runner.token_options)
+    give every token of the 5 the bits of that token decoded alone, with the keys up to its own
+    position; 5 tokens x 3 query heads per KV head (SmolLM2's heads) in one item would take the
+    transposed tiles, whose sums part from the decode form's in some of these cases."""
+    from pagedllm.attention.cpu_kernel import paged_attention_native
+
+    native = load_kernel()
+    if native is None:
+        pytest.skip("no C compiler for the native kernel")
+    ctx, n, heads, kv_heads, hd, bs = 100, 5, 9, 3, 64, 16
+    for seed in range(4):
+        g, t = torch.Generator().manual_seed(seed), torch.from_numpy
+        blocks = torch.randperm(NUM_BLOCKS, generator=g)[: -(-(ctx + n) // bs)].tolist()
+        b = build_batch([RequestState("r", list(range(ctx + n)), ctx + n, blocks, ctx, None)], [n], bs, query_tile=1)
+        assert b.work.tolist() == [[0, i, 1] for i in range(n)]
+        kv = torch.randn(2, NUM_BLOCKS, bs, kv_heads, hd, generator=g).to(dtype)
+        q = torch.randn(n, heads, hd, generator=g).to(dtype)
+        bt = t(b.block_tables)
+        out = paged_attention_native(native, q, kv, bt, t(b.query_start_loc), t(b.seq_lens), t(b.work), hd**-0.5, 0)
+        for i in range(n):
+            alone = paged_attention_native(native, q[i : i + 1], kv, bt, torch.tensor([0, 1]),
+                                           torch.tensor([ctx + i + 1]), torch.tensor([[0, 0, 1]]), hd**-0.5, 0)
+            assert torch.equal(out[i : i + 1], alone), (seed, i)
+
+
 # Tolerances of the low-precision caches, against dense float32 attention on the values the cache
 # actually holds (so they bound the kernel's arithmetic, not the rounding of the cache): the
 # kernel accumulates in float32, and only q's rounding to the query dtype (bf16: 8 mantissa bits,
