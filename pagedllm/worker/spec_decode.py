@@ -74,10 +74,9 @@ def alone_rows(so: SchedulerOutput) -> int:
     outputs are those of speculation off. Steps of several requests (or a prompt chunk) take the
     tiles as they do without speculation. The cost: a verification of 5 or more rows runs slower
     in that form than on the tiles (docs/speculative.md)."""
-    if len(so.num_scheduled_tokens) != 1:
+    if len(so.num_scheduled_tokens) != 1 or not verifies_only(so):
         return 0
-    ((rid, n),) = so.num_scheduled_tokens.items()
-    return n + 1 if n == 1 + len(so.spec_token_ids.get(rid, ())) else 0
+    return next(iter(so.num_scheduled_tokens.values())) + 1
 
 
 def verifies_only(so: SchedulerOutput) -> bool:
