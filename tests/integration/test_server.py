@@ -150,6 +150,24 @@ def test_chat_stream(server: Server, client: openai.OpenAI) -> None:
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
 
 
+def test_stream_sends_a_chunk_per_token_while_text_waits(client: openai.OpenAI) -> None:
+    """Tokens that add no text yet (here a lone UTF-8 lead byte, forced by logit_bias, which decodes
+    to text only once its character is complete or given up) still get one chunk per decode step, with
+    "" as their text, as vLLM's server does: a client timing first tokens sees the first token."""
+    lead = "173"  # the default tokenizer's byte token for 0xE2, a UTF-8 lead byte
+    kwargs = dict(model=MODEL, max_tokens=6, temperature=0, logit_bias={lead: 100})
+    full = client.chat.completions.create(messages=CHAT, **kwargs)
+    assert full.usage.completion_tokens == 6
+    chunks = list(client.chat.completions.create(messages=CHAT, stream=True, **kwargs))
+    deltas = [c.choices[0].delta for c in chunks[1:] if c.choices]  # chunks[0] names the role
+    assert len(deltas) == 6 and deltas[0].content == ""
+    assert "".join(d.content or "" for d in deltas) == full.choices[0].message.content
+    full = client.completions.create(prompt=PROMPTS[0], **kwargs)
+    chunks = [c for c in client.completions.create(prompt=PROMPTS[0], stream=True, **kwargs) if c.choices]
+    assert len(chunks) == 6 and chunks[0].choices[0].text == ""
+    assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
+
+
 def test_n_and_prompt_batches(client: openai.OpenAI) -> None:
     resp = client.completions.create(model=MODEL, prompt=PROMPTS[:2], n=3, max_tokens=4, temperature=1.0, seed=7,
                                      extra_body={"ignore_eos": True})

@@ -173,7 +173,7 @@ class OpenAIServingChat(OpenAIServing):
             for c in out.outputs:
                 num_tokens[c.index] += len(c.token_ids)
                 logprobs = self._logprobs(c, top) if top is not None and c.token_ids else None
-                if not c.text and logprobs is None and c.finish_reason is None:
+                if not c.text and not c.token_ids and logprobs is None and c.finish_reason is None:
                     continue
                 delta, finish_reason = self._delta(streams[c.index], c)
                 if delta == DeltaMessage() and logprobs is None and finish_reason is None:
@@ -247,8 +247,8 @@ class OpenAIServingChat(OpenAIServing):
 
     @staticmethod
     def _delta(stream: ChatReplyStream | None, c: CompletionOutput) -> tuple[DeltaMessage, str | None]:
-        if stream is None:
-            return (DeltaMessage(content=c.text) if c.text else DeltaMessage()), c.finish_reason
+        if stream is None:  # plain content: a chunk per step that made tokens, "" while they add no text
+            return (DeltaMessage(content=c.text) if c.text or c.token_ids else DeltaMessage()), c.finish_reason
         reasoning, content, calls = stream.step(c.text, c.finish_reason is not None)
         delta = DeltaMessage(content=content, reasoning_content=reasoning, reasoning=reasoning, tool_calls=calls or None)
         return delta, tool_finish_reason(c.finish_reason, stream.called)

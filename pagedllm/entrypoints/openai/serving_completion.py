@@ -275,8 +275,8 @@ class OpenAIServingCompletion(OpenAIServing):
         text, entries = prefix_text + st.text, prefix_entries + st.entries
         token_ids = st.token_ids
         st.text, st.entries, st.token_ids = "", [], []
-        if not text and not entries and not (token_ids and body.return_token_ids) and st.finish_reason is None:
-            return None
+        if not text and not entries and not token_ids and st.finish_reason is None:
+            return None  # tokens that add no text yet still get their chunk (text ""), one per step
         logprobs = _legacy_logprobs(entries, st.offset) if want_lp else None
         st.offset += sum(len(e[0]) for e in entries)
         if st.finish_reason is not None:
