@@ -6,7 +6,9 @@ whole step: schedule, forward, sample, update, detokenize) and computes the same
 simulated worker computes, from the same SchedulerOutputs (a SimWorker shadows the real one).
 Time is the engine process's CPU time on one thread (torch and OpenMP), not wall time: the
 machine this runs on is shared, and wall-clock step times of the same work varied 6x between
-runs minutes apart, while CPU time of a single thread stays with the work done.
+runs minutes apart, while CPU time of a single thread stays with the work done. With more than
+one thread (`Setup.threads`, as a server runs on a multi-core host) CPU time counts every thread's
+work and spin, so the clock is wall time instead, and the machine must be otherwise quiet.
 A non-negative least-squares fit of step time on [1, tokens, prefill pairs, decode context,
 sequences, sampled rows, 1 if the step computes prompt tokens] gives the profile's rates.
 """
@@ -33,6 +35,24 @@ FIT_TERMS = ("step_s", "per_token_s", "per_prefill_pair_s", "per_decode_context_
              "prompt_step_s")
 
 
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What every real run of a calibration shares: the engine's dtype and its threads."""
+
+    dtype: str = "float32"
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"calibration dtype must be float32, bfloat16 or float16, not {self.dtype!r}")
+        if self.threads < 1:
+            raise ValueError(f"calibration threads must be at least 1, not {self.threads}")
+
+    def clock(self) -> float:
+        """Seconds on the run's clock: CPU time on one thread, wall time on several."""
+        return time.process_time() if self.threads == 1 else time.perf_counter()
+
+
 @dataclasses.dataclass
 class RealRun:
     requests: list[RequestTimes]
@@ -42,16 +62,17 @@ class RealRun:
     num_kv_blocks: int
 
 
-def run_real(model: str | None, engine_kwargs: dict[str, Any], trace: list[TraceRequest], seed: int = 0) -> RealRun:
-    """Replays a trace through the real engine on one thread; returns per-request times and steps,
-    in the engine's CPU seconds (see the module docstring)."""
+def run_real(model: str | None, engine_kwargs: dict[str, Any], trace: list[TraceRequest], seed: int = 0,
+             setup: Setup = Setup()) -> RealRun:
+    """Replays a trace through the real engine (`setup`'s threads and dtype); returns per-request
+    times and steps, on `setup`'s clock (see the module docstring)."""
     import torch
 
     from pagedllm.llm import LLM
     from pagedllm.sampling_params import SamplingParams
 
-    torch.set_num_threads(1)
-    llm = LLM(model, **engine_kwargs)
+    torch.set_num_threads(setup.threads)
+    llm = LLM(model, **{**engine_kwargs, "dtype": setup.dtype})
     eng = llm.llm_engine
     vocab = eng.model_config.vocab_size
     # Warm-up (first-call costs), then forget its prefix blocks.
@@ -76,8 +97,8 @@ def run_real(model: str | None, engine_kwargs: dict[str, Any], trace: list[Trace
     prompts = [prompt_token_ids(r, i, vocab, seed) for i, r in enumerate(trace)]
     steps: list[tuple[list[float], float]] = []
     i, n = 0, len(trace)
-    # The engine's clock: its own CPU seconds (one thread). Arrivals are replayed on this clock,
-    # so a run does not depend on what else the shared machine runs meanwhile.
+    # The engine's clock: its own CPU seconds on one thread (wall seconds on several). Arrivals are
+    # replayed on this clock, so a one-thread run does not depend on what else the machine runs.
     clock = 0.0
     wall0 = time.perf_counter()
     while i < n or eng.has_unfinished_requests():
@@ -89,9 +110,9 @@ def run_real(model: str | None, engine_kwargs: dict[str, Any], trace: list[Trace
         if not eng.has_unfinished_requests():
             clock = trace[i].arrival_s  # idle until the next arrival
             continue
-        c0 = time.process_time()
+        c0 = setup.clock()
         outputs = eng.step()
-        dt = time.process_time() - c0
+        dt = setup.clock() - c0
         clock += dt
         so = captured.pop()
         _, feats = shadow.execute_model(so)
@@ -104,7 +125,7 @@ def run_real(model: str | None, engine_kwargs: dict[str, Any], trace: list[Trace
             if out.finished:
                 rt.finish_s = clock
     elapsed = clock
-    logger.info("real run: %.1f engine CPU seconds in %.1f s wall", clock, time.perf_counter() - wall0)
+    logger.info("real run: %.1f engine clock seconds in %.1f s wall", clock, time.perf_counter() - wall0)
     eng.scheduler.schedule = original_schedule  # type: ignore[method-assign]
     preempt = {k: v - base_preempt.get(k, 0) for k, v in eng.scheduler.num_preemptions_by_mode.items()}
     return RealRun(times, elapsed, steps, preempt, eng.num_blocks)
@@ -172,51 +193,53 @@ def _calibration_workloads(quick: bool) -> list[tuple[dict[str, Any], list[Trace
         tr = dict(tr)
         if quick:
             tr["num_requests"] = max(2, tr["num_requests"] // 2)
-        out.append(({"block_size": 16, "num_kv_blocks": 512, "dtype": "float32", "preemption_mode": "swap",
+        out.append(({"block_size": 16, "num_kv_blocks": 512, "preemption_mode": "swap",
                      "swap_space": 0.25, **kw},
                     synthetic_trace(rate=math.inf, seed=100 + j, **tr)))
     return out
 
 
-def calibration_steps(model: str | None, quick: bool = False) -> list[tuple[list[float], float]]:
+def calibration_steps(model: str | None, quick: bool = False,
+                      setup: Setup = Setup()) -> list[tuple[list[float], float]]:
     """(regressors, measured seconds) of every step of the calibration workloads."""
     steps: list[tuple[list[float], float]] = []
     for kw, trace in _calibration_workloads(quick):
-        steps += run_real(model, kw, trace).steps
+        steps += run_real(model, kw, trace, setup=setup).steps
     return steps
 
 
-def measure_swap_bw(model: str | None) -> float:
+def measure_swap_bw(model: str | None, setup: Setup = Setup()) -> float:
     """Bytes/s of the engine's own block moves out to the host pool and back."""
     from pagedllm.llm import LLM
 
-    llm = LLM(model, num_kv_blocks=64, preemption_mode="swap", swap_space=0.05, dtype="float32")
+    llm = LLM(model, num_kv_blocks=64, preemption_mode="swap", swap_space=0.05, dtype=setup.dtype)
     return llm.llm_engine.executor.measure_preemption_rates()[1]
 
 
 def profile_from_steps(model: str | None, steps: list[tuple[list[float], float]],
-                       swap_bw: float) -> tuple[HardwareProfile, dict[str, Any]]:
+                       swap_bw: float, setup: Setup = Setup()) -> tuple[HardwareProfile, dict[str, Any]]:
     import os
     import platform
 
     import psutil
 
-    sim_model = model_from_checkpoint(model, "float32")
+    sim_model = model_from_checkpoint(model, setup.dtype)
     name = f"cpu-{platform.node() or 'host'}-{psutil.cpu_count()}cores"
     profile, fit = fit_profile(sim_model, [r for r, _ in steps], [s for _, s in steps], swap_bw,
                                psutil.virtual_memory().total, name)
-    source = {**profile.source, "swap_copy_bytes_per_s": swap_bw, "load_average": list(os.getloadavg())}
+    source = {**profile.source, "swap_copy_bytes_per_s": swap_bw, "load_average": list(os.getloadavg()),
+              "dtype": setup.dtype, "threads": setup.threads}
     return dataclasses.replace(profile, source=source), fit
 
 
-def calibrate(model: str | None, quick: bool = False) -> tuple[HardwareProfile, dict[str, Any]]:
-    return profile_from_steps(model, calibration_steps(model, quick), measure_swap_bw(model))
+def calibrate(model: str | None, quick: bool = False, setup: Setup = Setup()) -> tuple[HardwareProfile, dict[str, Any]]:
+    return profile_from_steps(model, calibration_steps(model, quick, setup), measure_swap_bw(model, setup), setup)
 
 
 # ---- validation -------------------------------------------------------------------------------
 VALIDATION_BASE = {"block_size": 16, "max_num_batched_tokens": 2048, "scheduling_policy": "fcfs",
                    "preemption_mode": "recompute", "enable_prefix_caching": True, "num_kv_blocks": 512,
-                   "dtype": "float32", "swap_space": 0.25}
+                   "swap_space": 0.25}  # the dtype is the calibration's (Setup)
 VALIDATION_CONFIGS = [
     ("base (budget 2048, fcfs, bs16, prefix on)", {}),
     ("budget 64", {"max_num_batched_tokens": 64}),
@@ -254,7 +277,7 @@ def simulate_like(engine_kwargs: dict[str, Any], profile: HardwareProfile, sim_m
     return run_one(ea, sim_model, profile, trace, 1, 1, True, 2.0, 0.1)
 
 
-def real_validation_runs(model: str | None, quick: bool = False) -> list[dict[str, Any]]:
+def real_validation_runs(model: str | None, quick: bool = False, setup: Setup = Setup()) -> list[dict[str, Any]]:
     """Every validation configuration and the held-out workload through the real engine, offline
     and at a Poisson rate."""
     from pagedllm.simulator.report import summarize
@@ -267,8 +290,8 @@ def real_validation_runs(model: str | None, quick: bool = False) -> list[dict[st
                      trace, True))
     runs = []
     for name, mode, kwargs, trace, held_out in plan:
-        run = run_real(model, kwargs, trace)
-        runs.append({"name": name, "mode": mode, "engine_args": kwargs, "trace": trace, "run": run,
+        run = run_real(model, kwargs, trace, setup=setup)
+        runs.append({"name": name, "mode": mode, "engine_args": {**kwargs, "dtype": setup.dtype}, "trace": trace, "run": run,
                      "held_out": held_out, "summary": summarize(run.requests, run.elapsed_s, 2.0, 0.1)})
         logger.info("real %s %s: %.1f s", name, mode, run.elapsed_s)
     return runs
@@ -283,15 +306,15 @@ def fitted_steps(calibration: list[tuple[list[float], float]], runs: list[dict[s
 
 
 def validate(model: str | None, runs: list[dict[str, Any]], calibration: list[tuple[list[float], float]],
-             swap_bw: float) -> list[dict[str, Any]]:
+             swap_bw: float, setup: Setup = Setup()) -> list[dict[str, Any]]:
     """Simulator vs real engine per run. Each run is simulated with a profile fitted on the steps
     of the calibration workloads and of every *other* run (leave one out), never its own; the
     held-out runs' steps are in no fit."""
-    sim_model = model_from_checkpoint(model, "float32")
+    sim_model = model_from_checkpoint(model, setup.dtype)
     keys = ("elapsed_s", "output_tok_s", "mean_ttft_s", "p99_ttft_s", "mean_tpot_s")
     rows = []
     for i, r in enumerate(runs):
-        profile, _ = profile_from_steps(model, fitted_steps(calibration, runs, i), swap_bw)
+        profile, _ = profile_from_steps(model, fitted_steps(calibration, runs, i), swap_bw, setup)
         sim = simulate_like(r["engine_args"], profile, sim_model, r["trace"], r["run"].num_kv_blocks)
         real = r["summary"]
         row = {

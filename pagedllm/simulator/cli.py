@@ -77,6 +77,11 @@ def add_simulate_parser(sub: Any) -> None:
     c.add_argument("--validate", default=None, metavar="JSON",
                    help="then run the validation configurations (real engine vs simulator) and write them here")
     c.add_argument("--quick", action="store_true", help="smaller calibration and validation workloads")
+    c.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="the real engine's dtype in every run (the simulated model's KV and weights follow it)")
+    c.add_argument("--threads", type=int, default=1,
+                   help="the engine's threads; 1 times steps in CPU seconds (robust on a shared machine), more "
+                        "in wall seconds (as a server runs them; the machine must be otherwise quiet)")
     c.set_defaults(func=cmd_calibrate)
 
 
@@ -222,6 +227,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     both see the same machine load; the profile is fitted on every step measured but the held-out
     workload's."""
     from pagedllm.simulator.calibrate import (
+        Setup,
         calibration_steps,
         fitted_steps,
         measure_swap_bw,
@@ -232,13 +238,18 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     from pagedllm.benchmarks.env import run_metadata
 
-    # One thread everywhere, set before torch loads: step times are then the engine's CPU time.
-    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        setup = Setup(args.dtype, args.threads)
+    except ValueError as e:
+        print(f"pagedllm simulate calibrate: {e}", file=sys.stderr)
+        return 2
+    # The threads, set before torch loads: on one thread step times are the engine's CPU time.
+    os.environ["OMP_NUM_THREADS"] = str(setup.threads)
     meta = run_metadata()  # machine, versions, commit (+dirty) and command line of this run
-    swap_bw = measure_swap_bw(args.model)
-    steps = calibration_steps(args.model, quick=args.quick)
-    runs = real_validation_runs(args.model, quick=args.quick) if args.validate else []
-    profile, fit = profile_from_steps(args.model, fitted_steps(steps, runs), swap_bw)
+    swap_bw = measure_swap_bw(args.model, setup)
+    steps = calibration_steps(args.model, quick=args.quick, setup=setup)
+    runs = real_validation_runs(args.model, quick=args.quick, setup=setup) if args.validate else []
+    profile, fit = profile_from_steps(args.model, fitted_steps(steps, runs), swap_bw, setup)
     meta["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     profile = dataclasses.replace(profile, source={**profile.source, "run": meta})
     profile.save(args.output)
@@ -246,7 +257,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
           f"{100 * fit['mean_abs_rel_err']:.1f}% per step, {100 * (fit['total_predicted_s'] / fit['total_measured_s'] - 1):+.1f}% "
           f"in total over {fit['num_steps']} steps")
     if args.validate:
-        rows = validate(args.model, runs, steps, swap_bw)
+        rows = validate(args.model, runs, steps, swap_bw, setup)
         steps_json = [{"name": r["name"], "mode": r["mode"], "held_out": r["held_out"], "steps": r["run"].steps}
                       for r in runs]
         _write_json({"meta": meta, "profile": profile.to_dict(), "fit": fit, "rows": rows, "calibration_steps": steps,
