@@ -16,7 +16,10 @@ Steps (within about 5 minutes on an H200):
    bandwidth; prefill FLOPs / matmul peak);
 4. the default model (SmolLM2-135M GGUF): greedy tokens on the GPU (bf16 and fp32) against the
    CPU fp32 run on the HF correctness prompts (tests/integration/test_correctness_hf.py), and its
-   decode tok/s.
+   decode tok/s;
+5. LoRA (gpu_check_lora.py): two adapters mixed with base rows, greedy tokens of the CUDA graphs
+   with the Triton LoRA kernels and of eager Triton equal to the eager torch loop's, and output
+   tok/s of the 1B shape with and without adapters.
 
 The dry run (no GPU needed) parses the arguments, builds both shapes on the meta device, checks
 their parameter counts against the analytic shape, and writes the JSON with every measurement
@@ -82,6 +85,7 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argpar
     p.add_argument("--agreement-tokens", type=int, default=16, help="greedy tokens per prompt")
     p.add_argument("--tests-timeout", type=int, default=150, help="seconds for pytest -m gpu")
     p.add_argument("--skip-default-model", action="store_true", help="no default-model agreement and throughput")
+    p.add_argument("--skip-lora", action="store_true", help="no LoRA agreement and throughput")
     p.add_argument("--report", default=None, metavar="JSON",
                    help="print the figures of a gpu_check JSON as markdown tables (for docs/benchmarks.md) and exit")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
@@ -353,6 +357,13 @@ def bench_default_model(args: argparse.Namespace) -> dict:
     return out
 
 
+def bench_lora(args: argparse.Namespace, tokenizer_dir: str, workdir: Path) -> dict:
+    from pagedllm.benchmarks.gpu_check_lora import lora_check
+
+    shape = "llama-1b" if args.device == "cuda" else "tiny"
+    return lora_check(llama_config("tiny", 96), llama_config(shape, 256), tokenizer_dir, workdir, args.device)
+
+
 # ---- tests, JSON, main -------------------------------------------------------------------
 def run_gpu_tests(timeout: int) -> dict:
     t0 = time.perf_counter()
@@ -467,6 +478,21 @@ def markdown_report(result: dict) -> str:
                     lines.append(f"Default model, {key} vs CPU float32 on {a['prompts']} prompts: "
                                  f"{_pct(a['exact_fraction'])} identical, {_pct(a['close_fraction'])} within the "
                                  f"top-5 rule, {_pct(a['mean_matched_prefix_fraction'])} of tokens before the first difference.")
+    lora = result.get("lora")
+    if isinstance(lora, dict):
+        lines.append("")
+        if "error" in lora:
+            lines.append(f"LoRA: failed: {lora['error']}")
+        else:
+            a, t = lora["agreement"], lora["timing"]
+            lines.append(f"LoRA, {a['prompts']} greedy requests of two adapters and none: CUDA graphs with the Triton "
+                         f"kernels {a['graphs_triton_equal_rows']}/{a['prompts']} and eager Triton "
+                         f"{a['eager_triton_equal_rows']}/{a['prompts']} equal to the eager torch loop; adapters "
+                         f"changed {a['adapter_rows_changed']}/{a['adapter_rows']} of their rows.")
+            lines.append(f"LoRA output tok/s, {t['requests']} requests x {t['max_tokens']} tokens: without "
+                         f"--enable-lora {t['base_tok_s']:.0f}; two rank-{t['rank']} adapters on graphs + Triton "
+                         f"{t['lora_graphs_triton_tok_s']:.0f}, on the eager torch loop "
+                         f"{t['lora_eager_torch_loop_tok_s']:.0f}; no adapter rows {t['lora_engine_no_adapter_rows_tok_s']:.0f}.")
     return "\n".join(lines)
 
 
@@ -491,6 +517,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         "peaks": None,
         "models": {m: None for m in models},
         "default_model": None,
+        "lora": None,
     }
     if args.dry_run:
         result.update(check_targets(result))
@@ -513,14 +540,19 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             result["models"][m] = guarded(bench_shape, m, args, result["peaks"], tokenizer_dir, Path(tmp))
             print(m, json.dumps(result["models"][m], default=float), flush=True)
             write_json(args.out, result)
+        if not args.skip_lora:
+            result["lora"] = guarded(bench_lora, args, tokenizer_dir, Path(tmp))
+            print("lora", json.dumps(result["lora"], default=float), flush=True)
     if not args.skip_default_model:
         result["default_model"] = guarded(bench_default_model, args)
     result.update(check_targets(result))
     result["seconds"] = time.perf_counter() - t_start
     print(f"wrote {write_json(args.out, result)} in {result['seconds']:.0f} s")
     tests = result["gpu_tests"]
-    failed = [k for k, v in {**result["models"], "default_model": result["default_model"]}.items()
+    failed = [k for k, v in {**result["models"], "default_model": result["default_model"], "lora": result["lora"]}.items()
               if isinstance(v, dict) and "error" in v]
+    if isinstance(result["lora"], dict) and not result["lora"].get("agreement", {}).get("passed", True):
+        failed.append("lora agreement")
     if failed:
         print(f"gpu_check: failed parts: {failed} (errors in the JSON)", file=sys.stderr)
     return 1 if failed or (tests is not None and tests.get("returncode") != 0) else 0

@@ -4,8 +4,10 @@ scale is folded into B), from the adapter's slot in the layer's preallocated sta
 
 The step's rows are grouped by slot once per step (`LoRAStep`), not per layer: where the native
 kernel applies (the CPU, float32 or bfloat16) every adapter row, decodes and prompt chunks alike,
-goes through one native call per layer for all of them (native/csrc/lora.c); elsewhere (a GPU)
-each adapter's rows take two torch GEMMs. A step without adapter rows
+goes through one native call per layer for all of them (native/csrc/lora.c); on a GPU (or with
+the Triton attention backend) through two Triton launches per layer for all of them, shrink and
+expand (lora/triton_lora.py, the rows ordered by slot: `slot_order`); elsewhere each adapter's
+rows take two torch GEMMs. A step without adapter rows
 costs every layer two attribute tests. On a row-parallel layer the delta is added to the rank's
 partial product, before the layer's all-reduce."""
 
@@ -69,10 +71,32 @@ class LoRAStep:
     failed: dict[str, str] = field(default_factory=dict)
     token_slots: np.ndarray | None = None
     """Every token row's slot (int32, -1: none), for the fused native decode step."""
+    order: torch.Tensor | None = None
+    """For the Triton kernels: the rows with an adapter ordered by slot (`slot_order`), on the
+    model's device, None when no row takes them."""
+    order_rows: int = 0
+    """With `order`: a bound on any one slot's rows (the kernels' grid)."""
 
     @property
     def active(self) -> bool:
-        return bool(self.groups) or self.slots is not None
+        return bool(self.groups) or self.slots is not None or self.order is not None
+
+
+def slot_order(token_slots: np.ndarray, num_slots: int) -> tuple[np.ndarray, int]:
+    """The Triton kernels' view of a step's rows (triton_lora.py): int32 [starts of each slot's
+    rows (num_slots + 1) | the rows with a slot, ordered by slot, in row order within one, then
+    zeros for the rows without], and the most rows any slot has."""
+    n = len(token_slots)
+    out = np.zeros(num_slots + 1 + n, dtype=np.int32)
+    counts = np.bincount(token_slots[token_slots >= 0], minlength=num_slots)
+    if len(counts) > num_slots:
+        raise ValueError(f"LoRA slot {len(counts) - 1} is past the {num_slots} slots")
+    out[0] = 0
+    np.cumsum(counts, out=out[1 : num_slots + 1])
+    order = np.argsort(token_slots, kind="stable")
+    taken = order[n - int(out[num_slots]):]
+    out[num_slots + 1 : num_slots + 1 + len(taken)] = taken
+    return out, int(counts.max()) if len(counts) else 0
 
 
 def _expand(h: torch.Tensor, bt: torch.Tensor) -> torch.Tensor:
@@ -94,10 +118,12 @@ class LoRALinearMethod:
         slices = slice_ids(layer)
         self.max_rank = max_rank
         # Each slice's output columns [first, one past the last] (block-diagonal B: the native expand's bounds).
-        self.ranges = torch.tensor([[s, s + n] for s, n in map(layer.shard_offsets, slices)], dtype=torch.int64)
         n = len(slices) * max_rank
         device = next((t.device for t in layer.buffers()), None) or next(
             (p.device for p in layer.parameters()), torch.device("cpu"))
+        # On the layer's device: the CPU kernels read it there, the Triton kernels on the GPU.
+        self.ranges = torch.tensor([[s, s + n] for s, n in map(layer.shard_offsets, slices)], dtype=torch.int64,
+                                   device=device)
         self.lora_a = torch.zeros(num_slots, n, layer.in_features, dtype=dtype, device=device)
         self.lora_bt = torch.zeros(num_slots, n, layer.out_features, dtype=dtype, device=device)  # B transposed
         # The same slots in the AMX tiles' layout, where the native kernel runs bf16 deltas on them.
@@ -130,6 +156,8 @@ class LoRALinearMethod:
         step = self.step
         if step.slots is not None:
             self._native(x, y, step.slots)
+        if step.order is not None:
+            self._triton(x, y, step.order, step.order_rows)
         for slot, rows in step.groups:
             h = dense_linear(x[rows].to(self.lora_a.dtype), self.lora_a[slot])
             d = _expand(h, self.lora_bt[slot]).to(y.dtype)
@@ -138,6 +166,13 @@ class LoRALinearMethod:
             else:
                 y.index_add_(0, rows, d)
         return y
+
+    def _triton(self, x: torch.Tensor, y: torch.Tensor, order: torch.Tensor, rows: int) -> None:
+        from pagedllm.lora.triton_lora import lora_shrink_expand
+
+        if order.device != x.device:
+            raise ValueError(f"the LoRA step's slot order is on {order.device}, the layer's input on {x.device}")
+        lora_shrink_expand(x, y, self.lora_a, self.lora_bt, self.ranges, self.max_rank, order, rows)
 
     def _native(self, x: torch.Tensor, y: torch.Tensor, slots: torch.Tensor) -> None:
         if x.stride(-1) != 1:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from pagedllm.config import LoRAConfig
-from pagedllm.lora.layers import LoRALinearMethod, LoRAStep, lora_kernel
+from pagedllm.lora.layers import LoRALinearMethod, LoRAStep, lora_kernel, slot_order
 from pagedllm.lora.layout import Piece, lay_out, lora_target_layers
 from pagedllm.lora.gguf_adapter import read_adapter
 
@@ -31,7 +31,8 @@ def lora_dtype(config: LoRAConfig, model_dtype: torch.dtype) -> torch.dtype:
 
 
 class LoRAManager:
-    def __init__(self, model: nn.Module, config: LoRAConfig, model_dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, config: LoRAConfig, model_dtype: torch.dtype, device: torch.device,
+                 triton: bool = False) -> None:
         self.model = model
         self.config = config
         self.device = device
@@ -50,8 +51,11 @@ class LoRAManager:
         self.num_loads = 0
         # The native kernel where it applies: on the CPU, model and adapters in float32 or bfloat16.
         supported = (torch.float32, torch.bfloat16)
-        self.kernel = (lora_kernel() if device.type == "cpu" and model_dtype in supported and self.dtype in supported
-                       else None)
+        # The Triton kernels (lora/triton_lora.py) on a GPU, or where the Triton attention backend
+        # runs (on the CPU: under Triton's interpreter, for tests); every dtype.
+        self.triton = triton or device.type == "cuda"
+        self.kernel = (lora_kernel() if not self.triton and device.type == "cpu" and model_dtype in supported
+                       and self.dtype in supported else None)
 
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, req_id: str, lora: Sequence | None) -> None:
@@ -128,7 +132,7 @@ class LoRAManager:
         step = self.step
         step.failed = {}
         if not rows:
-            step.groups, step.slots, step.token_slots = (), None, None
+            step.groups, step.slots, step.token_slots, step.order = (), None, None, None
             return False
         needed = set(rows)
         groups = []
@@ -150,11 +154,14 @@ class LoRAManager:
             # through its one call per layer: on a 2-core AVX-512 host, 2048 bf16 prompt rows of 8
             # adapters in spans of 32 take 0.35-0.6x the time of torch's gather, two GEMMs and
             # index_add_ per adapter (0.5-0.7x for one adapter's 2048 rows; float32 0.35-0.45x).
+            # With the Triton kernels every row goes through slot_order (below).
             if self.kernel is not None:
                 if slots is None:
                     slots = np.full(int(query_start_loc[len(req_ids)]), -1, dtype=np.int32)
                 for a, b in merged:
                     slots[a:b] = slot
+            elif self.triton:
+                continue
             elif len(merged) == 1:
                 groups.append((slot, slice(*merged[0])))
             else:
@@ -163,6 +170,10 @@ class LoRAManager:
         step.groups = tuple(groups)
         step.token_slots = token_slots
         step.slots = torch.from_numpy(slots) if slots is not None else None
+        step.order = None
+        if self.triton:
+            order, step.order_rows = slot_order(token_slots, self.config.max_loras)
+            step.order = torch.from_numpy(order).to(self.device)
         return True
 
 

@@ -9,17 +9,26 @@ graph reads its inputs from static buffers, which each step overwrites in place:
 
 A padding row writes no K/V (slot -1) and attends to nothing (sequence length 0); its stale
 token and position only feed its own discarded output row. Sampling stays outside the graph.
+
+With LoRA on the Triton kernels (lora/triton_lora.py) the graphs hold their launches too, reading
+each row's adapter from one more static buffer: the step's rows ordered by slot (lora.layers.
+slot_order), written before every replay (no rows for a step without adapters, and a padding row
+is never among them). The kernels' grid depends on the padded size only, and the adapters' slots
+are preallocated tensors that loading an adapter overwrites in place, so the graphs captured at
+start stay valid as adapters come and go.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import numpy as np
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata, ForwardContext
+from pagedllm.lora.layers import LoRAStep, slot_order
 from pagedllm.worker.input_batch import BatchArrays
 
 logger = logging.getLogger(__name__)
@@ -35,6 +44,7 @@ class CudaGraphRunner:
         num_splits: dict[int, int],
         device: torch.device,
         context: ForwardContext,
+        lora: Any = None,
     ) -> None:
         self.model = model
         self.context = context
@@ -50,6 +60,12 @@ class CudaGraphRunner:
         self.block_tables = torch.zeros(n, max_blocks_per_seq, **i64)
         self.query_start_loc = torch.arange(n + 1, **i64)
         self.work = torch.stack([torch.arange(n, **i64), torch.zeros(n, **i64), torch.ones(n, **i64)], dim=1)
+        # With `lora` (the LoRA manager, on the Triton kernels): its step reads slot_order's view of
+        # the rows from a static buffer.
+        self.lora: LoRAStep | None = lora.step if lora is not None else None
+        self.num_lora_slots = lora.config.max_loras if lora is not None else 0
+        self.lora_order = (torch.zeros(self.num_lora_slots + 1 + n, dtype=torch.int32, device=device)
+                           if lora is not None else None)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
@@ -73,6 +89,10 @@ class CudaGraphRunner:
         )
 
     def _forward(self, b: int) -> torch.Tensor:
+        lora = self.lora
+        if lora is not None:  # the kernels read the static order, over a grid for b rows
+            lora.groups, lora.slots = (), None
+            lora.order, lora.order_rows = self.lora_order[: self.num_lora_slots + 1 + b], b
         with self.context.set(self._metadata(b)):
             return self.model(self.input_ids[:b], self.positions[:b])
 
@@ -100,8 +120,9 @@ class CudaGraphRunner:
                 return b
         return None
 
-    def run(self, batch: BatchArrays) -> torch.Tensor | None:
-        """Hidden states [n, hidden] of a decode-only batch, or None when no graph fits it."""
+    def run(self, batch: BatchArrays, lora_slots: np.ndarray | None = None) -> torch.Tensor | None:
+        """Hidden states [n, hidden] of a decode-only batch, or None when no graph fits it.
+        `lora_slots`: each row's adapter slot (-1: none), for graphs captured with LoRA."""
         n = len(batch.input_ids)
         b = self.padded_size(n)
         if b is None or n != len(batch.seq_lens):
@@ -121,5 +142,14 @@ class CudaGraphRunner:
         if b > n:
             self.slot_mapping[n:b].fill_(-1)
             self.seq_lens[n:b].fill_(0)
+        if self.lora_order is not None:
+            s = self.num_lora_slots + 1
+            if lora_slots is None:
+                self.lora_order[:s].fill_(0)  # no rows for any slot
+            else:
+                order, _ = slot_order(lora_slots, self.num_lora_slots)
+                put(self.lora_order[: s + n], order)
+        elif lora_slots is not None:
+            raise ValueError("a step with LoRA rows on CUDA graphs captured without LoRA")
         self.graphs[b].replay()
         return self.outputs[b][:n]

@@ -202,7 +202,7 @@ class ModelRunner:
         if self.lora_config is not None:
             from pagedllm.lora.manager import LoRAManager
 
-            self.lora = LoRAManager(model, self.lora_config, self.dtype, self.device)
+            self.lora = LoRAManager(model, self.lora_config, self.dtype, self.device, triton=self.triton_attention)
         attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
         for layer in attn_layers:
             layer.context, layer.backend = self.forward_context, self.attn_backend
@@ -283,7 +283,7 @@ class ModelRunner:
             num_splits={b: choose_num_splits(b, mc.num_kv_heads, mc.max_model_len, sms) for b in sizes},
             device=self.device,
             context=self.forward_context,
-        )
+            lora=self.lora if self.lora is not None and self.lora.triton else None)  # its kernels captured too
         graphs.capture()
         self.cuda_graphs = graphs
 

@@ -30,6 +30,20 @@ def test_a_pipeline_rank_takes_the_pipeline_path_for_every_step() -> None:
     assert ForwardPaths(eager).select_path(None) is eager  # type: ignore[arg-type, call-arg]
 
 
+def test_lora_steps_replay_only_graphs_captured_with_the_lora_kernels() -> None:
+    from types import SimpleNamespace
+
+    from pagedllm.worker.forward.base import PreparedStep
+
+    eager = object()
+    step, lora_step = PreparedStep(None, [], None, None, None), PreparedStep(None, [], None, None, None, lora=True)
+    for captured_lora in (True, False):
+        graph = SimpleNamespace(lora=captured_lora)
+        paths = ForwardPaths(eager, cuda_graph=graph)  # type: ignore[arg-type]
+        assert paths.select_path(step) is graph  # type: ignore[arg-type]
+        assert paths.select_path(lora_step) is (graph if captured_lora else eager)  # type: ignore[arg-type]
+
+
 @pytest.fixture(scope="module")
 def llm(tiny_model_dir: str, one_torch_thread) -> LLM:
     return LLM(model=tiny_model_dir, dtype="float32", num_kv_blocks=256, block_size=16)

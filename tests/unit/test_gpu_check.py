@@ -56,7 +56,7 @@ def test_agreement_counts_exact_and_close_sequences(gpu_check) -> None:
 def test_cpu_smoke_run_of_the_whole_benchmark_path(gpu_check, tmp_path: Path, one_torch_thread) -> None:
     out = tmp_path / "smoke.json"
     argv = ["--device", "cpu", "--models", "tiny", "--batch-sizes", "1,2", "--prompt-len", "8",
-            "--decode-steps", "2", "--prefill", "2,16", "--skip-tests", "--skip-default-model", "--out", str(out)]
+            "--decode-steps", "2", "--prefill", "2,16", "--skip-tests", "--skip-default-model", "--skip-lora", "--out", str(out)]
     assert gpu_check.main(argv) == 0
     tiny = json.loads(out.read_text())["models"]["tiny"]
     assert [d["batch"] for d in tiny["decode"]] == [1, 2]

@@ -75,3 +75,18 @@ def test_rms_norm_kernel_compiles(dtype: str, residual: bool) -> None:
 def test_rope_kernel_compiles() -> None:
     ptrs = dict(src_ptr="*bf16", dst_ptr="*bf16", pos_ptr="*i64", cos_ptr="*bf16", sin_ptr="*bf16")
     compile_for_hopper(tf._rope_kernel, ptrs, dict(HEADS=9, HEADS_PAD=16, HALF=32, HALF_PAD=32))
+
+
+@pytest.mark.parametrize("act,w,block_m,split", [("*bf16", "*bf16", 16, 8), ("*fp32", "*fp32", 64, 1),
+                                                 ("*fp16", "*fp16", 32, 2), ("*bf16", "*fp32", 16, 8),
+                                                 ("*fp32", "*bf16", 64, 1)])
+def test_lora_kernels_compile(act: str, w: str, block_m: int, split: int) -> None:
+    from pagedllm.lora import triton_lora as tl_
+
+    ieee = w == "*fp32"
+    shrink = dict(x_ptr=act, a_ptr=w, h_ptr="*fp32", meta_ptr="*i32")
+    compile_for_hopper(tl_._shrink_kernel, shrink, dict(NUM_SLOTS=4, SPLIT=split, BLOCK_M=block_m, BLOCK_N=64,
+                                                        BLOCK_K=tl_.BLOCK_K, IEEE=ieee))
+    expand = dict(h_ptr="*fp32", bt_ptr=w, y_ptr=act, meta_ptr="*i32", ranges_ptr="*i64")
+    compile_for_hopper(tl_._expand_kernel, expand, dict(NUM_SLOTS=4, SPLIT=split, NUM_SLICES=3, R_PAD=16,
+                                                        BLOCK_M=block_m, BLOCK_N=64, IEEE=ieee))

@@ -47,10 +47,11 @@ class ForwardPaths:
             return self.pipeline
         if self.cuda_graph is None and self.native is None:
             return self.eager
-        if step.lora and (self.cuda_graph is not None or self.native is None or not self.native.nd.lora):
+        graph = self.cuda_graph
+        if graph is not None:  # adapter rows replay where the graphs hold the Triton LoRA kernels
+            return graph if graph.lora or not step.lora else self.eager
+        if step.lora and (self.native is None or not self.native.nd.lora):
             return self.eager  # adapter rows run through the torch layers (or the fused step, below)
-        if self.cuda_graph is not None:
-            return self.cuda_graph
         native = self.native
         if native is not None and native.applies(step):
             head = self.native_head
