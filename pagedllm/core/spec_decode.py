@@ -55,27 +55,32 @@ def match_lengths(src: np.ndarray, max_end: int, tail: np.ndarray, max_len: int)
     return ends, length
 
 
-def ngram_propose(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> np.ndarray:
-    """Up to k tokens that followed the latest earlier occurrence of the longest suffix of
-    `tokens` of min_n .. max_n tokens (empty when none occurs).
+def ngram_lookup(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> tuple[np.ndarray, int]:
+    """(up to k tokens that followed the latest earlier occurrence of the longest suffix of
+    `tokens` of min_n .. max_n tokens, that suffix's length); (empty, 0) when none occurs.
 
     tokens [5 6 7 8 | 5 6 7], max_n 3 -> the suffix [5 6 7] occurs at 0..2, followed by [8 5 6 7];
-    k 2 -> [8 5]. The search: positions p < len - 1 whose token equals the last one are the
+    k 2 -> ([8 5], 3). The search: positions p < len - 1 whose token equals the last one are the
     candidate ends of a match; their match length grows by one comparison per step back (at most
     max_n array comparisons over the candidates, whatever the length of `tokens`).
     """
     n = len(tokens)
     if n < min_n + 1 or k < 1:
-        return tokens[:0]
+        return tokens[:0], 0
     ends, length = match_lengths(tokens, n - 1, tokens, min(max_n, n - 1))
     if len(ends) == 0:
-        return tokens[:0]
+        return tokens[:0], 0
     best = int(length.max())
     if best < min_n:
-        return tokens[:0]
+        return tokens[:0], 0
     # The latest occurrence among the longest (ends are ascending).
     end = int(ends[np.flatnonzero(length == best)[-1]])
-    return tokens[end + 1 : end + 1 + k]
+    return tokens[end + 1 : end + 1 + k], best
+
+
+def ngram_propose(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> np.ndarray:
+    """ngram_lookup's tokens alone."""
+    return ngram_lookup(tokens, k, min_n, max_n)[0]
 
 
 @dataclass
@@ -94,6 +99,9 @@ class Proposer:
 
     control: SpecController | None = None
     """Adapts how many tokens each request proposes (core/spec_adaptive.py); None: always k."""
+    adapts_by_kind = False
+    """Whether propose() asks `control` for its allowance itself, naming the kind of the proposal
+    it found (proposals_for then leaves that to it)."""
 
     def __init__(self) -> None:
         self._history: dict[str, _History] = {}
@@ -138,7 +146,12 @@ class Proposer:
 
 
 class NgramProposer(Proposer):
-    """Proposals from each request's own prompt and output (ngram_propose)."""
+    """Proposals from each request's own prompt and output (ngram_lookup). With an adaptive
+    `control`, a proposal's kind is the length of the match it follows: each length has its own
+    acceptance per request (core/spec_adaptive.py), so the tokens after a match of one token are
+    proposed as rarely as they land, without cutting those after a longer match short."""
+
+    adapts_by_kind = True
 
     def __init__(self, config: SpeculativeConfig, control: SpecController | None = None) -> None:
         super().__init__()
@@ -146,13 +159,29 @@ class NgramProposer(Proposer):
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
         self.control = control
+        self._kind: dict[str, int] = {}
+        """The match length of each request's pending proposals."""
 
     def propose(self, req: Request, max_tokens: int) -> list[int]:
-        """Up to min(k, max_tokens) tokens to follow the request's last token."""
+        """Up to min(k, max_tokens) tokens to follow the request's last token (fewer where
+        `control` allows fewer after a match of that length)."""
         k = min(self.k, max_tokens)
         if k < 1:
             return []
-        return ngram_propose(self.tokens_of(req), k, self.min_n, self.max_n).tolist()
+        tokens, length = ngram_lookup(self.tokens_of(req), k, self.min_n, self.max_n)
+        if self.control is not None and len(tokens):
+            tokens = tokens[: self.control.allowance(req.request_id, len(tokens), length)]
+            if len(tokens):
+                self._kind[req.request_id] = length
+        return tokens.tolist()
+
+    def record(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
+        if self.control is not None:
+            self.control.record(request_id, num_proposed, num_accepted, self._kind.pop(request_id, None))
+
+    def forget(self, request_id: str) -> None:
+        self._kind.pop(request_id, None)
+        super().forget(request_id)
 
 
 DRAFT_SLOT = 0
@@ -206,7 +235,7 @@ def proposals_for(proposer: Proposer, req: Request, budget: int, max_model_len: 
     room = min(budget - 1, req.max_tokens - req.num_output_tokens - 1, max_model_len - req.num_tokens - 1)
     control = proposer.control
     if control is not None and room > 0:
-        room = control.allowance(req.request_id, room)
+        room = min(room, control.rows_left) if proposer.adapts_by_kind else control.allowance(req.request_id, room)
     proposals = proposer.propose(req, room) if room > 0 else []
     if control is not None:
         control.took(len(proposals))

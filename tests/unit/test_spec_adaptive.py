@@ -57,6 +57,19 @@ def test_never_accepted_goes_to_zero_then_probes_and_recovers() -> None:
     assert c.rate("r") == 1.0
 
 
+def test_kinds_of_proposal_keep_counts_of_their_own() -> None:
+    c = SpecController(4, 64)
+    for _ in range(12):
+        c.record("r", 4, 0, kind=1)  # proposals after one-token matches never land
+        c.record("r", 4, 4, kind=4)  # those after four-token matches always do
+    assert c.num_tokens("r", 1) == 0 and c.num_tokens("r", 4) == 4
+    assert c.rate("r") == 1.0 and c.num_tokens("r") == 4  # no kind named: counts of its own, none yet
+    c.begin_step(1)
+    assert c.allowance("r", 8, kind=1) == 0 and c.allowance("r", 8, kind=4) == 4 and c.allowance("r", 8, kind=2) == 4
+    c.forget("r")
+    assert c.rate("r", 1) == 1.0 and c.num_tokens("r", 1) == 4
+
+
 def test_step_rows_bound_the_proposals() -> None:
     c = SpecController(4, 16)
     c.begin_step(6)  # 10 rows left for proposals

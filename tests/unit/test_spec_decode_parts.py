@@ -12,7 +12,8 @@ import torch
 
 from pagedllm.config import SpeculativeConfig
 from pagedllm.core.request import Request
-from pagedllm.core.spec_decode import NgramProposer, ngram_propose
+from pagedllm.core.spec_adaptive import SpecController
+from pagedllm.core.spec_decode import NgramProposer, ngram_lookup, ngram_propose, proposals_for
 from pagedllm.engine.arg_utils import EngineArgs, parse_speculative_config
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.input_batch import InputBatch
@@ -22,16 +23,20 @@ from pagedllm.worker.spec_decode import SpecRows, verify
 # ---- n-gram proposals ---------------------------------------------------------------------------
 
 
-def ngram_oracle(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
-    """The longest suffix (max_n down to min_n) that occurs earlier; its latest earlier occurrence's
-    continuation, by brute force."""
+def ngram_oracle_match(tokens: list[int], k: int, min_n: int, max_n: int) -> tuple[list[int], int]:
+    """The longest suffix (max_n down to min_n) that occurs earlier: its latest earlier occurrence's
+    continuation and its length, by brute force."""
     n = len(tokens)
     for size in range(min(max_n, n - 1), min_n - 1, -1):
         suffix = tokens[n - size :]
         for start in range(n - size - 1, -1, -1):
             if tokens[start : start + size] == suffix:
-                return tokens[start + size : start + size + k]
-    return []
+                return tokens[start + size : start + size + k], size
+    return [], 0
+
+
+def ngram_oracle(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    return ngram_oracle_match(tokens, k, min_n, max_n)[0]
 
 
 def test_ngram_examples() -> None:
@@ -56,6 +61,9 @@ def test_ngram_matches_brute_force(seed: int) -> None:
         max_n = rng.randint(min_n, 6)
         got = ngram_propose(np.asarray(tokens, dtype=np.int64), k, min_n, max_n).tolist()
         assert got == ngram_oracle(tokens, k, min_n, max_n), (tokens, k, min_n, max_n)
+        found, size = ngram_lookup(np.asarray(tokens, dtype=np.int64), k, min_n, max_n)
+        want, want_size = ngram_oracle_match(tokens, k, min_n, max_n)
+        assert (found.tolist(), size if want else 0) == (want, want_size), (tokens, k, min_n, max_n)
 
 
 def test_proposer_follows_a_growing_request() -> None:
@@ -68,6 +76,35 @@ def test_proposer_follows_a_growing_request() -> None:
     assert proposer.propose(req, 10) == [9]  # [9 9] last occurred at 7..8, then 9
     proposer.forget("a")
     assert proposer.propose(req, 10) == [9]
+
+
+def test_proposals_adapt_per_match_length() -> None:
+    """A request's proposals after a one-token match that are always rejected stop (but for the
+    controller's probes); those after a three-token match are still proposed in full, then stop
+    too once they are rejected."""
+    proposer = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3),
+                             SpecController(3, 32))
+    req = Request("a", [1, 2, 3, 4, 9, 1], SamplingParams(max_tokens=50))
+
+    def step() -> list[int]:
+        req.num_computed_tokens = req.num_tokens - 1  # a decode: its last token to compute
+        proposer.begin_step(1)
+        return proposals_for(proposer, req, 100, 1000)
+
+    assert step() == [2, 3, 4]  # [1] matched at 0: nothing measured yet, k
+    for _ in range(10):
+        proposer.record("a", len(step()) or 1, 0)
+    assert step() == []
+    for t in [2, 3]:
+        req.append_output_token(t)
+    assert step() == [4, 9, 1]  # [1 2 3] matched at 0: a kind of its own, in full
+    proposer.record("a", 3, 3)
+    assert step() == [4, 9, 1]
+    for _ in range(10):
+        proposer.record("a", len(step()) or 1, 0)
+    assert step() == []
+    proposer.forget("a")
+    assert step() == [4, 9, 1]
 
 
 # ---- configuration -----------------------------------------------------------------------------
