@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         f"{meta['time']}. Guard off: the fused step always runs on the team of torch's threads; on: "
         "one thread while the team's recent steps take over twice their usual time on average. Where the guard "
         "made no switch (no busy process) both rows ran the same code: their difference is the host's drift "
-        "between runs (alternating runs of that case gave 80-102 tok/s either way).", "",
+        "between runs.", "",
         "| busy processes | guard | tok/s | step median ms | p90 ms | p99 ms | switches to one thread |",
         "|---|---|---|---|---|---|---|",
         *("| %d | %s | %.1f | %.1f | %.1f | %.1f | %d |" % r for r in rows), ""]

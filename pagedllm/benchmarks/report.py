@@ -3,9 +3,11 @@ files in benchmarks/results/.
 
 Every JSON file comes from one `pagedllm bench ...` run (see `pagedllm bench run-all`, run_all.py);
 each section of the page quotes that run's command, machine, versions, commit
-and load. The page opens with the headline table (report_headline.py). Missing result files leave
-their section out, with a note. `render(..., draw=False)` gives the page's text without drawing the
-plots (the test compares that text with the committed page).
+and load. Only the folder's own files are read: benchmarks/results/history/ keeps the runs the page
+no longer shows (docs/perf-history.md quotes them), sim/ the simulator's. The page opens with the
+headline table (report_headline.py). Missing result files leave their section out, with a note.
+`render(..., draw=False)` gives the page's text without drawing the plots (the test compares that
+text with the committed page).
 """
 
 from __future__ import annotations
@@ -156,12 +158,17 @@ def render(res: Path = RESULTS, img_dir: Path = DOC.parent / "img", draw: bool =
     else:
         missing.append("serve*.json")
     parts += [repeat_section(s) for s in loaded if "rounds" in s]
-    for name, fn in (("latency.json", latency_section), ("native_decode.json", native_decode_section),
-                     ("scheduler.json", scheduler_section)):
-        if (d := load(res / name)) is not None:
+    # latency.json's section, or the AMX host's run of the same command in the AMX section below.
+    if (d := load(res / "latency.json")) is not None:
+        parts.append(latency_section(d))
+    elif not (res / "amx_latency.json").exists():
+        missing.append("latency.json")
+    for names, fn in ((("native_decode.json",), native_decode_section),
+                      (("scheduler.json", "amx_scheduler.json"), scheduler_section)):
+        if (d := next((x for n in names if (x := load(res / n)) is not None), None)) is not None:
             parts.append(fn(d))
         else:
-            missing.append(name)
+            missing.append(names[0])
     if (m := load(res / "memory.json")) is not None:
         parts.append(memory_section(m, img_dir / "bench-kv-waste.png", draw))
     else:
@@ -197,8 +204,7 @@ def render(res: Path = RESULTS, img_dir: Path = DOC.parent / "img", draw: bool =
         parts.append(ui)
     if (host := load(res / "host_overhead.json")) is not None:
         parts.append(host_overhead_section(with_record(host, "host_overhead.json", res)))
-    sched = load(res / "bench_scheduling.json") or load(res / "bench_scheduling_quick.json")
-    if sched is not None:
+    if (sched := load(res / "bench_scheduling.json")) is not None:
         parts.append(scheduling_section(sched))
     parts.append(runs_appendix(res))
     if missing:

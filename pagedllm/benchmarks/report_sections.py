@@ -329,6 +329,7 @@ def scheduler_section(r: dict[str, Any]) -> str:
         + table(["running", "waiting", "schedule µs", "update µs", "step µs mean", "median", "p99", "µs per request",
                  "model step ms", "share of model step"], rows)
         + (f"\nModel step: {r['model_step_source']}.\n" if r.get("model_step_source") else "")
+        + (f"\n{r['note']}\n" if r.get("note") else "")
     )
 
 

@@ -173,3 +173,37 @@ def test_lora_section_shows_vllm_with_the_same_adapters(tmp_path):
     (tmp_path / "no-vllm").mkdir()
     text = _render(tmp_path / "no-vllm", "amx_lora_vllm.json", data)
     assert "vLLM with the same adapters did not run: vLLM's CPU build is not installed" in text
+
+
+def _scheduler_run(commit: str) -> dict:
+    """A `bench scheduler` result: one row, a run record naming `commit` and an Intel Xeon."""
+    row = {"num_running": 256, "num_waiting": 2000, "schedule_us": 4000.0, "update_us": 1700.0,
+           "step_us_mean": 5767.0, "step_us_median": 5600.0, "step_us_p99": 6346.0, "us_per_request": 22.5}
+    meta = {"time": "2026-12-07 07:00:00 UTC", "cpu_model": "Intel(R) Xeon(R) Processor", "cpu_cores": 2,
+            "command": "pagedllm bench scheduler --num-running 256 --num-waiting 2000", "commit": commit}
+    return {"benchmark": "scheduler", "meta": meta, "results": [row]}
+
+
+def test_scheduler_section_comes_from_the_amx_run_where_no_unprefixed_one_exists(tmp_path):
+    """With amx_scheduler.json and no scheduler.json the page's scheduler section is the AMX host's
+    run, and the page does not list scheduler.json as not yet measured."""
+    text = _render(tmp_path, "amx_scheduler.json", _scheduler_run("0123456789ab"))
+    section = text.split("## Scheduler overhead")[1].split("\n## ")[0]
+    assert "Intel(R) Xeon(R) Processor" in section and "| 256 | 2000 | 4000 | 1700 | 5767 | 5600 | 6346 | 22.5 |" in section
+    assert "scheduler.json" not in text.split("## Not yet measured")[1]
+
+
+def test_report_reads_no_result_file_under_history(tmp_path):
+    """benchmarks/results/history/ keeps runs the page no longer shows: a result file there feeds no
+    section and no row of the runs table, where the same file in the folder itself does."""
+    results = tmp_path / "results"
+    (results / "history").mkdir(parents=True)
+    (results / "history" / "scheduler.json").write_text(json.dumps(_scheduler_run("fedcba987654+dirty")))
+    (results / "amx_scheduler.json").write_text(json.dumps(_scheduler_run("0123456789ab")))
+    doc = tmp_path / "benchmarks.md"
+    from pagedllm.entrypoints.cli import main
+
+    assert main(["bench", "report", "--results", str(results), "--doc", str(doc), "--no-plots"]) == 0
+    text = doc.read_text()
+    assert "fedcba987654" not in text and "no (+dirty)" not in text
+    assert "| `amx_scheduler.json` | 0123456 |" in text
