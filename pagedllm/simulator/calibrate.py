@@ -181,9 +181,14 @@ def fit_profile(model: SimModel, rows: list[list[float]], seconds: list[float], 
 
 
 CALIBRATION_WORKLOADS = [
-    # (engine kwargs, trace): chunked prefill mixed with decodes, then long contexts.
+    # (engine kwargs, trace): chunked prefill mixed with decodes, then long contexts, then steps as
+    # large as a server's (2048-token prompt steps, decode batches up to 32 rows): where a step's cost
+    # per token falls with its size (bf16 GEMMs on AMX tiles), a fit on small steps alone overprices
+    # large ones.
     ({"max_num_batched_tokens": 256}, dict(num_requests=8, prompt_lens="16:200", output_lens="4:24")),
     ({"max_num_batched_tokens": 128}, dict(num_requests=3, prompt_lens="400:600", output_lens="4:8")),
+    ({"max_num_batched_tokens": 2048, "num_kv_blocks": 2048},
+     dict(num_requests=32, prompt_lens="64:640", output_lens="16:64")),
 ]
 
 
