@@ -18,7 +18,7 @@ class StallGuard:
     process holds a core, nearly every barrier waits for a descheduled thread's next time slice:
     measured with one busy process beside a bfloat16 single-request step on this 2-core machine, the
     two-thread step's median went from 11.4 to 23.6 ms and its 90th percentile to 132 ms, while one
-    thread ran at 20.1 / 21.5 ms (benchmarks/bench_cpu_contention.py measures the engine). So: when the last WINDOW team steps took on average more than
+    thread ran at 20.1 / 21.5 ms (`pagedllm bench cpu-contention` measures the engine). So: when the last WINDOW team steps took on average more than
     SLOW times the fastest team step of their size (stalls come in bursts: one slow step, a GC
     pause or a page fault, does not do it), the step runs on one thread for SOLO steps; then one
     team step is tried; if it takes over SLOW times too, the next one-thread stretch is twice as
