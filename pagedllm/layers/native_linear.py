@@ -44,8 +44,10 @@ BF16_ROWS_AVX512, BF16_ROWS_AVX2 = 64, 256
 # ms, 8 rows 9.3 against 17.6, 16 rows 9.7 against 17.9, 32 rows 13.1 against 19.2, 64 rows 19.2
 # against 27.8, 128 rows 29.4 against 28.8, 256 rows 49.3 against 42.5. It takes up to 128 rows.
 BF16_ROWS_AMX = 128
-# float16 (AVX2 + FMA + F16C builds only): the bf16 form's loop on F16C-widened values, same limit.
+# float16 on AVX2 + FMA + F16C: the bf16 form's loop on F16C-widened values, same limit. On AVX-512
+# (gemm_tile_f16: W widened by vcvtph2ps, float32 FMAs) up to F16_ROWS_AVX512 rows.
 F16_ROWS_AVX2 = BF16_ROWS_AVX2
+F16_ROWS_AVX512 = 64
 AVX512_FORM = frozenset({"avx512f", "avx512bw"}) <= cpu_flags()  # HAVE_AVX512 in small_m_gemm.c
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _K_STEP = {torch.float32: 16, torch.bfloat16: 32, torch.float16: 32}
@@ -61,7 +63,7 @@ def load_linear_kernel() -> Binding | None:
 @lru_cache(maxsize=None)
 def kernel_dtypes() -> frozenset[torch.dtype]:
     """The dtypes this CPU's kernel serves: float32 with AVX-512 or AVX2 + FMA, bfloat16 with AVX-512
-    BF16 or AVX2 + FMA, float16 with AVX2 + FMA + F16C (not in AVX-512 builds)."""
+    BF16 or AVX2 + FMA, float16 with AVX-512 or AVX2 + FMA, and F16C."""
     lib = load_linear_kernel()
     bits = lib.small_m_available() if lib is not None else 0
     return frozenset(d for d, bit in ((torch.float32, 1), (torch.bfloat16, 2), (torch.float16, 8)) if bits & bit)
@@ -104,7 +106,7 @@ def small_m_rows(dtype: torch.dtype) -> int:
     if dtype == torch.float32:
         return F32_ROWS_AVX512 if AVX512_FORM else F32_ROWS_AVX2
     if dtype == torch.float16:
-        return F16_ROWS_AVX2
+        return F16_ROWS_AVX512 if load_linear_kernel().small_m_available() & 16 else F16_ROWS_AVX2
     if load_linear_kernel().small_m_available() & 4:
         return BF16_ROWS_AVX2
     return BF16_ROWS_AMX if amx_rows() else BF16_ROWS_AVX512

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import threading
 
-from pagedllm.native.build import CSRC, FLAGS, cache_key, compile_native, cpu_signature, local_includes
+from pagedllm.native.build import AVX2_FORM_FLAGS, CSRC, FLAGS, cache_key, compile_native, cpu_signature, local_includes
 from pagedllm.native.declare import Arg, Binding, Kernel, Library, bind
 
-__all__ = ["CSRC", "FLAGS", "Arg", "Binding", "Kernel", "Library", "bind", "cache_key", "compile_native",
+__all__ = ["AVX2_FORM_FLAGS", "CSRC", "FLAGS", "Arg", "Binding", "Kernel", "Library", "bind", "cache_key", "compile_native",
            "cpu_signature", "load", "local_includes"]
 
 _loaded: dict[str, Binding | None] = {}

@@ -30,6 +30,9 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+# Added to FLAGS: the AVX2 + FMA form of the kernels on a CPU with AVX-512 (every AVX-512 subset off),
+# so that the tests run both forms on such a CPU; the engine never loads it.
+AVX2_FORM_FLAGS = ("-mno-avx512f",)
 _LOCAL_INCLUDE = re.compile(rb'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 
 
@@ -57,26 +60,28 @@ def local_includes(src: Path) -> list[Path]:
     return seen
 
 
-def cache_key(src: Path) -> str:
+def cache_key(src: Path, extra_flags: tuple[str, ...] = ()) -> str:
     """Hash of the sources `src` compiles from, the flags and the CPU."""
     text = b"".join(p.read_bytes() for p in local_includes(src))
-    return hashlib.sha256(text + " ".join(FLAGS).encode() + cpu_signature().encode()).hexdigest()[:16]
+    flags = " ".join([*FLAGS, *extra_flags]).encode()
+    return hashlib.sha256(text + flags + cpu_signature().encode()).hexdigest()[:16]
 
 
-def _build(src: Path, out: Path) -> None:
+def _build(src: Path, out: Path, extra_flags: tuple[str, ...] = ()) -> None:
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         raise RuntimeError("no C compiler (gcc/cc) found")
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         target = Path(tmp) / out.name
-        proc = subprocess.run([cc, *FLAGS, str(src), "-o", str(target), "-lm"], capture_output=True, text=True)
+        proc = subprocess.run([cc, *FLAGS, *extra_flags, str(src), "-o", str(target), "-lm"], capture_output=True,
+                              text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[:500]}")
         os.replace(target, out)
 
 
-def _build_once(src: Path, out: Path) -> None:
+def _build_once(src: Path, out: Path, extra_flags: tuple[str, ...] = ()) -> None:
     """Builds `out` unless another process has meanwhile: processes that start together on a cold
     cache (an engine's rank workers, a server's processes, parallel test runs) wait on one lock
     file beside it and the first builds, instead of each compiling the same source."""
@@ -84,17 +89,17 @@ def _build_once(src: Path, out: Path) -> None:
     with open(out.with_name(out.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not out.exists():
-            _build(src, out)
+            _build(src, out, extra_flags)
             logger.info("compiled %s into %s", src.name, out)
 
 
-def compile_native(src: Path) -> ctypes.CDLL | None:
+def compile_native(src: Path, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """`src` compiled for this CPU (cached by its sources, flags and CPU) and opened, or None with
-    one warning (no compiler, a build error)."""
-    lib_path = cache_dir() / "kernels" / f"{src.stem}_{cache_key(src)}.so"
+    one warning (no compiler, a build error). `extra_flags` follow FLAGS (AVX2_FORM_FLAGS)."""
+    lib_path = cache_dir() / "kernels" / f"{src.stem}_{cache_key(src, extra_flags)}.so"
     try:
         if not lib_path.exists():
-            _build_once(src, lib_path)
+            _build_once(src, lib_path, extra_flags)
         return ctypes.CDLL(str(lib_path))
     except (OSError, RuntimeError) as e:
         logger.warning("native kernel %s unavailable (%s); using torch", src.name, e)

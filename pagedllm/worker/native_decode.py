@@ -440,7 +440,7 @@ class NativeDecode:
         if reason is None and dtype == torch.bfloat16 and not avail & 2:
             reason = "no bf16 GEMM kernel for this CPU (AVX-512 without AVX-512 BF16)"
         if reason is None and dtype == torch.float16 and not avail & 8:
-            reason = "no float16 GEMM kernel for this CPU (AVX2 + F16C builds only)"
+            reason = "no float16 GEMM kernel for this CPU (no F16C)"
         if reason is not None:
             logger.info("decode steps run as torch ops: %s", reason)
             return None

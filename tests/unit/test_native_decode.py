@@ -3,7 +3,7 @@
 Both read the same weights and KV cache; bf16 follows the torch path's rounding points and uses
 the same small-M GEMM blocking, so up to small_m_rows(bfloat16) rows it agrees to the bit. float32
 differs only in the order of GEMM sums (MKL's or oneDNN's against the kernel's), a few float32 ulps
-per layer. float16 (AVX2 + F16C builds) runs its norms and SiLU in the step's scalar loops with
+per layer. float16 (builds with F16C) runs its norms and SiLU in the step's scalar loops with
 the torch path's rounding points, but their float32 sums differ from torch's in the last bits.
 """
 
@@ -13,7 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, SamplingParams, native
+from pagedllm.hardware import cpu_flags
+from pagedllm.native import kernels
+from pagedllm.worker import native_decode
 from pagedllm.models.testing import make_tiny_checkpoint
 from pagedllm.worker.input_batch import RequestState, build_batch
 from pagedllm.layers.native_linear import AVX512_FORM, small_m_rows
@@ -40,7 +43,7 @@ def _needs_bf16(dtype: str) -> None:
     if dtype == "bfloat16" and not load_decode_kernel().small_m_available() & 2:
         pytest.skip("no bf16 GEMM kernel on this CPU (AVX-512 without AVX-512 BF16)")
     if dtype == "float16" and not load_decode_kernel().small_m_available() & 8:
-        pytest.skip("no float16 GEMM kernel in this build (only builds for AVX2 + F16C without AVX-512 have one)")
+        pytest.skip("no float16 GEMM kernel in this build (a CPU without F16C)")
 
 
 def _runner(model_dir: str, dtype: str):
@@ -113,6 +116,29 @@ def test_fused_step_matches_torch_path(arch, dtype, tiny_model_dir, tiny_llama_d
             torch.testing.assert_close(out.float(), ref.float(), rtol=2**-5, atol=2**-5)
         else:
             torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(not AVX512_FORM or "f16c" not in cpu_flags(), reason="this CPU's own build is the AVX2 form")
+def test_avx2_form_float16_step_matches_torch_path(monkeypatch, tiny_model_dir, one_torch_thread):
+    """The fused step built in its AVX2 + FMA + F16C form on a CPU with AVX-512 (every AVX-512 subset
+    off), against the torch path of this CPU's build, in float16, with the float16 tolerance of
+    test_fused_step_matches_torch_path: the two GEMM forms sum in different orders (8 lanes
+    against 16), so outputs and KV entries differ by a float16 rounding here and there."""
+    cdll = native.compile_native(native.CSRC / kernels.DECODE.source, native.AVX2_FORM_FLAGS)
+    lib = None if cdll is None else native.bind(cdll, kernels.DECODE)
+    if lib is None:
+        pytest.skip("no C compiler")
+    assert lib.small_m_available() & 8 and not lib.small_m_available() & 16  # float16, not the AVX-512 form
+    monkeypatch.setattr(native_decode, "load_decode_kernel", lambda: lib)
+    llm, runner = _runner(tiny_model_dir, "float16")
+    assert runner.native_decode is not None and runner.native_decode.lib is lib
+    for rows in (1, 3, 5, runner.native_decode.max_rows):
+        batch = _decode_batch(runner, [5 + 29 * i % 90 for i in range(rows)], seed=40 + rows)
+        (ref, ref_kv), (out, out_kv) = _both_paths(runner, batch)
+        assert out is not None and out.dtype == ref.dtype == torch.float16
+        for a, b in zip(out_kv, ref_kv):
+            torch.testing.assert_close(a.float(), b.float(), rtol=2**-8, atol=2**-10)
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2**-8, atol=2**-9)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])

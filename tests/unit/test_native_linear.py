@@ -7,11 +7,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.layers.native_linear import (amx_rows, amx_rows_from, kernel_dtypes, load_linear_kernel, small_m_linear,
-                                          small_m_rows)
+from pagedllm import native
+from pagedllm.hardware import cpu_flags
+from pagedllm.layers.native_linear import (_DTYPE_CODES, AVX512_FORM, F16_ROWS_AVX2, amx_rows, amx_rows_from,
+                                          kernel_dtypes, load_linear_kernel, small_m_linear, small_m_rows)
+from pagedllm.native import kernels
 
 pytestmark = pytest.mark.skipif(load_linear_kernel() is None, reason="no C compiler, or neither AVX-512 nor AVX2 + FMA")
-F16_NOTE = " (only builds for AVX2 + F16C without AVX-512 have one)"
+F16_NOTE = " (a CPU without F16C)"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -50,7 +53,7 @@ def test_kernel_declines_what_it_does_not_cover():
         assert small_m_linear(x, w.to(dtype), None) is None
     x = torch.randn(1, 64).bfloat16()
     if torch.float16 not in kernel_dtypes():
-        assert small_m_linear(x[:1].half(), w.half(), None) is None  # float16 (AVX2 + F16C builds only)
+        assert small_m_linear(x[:1].half(), w.half(), None) is None  # float16 (builds with F16C only)
     assert small_m_linear(x[:1].float(), w, None) is None  # mixed dtypes
     assert small_m_linear(torch.randn(1, 48).bfloat16(), torch.randn(8, 48).bfloat16(), None) is None  # K % 32
     assert small_m_linear(torch.randn(1, 40), torch.randn(8, 40), None) is None  # K % 16
@@ -131,3 +134,31 @@ def test_rows_below_amx_from_give_their_bits_alone(M):
         amx_rows_from(0)
     assert load_linear_kernel().small_m_amx_rows() == amx_rows() == 2
     assert batches_differ() > 0
+
+
+@pytest.mark.skipif(not AVX512_FORM or "f16c" not in cpu_flags(), reason="this CPU's own build is the AVX2 form")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_avx2_form_built_on_an_avx512_cpu(dtype):
+    """The AVX2 + FMA + F16C form (gemm_tile_avx2: 16-bit values widened to float32 in registers),
+    built with every AVX-512 subset off, against a float64 GEMM on the same values, with the
+    tolerance of test_small_m_linear_matches_fp32, up to its row limit (passes of 2 rows over a
+    float32 panel), and against the AVX-512 form of this CPU: each sums in its own order, so the two
+    agree to one rounding of the output."""
+    cdll = native.compile_native(native.CSRC / kernels.LINEAR.source, native.AVX2_FORM_FLAGS)
+    lib = None if cdll is None else native.bind(cdll, kernels.LINEAR)
+    if lib is None:
+        pytest.skip("no C compiler")
+    assert lib.small_m_available() == 1 | 2 | 4 | 8  # float32, bf16 and float16, widening; not the AVX-512 form
+    g = torch.Generator().manual_seed(11)
+    rtol = 2**-8 if dtype == torch.bfloat16 else 2**-10
+    for M, N, K in ((1, 960, 576), (3, 7, 64), (9, 130, 1536), (F16_ROWS_AVX2, 40, 576)):
+        x = torch.randn(M, K, generator=g).to(dtype)
+        w = (torch.randn(N, K, generator=g) / K**0.5).to(dtype)
+        b = torch.randn(N, generator=g).to(dtype)
+        y = torch.empty(M, N, dtype=dtype)
+        assert lib.small_m_linear(x.data_ptr(), M, w.data_ptr(), b.data_ptr(), N, K, y.data_ptr(),
+                                  _DTYPE_CODES[dtype]) == 0
+        ref = F.linear(x.double(), w.double(), b.double())
+        torch.testing.assert_close(y.double(), ref, rtol=rtol, atol=1e-3)
+        if M <= small_m_rows(dtype):
+            torch.testing.assert_close(y.double(), small_m_linear(x, w, b).double(), rtol=2 * rtol, atol=2e-3)

@@ -32,7 +32,7 @@ def _median_s(fn, reps: int = 7) -> float:
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap = parser(__doc__, prog)
-    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--rows", default="1,4,8,16,32,48,64")
     a = ap.parse_args(argv)
     dt = getattr(torch, a.dtype)

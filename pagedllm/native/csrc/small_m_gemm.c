@@ -20,8 +20,9 @@
  * W row blocks are split between the OpenMP threads; small GEMMs run on one thread (waking the
  * team costs more than reading a few hundred KB). CPUs without AVX-512 but with AVX2 and FMA get
  * the kernel in 8-lane vectors (gemm_tile_avx2), bf16 and (with F16C) float16 widened to float32
- * in registers; CPUs with AVX-512 but not its BF16 dot products have no bf16 kernel, and AVX-512
- * builds no float16 one. On CPUs with AMX-BF16, bf16 GEMMs of 2 rows or more run on AMX tiles
+ * in registers; CPUs with AVX-512 but not its BF16 dot products have no bf16 kernel. float16 in
+ * AVX-512 builds is widened too (gemm_tile_f16: x once per GEMM, W in registers by vcvtph2ps,
+ * float32 FMAs); AVX-512 FP16's float16 FMAs would sum in float16. On CPUs with AMX-BF16, bf16 GEMMs of 2 rows or more run on AMX tiles
  * instead (gemm_rows_amx; a caller can raise that for a while: small_m_amx_from): 16 W rows x 32
  * columns of K as the first operand straight from W, x packed once per call as the second, 2 x 2
  * tiles of 16 x 16 float32 sums.
@@ -63,6 +64,13 @@
 #else
 #define HAVE_AVX2_F16 0
 #endif
+/* float16 in the AVX-512 form (every AVX-512 CPU has F16C): widened by vcvtph2ps, float32 FMAs. */
+#if HAVE_AVX512 && defined(__F16C__)
+#define HAVE_AVX512_F16 1
+#else
+#define HAVE_AVX512_F16 0
+#endif
+#define HAVE_F16 (HAVE_AVX2_F16 || HAVE_AVX512_F16)
 
 /* AMX (Sapphire Rapids and later Xeons): bf16 GEMMs of AMX_MIN_ROWS rows or more run on the tile
  * unit (gemm_rows_amx), which multiplies 16 x 32 bf16 blocks at several times the rate of AVX-512
@@ -75,18 +83,18 @@ _Static_assert(MR * NR == 16, "a whole tile's sums are one lane_sums16");
 /* GEMMs with fewer weight elements than this run on one thread. */
 #define GEMM_PARALLEL_MIN (1 << 16)
 
-/* Element types: float32, bf16, float16 (the last only in the AVX2 + F16C form). */
+/* Element types: float32, bf16, float16 (the last where the build has F16C: HAVE_F16). */
 enum { LD_F32 = 0, LD_BF16 = 1, LD_F16 = 2 };
 
 static inline float ld(const void *p, int64_t i, int dt) {
-#if HAVE_AVX2_F16
+#if HAVE_F16
     if (dt == LD_F16) return _cvtsh_ss(((const uint16_t *)p)[i]);
 #endif
     return dt == LD_F32 ? ((const float *)p)[i] : bf16_to_f32(((const uint16_t *)p)[i]);
 }
 
 static inline void st(void *p, int64_t i, float v, int dt) {
-#if HAVE_AVX2_F16
+#if HAVE_F16
     if (dt == LD_F16) {
         ((uint16_t *)p)[i] = _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);
         return;
@@ -120,6 +128,16 @@ static void gemm_rows(const void *x, int64_t M, const void *w, const void *bias,
         return;
 #endif
     const int64_t tiles = (M + MR - 1) / MR;
+#if HAVE_AVX512_F16
+    /* float16 on AVX-512: x widened once (where the buffer cannot be had, the scalar loop below). */
+    float *xf = NULL;
+    if (dt == LD_F16 && n_lo < n_hi) {
+        xf = aligned_alloc(64, (size_t)((M * K * 4 + 63) / 64 * 64));
+        if (xf != NULL)
+            for (int64_t i = 0; i < M * K; i += 16)
+                _mm512_store_ps(xf + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i))));
+    }
+#endif
 #if HAVE_AVX2_F32
     /* bf16 and float16 on AVX2: x widened once, and a float32 panel of the W block where passes
      * repeat (where the buffers cannot be had, the scalar loop below, or passes that widen W in
@@ -153,6 +171,21 @@ static void gemm_rows(const void *x, int64_t M, const void *w, const void *bias,
 #if HAVE_AVX512_BF16
             if (dt == LD_BF16) {
                 TILES(gemm_tile_bf16, uint16_t)
+                continue;
+            }
+#endif
+#if HAVE_AVX512_F16
+            if (dt == LD_F16 && xf != NULL) {
+#define TILE_H(MR_)                                                                                        \
+    gemm_tile_f16(xf, m0, MR_, (const uint16_t *)w, n0, nr, N, K, (const uint16_t *)bias, (uint16_t *)y,   \
+                  next < 0 ? NULL : (const uint16_t *)w + next * K, m0 / MR, tiles)
+                switch (mr) {
+                case 1: TILE_H(1); break;
+                case 2: TILE_H(2); break;
+                case 3: TILE_H(3); break;
+                default: TILE_H(4); break;
+                }
+#undef TILE_H
                 continue;
             }
 #endif
@@ -196,6 +229,8 @@ static void gemm_rows(const void *x, int64_t M, const void *w, const void *bias,
 #if HAVE_AVX2_F32
     free(xf);
     free(panel);
+#elif HAVE_AVX512_F16
+    free(xf);
 #endif
 }
 
@@ -220,10 +255,11 @@ static void gemm(const void *x, int64_t M, const void *w, const void *bias, int6
 
 /* Bit 0: the float32 kernel is built (AVX-512, or AVX2 + FMA); bit 1: the bf16 one (AVX-512 BF16, or
  * AVX2 + FMA widening bf16 to float32); bit 2: the bf16 one is the widening form; bit 3: the
- * float16 one (AVX2 + FMA + F16C, widening). */
+ * float16 one (AVX-512 or AVX2 + FMA, with F16C; widening to float32 in both); bit 4: the float16
+ * one is the AVX-512 form. */
 int small_m_available(void) {
     return (HAVE_AVX512 || HAVE_AVX2_F32 ? 1 : 0) | (HAVE_AVX512_BF16 || HAVE_AVX2_F32 ? 2 : 0) |
-           (HAVE_AVX2_F32 ? 4 : 0) | (HAVE_AVX2_F16 ? 8 : 0);
+           (HAVE_AVX2_F32 ? 4 : 0) | (HAVE_F16 ? 8 : 0) | (HAVE_AVX512_F16 ? 16 : 0);
 }
 
 /* The fewest rows of x a bf16 GEMM runs on AMX tiles with now (AMX_MIN_ROWS unless

@@ -1,16 +1,21 @@
-/* small_m_gemm.c's tiles on CPUs with AVX-512F and AVX512BW: float32 FMAs, and bf16 dot products
- * where the CPU has AVX-512 BF16. Included by small_m_gemm.c; small_m_gemm_avx2.h is the AVX2 + FMA
- * form of the same tile functions. */
+/* small_m_gemm.c's tiles on CPUs with AVX-512F and AVX512BW: float32 FMAs, bf16 dot products
+ * where the CPU has AVX-512 BF16, and float16 widened to float32 (vcvtph2ps) where it has F16C.
+ * Included by small_m_gemm.c; small_m_gemm_avx2.h is the AVX2 + FMA form of the same tile
+ * functions. */
 
 /* y rows m0 .. m0 + 3, columns n0 .. n0 + 3 from the sums of a whole tile's accumulators
- * (acc[m][r] for x row m0 + m and W row n0 + r), the bias added in float32, stored in dtype dt. */
+ * (acc[m][r] for x row m0 + m and W row n0 + r), the bias added in float32, stored in dtype dt
+ * (16-bit results rounded to nearest even, as st does). */
 static inline __attribute__((always_inline)) void store_tile(const __m512 acc[4][4], int64_t m0, int64_t n0, int64_t N,
                                                             const void *bias, void *y, int dt) {
     __m512 v = lane_sums16(&acc[0][0]);
     if (bias != NULL) {
-        const __m128 b = dt == LD_F32 ? _mm_loadu_ps((const float *)bias + n0)
-                                      : _mm_castsi128_ps(_mm_slli_epi32(
-                                            _mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i *)((const uint16_t *)bias + n0))), 16));
+        const __m128i b16 = _mm_loadl_epi64((const __m128i *)((const uint16_t *)bias + n0));
+        const __m128 b = dt == LD_F32   ? _mm_loadu_ps((const float *)bias + n0)
+#if HAVE_AVX512_F16
+                         : dt == LD_F16 ? _mm_cvtph_ps(b16)
+#endif
+                                        : _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(b16), 16));
         v = _mm512_add_ps(v, _mm512_broadcast_f32x4(b));
     }
     if (dt == LD_F32) {
@@ -18,7 +23,11 @@ static inline __attribute__((always_inline)) void store_tile(const __m512 acc[4]
             _mm_storeu_ps((float *)y + (m0 + m) * N + n0, _mm512_extractf32x4_ps(v, m));
         return;
     }
+#if HAVE_AVX512_F16
+    const __m256i h = dt == LD_F16 ? _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC) : bf16x16_from_f32(v);
+#else
     const __m256i h = bf16x16_from_f32(v);
+#endif
     const __m128i lo = _mm256_castsi256_si128(h), hi = _mm256_extracti128_si256(h, 1);
     _mm_storel_epi64((__m128i *)((uint16_t *)y + m0 * N + n0), lo);
     _mm_storel_epi64((__m128i *)((uint16_t *)y + (m0 + 1) * N + n0), _mm_unpackhi_epi64(lo, lo));
@@ -83,6 +92,52 @@ static inline __attribute__((always_inline)) void gemm_tile_bf16(const uint16_t 
             float s = lane_sum(acc[m][r]);
             if (bias) s += bf16_to_f32(bias[n0 + r]);
             y[(m0 + m) * N + n0 + r] = f32_to_bf16(s);
+        }
+}
+#endif
+
+#if HAVE_AVX512_F16
+/* The float16 tile: x float32 (widened by the caller, once per GEMM), each W block's 32 float16
+ * values per step of K widened to float32 in registers (vcvtph2ps, exact) and multiplied by float32
+ * FMAs into the same 16 accumulators as the float32 tile, so lane j sums the products at k = j
+ * (mod 16) in order of k. float16 products summed in float16 (AVX-512 FP16's vfmadd*ph) would
+ * lose bits at every step; this keeps float32 accumulation, like torch's float16 GEMMs. K % 32 ==
+ * 0 (the callers check); pf, pf_phase and pf_every as for the float32 tile, one 64-byte line of
+ * each W row per step. */
+static inline __attribute__((always_inline)) void gemm_tile_f16(const float *x, int64_t m0, int64_t mr, const uint16_t *w,
+                                                               int64_t n0, int64_t nr, int64_t N, int64_t K,
+                                                               const uint16_t *bias, uint16_t *y, const uint16_t *pf,
+                                                               int64_t pf_phase, int64_t pf_every) {
+    __m512 acc[MR][NR];
+    for (int m = 0; m < MR; m++)
+        for (int r = 0; r < NR; r++) acc[m][r] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        __m512 wlo[NR], whi[NR];
+        for (int r = 0; r < NR; r++) {
+            const __m512i v = _mm512_loadu_si512((const void *)(w + (n0 + (r < nr ? r : 0)) * K + k));
+            wlo[r] = _mm512_cvtph_ps(_mm512_castsi512_si256(v));
+            whi[r] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(v, 1));
+        }
+        if (pf != NULL && pf_phase-- == 0) {
+            for (int r = 0; r < NR; r++) _mm_prefetch((const char *)(pf + r * K + k), _MM_HINT_T0);
+            pf_phase = pf_every - 1;
+        }
+        for (int64_t m = 0; m < mr; m++) {
+            const __m512 xlo = _mm512_loadu_ps(x + (m0 + m) * K + k);
+            for (int r = 0; r < NR; r++) acc[m][r] = _mm512_fmadd_ps(xlo, wlo[r], acc[m][r]);
+            const __m512 xhi = _mm512_loadu_ps(x + (m0 + m) * K + k + 16);
+            for (int r = 0; r < NR; r++) acc[m][r] = _mm512_fmadd_ps(xhi, whi[r], acc[m][r]);
+        }
+    }
+    if (mr == MR && nr == NR) {
+        store_tile((const __m512(*)[NR])acc, m0, n0, N, bias, y, LD_F16);
+        return;
+    }
+    for (int64_t m = 0; m < mr; m++)
+        for (int64_t r = 0; r < nr; r++) {
+            float s = lane_sum(acc[m][r]);
+            if (bias) s += ld(bias, n0 + r, LD_F16);
+            st(y, (m0 + m) * N + n0 + r, s, LD_F16);
         }
 }
 #endif
