@@ -67,11 +67,15 @@ MAX_ROWS = 256
 # up to 128 rows: 1.50x at 16 rows, 1.18x at 32, 1.16-1.18x at 48-64, 1.13x at 96, 1.04x at 128,
 # 1.03x at 192), so there it takes up to 128 rows. bf16 there (the small-M kernel widening bf16 to
 # float32 in registers, up to 256 rows) keeps MAX_ROWS, and so does float16 (the same kernel loop on
-# F16C-widened values; dense layers only, AVX2 + F16C builds). On CPUs with AMX-BF16 the step's bf16
+# F16C-widened values; dense layers only). On CPUs with AMX-BF16 the step's bf16
 # GEMMs run on AMX tiles from 2 rows (small_m_gemm.c) and the step beats the torch path (whose GEMMs
 # are the same tiles up to 128 rows, oneDNN's AMX GEMM above) at every row count (2-core Xeon, same
-# benchmark: 1.9x at 1 row, 1.8x at 16, 1.35x at 32, 1.2x at 128, 1.15x at 256).
-DTYPE_ROWS = {torch.float32: 32 if AVX512_FORM else 128, torch.bfloat16: MAX_ROWS, torch.float16: MAX_ROWS}
+# benchmark: 1.9x at 1 row, 1.8x at 16, 1.35x at 32, 1.2x at 128, 1.15x at 256). float16 in the
+# AVX-512 form (W widened by vcvtph2ps, float32 FMAs) against the torch path (oneDNN's AVX-512 FP16
+# GEMM from 65 rows), same Xeon: 2.4x at 1 row, 1.9x at 16, 1.2x at 32, 1.05x at 64, 1.01x at 128,
+# 0.94x at 256, so it takes up to 128 rows.
+DTYPE_ROWS = {torch.float32: 32 if AVX512_FORM else 128, torch.bfloat16: MAX_ROWS,
+              torch.float16: 128 if AVX512_FORM else MAX_ROWS}
 # The quantized LM head's decode rows the step ends with (where the torch path's head runs the same
 # kernel call).
 QUANTIZED_HEAD_ROWS = 4

@@ -86,7 +86,7 @@ def test_fused_step_matches_torch_path(arch, dtype, tiny_model_dir, tiny_llama_d
     llm, runner = _runner({"qwen2": tiny_model_dir, "llama": tiny_llama_dir, "qwen3": tiny_qwen3_dir}[arch], dtype)
     assert runner.native_decode is not None
     max_rows = runner.native_decode.max_rows
-    assert max_rows == {"float32": 32 if AVX512_FORM else 128, "bfloat16": 256, "float16": 256}[dtype]
+    assert max_rows == {"float32": 32 if AVX512_FORM else 128, "bfloat16": 256, "float16": 128 if AVX512_FORM else 256}[dtype]
     # Past the kernel's rows (float32) the torch path runs oneDNN's GEMMs, the fused step its own.
     kernel_rows = small_m_rows(runner.dtype)
     for rows in sorted({1, 3, 4, min(kernel_rows, max_rows), min(kernel_rows + 1, max_rows), max_rows}):
@@ -99,8 +99,11 @@ def test_fused_step_matches_torch_path(arch, dtype, tiny_model_dir, tiny_llama_d
                 # float16's norms and SiLU are the step's scalar loops, against torch's ops: their
                 # float32 sums and exp differ in the last bits, so a float16 rounding (2^-11
                 # relative) goes the other way here and there (measured: the same bits at 1-4 rows,
-                # 99.8 % of the outputs at 256, the rest one float16 ulp apart).
-                torch.testing.assert_close(a.float(), b.float(), rtol=2**-8, atol=2**-10)
+                # 99.8 % of the outputs at 256, the rest one float16 ulp apart). Past the kernel's
+                # rows oneDNN's QKV sums in another order too, and RoPE's differences of products
+                # turn an ulp of q or k (2^-10 at 1-2) into as much in a small entry (2 of 4M
+                # entries at 128 rows: 2^-9).
+                torch.testing.assert_close(a.float(), b.float(), rtol=2**-8, atol=2**-10 if same_gemm else 2**-8)
             elif same_gemm:
                 torch.testing.assert_close(a.float(), b.float(), rtol=1e-5, atol=1e-5)
             else:  # oneDNN's QKV sums in another order: an ulp (2^-8) here and there, through RoPE
