@@ -58,7 +58,9 @@ def reference() -> list[list[int]]:
         del llm
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+# n-gram here (and with a LoRA adapter below); suffix and the int4 self-draft, whose proposals the
+# same verification checks, run in the slow suite.
+@pytest.mark.parametrize("name", [n if n == "ngram" else pytest.param(n, marks=pytest.mark.slow) for n in CONFIGS])
 def test_bf16_greedy_same_with_speculation(name: str, reference: list[list[int]]) -> None:
     llm = LLM(**BASE, speculative_config=CONFIGS[name])
     got = answers(llm)

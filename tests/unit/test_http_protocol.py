@@ -4,10 +4,13 @@ idle keep-alive connection outlives the header bound, and headers that never end
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import uvicorn
@@ -37,12 +40,13 @@ def _read_response(sock: socket.socket) -> bytes:
     return data
 
 
-@pytest.fixture(params=[(h, lp) for h in ("h11", "httptools") for lp in ("asyncio", "uvloop")],
-                ids=lambda p: f"{p[0]}-{p[1]}")
-def port(request: pytest.FixtureRequest):
-    impl, loop = request.param
-    if loop == "uvloop" and sys.platform == "win32":
-        pytest.skip("uvloop is not a dependency on Windows")  # h11 and httptools are everywhere
+COMBOS = [(h, lp) for h in ("h11", "httptools") for lp in ("asyncio", "uvloop")
+          if not (lp == "uvloop" and sys.platform == "win32")]  # uvloop is not a dependency on Windows
+
+
+@contextlib.contextmanager
+def serving(impl: str, loop: str) -> Iterator[int]:
+    """A uvicorn of `app` with protocol `impl` on event loop `loop`, in a thread; yields its port."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     config = uvicorn.Config(app, log_config=None, loop=loop, timeout_keep_alive=5,
@@ -50,30 +54,45 @@ def port(request: pytest.FixtureRequest):
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    yield sock.getsockname()[1]
-    server.should_exit = True
-    thread.join(10)
-    sock.close()
+    try:
+        while not server.started:
+            time.sleep(0.01)
+        yield sock.getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
 
 
-def test_stream_keep_alive_and_header_bound(port: int) -> None:
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-        s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-        body = _read_response(s)
-        assert body.startswith(b"HTTP/1.1 200") and all(f"data: {i}\n\n".encode() in body for i in range(50))
-        time.sleep(HEADER_TIMEOUT_S * 2)  # idle between requests: the header bound is not running
-        s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert _read_response(s).startswith(b"HTTP/1.1 200")
-        s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
-        t0 = time.monotonic()
-        assert s.recv(4096) == b""
-        assert time.monotonic() - t0 < HEADER_TIMEOUT_S + 2
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:  # a new connection that sends nothing
-        t0 = time.monotonic()
-        assert s.recv(4096) == b""
-        assert time.monotonic() - t0 < HEADER_TIMEOUT_S + 2
+def check_stream_keep_alive_and_header_bound(impl: str, loop: str) -> None:
+    with serving(impl, loop) as port:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            body = _read_response(s)
+            assert body.startswith(b"HTTP/1.1 200") and all(f"data: {i}\n\n".encode() in body for i in range(50))
+            time.sleep(HEADER_TIMEOUT_S * 2)  # idle between requests: the header bound is not running
+            s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert _read_response(s).startswith(b"HTTP/1.1 200")
+            s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+            t0 = time.monotonic()
+            assert s.recv(4096) == b""
+            assert time.monotonic() - t0 < HEADER_TIMEOUT_S + 2
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:  # a new connection that sends nothing
+            t0 = time.monotonic()
+            assert s.recv(4096) == b""
+            assert time.monotonic() - t0 < HEADER_TIMEOUT_S + 2
+
+
+def test_stream_keep_alive_and_header_bound() -> None:
+    """Each protocol on each loop, a server of its own; the four at once, as the test waits
+    (idle and header timeouts) more than it computes."""
+    with ThreadPoolExecutor(len(COMBOS)) as pool:
+        futures = {combo: pool.submit(check_stream_keep_alive_and_header_bound, *combo) for combo in COMBOS}
+    for combo, future in futures.items():
+        try:
+            future.result()
+        except AssertionError as exc:
+            raise AssertionError(f"{combo[0]} on {combo[1]}: {exc}") from exc
 
 
 def test_resolve_names() -> None:
