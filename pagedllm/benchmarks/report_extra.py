@@ -130,6 +130,7 @@ def amx_section(res: Path, img_dir: Path, draw: bool = True) -> str:
         parts.append(throughput_section(t, img_dir / "bench-throughput-amx.png", draw).replace(
             "## Offline throughput", "### Offline throughput on the AMX host", 1))
     for name, title in (("amx_latency.json", "Single-request latency on the AMX host"),
+                        ("amx_float16_latency.json", "float16 against bfloat16, one request, on the AMX host"),
                         ("amx_prefill.json", "Long-context prefill on the AMX host")):
         if (m := load(res / name)) is not None:
             parts.append(f"### {title}\n\n" + latency_matrix_table(m))

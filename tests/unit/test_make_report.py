@@ -43,6 +43,7 @@ def test_report_command_writes_the_page(tmp_path):
                           ("prefill.json", "## Long-context prefill"),
                           ("amx_throughput.json", "### Offline throughput on the AMX host"),
                           ("amx_latency.json", "### Single-request latency on the AMX host"),
+                          ("amx_float16_latency.json", "### float16 against bfloat16, one request, on the AMX host"),
                           ("amx_prefill.json", "### Long-context prefill on the AMX host"),
                           ("amx_prompt256_after_t2.json", "### Prompt steps of 256 tokens on the AMX host")):
         if (ROOT / "benchmarks" / "results" / name).exists():
