@@ -413,7 +413,7 @@ typedef struct {
 /* h of the LoRA rows of blocks [b_lo, b_hi) of the step (their slot's A times x [M, K]), for
  * one linear layer; xf: this thread's scratch. */
 static void lora_shrink_step(const Step *c, const LoraLinear *ll, const void *x, int64_t K, float *h, float *xf,
-                             int64_t b_lo, int64_t b_hi) {
+                             int64_t b_lo, int64_t b_hi, void *pf) {
     const LlamaDecodeModel *md = c->md;
     const int wdt = (int)md->lora_dtype, dt = (int)md->dtype;
     const int64_t R = md->lora_rank, n = ll->num_slices * R, es = wdt == LD_F32 ? 4 : 2;
@@ -427,7 +427,7 @@ static void lora_shrink_step(const Step *c, const LoraLinear *ll, const void *x,
         const int64_t b0 = c->lora_blocks[bi], s = md->lora_slots[c->lora_order[b0]];
         const int nb = (int)(c->lora_blocks[bi + 1] - b0);
         lora_h(amx, x, K, dt, c->M, c->lora_order + b0, nb, (const char *)ll->a + s * n * K * es,
-               amx ? (const uint16_t *)ll->ap + s * pa : NULL, wdt, ll->num_slices, R, K, xf, h + bi * c->lora_hblock);
+               amx ? (const uint16_t *)ll->ap + s * pa : NULL, wdt, ll->num_slices, R, K, xf, h + bi * c->lora_hblock, pf);
     }
     lora_tiles_end(amx);
 }
@@ -435,7 +435,7 @@ static void lora_shrink_step(const Step *c, const LoraLinear *ll, const void *x,
 /* y[m, lo:hi] += the LoRA rows' deltas from h (lora_shrink_step), y [M, N] in the step's dtype;
  * K: the layer's inputs. */
 static void lora_expand_step(const Step *c, const LoraLinear *ll, const float *h, int64_t K, int64_t N, void *y,
-                             int64_t lo, int64_t hi) {
+                             int64_t lo, int64_t hi, void *pf) {
     const LlamaDecodeModel *md = c->md;
     const int wdt = (int)md->lora_dtype, dt = (int)md->dtype;
     const int64_t R = md->lora_rank, n = ll->num_slices * R, es = wdt == LD_F32 ? 4 : 2;
@@ -453,10 +453,31 @@ static void lora_expand_step(const Step *c, const LoraLinear *ll, const float *h
         for (int r = 0; r < nb; r++) yt[r] = (char *)y + c->lora_order[b0 + r] * N * ys;
         lora_expand(amx, h + bi * c->lora_hblock, nb, (const char *)ll->bt + s * n * N * es,
                     amx ? (const uint16_t *)ll->bp + s * pb : NULL, wdt, ll->num_slices, R, ll->ranges, N, lo, hi, yt,
-                    dt);
+                    dt, pf);
     }
     lora_tiles_end(amx);
 }
+
+#if HAVE_AMX_BF16
+/* The runs of packed A and B^T lora_apply reads on this thread, in its order (lora_amx.h's
+ * LoraAmxPf): the A of its blocks [b_lo, b_hi), then every block's B^T over columns [lo, hi),
+ * then over [lo2, hi2). */
+static void lora_pf_plan(const Step *c, const LoraLinear *ll, int64_t K, int64_t N, int64_t b_lo, int64_t b_hi,
+                         int64_t lo, int64_t hi, int64_t lo2, int64_t hi2, LoraAmxPf *pf) {
+    const int64_t R = c->md->lora_rank, n = ll->num_slices * R;
+    const int64_t pa = lora_amx_a_elems(n, K), pb = lora_amx_b_elems(ll->num_slices, R, N);
+    lora_amx_pf_init(pf);
+    for (int64_t bi = b_lo; bi < b_hi; bi++)
+        lora_amx_pf_a(pf, (const uint16_t *)ll->ap + c->md->lora_slots[c->lora_order[c->lora_blocks[bi]]] * pa, n, K);
+    for (int pass = 0; pass < 2; pass++) {
+        const int64_t l0 = pass ? lo2 : lo, l1 = pass ? hi2 : hi;
+        for (int64_t bi = 0; bi < c->lora_nblocks && l1 > l0; bi++)
+            lora_amx_pf_b(pf, (const uint16_t *)ll->bp + c->md->lora_slots[c->lora_order[c->lora_blocks[bi]]] * pb,
+                          ll->num_slices, R, ll->ranges, N, l0, l1);
+    }
+    lora_amx_pf_advance(pf, LORA_AMX_LEAD);
+}
+#endif
 #endif
 
 /* Layer l's LoRA of one linear layer where the step has LoRA rows and the layer has slots, or NULL. */
@@ -474,15 +495,19 @@ static void lora_apply(const Step *c, const LoraLinear *ll, const void *x, int64
 #if defined(LORA_BLOCKS)
     if (ll == NULL) return;
     float *h = c->lora_buf, *xf = c->lora_buf + c->lora_hsize + tid * c->lora_scratch;
-    const int64_t nb = c->lora_nblocks;
-    if (c->team) {
-        lora_shrink_step(c, ll, x, K, h, xf, nb * tid / nth, nb * (tid + 1) / nth);
-        team_sync(1);
-    } else {
-        lora_shrink_step(c, ll, x, K, h, xf, 0, nb);
+    const int64_t nb = c->lora_nblocks, b_lo = c->team ? nb * tid / nth : 0, b_hi = c->team ? nb * (tid + 1) / nth : nb;
+    void *pf = NULL;
+#if HAVE_AMX_BF16
+    LoraAmxPf pfs;
+    if (lora_amx_take(ll->ap, ll->bp, (int)c->md->dtype, (int)c->md->lora_dtype, K)) {
+        lora_pf_plan(c, ll, K, N, b_lo, b_hi, lo, hi, lo2, hi2, &pfs);
+        pf = &pfs;
     }
-    lora_expand_step(c, ll, h, K, N, y, lo, hi);
-    if (hi2 > lo2) lora_expand_step(c, ll, h, K, N, y, lo2, hi2);
+#endif
+    lora_shrink_step(c, ll, x, K, h, xf, b_lo, b_hi, pf);
+    team_sync(c->team);
+    lora_expand_step(c, ll, h, K, N, y, lo, hi, pf);
+    if (hi2 > lo2) lora_expand_step(c, ll, h, K, N, y, lo2, hi2, pf);
 #else
     (void)c, (void)ll, (void)x, (void)K, (void)y, (void)N, (void)lo, (void)hi, (void)lo2, (void)hi2, (void)tid,
         (void)nth;

@@ -107,37 +107,39 @@ static inline void lora_tiles_end(int amx) {
 }
 
 /* h of a block of nb <= LORA_RB_MAX rows of one slot (rows: their indices in x, T rows ldx
- * apart): on the tiles where amx (lora_amx_take; ap: the slot's packed A, h then bf16), else
- * LORA_RB rows at a time by the ISA form (as: the slot's A, h [nb][n] float32). */
+ * apart): on the tiles where amx (lora_amx_take; ap: the slot's packed A, h then bf16; pf: the
+ * thread's LoraAmxPf or NULL), else LORA_RB rows at a time by the ISA form (as: the slot's A,
+ * h [nb][n] float32). */
 static void lora_h(int amx, const void *x, int64_t ldx, int x_dt, int64_t T, const int64_t *rows, int nb,
                    const char *as, const void *ap, int w_dt, int64_t num_slices, int64_t R, int64_t K, float *scratch,
-                   float *h) {
+                   float *h, void *pf) {
     const int64_t n = num_slices * R;
 #if HAVE_AMX_BF16
     if (amx) {
         lora_amx_block_h((const uint16_t *)x, ldx, T, rows, nb, (const uint16_t *)ap, num_slices, R, K, scratch,
-                         (uint16_t *)h);
+                         (uint16_t *)h, (LoraAmxPf *)pf);
         return;
     }
 #else
-    (void)amx, (void)T, (void)ap;
+    (void)amx, (void)T, (void)ap, (void)pf;
 #endif
     for (int g = 0; g < nb; g += LORA_RB)
         lora_block_h(x, ldx, x_dt, rows + g, nb - g < LORA_RB ? nb - g : LORA_RB, as, w_dt, n, K, scratch, h + g * n);
 }
 
-/* yt[r][lo:hi] += the deltas of a block's nb rows from their h (lora_h, the same amx). */
+/* yt[r][lo:hi] += the deltas of a block's nb rows from their h (lora_h, the same amx and pf). */
 static void lora_expand(int amx, const float *h, int nb, const char *bs, const void *bp, int w_dt, int64_t num_slices,
-                        int64_t R, const int64_t *ranges, int64_t N, int64_t lo, int64_t hi, char *const *yt, int y_dt) {
+                        int64_t R, const int64_t *ranges, int64_t N, int64_t lo, int64_t hi, char *const *yt, int y_dt,
+                        void *pf) {
     const int64_t n = num_slices * R;
 #if HAVE_AMX_BF16
     if (amx) {
         lora_amx_block_expand((const uint16_t *)h, nb, (const uint16_t *)bp, num_slices, R, ranges, N, lo, hi, yt,
-                              y_dt);
+                              y_dt, (LoraAmxPf *)pf);
         return;
     }
 #else
-    (void)amx, (void)bp;
+    (void)amx, (void)bp, (void)pf;
 #endif
     for (int g = 0; g < nb; g += LORA_RB)
         lora_block_expand(h + g * n, nb - g < LORA_RB ? nb - g : LORA_RB, bs, w_dt, num_slices, R, ranges, N, lo, hi,
@@ -196,6 +198,11 @@ int lora_sgmv(const void *x, int64_t ldx, int x_dt, int64_t T, const int32_t *sl
                 failed = 1;
             } else {
                 float *h = xf + sf;
+#if HAVE_AMX_BF16
+                LoraAmxPf pfs, *pf = amx ? &pfs : NULL;
+#else
+                void *pf = NULL;
+#endif
 #pragma omp for schedule(static)
                 for (int64_t bi = 0; bi < nblocks; bi++) {
                     const int64_t b0 = blocks[bi];
@@ -203,11 +210,23 @@ int lora_sgmv(const void *x, int64_t ldx, int x_dt, int64_t T, const int32_t *sl
                     const int32_t s = slots[order[b0]];
                     char *yt[LORA_RB_MAX] = {0};
                     for (int r = 0; r < nb; r++) yt[r] = (char *)y + (size_t)(order[b0 + r] * ldy) * ys;
+#if HAVE_AMX_BF16
+                    if (pf) { /* this block's A and B^T, then the next block's where its slot differs */
+                        lora_amx_pf_init(pf);
+                        for (int64_t bj = bi; bj < nblocks && bj < bi + 2; bj++) {
+                            const int32_t sj = slots[order[blocks[bj]]];
+                            if (bj > bi && sj == s) break;
+                            lora_amx_pf_a(pf, (const uint16_t *)ap + sj * pa, n, K);
+                            lora_amx_pf_b(pf, (const uint16_t *)bp + sj * pb, num_slices, R, ranges, N, 0, N);
+                        }
+                        lora_amx_pf_advance(pf, LORA_AMX_LEAD);
+                    }
+#endif
                     lora_h(amx, x, ldx, x_dt, T, order + b0, nb, (const char *)a + (size_t)s * n * K * es,
-                           amx ? (const uint16_t *)ap + s * pa : NULL, w_dt, num_slices, R, K, xf, h);
+                           amx ? (const uint16_t *)ap + s * pa : NULL, w_dt, num_slices, R, K, xf, h, pf);
                     lora_expand(amx, h, nb, (const char *)bt + (size_t)s * n * N * es,
                                 amx ? (const uint16_t *)bp + s * pb : NULL, w_dt, num_slices, R, ranges, N, 0, N, yt,
-                                y_dt);
+                                y_dt, pf);
                 }
                 lora_tiles_end(amx);
                 free(xf);
