@@ -8,6 +8,7 @@ import platform
 import shlex
 import subprocess
 import sys
+import statistics
 import threading
 import time
 from pathlib import Path
@@ -155,6 +156,30 @@ def measure_copy_bandwidth(nbytes: int = 256 << 20, seconds: float | None = None
         best = max(best, 2 * nbytes / dt)
         if time.perf_counter() > deadline:
             return best
+
+
+def measure_read_bandwidth(nbytes: int = 256 << 20, seconds: float | None = None) -> float:
+    """Bytes/s of a read-only pass over a large tensor (a float32 sum on torch's threads), the
+    median of the passes timed for `seconds` (default half of PAGEDLLM_BENCH_PEAK_SECONDS, 1 s):
+    the rate a decode step's weight reads can reach, as the host runs now. A decode step only
+    reads its weights; a copy also writes (measure_copy_bandwidth), and where reads run faster
+    than a copy a decode beats the copy roofline. The median, not the best pass, because a
+    shared host's best pass comes from a quiet moment that the decode it is set against may not
+    have had."""
+    import torch
+
+    if seconds is None:
+        seconds = envs.PAGEDLLM_BENCH_PEAK_SECONDS / 2
+    src = torch.ones(nbytes // 4)
+    src.sum()  # warm-up (commits the pages)
+    rates: list[float] = []
+    deadline = time.perf_counter() + seconds
+    while True:
+        t0 = time.perf_counter()
+        src.sum()
+        rates.append(nbytes / (time.perf_counter() - t0))
+        if time.perf_counter() > deadline and len(rates) >= 3:
+            return statistics.median(rates)
 
 
 def temporaries_faults(steps: int, tensors: int = 6, mib: int = 24) -> list[int]:

@@ -17,7 +17,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from pagedllm.benchmarks.env import measure_copy_bandwidth, measure_matmul_peak, run_metadata
+from pagedllm.benchmarks.env import measure_copy_bandwidth, measure_matmul_peak, measure_read_bandwidth, run_metadata
 from pagedllm.benchmarks.flops import ModelShape
 from pagedllm.benchmarks.workloads import random_workload, vocab_info
 from pagedllm.config import SchedulerConfig
@@ -36,6 +36,7 @@ def run_latency(model: str | None, engine_kwargs: dict[str, Any], input_len: int
                          f"{input_len}, {output_len}, {num_iters}, {num_warmup}")
     meta = run_metadata()
     peak_bw = measure_copy_bandwidth()
+    read_before = measure_read_bandwidth()
     kwargs = dict(engine_kwargs)
     kwargs["enable_prefix_caching"] = False
     kwargs["max_num_batched_tokens"] = max(kwargs.get("max_num_batched_tokens") or SchedulerConfig.max_num_batched_tokens, input_len)
@@ -60,6 +61,9 @@ def run_latency(model: str | None, engine_kwargs: dict[str, Any], input_len: int
             steps.append(time.perf_counter() - s0)
         if it >= num_warmup:
             iters.append({"prefill_s": steps[0], "decode_s": steps[1:], "total_s": sum(steps)})
+    # The weight-read roofline's rate: the host's read rate just before and just after the runs.
+    read_after = measure_read_bandwidth()
+    read_bw = (read_before + read_after) / 2
 
     prefill = statistics.median(i["prefill_s"] for i in iters)
     decode = statistics.median(statistics.fmean(i["decode_s"]) for i in iters)
@@ -83,6 +87,8 @@ def run_latency(model: str | None, engine_kwargs: dict[str, Any], input_len: int
         "ready_time": ready,
         "peak_matmul_flops_per_s": peak_flops,
         "peak_copy_bytes_per_s": peak_bw,
+        "read_bytes_per_s": {"before": read_before, "after": read_after},
+        "peak_read_bytes_per_s": read_bw,
         "prefill_ms": 1000 * prefill,
         "decode_ms_per_token": 1000 * decode,
         "request_latency_s": total,
@@ -93,6 +99,7 @@ def run_latency(model: str | None, engine_kwargs: dict[str, Any], input_len: int
         "decode_fraction_of_peak_flops": decode_flops / decode / peak_flops,
         "decode_weight_bandwidth": weight_bytes / decode,
         "decode_weight_fraction_of_peak_bw": weight_bytes / decode / peak_bw,
+        "decode_weight_fraction_of_read_bw": weight_bytes / decode / read_bw,
         "decode_weight_kv_bandwidth": (weight_bytes + kv_bytes) / decode,
         "iterations": [{"prefill_ms": 1000 * i["prefill_s"], "decode_ms_per_token": 1000 * statistics.fmean(i["decode_s"]),
                         "total_s": i["total_s"]} for i in iters],
@@ -124,6 +131,13 @@ def decode_read_bytes(model: torch.nn.Module) -> int:
     return sum(read.values())
 
 
+def _read_share(r: dict[str, Any]) -> str:
+    """"NN% of the X GB/s read rate, " where the run measured it (results before it did not)."""
+    if r.get("peak_read_bytes_per_s") is None:
+        return ""
+    return f"{100 * r['decode_weight_fraction_of_read_bw']:.0f}% of the {r['peak_read_bytes_per_s'] / 1e9:.1f} GB/s read rate, "
+
+
 def format_latency(r: dict[str, Any]) -> str:
     g = 1e9
     return "\n".join([
@@ -134,7 +148,7 @@ def format_latency(r: dict[str, Any]) -> str:
         f"decode per token   {r['decode_ms_per_token']:9.2f} ms    {r['decode_flops_per_s'] / g:7.1f} GFLOP/s "
         f"({100 * r['decode_fraction_of_peak_flops']:.0f}% of peak), {r['decode_tokens_per_s']:.1f} tokens/s",
         f"decode bandwidth   {r['decode_weight_bandwidth'] / g:9.2f} GB/s of weights "
-        f"({100 * r['decode_weight_fraction_of_peak_bw']:.0f}% of the {r['peak_copy_bytes_per_s'] / g:.1f} GB/s copy peak); "
+        f"({_read_share(r)}{100 * r['decode_weight_fraction_of_peak_bw']:.0f}% of the {r['peak_copy_bytes_per_s'] / g:.1f} GB/s copy peak); "
         f"{r['decode_weight_kv_bandwidth'] / g:.2f} GB/s with the KV cache",
         f"request latency    {r['request_latency_s']:9.2f} s",
     ])

@@ -260,6 +260,12 @@ def test_bench_latency_per_dtype_with_peers(tiny_model_dir, tmp_path, capsys) ->
     for row in report["runs"]:
         assert row["pagedllm"]["model"]["dtype"] == row["dtype"]
         assert 0 < row["pagedllm"]["decode_weight_fraction_of_peak_bw"]
+        # the weight-read roofline: the read rate before and after the runs, averaged
+        ours = row["pagedllm"]
+        assert ours["read_bytes_per_s"]["before"] > 0 and ours["read_bytes_per_s"]["after"] > 0
+        assert ours["peak_read_bytes_per_s"] == (ours["read_bytes_per_s"]["before"] + ours["read_bytes_per_s"]["after"]) / 2
+        assert ours["decode_weight_fraction_of_read_bw"] == pytest.approx(
+            ours["model"]["decode_weight_bytes"] / (ours["decode_ms_per_token"] / 1000) / ours["peak_read_bytes_per_s"])
         # A 4-token decode of a tiny model can be too short to time: then the ratio is None ('-').
         assert row["hf"]["ok"] and row["hf"]["pagedllm_prefill_speedup"] > 0
         assert row["hf"]["pagedllm_decode_speedup"] is None or row["hf"]["pagedllm_decode_speedup"] > 0
