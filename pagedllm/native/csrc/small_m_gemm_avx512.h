@@ -47,7 +47,7 @@ static inline __attribute__((always_inline)) void gemm_tile_f32(const float *x, 
         __m512 wv[NR];
         for (int r = 0; r < NR; r++) wv[r] = _mm512_loadu_ps(w + (n0 + (r < nr ? r : 0)) * K + k);
         if (pf != NULL && pf_phase-- == 0) {
-            for (int r = 0; r < NR; r++) _mm_prefetch((const char *)(pf + r * K + k), _MM_HINT_T0);
+            for (int r = 0; r < NR; r++) _mm_prefetch((const char *)(pf + r * K + k), _MM_HINT_T1);
             pf_phase = pf_every - 1;
         }
         for (int64_t m = 0; m < mr; m++) {
@@ -75,7 +75,7 @@ static inline __attribute__((always_inline)) void gemm_tile_bf16(const uint16_t 
         __m512bh wv[NR];
         for (int r = 0; r < NR; r++) wv[r] = (__m512bh)_mm512_loadu_si512((const void *)(w + (n0 + (r < nr ? r : 0)) * K + k));
         if (pf != NULL && pf_phase-- == 0) {
-            for (int r = 0; r < NR; r++) _mm_prefetch((const char *)(pf + r * K + k), _MM_HINT_T0);
+            for (int r = 0; r < NR; r++) _mm_prefetch((const char *)(pf + r * K + k), _MM_HINT_T1);
             pf_phase = pf_every - 1;
         }
         for (int64_t m = 0; m < mr; m++) {
@@ -119,7 +119,7 @@ static inline __attribute__((always_inline)) void gemm_tile_f16(const float *x, 
             whi[r] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(v, 1));
         }
         if (pf != NULL && pf_phase-- == 0) {
-            for (int r = 0; r < NR; r++) _mm_prefetch((const char *)(pf + r * K + k), _MM_HINT_T0);
+            for (int r = 0; r < NR; r++) _mm_prefetch((const char *)(pf + r * K + k), _MM_HINT_T1);
             pf_phase = pf_every - 1;
         }
         for (int64_t m = 0; m < mr; m++) {
