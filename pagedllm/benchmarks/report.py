@@ -52,7 +52,7 @@ DOC = ROOT / "docs" / "benchmarks.md"
 
 # Hand-written notes (benchmarks/results/*.md) rendered after the generated sections, in this order.
 NOTES = ("sampling.md", "waiting_queue.md", "cpu_contention.md", "serve_single_stream.md", "serve_soak.md", "chaos_runs.md",
-         "guidellm.md", "avx2.md", "zen3.md")
+         "guidellm.md", "avx2.md", "zen3.md", "zen4.md")
 
 # Scripts under benchmarks/ that recorded commands may still name, and their commands now.
 MOVED = {
