@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
-import statistics
 import threading
 import time
 from pathlib import Path
