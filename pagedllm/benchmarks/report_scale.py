@@ -66,16 +66,17 @@ def _throughput(t: dict[str, Any]) -> str:
     return out + "\n" + run_block(t.get("meta"))
 
 
-def _roofline(ours: dict[str, Any]) -> str:
-    """The weight-read roofline cell: the read rate measured around the runs where the run has it,
-    else (results from before it) the copy peak."""
+def _roofline(row: dict[str, Any]) -> str:
+    """The weight-read roofline cell: the row's fraction (scale.weight_roofline_fraction: of the read
+    rate measured around the runs where the run has it, else, in results from before it, of the copy
+    peak), with the copy figure beside a read one."""
+    ours, frac = row["pagedllm"], 100 * row["pagedllm_fraction_of_weight_roofline"]
     weights = f"({ours['model']['decode_weight_bytes'] / 1e9:.2f} GB)"
-    if ours.get("peak_read_bytes_per_s") is not None:
-        return (f"{100 * ours['decode_weight_fraction_of_read_bw']:.0f} % of {ours['peak_read_bytes_per_s'] / 1e9:.1f} GB/s "
-                f"read {weights}; {100 * ours['decode_weight_fraction_of_peak_bw']:.0f} % of "
-                f"{ours['peak_copy_bytes_per_s'] / 1e9:.1f} GB/s copy")
-    return (f"{100 * ours['decode_weight_fraction_of_peak_bw']:.0f} % of "
-            f"{ours['peak_copy_bytes_per_s'] / 1e9:.1f} GB/s copy {weights}")
+    copy = f"{ours['peak_copy_bytes_per_s'] / 1e9:.1f} GB/s copy"
+    if ours.get("peak_read_bytes_per_s") is None:
+        return f"{frac:.0f} % of {copy} {weights}"
+    return (f"{frac:.0f} % of {ours['peak_read_bytes_per_s'] / 1e9:.1f} GB/s read {weights}; "
+            f"{100 * ours['decode_weight_fraction_of_peak_bw']:.0f} % of {copy}")
 
 
 def _single_stream(s: dict[str, Any]) -> str:
@@ -85,7 +86,7 @@ def _single_stream(s: dict[str, Any]) -> str:
         if ours.get("ok"):
             rows.append([f"pagedllm {row['pagedllm_scheme']}", f"{ours['decode_tokens_per_s']:.2f}",
                          f"{ours['prefill_ms']:.0f}",
-                         _roofline(ours),
+                         _roofline(row),
                          _gib(ours), f"{ours['startup_s']:.1f}", ""])
         else:
             rows.append([f"pagedllm {row['pagedllm_scheme']}", "skipped: " + ours["reason"][:200], "", "", "", "", ""])
