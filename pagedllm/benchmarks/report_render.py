@@ -9,7 +9,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-from pagedllm.benchmarks.script import ROOT as REPO
 
 GIB = 1 << 30
 SOURCE = "_source"  # key added to every run's meta: the result file it was read from
@@ -89,9 +88,18 @@ def machine(meta: dict[str, Any] | None) -> str:
     return f"{name}, {isa}"
 
 
+def checkout_relative(text: str) -> str:
+    """`text` with the absolute directories of a checkout's virtual environments left out.
+
+    A run records the paths it was given (`/home/u/pagedllm/.venv-peers/bin/python`); the page shows
+    them as they lie in any checkout (`.venv-peers/bin/python`), so it renders the same wherever the
+    repository was cloned."""
+    return re.sub(r"(?<![\w.-])/\S*?/(\.venv[\w.-]*)(?=/|\s|$)", r"\1", text)
+
+
 def command(meta: dict[str, Any] | None) -> str:
-    """The run's command with this checkout's absolute path left out."""
-    cmd = str((meta or {}).get("command", "?")).replace(str(REPO) + "/", "")
+    """The run's command as a user of any checkout would type it."""
+    cmd = checkout_relative(str((meta or {}).get("command", "?")))
     # The CLI run as a script from a checkout (`python pagedllm/entrypoints/cli.py bench ...`) is `pagedllm`.
     return re.sub(r"^\S*pagedllm/entrypoints/cli\.py(?= )", "pagedllm", cmd)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pagedllm.benchmarks.report_render import GIB, fmt, machine, pyplot, run_block, table
+from pagedllm.benchmarks.report_render import GIB, checkout_relative, fmt, machine, pyplot, run_block, table
 
 
 def throughput_section(r: dict[str, Any], img: Path, draw: bool = True) -> str:
@@ -114,8 +114,9 @@ def serve_section(reports: list[dict[str, Any]], img: Path, ratios: list[dict[st
         wl = r["workload"]
         parts.append(f"\n### {r['server']}\n\n" + run_block(r.get("meta")))
         if r.get("server_command"):
-            parts.append(f"\nServer: `{r['server_command']}`, healthy {fmt(r.get('server_startup_s'))} s after "
-                         f"launch, peak RSS {fmt(r.get('server_peak_rss_bytes', 0) / GIB, '.2f')} GiB.\n")
+            parts.append(f"\nServer: `{checkout_relative(r['server_command'])}`, healthy "
+                         f"{fmt(r.get('server_startup_s'))} s after launch, peak RSS "
+                         f"{fmt(r.get('server_peak_rss_bytes', 0) / GIB, '.2f')} GiB.\n")
         parts.append(f"\nWorkload: {wl['num_requests']} requests, prompts {wl.get('input_len_range', '')}, outputs "
                      f"{wl.get('output_len_range', '')}, streamed /v1/completions, greedy, ignore_eos.\n\n")
         rows = []

@@ -20,6 +20,22 @@ def test_docs_benchmarks_md_is_generated_from_the_committed_results():
         "(edit benchmarks/results/*.md or pagedllm/benchmarks/report*.py, not the page)")
 
 
+def test_page_names_no_checkout_path():
+    """Runs record the paths they were given; the page shows a checkout's virtual environments by
+    their names inside any checkout, so it renders the same wherever the repository was cloned."""
+    from pagedllm.benchmarks.report_render import checkout_relative, command
+
+    assert checkout_relative("/srv/a b/x") == "/srv/a b/x"
+    assert (checkout_relative("/home/u/pagedllm/.venv-peers/bin/python -m vllm --model /root/m")
+            == ".venv-peers/bin/python -m vllm --model /root/m")
+    assert (command({"command": "pagedllm bench ttft --peers-venv /work/co/.venv-peers --guidellm-venv "
+                                "/work/co/.venv-guidellm --x 1"})
+            == "pagedllm bench ttft --peers-venv .venv-peers --guidellm-venv .venv-guidellm --x 1")
+    assert (command({"command": "/srv/wt/pagedllm/entrypoints/cli.py bench scale --merge"})
+            == "pagedllm bench scale --merge")
+    assert str(ROOT) + "/" not in (ROOT / "docs" / "benchmarks.md").read_text()
+
+
 def test_headline_table_names_cpu_isa_and_commit_of_every_row():
     from pagedllm.benchmarks.report import RESULTS
     from pagedllm.benchmarks.report_headline import headline_rows
