@@ -9,8 +9,13 @@ machine this runs on is shared, and wall-clock step times of the same work varie
 runs minutes apart, while CPU time of a single thread stays with the work done. With more than
 one thread (`Setup.threads`, as a server runs on a multi-core host) CPU time counts every thread's
 work and spin, so the clock is wall time instead, and the machine must be otherwise quiet.
-A non-negative least-squares fit of step time on [1, tokens, prefill pairs, decode context,
-sequences, sampled rows, 1 if the step computes prompt tokens] gives the profile's rates.
+A non-negative least-squares fit of step time gives the profile's rates. Its regressors are
+[1, tokens, prefill pairs, decode context, sequences, sampled rows, 1 if the step computes prompt
+tokens], with tokens and the prompt indicator split in two by the step's size: steps of at most
+`small_step_tokens(dtype)` tokens (the small-M kernel's row limit, where a GEMM streams the weights
+once for all its rows) and larger ones (oneDNN's blocked GEMMs) each get their own cost per token
+and per prompt step. A step is stored as its 7 measured features (`StepFeatures.as_row`), so a
+stored validation can be fitted again under a changed model (`refit_validation`).
 """
 
 from __future__ import annotations
@@ -32,7 +37,29 @@ from pagedllm.simulator.worker import SimWorker
 logger = logging.getLogger(__name__)
 
 FIT_TERMS = ("step_s", "per_token_s", "per_prefill_pair_s", "per_decode_context_s", "per_seq_s", "per_sample_s",
-             "prompt_step_s")
+             "prompt_step_s", "per_small_step_token_s", "small_prompt_step_s")
+
+
+def small_step_tokens(dtype: str) -> int:
+    """The most tokens a step may hold for its GEMMs to run the small-M kernel on this CPU in `dtype`
+    (0 where the kernel does not run)."""
+    import torch
+
+    from pagedllm.layers.native_linear import small_m_rows
+
+    return small_m_rows(getattr(torch, dtype))
+
+
+def design(rows: list[list[float]], small_tokens: int) -> np.ndarray:
+    """The fit's regressors (FIT_TERMS' order) from stored step features (StepFeatures.as_row):
+    tokens and the prompt-step indicator go to the small-step columns in steps of at most
+    `small_tokens` tokens."""
+    x = np.asarray(rows, dtype=float).reshape(-1, 7)
+    small = (x[:, 1] > 0) & (x[:, 1] <= small_tokens)
+    big_tokens, small_tokens_col = np.where(small, 0.0, x[:, 1]), np.where(small, x[:, 1], 0.0)
+    big_prompt, small_prompt = np.where(small, 0.0, x[:, 6]), np.where(small, x[:, 6], 0.0)
+    return np.column_stack([x[:, 0], big_tokens, x[:, 2], x[:, 3], x[:, 4], x[:, 5], big_prompt, small_tokens_col,
+                            small_prompt])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,14 +171,17 @@ def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def fit_profile(model: SimModel, rows: list[list[float]], seconds: list[float], swap_bw: float,
-                memory_bytes: int, name: str) -> tuple[HardwareProfile, dict[str, Any]]:
-    """Profile rates from the fitted coefficients (seconds per regressor)."""
-    x, y = np.asarray(rows, dtype=float), np.asarray(seconds, dtype=float)
+                memory_bytes: int, name: str, small_tokens: int = 0) -> tuple[HardwareProfile, dict[str, Any]]:
+    """Profile rates from the fitted coefficients (seconds per regressor); steps of at most
+    `small_tokens` tokens get their own per-token and prompt-step costs (0: one cost for all)."""
+    x, y = design(rows, small_tokens), np.asarray(seconds, dtype=float)
     c = nnls(x, y)
     pred = x @ c
-    step, per_tok, per_pair, per_ctx, per_seq, per_sample, prompt_step = (float(v) for v in c)
+    step, per_tok, per_pair, per_ctx, per_seq, per_sample, prompt_step, per_small_tok, small_prompt = map(float, c)
     if per_tok <= 0:
         raise RuntimeError("calibration found no per-token cost: the calibration runs were too small")
+    if small_tokens and per_small_tok <= 0:
+        raise RuntimeError(f"calibration found no per-token cost of steps of at most {small_tokens} tokens")
     gemm_flops = model.flops_per_token / per_tok
     profile = HardwareProfile(
         name=name,
@@ -163,6 +193,9 @@ def fit_profile(model: SimModel, rows: list[list[float]], seconds: list[float], 
         per_seq_s=per_seq,
         per_sample_s=max(0.0, per_sample - model.lm_head_flops / gemm_flops),
         prompt_step_s=prompt_step,
+        small_step_tokens=small_tokens,
+        small_step_gemm_flops=model.flops_per_token / per_small_tok if small_tokens else None,
+        small_prompt_step_s=small_prompt,
         swap_bw=swap_bw,
         copy_bw=swap_bw,
         memory_bytes=memory_bytes,
@@ -221,8 +254,8 @@ def measure_swap_bw(model: str | None, setup: Setup = Setup()) -> float:
     return llm.llm_engine.executor.measure_preemption_rates()[1]
 
 
-def profile_from_steps(model: str | None, steps: list[tuple[list[float], float]],
-                       swap_bw: float, setup: Setup = Setup()) -> tuple[HardwareProfile, dict[str, Any]]:
+def profile_from_steps(model: str | None, steps: list[tuple[list[float], float]], swap_bw: float,
+                       setup: Setup = Setup(), small_tokens: int = 0) -> tuple[HardwareProfile, dict[str, Any]]:
     import os
     import platform
 
@@ -231,14 +264,15 @@ def profile_from_steps(model: str | None, steps: list[tuple[list[float], float]]
     sim_model = model_from_checkpoint(model, setup.dtype)
     name = f"cpu-{platform.node() or 'host'}-{psutil.cpu_count()}cores"
     profile, fit = fit_profile(sim_model, [r for r, _ in steps], [s for _, s in steps], swap_bw,
-                               psutil.virtual_memory().total, name)
+                               psutil.virtual_memory().total, name, small_tokens)
     source = {**profile.source, "swap_copy_bytes_per_s": swap_bw, "load_average": list(os.getloadavg()),
               "dtype": setup.dtype, "threads": setup.threads}
     return dataclasses.replace(profile, source=source), fit
 
 
 def calibrate(model: str | None, quick: bool = False, setup: Setup = Setup()) -> tuple[HardwareProfile, dict[str, Any]]:
-    return profile_from_steps(model, calibration_steps(model, quick, setup), measure_swap_bw(model, setup), setup)
+    return profile_from_steps(model, calibration_steps(model, quick, setup), measure_swap_bw(model, setup), setup,
+                              small_step_tokens(setup.dtype))
 
 
 # ---- validation -------------------------------------------------------------------------------
@@ -311,7 +345,7 @@ def fitted_steps(calibration: list[tuple[list[float], float]], runs: list[dict[s
 
 
 def validate(model: str | None, runs: list[dict[str, Any]], calibration: list[tuple[list[float], float]],
-             swap_bw: float, setup: Setup = Setup()) -> list[dict[str, Any]]:
+             swap_bw: float, setup: Setup = Setup(), small_tokens: int = 0) -> list[dict[str, Any]]:
     """Simulator vs real engine per run. Each run is simulated with a profile fitted on the steps
     of the calibration workloads and of every *other* run (leave one out), never its own; the
     held-out runs' steps are in no fit."""
@@ -319,7 +353,7 @@ def validate(model: str | None, runs: list[dict[str, Any]], calibration: list[tu
     keys = ("elapsed_s", "output_tok_s", "mean_ttft_s", "p99_ttft_s", "mean_tpot_s")
     rows = []
     for i, r in enumerate(runs):
-        profile, _ = profile_from_steps(model, fitted_steps(calibration, runs, i), swap_bw, setup)
+        profile, _ = profile_from_steps(model, fitted_steps(calibration, runs, i), swap_bw, setup, small_tokens)
         sim = simulate_like(r["engine_args"], profile, sim_model, r["trace"], r["run"].num_kv_blocks)
         real = r["summary"]
         row = {
@@ -335,3 +369,48 @@ def validate(model: str | None, runs: list[dict[str, Any]], calibration: list[tu
                     100 * row["ttft_err"])
         rows.append(row)
     return rows
+
+
+def stored_runs(stored: dict[str, Any]) -> tuple[list[tuple[list[float], float]], list[dict[str, Any]]]:
+    """The calibration steps and the real validation runs of a validation JSON that
+    `pagedllm simulate calibrate --validate` wrote: each run's measured steps and real summary as
+    recorded, its trace made again from the same seeds."""
+    for i, row in enumerate(stored["rows"]):
+        missing = [k for k in ("name", "mode", "held_out", "engine_args", "real") if k not in row]
+        if missing:
+            raise ValueError(f"validation row {i} has no {', '.join(map(repr, missing))}: written by an older "
+                             "`simulate calibrate --validate`, it cannot be fitted again")
+    quick = "--quick" in str(stored.get("meta", {}).get("command", ""))
+    steps_by_run = {(v["name"], v["mode"]): v["steps"] for v in stored["validation_steps"]}
+    calibration = [(list(r), float(t)) for r, t in stored["calibration_steps"]]
+    runs = []
+    for row in stored["rows"]:
+        mode = row["mode"]
+        trace = held_out_trace(mode, quick) if row["held_out"] else validation_trace(mode, quick)
+        real = row["real"]
+        run = RealRun([], real["elapsed_s"], [(list(r), float(t)) for r, t in steps_by_run[(row["name"], mode)]],
+                      dict(real.get("preemptions_by_mode", {})), int(row["engine_args"]["num_kv_blocks"]))
+        runs.append({"name": row["name"], "mode": mode, "engine_args": row["engine_args"], "trace": trace,
+                     "run": run, "held_out": row["held_out"], "summary": real})
+    return calibration, runs
+
+
+def refit_validation(stored: dict[str, Any], model: str | None = None,
+                     small_tokens: int | None = None) -> tuple[HardwareProfile, dict[str, Any], list[dict[str, Any]]]:
+    """A stored validation fitted and simulated again under this cost model, without the engine:
+    the profile fitted on its steps (held-out ones excluded) and the rows of `validate`.
+    `small_tokens` defaults to the stored profile's `small_step_tokens`."""
+    source = stored["profile"].get("source", {})
+    setup = Setup(source.get("dtype", "float32"), int(source.get("threads", 1)))
+    if small_tokens is None:
+        small_tokens = int(stored["profile"].get("small_step_tokens", 0))
+    if small_tokens < 0:
+        raise ValueError(f"small_step_tokens must be non-negative, got {small_tokens}")
+    swap_bw = float(source.get("swap_copy_bytes_per_s") or stored["profile"]["swap_bw"])
+    calibration, runs = stored_runs(stored)
+    profile, fit = profile_from_steps(model, fitted_steps(calibration, runs), swap_bw, setup, small_tokens)
+    profile = dataclasses.replace(profile, name=stored["profile"].get("name", profile.name),
+                                  source={**profile.source, "load_average": source.get("load_average"),
+                                          "refit_of": stored.get("meta", {})})
+    rows = validate(model, runs, calibration, swap_bw, setup, small_tokens)
+    return profile, fit, rows

@@ -73,7 +73,9 @@ def add_simulate_parser(sub: Any) -> None:
     subs = p.add_subparsers(dest="simulate_command", metavar="{calibrate}")
     c = subs.add_parser("calibrate", help="measure this machine with the real engine; write a profile JSON")
     c.add_argument("--model", default=None, help="model the real engine runs (default: the embedded default)")
-    c.add_argument("--output", default="benchmarks/results/sim/profile-cpu.json", help="profile JSON to write")
+    c.add_argument("--output", default=None,
+                   help="profile JSON to write (default benchmarks/results/sim/profile-cpu.json; with --refit, "
+                        "written only where given)")
     c.add_argument("--validate", default=None, metavar="JSON",
                    help="then run the validation configurations (real engine vs simulator) and write them here")
     c.add_argument("--quick", action="store_true", help="smaller calibration and validation workloads")
@@ -82,6 +84,13 @@ def add_simulate_parser(sub: Any) -> None:
     c.add_argument("--threads", type=int, default=1,
                    help="the engine's threads; 1 times steps in CPU seconds (robust on a shared machine), more "
                         "in wall seconds (as a server runs them; the machine must be otherwise quiet)")
+    c.add_argument("--refit", default=None, metavar="JSON",
+                   help="run no engine: fit and validate again from a validation JSON written by --validate "
+                        "(its measured steps and real runs) under this version's cost model")
+    c.add_argument("--small-step-tokens", type=int, default=None, metavar="N",
+                   help="steps of at most N tokens get their own cost per token and per prompt step (default: "
+                        "the small-M kernel's row limit for the dtype on this CPU; with --refit, the stored "
+                        "profile's; 0: one cost for all steps)")
     c.set_defaults(func=cmd_calibrate)
 
 
@@ -233,11 +242,19 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         measure_swap_bw,
         profile_from_steps,
         real_validation_runs,
+        small_step_tokens,
         validate,
     )
 
     from pagedllm.benchmarks.env import run_metadata
 
+    if args.small_step_tokens is not None and args.small_step_tokens < 0:
+        print(f"pagedllm simulate calibrate: --small-step-tokens must be non-negative, got {args.small_step_tokens}",
+              file=sys.stderr)
+        return 2
+    if args.refit:
+        return _refit(args)
+    args.output = args.output or "benchmarks/results/sim/profile-cpu.json"
     try:
         setup = Setup(args.dtype, args.threads)
     except ValueError as e:
@@ -246,24 +263,60 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     # The threads, set before torch loads: on one thread step times are the engine's CPU time.
     os.environ["OMP_NUM_THREADS"] = str(setup.threads)
     meta = run_metadata()  # machine, versions, commit (+dirty) and command line of this run
+    small = small_step_tokens(setup.dtype) if args.small_step_tokens is None else args.small_step_tokens
     swap_bw = measure_swap_bw(args.model, setup)
     steps = calibration_steps(args.model, quick=args.quick, setup=setup)
     runs = real_validation_runs(args.model, quick=args.quick, setup=setup) if args.validate else []
-    profile, fit = profile_from_steps(args.model, fitted_steps(steps, runs), swap_bw, setup)
+    profile, fit = profile_from_steps(args.model, fitted_steps(steps, runs), swap_bw, setup, small)
     meta["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     profile = dataclasses.replace(profile, source={**profile.source, "run": meta})
     profile.save(args.output)
-    print(f"profile written to {args.output}: {json.dumps(fit['coefficients'])}; fit error "
-          f"{100 * fit['mean_abs_rel_err']:.1f}% per step, {100 * (fit['total_predicted_s'] / fit['total_measured_s'] - 1):+.1f}% "
-          f"in total over {fit['num_steps']} steps")
+    _print_fit(args.output, fit)
     if args.validate:
-        rows = validate(args.model, runs, steps, swap_bw, setup)
+        rows = validate(args.model, runs, steps, swap_bw, setup, small)
         steps_json = [{"name": r["name"], "mode": r["mode"], "held_out": r["held_out"], "steps": r["run"].steps}
                       for r in runs]
         _write_json({"meta": meta, "profile": profile.to_dict(), "fit": fit, "rows": rows, "calibration_steps": steps,
                      "validation_steps": steps_json}, args.validate)
-        for r in rows:
-            print(f"{r['name']:42s} {r['mode']:8s} tput real {r['real']['output_tok_s']:7.2f} sim "
-                  f"{r['sim']['output_tok_s']:7.2f} ({100 * r['tput_err']:+.1f}%)  TTFT real "
-                  f"{r['real']['mean_ttft_s']:6.2f} sim {r['sim']['mean_ttft_s']:6.2f} ({100 * r['ttft_err']:+.1f}%)")
+        _print_rows(rows)
+    return 0
+
+
+def _print_fit(path: str | None, fit: dict[str, Any]) -> None:
+    print(f"profile{f' written to {path}' if path else ''}: {json.dumps(fit['coefficients'])}; fit error "
+          f"{100 * fit['mean_abs_rel_err']:.1f}% per step, {100 * (fit['total_predicted_s'] / fit['total_measured_s'] - 1):+.1f}% "
+          f"in total over {fit['num_steps']} steps")
+
+
+def _print_rows(rows: list[dict[str, Any]]) -> None:
+    for r in rows:
+        print(f"{r['name']:42s} {r['mode']:8s} tput real {r['real']['output_tok_s']:7.2f} sim "
+              f"{r['sim']['output_tok_s']:7.2f} ({100 * r['tput_err']:+.1f}%)  TTFT real "
+              f"{r['real']['mean_ttft_s']:6.2f} sim {r['sim']['mean_ttft_s']:6.2f} ({100 * r['ttft_err']:+.1f}%)")
+
+
+def _refit(args: argparse.Namespace) -> int:
+    """--refit: the stored validation's steps and real runs fitted and simulated again; no engine runs."""
+    from pagedllm.simulator.calibrate import refit_validation
+
+    from pagedllm.benchmarks.env import run_metadata
+
+    try:
+        stored = json.loads(Path(args.refit).read_text(encoding="utf-8"))
+        for key in ("profile", "rows", "calibration_steps", "validation_steps"):
+            if key not in stored:
+                raise ValueError(f"{args.refit} has no {key!r}: not a validation JSON of `simulate calibrate --validate`")
+        profile, fit, rows = refit_validation(stored, args.model, args.small_step_tokens)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"pagedllm simulate calibrate --refit: {e}", file=sys.stderr)
+        return 2
+    meta = run_metadata()
+    if args.output:
+        profile.save(args.output)
+    _print_fit(args.output, fit)
+    if args.validate:
+        _write_json({"meta": meta, "refit_of": stored.get("meta", {}), "profile": profile.to_dict(), "fit": fit,
+                     "rows": rows, "calibration_steps": stored["calibration_steps"],
+                     "validation_steps": stored["validation_steps"]}, args.validate)
+    _print_rows(rows)
     return 0

@@ -5,6 +5,8 @@
                 + prompt_step_s if the step computes any prompt token
     gemm      = max(tokens * 2N / tp / gemm_flops, weight_bytes / tp / weight_read_bw)
                 + sampled * 2 * hidden * vocab / tp / gemm_flops          (lm_head rows)
+    A step of at most small_step_tokens tokens (a profile's small-M kernel limit; 0: none) takes
+    small_step_gemm_flops for its tokens and small_prompt_step_s for prompt_step_s.
     prefill   = pairs * 4 * layers * heads * head_dim / tp / attn_flops
                 (a chunk of q tokens after c computed ones reads q*c + q(q+1)/2 pairs)
     decode    = context_tokens * kv_bytes_per_token / tp / kv_read_bw
@@ -43,7 +45,9 @@ class StepFeatures:
     copy_blocks: int = 0
 
     def as_row(self) -> list[float]:
-        """Regressors of the calibration fit, in calibrate.FIT_TERMS' order."""
+        """The step's measured features as calibration stores them: [1, tokens, prefill pairs, decode
+        context, sequences, sampled rows, 1 if any prompt token]; calibrate.design makes the fit's
+        regressors from them."""
         return [1.0, self.num_tokens, self.prefill_pairs, self.decode_context, self.num_seqs, self.num_sampled,
                 1.0 if self.prefill_tokens else 0.0]
 
@@ -72,6 +76,7 @@ class CostModel:
         self.act_bytes_per_token = model.shape.hidden * model.dtype_bytes
         # Per-unit costs (seconds), precomputed: the simulator calls step_time once per step.
         self.s_token = model.flops_per_token / tp / hw.gemm_flops
+        self.s_token_small = model.flops_per_token / tp / (hw.small_step_gemm_flops or hw.gemm_flops)
         self.s_weights = model.weight_bytes / tp / hw.weight_read_bw if hw.weight_read_bw else 0.0
         self.s_sample = model.lm_head_flops / tp / hw.gemm_flops + hw.per_sample_s
         self.s_pair = model.attention_flops_per_pair / tp / hw.attn_flops if hw.attn_flops else 0.0
@@ -97,12 +102,14 @@ class CostModel:
 
     def step_time(self, f: StepFeatures) -> StepCost:
         hw = self.hw
+        small = 0 < f.num_tokens <= hw.small_step_tokens
         overhead = hw.step_overhead_s + hw.per_seq_s * f.num_seqs
         if f.prefill_tokens:
-            overhead += hw.prompt_step_s
+            overhead += hw.small_prompt_step_s if small else hw.prompt_step_s
         gemm = 0.0
         if f.num_tokens:
-            gemm = max(f.num_tokens * self.s_token, self.s_weights) + f.num_sampled * self.s_sample
+            s_token = self.s_token_small if small else self.s_token
+            gemm = max(f.num_tokens * s_token, self.s_weights) + f.num_sampled * self.s_sample
         prefill = f.prefill_pairs * self.s_pair
         decode = f.decode_context * self.s_ctx
         moves = f.swap_blocks * self.s_swap + f.copy_blocks * self.s_copy

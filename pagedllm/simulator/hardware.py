@@ -42,7 +42,17 @@ class HardwareProfile:
     prompt_step_s: float = 0.0
     """Extra fixed cost of a step that computes any prompt token (prompt chunk or recomputation).
     On a CPU such a step runs the model layer by layer through torch, where a decode-only step is
-    one native call (worker/native_decode.py); the built-in GPU profiles price both alike (0)."""
+    one native call (worker/native_decode.py); the built-in GPU profiles price both alike (0).
+    Where small_step_tokens > 0, this is the cost of larger steps only."""
+    small_step_tokens: int = 0
+    """Steps of at most this many tokens are priced at the small-step rates below (0: every step at
+    the rates above). On a CPU that is the small-M kernel's row limit for the dtype
+    (layers/native_linear.py): up to it, a prompt step's GEMMs stream the weights once through that
+    kernel; above it they run oneDNN's blocked GEMM, at another cost per token and per step."""
+    small_step_gemm_flops: float | None = None
+    """FLOP/s of the GEMMs in steps of at most small_step_tokens tokens; None: gemm_flops."""
+    small_prompt_step_s: float = 0.0
+    """prompt_step_s of a step of at most small_step_tokens tokens (used where small_step_tokens > 0)."""
     swap_bw: float = 16e9
     """Bytes/s of KV blocks between device and host (swap-out and swap-in)."""
     copy_bw: float = 100e9
@@ -61,11 +71,15 @@ class HardwareProfile:
     def __post_init__(self) -> None:
         if not self.gemm_flops > 0:
             raise ProfileError(f"profile {self.name!r}: gemm_flops must be positive, got {self.gemm_flops}")
-        for name in ("attn_flops", "kv_read_bw", "weight_read_bw"):
+        for name in ("attn_flops", "kv_read_bw", "weight_read_bw", "small_step_gemm_flops"):
             v = getattr(self, name)
             if v is not None and not v > 0:
                 raise ProfileError(f"profile {self.name!r}: {name} must be positive or null, got {v}")
-        for name in ("step_overhead_s", "per_seq_s", "per_sample_s", "prompt_step_s", "link_latency_s"):
+        if not isinstance(self.small_step_tokens, int) or self.small_step_tokens < 0:
+            raise ProfileError(f"profile {self.name!r}: small_step_tokens must be a non-negative integer, "
+                               f"got {self.small_step_tokens!r}")
+        for name in ("step_overhead_s", "per_seq_s", "per_sample_s", "prompt_step_s", "small_prompt_step_s",
+                     "link_latency_s"):
             if getattr(self, name) < 0:
                 raise ProfileError(f"profile {self.name!r}: {name} must be non-negative, got {getattr(self, name)}")
         for name in ("swap_bw", "copy_bw"):

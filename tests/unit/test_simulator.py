@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pagedllm.config import CacheConfig, SchedulerConfig
-from pagedllm.simulator.calibrate import fit_profile, fitted_steps, nnls
+from pagedllm.simulator.calibrate import design, fit_profile, fitted_steps, nnls, refit_validation
 from pagedllm.simulator.cost_model import CostModel, StepFeatures
 from pagedllm.simulator.hardware import HardwareProfile, gpu_profile, load_profile
 from pagedllm.simulator.model import SimModel, load_model_config
@@ -190,6 +190,56 @@ def test_fit_recovers_known_rates() -> None:
         pytest.approx(0.02))
 
 
+def test_small_steps_get_their_own_rates() -> None:
+    """Steps of at most small_step_tokens tokens: their tokens and prompt indicator go to the small-step
+    columns of the fit, and the cost model prices them at the small-step rates it recovers."""
+    rows = [[1.0, 8, 30, 40, 2, 2, 1.0], [1.0, 9, 0, 40, 9, 9, 0.0], [1.0, 300, 900, 0, 3, 3, 1.0]]
+    x = design(rows, 8)
+    assert x.tolist() == [[1, 0, 30, 40, 2, 2, 0, 8, 1], [1, 9, 0, 40, 9, 9, 0, 0, 0], [1, 300, 900, 0, 3, 3, 1, 0, 0]]
+    assert design(rows, 0)[:, 7:].sum() == 0 and design(rows, 0)[:, 1].tolist() == [8, 9, 300]
+    rng = np.random.default_rng(1)
+    rows = [[1.0, t, p * (i % 2), c, s, k, float(i % 2)]
+            for i, (t, p, c, s, k) in enumerate(rng.integers(1, 500, size=(300, 5)).tolist())]
+    rows += [[1.0, t, p * (i % 2), c, s, k, float(i % 2)]
+             for i, (t, p, c, s, k) in enumerate(rng.integers(1, 64, size=(300, 5)).tolist())]
+    truth = np.array([0.01, 2e-3, 1e-6, 5e-6, 1e-4, 1e-3, 0.02, 5e-4, 0.004])
+    secs = (design(rows, 64) @ truth).tolist()
+    prof, fit = fit_profile(TOY, rows, secs, 1e9, 1 << 30, "fit", small_tokens=64)
+    assert fit["mean_abs_rel_err"] < 1e-9 and prof.small_step_tokens == 64
+    assert prof.small_step_gemm_flops == pytest.approx(TOY.flops_per_token / 5e-4)
+    assert prof.small_prompt_step_s == pytest.approx(0.004) and prof.prompt_step_s == pytest.approx(0.02)
+    cost = CostModel(TOY, prof, 16)
+    for n in (1, 64, 65, 400):
+        for prompt in (0, 7):
+            f = StepFeatures(num_tokens=n, prefill_tokens=min(prompt, n), prefill_pairs=3 * bool(prompt),
+                             decode_context=40, num_seqs=3, num_sampled=2)
+            assert cost.step_seconds(f) == pytest.approx(float(design([f.as_row()], 64)[0] @ truth))
+    with pytest.raises(ValueError, match="small_step_tokens"):
+        dataclasses.replace(UNIT_HW, small_step_tokens=-1)
+    with pytest.raises(ValueError, match="small_step_gemm_flops"):
+        dataclasses.replace(UNIT_HW, small_step_gemm_flops=0.0)
+
+
+def test_refit_of_a_stored_validation_reproduces_it() -> None:
+    """`simulate calibrate --refit`: a committed validation (the Zen 4 class host, float32, one
+    thread) fitted and simulated again from its stored steps and traces, without the engine. With
+    one cost for all steps, as it was written, every row comes out as recorded, to the bit."""
+    from pathlib import Path
+
+    stored = json.loads((Path(__file__).resolve().parents[2] / "benchmarks/results/sim/zen4-validation.json")
+                        .read_text())
+    profile, fit, rows = refit_validation(stored, small_tokens=0)
+    assert fit["coefficients"]["per_small_step_token_s"] == 0 and fit["num_steps"] == stored["fit"]["num_steps"]
+    assert profile.name == stored["profile"]["name"]
+    for key in ("step_overhead_s", "gemm_flops", "prompt_step_s", "per_sample_s"):
+        assert getattr(profile, key) == stored["profile"][key], key
+    assert [(r["name"], r["mode"], r["sim"], r["tput_err"], r["ttft_err"]) for r in rows] == [
+        (r["name"], r["mode"], r["sim"], r["tput_err"], r["ttft_err"]) for r in stored["rows"]]
+    old = {**stored, "rows": [{k: v for k, v in r.items() if k != "held_out"} for r in stored["rows"]]}
+    with pytest.raises(ValueError, match="row 0 has no 'held_out'"):
+        refit_validation(old)
+
+
 def test_held_out_steps_are_in_no_fit() -> None:
     calib = [([1.0] * 7, 0.5)]
     runs = [{"held_out": False, "run": types.SimpleNamespace(steps=[([2.0] * 7, 1.0)])},
@@ -240,3 +290,18 @@ def test_calibrate_flags_parse_beside_simulate_flags() -> None:
 
     args = build_parser().parse_args(["simulate", "calibrate", "--output", "p.json", "--quick"])
     assert args.output == "p.json" and args.quick and args.func.__name__ == "cmd_calibrate"
+
+
+def test_refit_flag_errors_name_the_file(tmp_path, capsys) -> None:
+    from pagedllm.entrypoints.cli import main
+
+    missing = tmp_path / "missing.json"
+    assert main(["simulate", "calibrate", "--refit", str(missing), "--output", str(tmp_path / "p.json")]) == 2
+    assert "missing.json" in capsys.readouterr().err
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"rows": []}))
+    assert main(["simulate", "calibrate", "--refit", str(other), "--output", str(tmp_path / "p.json")]) == 2
+    assert "has no 'profile'" in capsys.readouterr().err
+    assert main(["simulate", "calibrate", "--refit", str(other), "--small-step-tokens", "-1"]) == 2
+    assert "--small-step-tokens must be non-negative, got -1" in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()
