@@ -97,10 +97,18 @@ def _single_stream(s: dict[str, Any]) -> str:
                          f"**{speed:.2f}x**" if speed else ""])
         else:
             rows.append([f"llama.cpp {row['llamacpp_type']}", "skipped: " + peer["reason"][:200], "", "", "", "", ""])
-    return (f"One stream ({s['input_len']}-token prompt, {s['output_len']} greedy tokens, median of {s['num_iters']}):\n\n"
-            + table(["engine", "decode tok/s", "prefill ms", "weight-read roofline", "peak RSS GiB", "start-up s",
-                     "pagedllm decode x"], rows)
-            + "\n" + run_block(s.get("meta")))
+    rounds = s.get("rounds", 1)
+    head = (f"One stream ({s['input_len']}-token prompt, {s['output_len']} greedy tokens, median of {s['num_iters']}"
+            + (f"; {rounds} rounds alternating which engine runs first: each engine's median round, and the "
+               "median of the rounds' speed-ups" if rounds > 1 else "") + "):\n\n")
+    per_round = "".join(
+        f"- {row['pagedllm_scheme']} against {row['llamacpp_type']}, round by round: "
+        + ", ".join(f"{x['pagedllm_decode_tokens_per_s']:.2f} / {x['llamacpp_decode_tokens_per_s']:.2f} tok/s "
+                    f"({x['decode_speedup_vs_llamacpp']:.2f}x, {x['first']} first)" for x in row["rounds"]) + "\n"
+        for row in s["rows"] if row.get("rounds"))
+    return (head + table(["engine", "decode tok/s", "prefill ms", "weight-read roofline", "peak RSS GiB", "start-up s",
+                          "pagedllm decode x"], rows)
+            + ("\n" + per_round if per_round else "") + "\n" + run_block(s.get("meta")))
 
 
 def _prefill(p: dict[str, Any]) -> str:

@@ -10,8 +10,10 @@ dtype or quantization, the figure, and the engine process's peak RSS and start-u
 3. one stream: `pagedllm bench latency`'s measurement (an --input-len prompt, --output-len greedy
    tokens, median of --num-iters) per pair: bf16 vs llama.cpp BF16, --quantization int8 vs Q8_0,
    --quantization int4 (group 32) vs Q4_0 (llama.cpp's quantizer and its default choices); with
-   pagedllm's weight-read roofline: bytes of weights read per decode step / the copy bandwidth
-   measured in the same process.
+   pagedllm's weight-read roofline: bytes of weights read per decode step / this host's read rate,
+   measured just before and after the runs. With --rounds R each pair runs R times, alternating
+   which engine goes first: the row shows each engine's median round and the median of the rounds'
+   speed-ups, so a memory rate that drifts over minutes moves both engines alike.
 4. prefill: the time to first token of one --prefill-len prompt (bf16): pagedllm, HF transformers,
    llama.cpp's prompt processing (BF16).
 5. serve: `pagedllm serve` and `vllm serve` (bf16) launched in turn and driven by `pagedllm bench
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -181,22 +184,50 @@ def run_latency_part(folder: str, ggufs: dict[str, dict[str, Any]], args: Any) -
         for name in args.pairs:
             extra, gguf_type = PAIRS[name]
             spec = _latency_spec("pagedllm", folder, {"dtype": "bfloat16", "seed": 0, **extra}, n, f"pagedllm-{name}")
-            ours = _ours(spec, workdir, args)
-            peer = _llamacpp(folder, ggufs[gguf_type], n, args) if not args.skip_llamacpp else \
-                {"ok": False, "reason": "--skip-llamacpp"}
+            runs: dict[str, list[dict[str, Any]]] = {"pagedllm": [], "llama.cpp": []}
+            for r in range(args.rounds):
+                for engine in ("pagedllm", "llama.cpp") if r % 2 == 0 else ("llama.cpp", "pagedllm"):
+                    if engine == "pagedllm":
+                        runs[engine].append(_ours(spec, workdir, args))
+                    else:
+                        runs[engine].append(_llamacpp(folder, ggufs[gguf_type], n, args) if not args.skip_llamacpp
+                                            else {"ok": False, "reason": "--skip-llamacpp"})
+            ours, peer = median_run(runs["pagedllm"]), median_run(runs["llama.cpp"])
             row: dict[str, Any] = {"pagedllm_scheme": name, "llamacpp_type": gguf_type, "pagedllm": ours,
                                    "llama.cpp": peer}
             if ours["ok"]:
                 row["pagedllm_fraction_of_weight_roofline"] = weight_roofline_fraction(ours)
             if ours["ok"] and peer["ok"]:
                 row["decode_speedup_vs_llamacpp"] = peer["decode_ms_per_token"] / ours["decode_ms_per_token"]
+                if args.rounds > 1:
+                    row["rounds"] = [{"first": "pagedllm" if r % 2 == 0 else "llama.cpp",
+                                      "pagedllm_decode_tokens_per_s": a["decode_tokens_per_s"],
+                                      "llamacpp_decode_tokens_per_s": b["decode_tokens_per_s"],
+                                      "pagedllm_fraction_of_weight_roofline": weight_roofline_fraction(a),
+                                      "decode_speedup_vs_llamacpp": b["decode_ms_per_token"] / a["decode_ms_per_token"]}
+                                     for r, (a, b) in enumerate(zip(runs["pagedllm"], runs["llama.cpp"]))
+                                     if a["ok"] and b["ok"]]
+                    row["decode_speedup_vs_llamacpp"] = statistics.median(
+                        x["decode_speedup_vs_llamacpp"] for x in row["rounds"])
                 print(f"one stream {name} vs {gguf_type}: pagedllm {ours['decode_tokens_per_s']:.2f} tok/s "
                       f"({100 * row['pagedllm_fraction_of_weight_roofline']:.0f}% of the weight-read roofline), "
-                      f"llama.cpp {peer['decode_tokens_per_s']:.2f} tok/s: {row['decode_speedup_vs_llamacpp']:.2f}x",
-                      file=sys.stderr, flush=True)
+                      f"llama.cpp {peer['decode_tokens_per_s']:.2f} tok/s: {row['decode_speedup_vs_llamacpp']:.2f}x"
+                      + _rounds_text(row), file=sys.stderr, flush=True)
             rows.append(row)
     return {"meta": run_metadata(), "input_len": args.input_len, "output_len": args.output_len,
-            "num_iters": args.num_iters, "rows": rows}
+            "num_iters": args.num_iters, "rounds": args.rounds, "rows": rows}
+
+
+def _rounds_text(row: dict[str, Any]) -> str:
+    speedups = [f"{x['decode_speedup_vs_llamacpp']:.2f}x" for x in row.get("rounds", [])]
+    return f" (median of rounds {', '.join(speedups)})" if speedups else ""
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median decode time among those that ran (the lower one of an even count), else
+    the first failure."""
+    ok = sorted((r for r in runs if r["ok"]), key=lambda r: r["decode_ms_per_token"])
+    return ok[(len(ok) - 1) // 2] if ok else runs[0]
 
 
 def run_prefill_part(folder: str, ggufs: dict[str, dict[str, Any]], args: Any) -> dict[str, Any]:
@@ -235,6 +266,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--num-iters-warmup", type=int, default=1)
     ap.add_argument("--pairs", type=lambda s: [p for p in s.split(",") if p], default=list(PAIRS),
                     help=f"one-stream pairs (default {','.join(PAIRS)})")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="one stream: runs of each pair, alternating which engine goes first; each engine's median "
+                         "round and the median of the rounds' speed-ups are reported (default 1)")
     ap.add_argument("--agreement-tokens", type=int, default=8)
     ap.add_argument("--prefill-len", type=int, default=4000)
     ap.add_argument("--prefill-iters", type=int, default=1)
@@ -256,6 +290,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     bad = [p for p in args.pairs if p not in PAIRS]
     if bad:
         ap.error(f"unknown pair(s) {', '.join(bad)}; choose from {', '.join(PAIRS)}")
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.merge and not args.output_json:
         ap.error("--merge needs --output-json")
     if not args.skip_serve:
