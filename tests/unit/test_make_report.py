@@ -224,3 +224,17 @@ def test_report_reads_no_result_file_under_history(tmp_path):
     text = doc.read_text()
     assert "fedcba987654" not in text and "no (+dirty)" not in text
     assert "| `amx_scheduler.json` | 0123456 |" in text
+
+
+def test_no_committed_result_comes_from_a_dirty_tree():
+    """Every run record of benchmarks/results (not history/) names a clean commit: a run from a tree
+    with uncommitted changes moves to history/ with its figures quoted in docs/perf-history.md, and
+    the page's runs table shows no "no (+dirty)" row."""
+    from pagedllm.benchmarks.report import RESULTS
+    from pagedllm.benchmarks.report_extra import _metas
+    from pagedllm.benchmarks.report_render import load
+
+    dirty = sorted({p.name for p in RESULTS.glob("*.json") if (data := load(p)) is not None
+                    for m in _metas(data) if str(m.get("commit", "")).endswith("+dirty")})
+    assert dirty == [], f"runs from trees with uncommitted changes: {dirty}"
+    assert "no (+dirty)" not in (ROOT / "docs" / "benchmarks.md").read_text()
