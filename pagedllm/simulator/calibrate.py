@@ -173,15 +173,20 @@ def nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 def fit_profile(model: SimModel, rows: list[list[float]], seconds: list[float], swap_bw: float,
                 memory_bytes: int, name: str, small_tokens: int = 0) -> tuple[HardwareProfile, dict[str, Any]]:
     """Profile rates from the fitted coefficients (seconds per regressor); steps of at most
-    `small_tokens` tokens get their own per-token and prompt-step costs (0: one cost for all)."""
+    `small_tokens` tokens get their own per-token and prompt-step costs (0: one cost for all). Where
+    the fit gives small steps' tokens no cost, they are fitted again at the larger steps' rate."""
     x, y = design(rows, small_tokens), np.asarray(seconds, dtype=float)
     c = nnls(x, y)
+    if small_tokens and c[7] <= 0:
+        # The fit gives small steps' tokens no cost of their own: they take the larger steps' rate
+        # (small_step_gemm_flops None); small steps keep their own prompt-step cost.
+        x[:, 1] += x[:, 7]
+        x[:, 7] = 0.0
+        c = nnls(x, y)
     pred = x @ c
     step, per_tok, per_pair, per_ctx, per_seq, per_sample, prompt_step, per_small_tok, small_prompt = map(float, c)
     if per_tok <= 0:
         raise RuntimeError("calibration found no per-token cost: the calibration runs were too small")
-    if small_tokens and per_small_tok <= 0:
-        raise RuntimeError(f"calibration found no per-token cost of steps of at most {small_tokens} tokens")
     gemm_flops = model.flops_per_token / per_tok
     profile = HardwareProfile(
         name=name,
@@ -194,7 +199,7 @@ def fit_profile(model: SimModel, rows: list[list[float]], seconds: list[float], 
         per_sample_s=max(0.0, per_sample - model.lm_head_flops / gemm_flops),
         prompt_step_s=prompt_step,
         small_step_tokens=small_tokens,
-        small_step_gemm_flops=model.flops_per_token / per_small_tok if small_tokens else None,
+        small_step_gemm_flops=model.flops_per_token / per_small_tok if small_tokens and per_small_tok > 0 else None,
         small_prompt_step_s=small_prompt,
         swap_bw=swap_bw,
         copy_bw=swap_bw,

@@ -295,6 +295,19 @@ def _print_rows(rows: list[dict[str, Any]]) -> None:
               f"{r['real']['mean_ttft_s']:6.2f} sim {r['sim']['mean_ttft_s']:6.2f} ({100 * r['ttft_err']:+.1f}%)")
 
 
+def load_validation(path: str) -> dict[str, Any]:
+    """A validation JSON of `simulate calibrate --validate` (or of --refit, whose measured steps are
+    read from the file it names in `steps_file`); ValueError names what is missing."""
+    stored = json.loads(Path(path).read_text(encoding="utf-8"))
+    if "steps_file" in stored:
+        steps = json.loads(Path(stored["steps_file"]).read_text(encoding="utf-8"))
+        stored |= {k: steps[k] for k in ("calibration_steps", "validation_steps") if k in steps}
+    for key in ("profile", "rows", "calibration_steps", "validation_steps"):
+        if key not in stored:
+            raise ValueError(f"{path} has no {key!r}: not a validation JSON of `simulate calibrate --validate`")
+    return stored
+
+
 def _refit(args: argparse.Namespace) -> int:
     """--refit: the stored validation's steps and real runs fitted and simulated again; no engine runs."""
     from pagedllm.simulator.calibrate import refit_validation
@@ -302,10 +315,7 @@ def _refit(args: argparse.Namespace) -> int:
     from pagedllm.benchmarks.env import run_metadata
 
     try:
-        stored = json.loads(Path(args.refit).read_text(encoding="utf-8"))
-        for key in ("profile", "rows", "calibration_steps", "validation_steps"):
-            if key not in stored:
-                raise ValueError(f"{args.refit} has no {key!r}: not a validation JSON of `simulate calibrate --validate`")
+        stored = load_validation(args.refit)
         profile, fit, rows = refit_validation(stored, args.model, args.small_step_tokens)
     except (OSError, ValueError, KeyError) as e:
         print(f"pagedllm simulate calibrate --refit: {e}", file=sys.stderr)
@@ -315,8 +325,9 @@ def _refit(args: argparse.Namespace) -> int:
         profile.save(args.output)
     _print_fit(args.output, fit)
     if args.validate:
-        _write_json({"meta": meta, "refit_of": stored.get("meta", {}), "profile": profile.to_dict(), "fit": fit,
-                     "rows": rows, "calibration_steps": stored["calibration_steps"],
-                     "validation_steps": stored["validation_steps"]}, args.validate)
+        # The measured steps stay in the file they came from; this one names it.
+        _write_json({"meta": meta, "refit_of": stored.get("meta", {}),
+                     "steps_file": stored.get("steps_file", args.refit), "profile": profile.to_dict(), "fit": fit,
+                     "rows": rows}, args.validate)
     _print_rows(rows)
     return 0
