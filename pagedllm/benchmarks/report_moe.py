@@ -1,10 +1,10 @@
 """docs/benchmarks.md's sections on the model families beyond the default model: mixture-of-experts
 decode from the result files of `pagedllm bench moe` (MOE_FILES: benchmarks/results/moe*.json and
 the AMX host's amx_moe*.json, one run each, in name order), throughput and one stream of another model from `pagedllm bench throughput --model M
---compare ...` (THROUGHPUT_FILES: benchmarks/results/family-throughput-*.json, and Gemma 3's runs on
-the AMX host, amx_gemma3_throughput*.json) and `pagedllm bench latency --model M --compare ...`
-(LATENCY_FILES: family-latency-*.json, amx_gemma3_latency*.json; one section per model, a table
-per file)."""
+--compare ...` (THROUGHPUT_FILES: benchmarks/results/family-throughput-*.json, and Gemma 3's runs,
+HOST_gemma3_throughput*.json) and `pagedllm bench latency --model M --compare ...` (LATENCY_FILES:
+family-latency-*.json, HOST_gemma3_latency*.json; one section per model, a table per file).
+"""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from pagedllm.benchmarks.report_sections import latency_matrix_table
 from pagedllm.benchmarks.throughput import format_table
 
 MOE_FILES = ("amx_moe*.json", "moe*.json")
-THROUGHPUT_FILES = ("family-throughput-*.json", "amx_gemma3_throughput*.json")
-LATENCY_FILES = ("family-latency-*.json", "amx_gemma3_latency*.json")
+THROUGHPUT_FILES = ("family-throughput-*.json", "*_gemma3_throughput*.json")
+LATENCY_FILES = ("family-latency-*.json", "*_gemma3_latency*.json")
 
 INTRO = """## Mixture-of-experts decode (Qwen3-MoE shape)
 
