@@ -333,15 +333,18 @@ def _against(p: dict[str, Any], ours: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def median_round(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The result of median decode time among rounds of one engine (the lower middle for an even
+    count; a result without a decode time ranks first)."""
+    ranked = sorted(results, key=lambda x: x["decode_ms_per_token"] if x.get("decode_ms_per_token") else 0.0)
+    return ranked[(len(ranked) - 1) // 2]
+
+
 def summarize_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """One row per dtype from several rounds: each engine's figures from its median round (by decode
     time; the lower middle for an even count), and each peer's speed-ups as the median of the
     per-round ratios (each round's pagedllm against the same round's peer), listed under
     `*_speedup_rounds`. A peer that failed in any round keeps that round's failure."""
-    def median_round(results: list[dict[str, Any]]) -> dict[str, Any]:
-        ranked = sorted(results, key=lambda x: x["decode_ms_per_token"] if x.get("decode_ms_per_token") else 0.0)
-        return ranked[(len(ranked) - 1) // 2]
-
     summary = []
     for i, first in enumerate(rounds[0]):
         per_round = [rows[i] for rows in rounds]

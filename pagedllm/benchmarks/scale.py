@@ -177,6 +177,7 @@ def run_throughput_part(folder: str, args: Any) -> dict[str, Any]:
 
 def run_latency_part(folder: str, ggufs: dict[str, dict[str, Any]], args: Any) -> dict[str, Any]:
     from pagedllm.benchmarks.env import run_metadata
+    from pagedllm.benchmarks.latency import median_round
 
     n = (args.input_len, args.output_len, args.num_iters, args.num_iters_warmup)
     rows = []
@@ -192,7 +193,8 @@ def run_latency_part(folder: str, ggufs: dict[str, dict[str, Any]], args: Any) -
                     else:
                         runs[engine].append(_llamacpp(folder, ggufs[gguf_type], n, args) if not args.skip_llamacpp
                                             else {"ok": False, "reason": "--skip-llamacpp"})
-            ours, peer = median_run(runs["pagedllm"]), median_run(runs["llama.cpp"])
+            # As in `bench latency --repeat`: an engine that failed in any round keeps that failure.
+            ours, peer = (next((x for x in rs if not x["ok"]), None) or median_round(rs) for rs in runs.values())
             row: dict[str, Any] = {"pagedllm_scheme": name, "llamacpp_type": gguf_type, "pagedllm": ours,
                                    "llama.cpp": peer}
             if ours["ok"]:
@@ -205,8 +207,7 @@ def run_latency_part(folder: str, ggufs: dict[str, dict[str, Any]], args: Any) -
                                       "llamacpp_decode_tokens_per_s": b["decode_tokens_per_s"],
                                       "pagedllm_fraction_of_weight_roofline": weight_roofline_fraction(a),
                                       "decode_speedup_vs_llamacpp": b["decode_ms_per_token"] / a["decode_ms_per_token"]}
-                                     for r, (a, b) in enumerate(zip(runs["pagedllm"], runs["llama.cpp"]))
-                                     if a["ok"] and b["ok"]]
+                                     for r, (a, b) in enumerate(zip(runs["pagedllm"], runs["llama.cpp"]))]
                     row["decode_speedup_vs_llamacpp"] = statistics.median(
                         x["decode_speedup_vs_llamacpp"] for x in row["rounds"])
                 print(f"one stream {name} vs {gguf_type}: pagedllm {ours['decode_tokens_per_s']:.2f} tok/s "
@@ -222,12 +223,6 @@ def _rounds_text(row: dict[str, Any]) -> str:
     speedups = [f"{x['decode_speedup_vs_llamacpp']:.2f}x" for x in row.get("rounds", [])]
     return f" (median of rounds {', '.join(speedups)})" if speedups else ""
 
-
-def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The run of median decode time among those that ran (the lower one of an even count), else
-    the first failure."""
-    ok = sorted((r for r in runs if r["ok"]), key=lambda r: r["decode_ms_per_token"])
-    return ok[(len(ok) - 1) // 2] if ok else runs[0]
 
 
 def run_prefill_part(folder: str, ggufs: dict[str, dict[str, Any]], args: Any) -> dict[str, Any]:

@@ -57,7 +57,9 @@ def test_one_round_and_a_failed_run(monkeypatch) -> None:
     row = scale.run_latency_part("folder", {"BF16": {"ok": False, "reason": "no GGUF"}}, args)["rows"][0]
     assert row["pagedllm"]["decode_ms_per_token"] == 50.0 and row["llama.cpp"] == {"ok": False, "reason": "no GGUF"}
     assert "decode_speedup_vs_llamacpp" not in row and "rounds" not in row
-    assert scale.median_run([_result(3.0), _result(1.0), _result(2.0), _result(4.0)])["decode_ms_per_token"] == 2.0
+    from pagedllm.benchmarks.latency import median_round
+
+    assert median_round([_result(3.0), _result(1.0), _result(2.0), _result(4.0)])["decode_ms_per_token"] == 2.0
 
 
 def test_rounds_flag_must_be_positive(capsys) -> None:
