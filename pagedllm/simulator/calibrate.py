@@ -21,9 +21,11 @@ stored validation can be fitted again under a changed model (`refit_validation`)
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -374,6 +376,19 @@ def validate(model: str | None, runs: list[dict[str, Any]], calibration: list[tu
                     100 * row["ttft_err"])
         rows.append(row)
     return rows
+
+
+def load_validation(path: str) -> dict[str, Any]:
+    """A validation JSON of `simulate calibrate --validate` (or of --refit, whose measured steps are
+    read from the file it names in `steps_file`); ValueError names what is missing."""
+    stored = json.loads(Path(path).read_text(encoding="utf-8"))
+    if "steps_file" in stored:
+        steps = json.loads(Path(stored["steps_file"]).read_text(encoding="utf-8"))
+        stored |= {k: steps[k] for k in ("calibration_steps", "validation_steps") if k in steps}
+    for key in ("profile", "rows", "calibration_steps", "validation_steps"):
+        if key not in stored:
+            raise ValueError(f"{path} has no {key!r}: not a validation JSON of `simulate calibrate --validate`")
+    return stored
 
 
 def stored_runs(stored: dict[str, Any]) -> tuple[list[tuple[list[float], float]], list[dict[str, Any]]]:

@@ -295,22 +295,9 @@ def _print_rows(rows: list[dict[str, Any]]) -> None:
               f"{r['real']['mean_ttft_s']:6.2f} sim {r['sim']['mean_ttft_s']:6.2f} ({100 * r['ttft_err']:+.1f}%)")
 
 
-def load_validation(path: str) -> dict[str, Any]:
-    """A validation JSON of `simulate calibrate --validate` (or of --refit, whose measured steps are
-    read from the file it names in `steps_file`); ValueError names what is missing."""
-    stored = json.loads(Path(path).read_text(encoding="utf-8"))
-    if "steps_file" in stored:
-        steps = json.loads(Path(stored["steps_file"]).read_text(encoding="utf-8"))
-        stored |= {k: steps[k] for k in ("calibration_steps", "validation_steps") if k in steps}
-    for key in ("profile", "rows", "calibration_steps", "validation_steps"):
-        if key not in stored:
-            raise ValueError(f"{path} has no {key!r}: not a validation JSON of `simulate calibrate --validate`")
-    return stored
-
-
 def _refit(args: argparse.Namespace) -> int:
     """--refit: the stored validation's steps and real runs fitted and simulated again; no engine runs."""
-    from pagedllm.simulator.calibrate import refit_validation
+    from pagedllm.simulator.calibrate import load_validation, refit_validation
 
     from pagedllm.benchmarks.env import run_metadata
 

@@ -234,7 +234,7 @@ def test_refit_of_a_stored_validation_reproduces_it(tmp_path, monkeypatch, capsy
     from pathlib import Path
 
     from pagedllm.entrypoints.cli import main
-    from pagedllm.simulator.cli import load_validation
+    from pagedllm.simulator.calibrate import load_validation
 
     monkeypatch.chdir(Path(__file__).resolve().parents[2])
     name = "benchmarks/results/sim/zen4-validation.json"

@@ -17,13 +17,16 @@
  * this model's 30 layers streamed from memory: 11.6 ms without, 6.5 ms with; 16 rows 14.0 -> 8.2
  * ms), while all of a block's prefetches in its first tile outrun the core's miss buffers (32 rows
  * 16.0 -> 11.4 ms, 64 rows 31.3 -> 22.0 ms with the tile sums, benchmarks/bench_small_m_gemm.py).
- * The AVX-512 form prefetches into L2 (_MM_HINT_T1), not L1. At K = 2048 a block of 4 bf16 W rows
- * is 16 KB (32 KB in float32), so the block being read and the one prefetched into L1 filled a
- * 32 KB L1; the default model's K of 576-1536 gains as well, so prefetches into L1 cost more than
- * that eviction alone (Zen 4 class, 2 threads, alternating rounds of `pagedllm bench latency` in one
- * sitting, one stream, L1 -> L2: the Llama-3.2-1B shape in bf16 93.1 / 88.2 -> 60.0 / 77.1 ms a
- * token, its one-row GEMMs alone 90-99 -> 78-85 ms, in float32 156.2 / 154.7 -> 147.9 / 141.7 ms;
- * the default model in bf16 15.0 / 15.2 -> 10.7 / 11.9 ms). Results are the same bits either way.
+ * Both forms prefetch into L2 (_MM_HINT_T1), not L1. At K = 2048 a block of 4 bf16 W rows is
+ * 16 KB (32 KB in float32, and the AVX2 form's float32 panel of a 16-bit block is 32 KB too), so the
+ * block being read and the one prefetched into L1 filled a 32 KB L1; the default model's K of
+ * 576-1536 gains as well, so prefetches into L1 cost more than that eviction alone (Zen 4 class, 2
+ * threads, alternating rounds of `pagedllm bench latency` in one sitting, one stream, L1 -> L2: the
+ * Llama-3.2-1B shape in bf16 93.1 / 88.2 -> 60.0 / 77.1 ms a token, its one-row GEMMs alone 90-99 ->
+ * 78-85 ms, in float32 156.2 / 154.7 -> 147.9 / 141.7 ms; the default model in bf16 15.0 / 15.2 ->
+ * 10.7 / 11.9 ms. The AVX2 form built on the same host with AVX-512 off, the 1B shape's GEMMs: bf16
+ * 84.3 -> 72.3 ms one row, 254.8 -> 225.3 ms 8 rows; float32 160.4 -> 144.9 ms one row;
+ * docs/perf-history.md, round 8). Results are the same bits either way.
  * W row blocks are split between the OpenMP threads; small GEMMs run on one thread (waking the
  * team costs more than reading a few hundred KB). CPUs without AVX-512 but with AVX2 and FMA get
  * the kernel in 8-lane vectors (gemm_tile_avx2), bf16 and (with F16C) float16 widened to float32

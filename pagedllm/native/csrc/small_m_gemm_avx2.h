@@ -55,11 +55,8 @@ static inline __attribute__((always_inline)) void avx2_pass(const float *xr, int
  * one 8-lane accumulator over K summed by lane_sum8, whatever the tile, so a row's result does not
  * depend on where it sits in the batch; the bias is added in float32 and a 16-bit result rounded
  * once. The next block's lines are prefetched in the first pass, one per W row per 64-byte line,
- * each tile of x rows taking its share of the steps as in the AVX-512 kernel, into L2 as there: at
- * K = 2048 a float32 block, or the float32 panel of a 16-bit one, is 32 KB, an L1's whole size, and
- * a prefetch into L1 evicts the block being read. Into L2, this form (built with AVX-512 off) ran
- * the one-row GEMMs of a Llama-3.2-1B shape in 72.3 against 84.3 ms (bf16), 144.9 against 160.4
- * (float32), 81.7 against 95.1 (float16), and 8-row ones 1.13-1.31x faster, on a Zen 4 class EPYC. */
+ * each tile of x rows taking its share of the steps as in the AVX-512 kernel, into L2 as there
+ * (small_m_gemm.c says why). */
 static inline __attribute__((always_inline)) void gemm_tile_avx2(const float *x, int64_t m0, int64_t mr, const void *w,
                                                                 int64_t n0, int64_t nr, int64_t N, int64_t K,
                                                                 const void *bias, void *y, const void *pf,
