@@ -61,14 +61,17 @@ def test_kernel_declines_what_it_does_not_cover():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_a_rows_result_does_not_depend_on_its_place_in_the_batch(dtype, with_bias):
-    """Whole 4 x 4 tiles sum their 16 accumulators in one shuffle tree, partial tiles each alone:
-    the two pair the lanes alike, so a row gives the same bits as the only row, as a row of a
-    whole tile and as the odd row of a partial one, in every column (whole and short W blocks)."""
+@pytest.mark.parametrize("N", [13, 37, 150])
+def test_a_rows_result_does_not_depend_on_its_place_in_the_batch(dtype, with_bias, N):
+    """Whole 4 x 4 tiles sum their 16 accumulators in one shuffle tree, partial tiles each alone,
+    and a single row of x reads W row after row (16-row blocks summed in one tree, then single
+    rows): all pair the lanes alike, so a row gives the same bits as the only row, as a row of a
+    whole tile and as the odd row of a partial one, in every column (N = 13: whole and short W
+    blocks; 37: two 16-row blocks of the one-row path and a tail; 150: split over the threads)."""
     if dtype not in kernel_dtypes():
         pytest.skip(f"no {dtype} kernel in this build{F16_NOTE if dtype == torch.float16 else ''}")
     g = torch.Generator().manual_seed(7)
-    N, K = 13, 576  # three whole W blocks and a short one
+    K = 576
     rows = min(small_m_rows(dtype), 9)
     if dtype == torch.bfloat16 and amx_rows():
         pytest.skip("bf16 batches run on AMX tiles here (test_amx_rows_do_not_depend_on_the_batch)")

@@ -27,6 +27,9 @@
  * 10.7 / 11.9 ms. The AVX2 form built on the same host with AVX-512 off, the 1B shape's GEMMs: bf16
  * 84.3 -> 72.3 ms one row, 254.8 -> 225.3 ms 8 rows; float32 160.4 -> 144.9 ms one row;
  * docs/perf-history.md, round 8). Results are the same bits either way.
+ * A single row of x (one stream's decode step) with W rows of at most ROW1_MAX_K reads W row after
+ * row instead (gemm_row1 in the AVX-512 form): one sequential stream per thread, which short rows
+ * get from memory faster than 4 streams side by side, with each row's sums in the tiles' order.
  * W row blocks are split between the OpenMP threads; small GEMMs run on one thread (waking the
  * team costs more than reading a few hundred KB). CPUs without AVX-512 but with AVX2 and FMA get
  * the kernel in 8-lane vectors (gemm_tile_avx2), bf16 and (with F16C) float16 widened to float32
@@ -90,6 +93,11 @@
 #define NR 4
 #define MR 4
 _Static_assert(MR * NR == 16, "a whole tile's sums are one lane_sums16");
+/* A single row of x reads W row after row (gemm_row1, AVX-512 builds) where W rows are at most this
+ * long; longer rows' chains of sums outgrow what the core overlaps, and the tiles are faster (Zen 4
+ * class, 2 threads, one row, GB/s tile -> row by row: float16 K = 4096 34.5 -> 29.7, K = 8192 54.8
+ * -> 24.7; float32 K = 4096 31.3 -> 27.1; bf16 level from K = 4096). Either gives the same bits. */
+#define ROW1_MAX_K 2048
 /* GEMMs with fewer weight elements than this run on one thread. */
 #define GEMM_PARALLEL_MIN (1 << 16)
 
@@ -147,6 +155,12 @@ static void gemm_rows(const void *x, int64_t M, const void *w, const void *bias,
             for (int64_t i = 0; i < M * K; i += 16)
                 _mm512_store_ps(xf + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i))));
     }
+    if (M == 1 && K <= ROW1_MAX_K && (dt != LD_F16 || xf != NULL) && gemm_row1(dt == LD_F16 ? xf : x, w, bias, K, y, dt, n_lo, n_hi) == 0) {
+        free(xf);
+        return;
+    }
+#elif HAVE_AVX512
+    if (M == 1 && K <= ROW1_MAX_K && gemm_row1(x, w, bias, K, y, dt, n_lo, n_hi) == 0) return;
 #endif
 #if HAVE_AVX2_F32
     /* bf16 and float16 on AVX2: x widened once, and a float32 panel of the W block where passes

@@ -141,3 +141,94 @@ static inline __attribute__((always_inline)) void gemm_tile_f16(const float *x, 
         }
 }
 #endif
+
+/* One row of x (a single decode stream): y[n] for W rows n_lo .. n_hi - 1, read one W row after
+ * another, each row's dot product its own accumulator over K in the order of k, as the tiles' acc[m][r]
+ * (the same instructions in the same order, so a row of x gets the bits it gets in a batch). A
+ * block of 16 W rows is read front to back, one sequential stream, where a tile reads 4 rows side by
+ * side; with short rows the one stream comes from memory faster (Zen 4 class, 2 threads, bf16 W on
+ * huge pages, GB/s tiles -> rows: K = 640, 262,144 rows, 26.5 -> 32.4; K = 1536 37.2 -> 39.4; K = 2048
+ * 36.7 -> 38.8; software prefetches ahead of the stream were slower, as were two rows interleaved).
+ * The out-of-order core overlaps one row's chain of sums with the next rows' loads while a row is
+ * short (small_m_gemm.c's ROW1_MAX_K).
+ * The 16 sums of a whole block are one lane_sums16 and one store. x is float32 for float16 W
+ * (widened by the caller), dt's own type otherwise. */
+static inline __attribute__((always_inline)) __m512 row_dot(const void *x, const void *wr, int64_t K, int dt) {
+    __m512 a = _mm512_setzero_ps();
+#if HAVE_AVX512_BF16
+    if (dt == LD_BF16) {
+        for (int64_t k = 0; k < K; k += 32)
+            a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512((const uint16_t *)x + k),
+                                 (__m512bh)_mm512_loadu_si512((const uint16_t *)wr + k));
+        return a;
+    }
+#endif
+#if HAVE_AVX512_F16
+    if (dt == LD_F16) {
+        for (int64_t k = 0; k < K; k += 32) {
+            const __m512i v = _mm512_loadu_si512((const uint16_t *)wr + k);
+            a = _mm512_fmadd_ps(_mm512_loadu_ps((const float *)x + k), _mm512_cvtph_ps(_mm512_castsi512_si256(v)), a);
+            a = _mm512_fmadd_ps(_mm512_loadu_ps((const float *)x + k + 16),
+                                _mm512_cvtph_ps(_mm512_extracti64x4_epi64(v, 1)), a);
+        }
+        return a;
+    }
+#endif
+    for (int64_t k = 0; k < K; k += 16)
+        a = _mm512_fmadd_ps(_mm512_loadu_ps((const float *)x + k), _mm512_loadu_ps((const float *)wr + k), a);
+    return a;
+}
+
+static inline __attribute__((always_inline)) void gemm_row1_dt(const void *x, const void *w, const void *bias, int64_t K,
+                                                              void *y, int dt, int64_t n_lo, int64_t n_hi) {
+    const int64_t es = dt == LD_F32 ? 4 : 2;
+    int64_t n0 = n_lo;
+    for (; n0 + 16 <= n_hi; n0 += 16) {
+        __m512 acc[16];
+        for (int r = 0; r < 16; r++) acc[r] = row_dot(x, (const char *)w + (n0 + r) * K * es, K, dt);
+        __m512 v = lane_sums16(acc);
+        if (bias != NULL) {
+            const __m256i b16 = _mm256_loadu_si256((const __m256i *)((const uint16_t *)bias + n0));
+            v = _mm512_add_ps(v, dt == LD_F32   ? _mm512_loadu_ps((const float *)bias + n0)
+#if HAVE_AVX512_F16
+                                 : dt == LD_F16 ? _mm512_cvtph_ps(b16)
+#endif
+                                                : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b16), 16)));
+        }
+        if (dt == LD_F32)
+            _mm512_storeu_ps((float *)y + n0, v);
+#if HAVE_AVX512_F16
+        else if (dt == LD_F16)
+            _mm256_storeu_si256((__m256i *)((uint16_t *)y + n0), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+        else
+            _mm256_storeu_si256((__m256i *)((uint16_t *)y + n0), bf16x16_from_f32(v));
+    }
+    for (; n0 < n_hi; n0++) {
+        float s = lane_sum(row_dot(x, (const char *)w + n0 * K * es, K, dt));
+        if (bias != NULL) s += ld(bias, n0, dt);
+        st(y, n0, s, dt);
+    }
+}
+
+/* gemm_row1_dt with dt a constant in each branch; 1 where this build has no kernel for dt. */
+static int gemm_row1(const void *x, const void *w, const void *bias, int64_t K, void *y, int dt, int64_t n_lo,
+                     int64_t n_hi) {
+    if (dt == LD_F32) {
+        gemm_row1_dt(x, w, bias, K, y, LD_F32, n_lo, n_hi);
+        return 0;
+    }
+#if HAVE_AVX512_BF16
+    if (dt == LD_BF16) {
+        gemm_row1_dt(x, w, bias, K, y, LD_BF16, n_lo, n_hi);
+        return 0;
+    }
+#endif
+#if HAVE_AVX512_F16
+    if (dt == LD_F16) {
+        gemm_row1_dt(x, w, bias, K, y, LD_F16, n_lo, n_hi);
+        return 0;
+    }
+#endif
+    return 1;
+}
