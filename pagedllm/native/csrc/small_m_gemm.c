@@ -94,9 +94,10 @@
 #define MR 4
 _Static_assert(MR * NR == 16, "a whole tile's sums are one lane_sums16");
 /* A single row of x reads W row after row (gemm_row1, AVX-512 builds) where W rows are at most this
- * long; longer rows' chains of sums outgrow what the core overlaps, and the tiles are faster (Zen 4
- * class, 2 threads, one row, GB/s tile -> row by row: float16 K = 4096 34.5 -> 29.7, K = 8192 54.8
- * -> 24.7; float32 K = 4096 31.3 -> 27.1; bf16 level from K = 4096). Either gives the same bits. */
+ * long. With longer rows the tiles were faster: one row's chain of sums then spans more of the
+ * core's out-of-order window than the next rows can overlap (Zen 4 class, 2 threads, one row, GB/s
+ * tiles -> row by row: float16 K = 4096 34.5 -> 29.7, K = 8192 54.8 -> 24.7; float32 K = 4096 31.3
+ * -> 27.1; bf16 level from K = 4096). Either gives the same bits. */
 #define ROW1_MAX_K 2048
 /* GEMMs with fewer weight elements than this run on one thread. */
 #define GEMM_PARALLEL_MIN (1 << 16)

@@ -149,8 +149,8 @@ static inline __attribute__((always_inline)) void gemm_tile_f16(const float *x, 
  * side; with short rows the one stream comes from memory faster (Zen 4 class, 2 threads, bf16 W on
  * huge pages, GB/s tiles -> rows: K = 640, 262,144 rows, 26.5 -> 32.4; K = 1536 37.2 -> 39.4; K = 2048
  * 36.7 -> 38.8; software prefetches ahead of the stream were slower, as were two rows interleaved).
- * The out-of-order core overlaps one row's chain of sums with the next rows' loads while a row is
- * short (small_m_gemm.c's ROW1_MAX_K).
+ * The out-of-order core overlaps one row's chain of sums with the next rows' loads; small_m_gemm.c's
+ * ROW1_MAX_K bounds the rows read this way.
  * The 16 sums of a whole block are one lane_sums16 and one store. x is float32 for float16 W
  * (widened by the caller), dt's own type otherwise. */
 static inline __attribute__((always_inline)) __m512 row_dot(const void *x, const void *wr, int64_t K, int dt) {
