@@ -31,12 +31,15 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def git_commit() -> str:
-    """`<sha>` of the checkout, with `+dirty` when tracked files differ from it."""
+def git_commit(root: Path = REPO_ROOT) -> str:
+    """`<sha>` of the checkout, with `+dirty` when tracked files differ from it. Result files
+    (benchmarks/results/) do not count: a run that writes one there leaves the code of the next run
+    in the same checkout as it was."""
     try:
-        sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+        sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True,
                              text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO_ROOT,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                ":(exclude)benchmarks/results"], cwd=root,
                                capture_output=True, text=True, timeout=10).stdout.strip()
         return (sha or "unknown") + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
