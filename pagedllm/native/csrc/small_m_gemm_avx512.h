@@ -3,6 +3,16 @@
  * Included by small_m_gemm.c; small_m_gemm_avx2.h is the AVX2 + FMA form of the same tile
  * functions. */
 
+/* 16 float32 lanes rounded to nearest even in dt's 16-bit type (bf16, or float16 where the build
+ * has F16C), as st does one value. */
+static inline __attribute__((always_inline)) __m256i half16_from_f32(__m512 v, int dt) {
+#if HAVE_AVX512_F16
+    if (dt == LD_F16) return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#endif
+    (void)dt;
+    return bf16x16_from_f32(v);
+}
+
 /* y rows m0 .. m0 + 3, columns n0 .. n0 + 3 from the sums of a whole tile's accumulators
  * (acc[m][r] for x row m0 + m and W row n0 + r), the bias added in float32, stored in dtype dt
  * (16-bit results rounded to nearest even, as st does). */
@@ -23,11 +33,7 @@ static inline __attribute__((always_inline)) void store_tile(const __m512 acc[4]
             _mm_storeu_ps((float *)y + (m0 + m) * N + n0, _mm512_extractf32x4_ps(v, m));
         return;
     }
-#if HAVE_AVX512_F16
-    const __m256i h = dt == LD_F16 ? _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC) : bf16x16_from_f32(v);
-#else
-    const __m256i h = bf16x16_from_f32(v);
-#endif
+    const __m256i h = half16_from_f32(v, dt);
     const __m128i lo = _mm256_castsi256_si128(h), hi = _mm256_extracti128_si256(h, 1);
     _mm_storel_epi64((__m128i *)((uint16_t *)y + m0 * N + n0), lo);
     _mm_storel_epi64((__m128i *)((uint16_t *)y + (m0 + 1) * N + n0), _mm_unpackhi_epi64(lo, lo));
@@ -197,12 +203,8 @@ static inline __attribute__((always_inline)) void gemm_row1_dt(const void *x, co
         }
         if (dt == LD_F32)
             _mm512_storeu_ps((float *)y + n0, v);
-#if HAVE_AVX512_F16
-        else if (dt == LD_F16)
-            _mm256_storeu_si256((__m256i *)((uint16_t *)y + n0), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-#endif
         else
-            _mm256_storeu_si256((__m256i *)((uint16_t *)y + n0), bf16x16_from_f32(v));
+            _mm256_storeu_si256((__m256i *)((uint16_t *)y + n0), half16_from_f32(v, dt));
     }
     for (; n0 < n_hi; n0++) {
         float s = lane_sum(row_dot(x, (const char *)w + n0 * K * es, K, dt));
