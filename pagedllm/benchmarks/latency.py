@@ -340,6 +340,12 @@ def median_round(results: list[dict[str, Any]]) -> dict[str, Any]:
     return ranked[(len(ranked) - 1) // 2]
 
 
+def round_result(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One engine's result over several rounds: the first failure where a round failed, else its
+    median round."""
+    return next((x for x in results if not x["ok"]), None) or median_round(results)
+
+
 def summarize_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """One row per dtype from several rounds: each engine's figures from its median round (by decode
     time; the lower middle for an even count), and each peer's speed-ups as the median of the
@@ -352,10 +358,9 @@ def summarize_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]
                                "pagedllm": median_round([r["pagedllm"] for r in per_round])}
         for peer, _ in peers_of(first):
             results = [r[peer] for r in per_round]
-            if not all(p["ok"] for p in results):
-                row[peer] = next(p for p in results if not p["ok"])
+            row[peer] = dict(round_result(results))
+            if not row[peer]["ok"]:
                 continue
-            row[peer] = dict(median_round(results))
             for kind in ("decode", "prefill"):
                 ratios = [p[f"pagedllm_{kind}_speedup"] for p in results]
                 row[peer][f"pagedllm_{kind}_speedup_rounds"] = ratios

@@ -177,7 +177,7 @@ def run_throughput_part(folder: str, args: Any) -> dict[str, Any]:
 
 def run_latency_part(folder: str, ggufs: dict[str, dict[str, Any]], args: Any) -> dict[str, Any]:
     from pagedllm.benchmarks.env import run_metadata
-    from pagedllm.benchmarks.latency import median_round
+    from pagedllm.benchmarks.latency import round_result
 
     n = (args.input_len, args.output_len, args.num_iters, args.num_iters_warmup)
     rows = []
@@ -193,8 +193,7 @@ def run_latency_part(folder: str, ggufs: dict[str, dict[str, Any]], args: Any) -
                     else:
                         runs[engine].append(_llamacpp(folder, ggufs[gguf_type], n, args) if not args.skip_llamacpp
                                             else {"ok": False, "reason": "--skip-llamacpp"})
-            # As in `bench latency --repeat`: an engine that failed in any round keeps that failure.
-            ours, peer = (next((x for x in rs if not x["ok"]), None) or median_round(rs) for rs in runs.values())
+            ours, peer = (round_result(rs) for rs in runs.values())
             row: dict[str, Any] = {"pagedllm_scheme": name, "llamacpp_type": gguf_type, "pagedllm": ours,
                                    "llama.cpp": peer}
             if ours["ok"]:
