@@ -378,12 +378,33 @@ def validate(model: str | None, runs: list[dict[str, Any]], calibration: list[tu
     return rows
 
 
+def steps_file_path(steps_file: str, validation_path: str) -> Path:
+    """Where the `steps_file` named by the validation JSON at `validation_path` is. An absolute path
+    is used as given, as is a relative one that exists from the current directory; otherwise a
+    relative path is taken from the validation file's folder or, failing that, from the nearest
+    folder above it that holds it (a path from the repository root, as the committed validations
+    name theirs, so they can be refit from any directory). ValueError names the path given and the
+    one resolved against the validation file's folder when no such file exists."""
+    given = Path(steps_file)
+    if given.exists():
+        return given
+    if given.is_absolute():
+        raise ValueError(f"{validation_path} names steps_file {steps_file!r}, which does not exist")
+    folder = Path(validation_path).resolve().parent
+    for base in (folder, *folder.parents):
+        if (base / given).exists():
+            return base / given
+    raise ValueError(f"{validation_path} names steps_file {steps_file!r}: neither {given.resolve()} nor "
+                     f"{folder / given} exists (nor does it under a folder above {folder})")
+
+
 def load_validation(path: str) -> dict[str, Any]:
     """A validation JSON of `simulate calibrate --validate` (or of --refit, whose measured steps are
-    read from the file it names in `steps_file`); ValueError names what is missing."""
+    read from the file it names in `steps_file`, found by `steps_file_path`; `steps_file` itself is
+    kept as stored); ValueError names what is missing."""
     stored = json.loads(Path(path).read_text(encoding="utf-8"))
     if "steps_file" in stored:
-        steps = json.loads(Path(stored["steps_file"]).read_text(encoding="utf-8"))
+        steps = json.loads(steps_file_path(stored["steps_file"], path).read_text(encoding="utf-8"))
         stored |= {k: steps[k] for k in ("calibration_steps", "validation_steps") if k in steps}
     for key in ("profile", "rows", "calibration_steps", "validation_steps"):
         if key not in stored:

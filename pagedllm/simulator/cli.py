@@ -312,7 +312,8 @@ def _refit(args: argparse.Namespace) -> int:
         profile.save(args.output)
     _print_fit(args.output, fit)
     if args.validate:
-        # The measured steps stay in the file they came from; this one names it.
+        # The measured steps stay in the file they came from; this one names it as the input did
+        # (a relative name is found again from the folder of the file that names it).
         _write_json({"meta": meta, "refit_of": stored.get("meta", {}),
                      "steps_file": stored.get("steps_file", args.refit), "profile": profile.to_dict(), "fit": fit,
                      "rows": rows}, args.validate)

@@ -257,6 +257,48 @@ def test_refit_of_a_stored_validation_reproduces_it(tmp_path, monkeypatch, capsy
         refit_validation(old)
 
 
+def test_refit_finds_the_steps_file_from_another_directory(tmp_path, monkeypatch, capsys) -> None:
+    """A committed refit names its steps' file from the repository root; run from another directory,
+    that path is found again from the validation file's folder (here from the folder above it that
+    holds it), the JSON the refit writes names it in the same form, and a path that is found nowhere
+    is an error naming the path given and the one resolved against the validation file's folder."""
+    from pathlib import Path
+
+    from pagedllm.entrypoints.cli import main
+    from pagedllm.simulator.calibrate import load_validation
+
+    repo = Path(__file__).resolve().parents[2]
+    refit = repo / "benchmarks/results/sim/zen4-validation-refit.json"
+    steps_file = json.loads(refit.read_text())["steps_file"]
+    assert not Path(steps_file).is_absolute()
+    source = json.loads((repo / steps_file).read_text())
+    monkeypatch.chdir(tmp_path)
+    assert not Path(steps_file).exists()
+    stored = load_validation(str(refit))
+    assert stored["steps_file"] == steps_file
+    assert stored["calibration_steps"] == source["calibration_steps"]
+    assert stored["validation_steps"] == source["validation_steps"]
+    (tmp_path / "out").mkdir()
+    out = tmp_path / "out" / "v.json"
+    assert main(["simulate", "calibrate", "--refit", str(refit), "--small-step-tokens", "0",
+                 "--validate", str(out)]) == 0
+    capsys.readouterr()
+    assert json.loads(out.read_text())["steps_file"] == steps_file
+    # The same name in a validation file outside the repository is found nowhere.
+    with pytest.raises(ValueError) as e:
+        load_validation(str(out))
+    for named in (repr(steps_file), str(tmp_path.resolve() / steps_file), str(out.resolve().parent / steps_file)):
+        assert named in str(e.value), named
+    # A bare name is found beside the validation file that names it; an absolute path is used as given.
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "steps.json").write_text(json.dumps(source))
+    bare = tmp_path / "sub" / "bare.json"
+    bare.write_text(json.dumps({**json.loads(out.read_text()), "steps_file": "steps.json"}))
+    assert load_validation(str(bare))["validation_steps"] == source["validation_steps"]
+    bare.write_text(json.dumps({**json.loads(out.read_text()), "steps_file": str(repo / steps_file)}))
+    assert load_validation(str(bare))["calibration_steps"] == source["calibration_steps"]
+
+
 def test_held_out_steps_are_in_no_fit() -> None:
     calib = [([1.0] * 7, 0.5)]
     runs = [{"held_out": False, "run": types.SimpleNamespace(steps=[([2.0] * 7, 1.0)])},
