@@ -6,6 +6,7 @@ vLLM's server, each engine's peak RSS and start-up."""
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -66,17 +67,35 @@ def _throughput(t: dict[str, Any]) -> str:
     return out + "\n" + run_block(t.get("meta"))
 
 
+def roofline_fraction(row: dict[str, Any]) -> float:
+    """pagedllm's fraction of the weight-read roofline in a one-stream row: over rounds, the median
+    of the rounds' fractions (each round's of the read rate measured around that round, as the
+    speed-up is the median of the rounds' ratios), computed from the rounds stored in the row, so
+    results written when the row held the median round's own fraction give it too; else the
+    row's."""
+    rounds = row.get("rounds") or []
+    if rounds and all("pagedllm_fraction_of_weight_roofline" in x for x in rounds):
+        return statistics.median(x["pagedllm_fraction_of_weight_roofline"] for x in rounds)
+    return row["pagedllm_fraction_of_weight_roofline"]
+
+
 def _roofline(row: dict[str, Any]) -> str:
     """The weight-read roofline cell: the row's fraction (scale.weight_roofline_fraction: of the read
     rate measured around the runs where the run has it, else, in results from before it, of the copy
-    peak), with the copy figure beside a read one."""
-    ours, frac = row["pagedllm"], 100 * row["pagedllm_fraction_of_weight_roofline"]
+    peak), with the copy figure beside a read one. Over rounds the fraction is the median of the
+    rounds' fractions (roofline_fraction), and the rates beside it are the median round's, with that
+    round's own fractions."""
+    ours, frac = row["pagedllm"], 100 * roofline_fraction(row)
     weights = f"({ours['model']['decode_weight_bytes'] / 1e9:.2f} GB)"
     copy = f"{ours['peak_copy_bytes_per_s'] / 1e9:.1f} GB/s copy"
     if ours.get("peak_read_bytes_per_s") is None:
         return f"{frac:.0f} % of {copy} {weights}"
-    return (f"{frac:.0f} % of {ours['peak_read_bytes_per_s'] / 1e9:.1f} GB/s read {weights}; "
-            f"{100 * ours['decode_weight_fraction_of_peak_bw']:.0f} % of {copy}")
+    read = f"{ours['peak_read_bytes_per_s'] / 1e9:.1f} GB/s read"
+    copy_frac = f"{100 * ours['decode_weight_fraction_of_peak_bw']:.0f} % of {copy}"
+    if row.get("rounds"):
+        return (f"{frac:.0f} %, median of the rounds' fractions {weights}; the median round "
+                f"{100 * ours['decode_weight_fraction_of_read_bw']:.0f} % of {read}, {copy_frac}")
+    return f"{frac:.0f} % of {read} {weights}; {copy_frac}"
 
 
 def _single_stream(s: dict[str, Any]) -> str:
@@ -99,8 +118,9 @@ def _single_stream(s: dict[str, Any]) -> str:
             rows.append([f"llama.cpp {row['llamacpp_type']}", "skipped: " + peer["reason"][:200], "", "", "", "", ""])
     rounds = s.get("rounds", 1)
     head = (f"One stream ({s['input_len']}-token prompt, {s['output_len']} greedy tokens, median of {s['num_iters']}"
-            + (f"; {rounds} rounds alternating which engine runs first: each engine's median round, and the "
-               "median of the rounds' speed-ups" if rounds > 1 else "") + "):\n\n")
+            + (f"; {rounds} rounds alternating which engine runs first: each engine's median round, the "
+               "median of the rounds' speed-ups, and pagedllm's weight-read roofline as the median of the rounds' "
+               "fractions, each round's of the read rate measured around it" if rounds > 1 else "") + "):\n\n")
     per_round = "".join(
         f"- {row['pagedllm_scheme']} against {row['llamacpp_type']}, round by round: "
         + ", ".join(f"{x['pagedllm_decode_tokens_per_s']:.2f} / {x['llamacpp_decode_tokens_per_s']:.2f} tok/s "

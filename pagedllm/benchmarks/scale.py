@@ -12,8 +12,10 @@ dtype or quantization, the figure, and the engine process's peak RSS and start-u
    --quantization int4 (group 32) vs Q4_0 (llama.cpp's quantizer and its default choices); with
    pagedllm's weight-read roofline: bytes of weights read per decode step / this host's read rate,
    measured just before and after the runs. With --rounds R each pair runs R times, alternating
-   which engine goes first: the row shows each engine's median round and the median of the rounds'
-   speed-ups, so a memory rate that drifts over minutes moves both engines alike.
+   which engine goes first: the row shows each engine's median round, the median of the rounds'
+   speed-ups, so a memory rate that drifts over minutes moves both engines alike, and the median of
+   the rounds' fractions of the weight-read roofline (each round's of the read rate measured around
+   that round).
 4. prefill: the time to first token of one --prefill-len prompt (bf16): pagedllm, HF transformers,
    llama.cpp's prompt processing (BF16).
 5. serve: `pagedllm serve` and `vllm serve` (bf16) launched in turn and driven by `pagedllm bench
@@ -197,7 +199,10 @@ def run_latency_part(folder: str, ggufs: dict[str, dict[str, Any]], args: Any) -
             row: dict[str, Any] = {"pagedllm_scheme": name, "llamacpp_type": gguf_type, "pagedllm": ours,
                                    "llama.cpp": peer}
             if ours["ok"]:
-                row["pagedllm_fraction_of_weight_roofline"] = weight_roofline_fraction(ours)
+                # Each round against the read rate measured around it, as the speed-up is the
+                # median of the rounds' ratios (with one round, that round's).
+                row["pagedllm_fraction_of_weight_roofline"] = statistics.median(
+                    weight_roofline_fraction(a) for a in runs["pagedllm"])
             if ours["ok"] and peer["ok"]:
                 row["decode_speedup_vs_llamacpp"] = peer["decode_ms_per_token"] / ours["decode_ms_per_token"]
                 if args.rounds > 1:
@@ -262,7 +267,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                     help=f"one-stream pairs (default {','.join(PAIRS)})")
     ap.add_argument("--rounds", type=int, default=1,
                     help="one stream: runs of each pair, alternating which engine goes first; each engine's median "
-                         "round and the median of the rounds' speed-ups are reported (default 1)")
+                         "round, the median of the rounds' speed-ups and the median of the rounds' fractions of "
+                         "the weight-read roofline are reported (default 1)")
     ap.add_argument("--agreement-tokens", type=int, default=8)
     ap.add_argument("--prefill-len", type=int, default=4000)
     ap.add_argument("--prefill-iters", type=int, default=1)
