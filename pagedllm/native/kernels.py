@@ -91,9 +91,13 @@ W8A8_SCALE_ROWS = Kernel("w8a8_scale_rows", I32, (
     ptr("acc"), i64("M"), i64("N"), ptr("d"), ptr("scales"), ptr("y"), i32("f32")))
 W8A8_AMX_ROWS = Kernel("w8a8_amx_rows", I64)
 W8A8_AMX_FROM = Kernel("w8a8_amx_from", I64, (i64("rows"),))
+W8A8_VNNI_ROWS = Kernel("w8a8_vnni_rows", I64)
+W8A8_VNNI_FROM = Kernel("w8a8_vnni_from", I64, (i64("rows"),))
+INT8_DOT_PEAK = Kernel("int8_dot_peak", I64, (i64("iters"),))
 QUANT = Library("linear_quant.c", (INT4_LINEAR_BF16, INT8_LINEAR_BF16, E4M3_LINEAR_BF16, QUANT_DEQUANT,
                                    QUANT_GATHER_ROWS, QUANT_SET_PARALLEL_MIN, W8A8_LINEAR, W8A8_QUANTIZE_ROWS,
-                                   W8A8_SCALE_ROWS, W8A8_AMX_ROWS, W8A8_AMX_FROM), lambda: envs.PAGEDLLM_NATIVE_QUANT)
+                                   W8A8_SCALE_ROWS, W8A8_AMX_ROWS, W8A8_AMX_FROM,
+                                   W8A8_VNNI_ROWS, W8A8_VNNI_FROM, INT8_DOT_PEAK), lambda: envs.PAGEDLLM_NATIVE_QUANT)
 
 
 # llama_decode.c: the fused decode step over a model described by these structs (its typedefs).

@@ -104,8 +104,9 @@ def pack_int8_native(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
 
 
 def kernel_rows(bits: int) -> int:
-    """Most rows of x the kernel takes for these codes (bits 4, 8; 3: e4m3; 9: w8a8)."""
-    return E4M3_ROWS if bits == 3 else SMALL_M
+    """Most rows of x the kernel takes for these codes (bits 4, 8; 3: e4m3; 9: w8a8, whose kernel
+    takes any number where it has a batch form: w8a8_rows)."""
+    return E4M3_ROWS if bits == 3 else w8a8_rows() if bits == 9 else SMALL_M
 
 
 def _in_features(codes: torch.Tensor, bits: int) -> int:
@@ -156,12 +157,15 @@ def small_m_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, z
 
 @lru_cache(maxsize=1)
 def w8a8_rows() -> int:
-    """Most rows of x :func:`w8a8_small_m_linear` takes: every number where its kernel runs on AMX
-    tiles (AMX-INT8, from 5 rows; linear_quant_amx.h): its products beat ``torch._int_mm`` (oneDNN's
-    gemm_api, VNNI without AMX) on SmolLM2's layers up to 2048 rows, but for the 576 x 1536 down
-    projection from 512 rows, where the two are within 10% (docs/quantization.md); else SMALL_M."""
+    """Most rows of x :func:`w8a8_small_m_linear` takes: every number where the kernel has a batch
+    form, that is on AVX-512 builds: AMX tiles from 5 rows where the CPU has AMX-INT8
+    (linear_quant_amx.h), else vpdpbusd over 16 x 16 blocks from 5 rows (linear_quant_vnni.h). Both
+    beat ``torch._int_mm`` (oneDNN's int8 GEMM) between the batch path's passes on SmolLM2's layers
+    from 5 to 1,024 rows (docs/quantization.md), but for the AMX tiles on the 576 x 1536 down
+    projection from 512 rows, where the two are within 10%. Elsewhere (the AVX2 form) SMALL_M."""
     lib = load_quant_kernel()
-    return sys.maxsize if lib is not None and lib.w8a8_amx_rows() > 0 else SMALL_M
+    batch = lib is not None and (lib.w8a8_amx_rows() > 0 or lib.w8a8_vnni_rows() > 0)
+    return sys.maxsize if batch else SMALL_M
 
 
 def _w8a8_rows(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -203,7 +207,8 @@ def w8a8_small_m_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tens
 
 
 def w8a8_batch_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """w8a8's x [..., K] @ (codes * scales)^T for any number of rows, equal to
+    """w8a8's x [..., K] @ (codes * scales)^T for any number of rows where the kernel has no batch
+    form of its own (the AVX2 form, past :func:`w8a8_rows`), equal to
     :func:`pagedllm.quantization.kernels.int8_dynamic_linear` to the bit: the kernel quantizes the
     rows (the same formula and rounding as the decode rows' kernel), ``torch._int_mm`` (oneDNN's
     VNNI GEMM; without VNNI, exact float32 GEMMs: kernels.int8_matmul) sums them against the codes' transpose, and the kernel applies the two fp32 products

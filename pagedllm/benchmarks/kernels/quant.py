@@ -16,20 +16,33 @@ of re-laying the codes out once (a transposed copy), which a single layout would
 then per number of rows (1 to 64, 30 distinct weights) the w8a8 call as dispatched (AMX tiles
 from w8a8_amx_rows() rows where the CPU has AMX-INT8), its vpdpbusd form, and the batch path
 (``torch._int_mm`` between the kernel's passes).
-Run: flock /tmp/pagedllm-bench.lock pagedllm bench kernels quant [--decode-pass | --w8a8]
+``--int8-peak``: how close w8a8's batches run to this CPU's int8 rate, two threads. The peak: the
+kernels' own int8 product on registers only (``int8_dot_peak``: vpdpbusd on AVX-512 VNNI, the AVX2
+form's vpmaddubsw pairs elsewhere), beside the bf16 GEMM peak (``env.measure_matmul_peak``). Then
+per SmolLM2 layer shape and number of rows (128 to 1,024, the batches of the 128-request workload):
+``torch._int_mm`` alone (the GEMM of w8a8's batches) in GOP/s and as a fraction of the int8 peak,
+w8a8's whole batch call (``native.w8a8_batch_linear``), the unfused int8 path (the weight widened
+to bf16 on every call, then ``F.linear``) and its bf16 GEMM alone; the last column is the unfused
+call's time over w8a8's. ``--output-json`` writes the figures with the run's record.
+Run: flock /tmp/pagedllm-bench.lock pagedllm bench kernels quant [--decode-pass | --w8a8 | --int8-peak]
 """
 
 from __future__ import annotations
 
+import json
 import os
+import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from pagedllm.quantization import kernels as K
 from pagedllm.quantization import native
+from pagedllm.benchmarks import env
 from pagedllm.benchmarks.script import parser
+from pagedllm.hardware import cpu_flags
 
 
 def best(fn, reps: int = 20) -> float:
@@ -179,15 +192,70 @@ def _w8a8_forms(layers, per_layer, k: int) -> list[str]:
     return out
 
 
+def int8_peak_ops(iters: int = 20_000_000, reps: int = 5) -> float:
+    """Int8 ops per second (2 per multiply-add) of the kernels' own product on registers, all of
+    OpenMP's threads: the median of `reps` timed calls of ``int8_dot_peak``."""
+    lib = native.load_quant_kernel()
+    rates = []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        n = lib.int8_dot_peak(iters)
+        rates.append(2 * n / (time.perf_counter() - t0))
+    return statistics.median(rates[1:])
+
+
+def int8_peak(output_json: str | None = None) -> None:
+    torch.manual_seed(0)
+    torch.set_num_threads(2)
+    peak = int8_peak_ops()
+    bf16_peak = env.measure_matmul_peak(dtype="bfloat16")
+    # linear_quant.c's AVX-512 form (vpdpbusd) builds where the CPU has AVX-512 BF16 (and so VNNI)
+    product = "vpdpbusd (AVX-512 VNNI)" if {"avx512_bf16", "avx512_vnni"} <= cpu_flags() else \
+        "vpmaddubsw + vpmaddwd (AVX2)"
+    print(f"int8 peak, {product} on registers, 2 threads: {peak / 1e9:.0f} GOP/s; "
+          f"bf16 GEMM peak (1024^3): {bf16_peak / 1e9:.0f} GFLOP/s", flush=True)
+    shapes = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+    rows = []
+    for name, (n, k) in shapes.items():
+        q, s = K.quantize_int8_per_channel(torch.randn(n, k) * 0.05)
+        wb = (q.float() * s[:, None]).bfloat16()
+        for m in (128, 256, 512, 1024):
+            x = torch.randn(m, k).bfloat16()
+            xq = torch.randint(-127, 128, (m, k), dtype=torch.int8)
+            reps = 9 if m <= 256 else 5
+            t_mm = statistics.median(env.call_times(lambda: torch._int_mm(xq, q.t()), reps))
+            t_w8a8 = statistics.median(env.call_times(lambda: native.w8a8_batch_linear(x, q, s), reps))
+            t_unfused = statistics.median(env.call_times(lambda: K.int8_dequant_linear(x, q, s), reps))
+            t_bf16 = statistics.median(env.call_times(lambda: F.linear(x, wb), reps))
+            ops = 2 * m * n * k
+            row = {"layer": name, "n": n, "k": k, "rows": m, "int_mm_us": t_mm * 1e6,
+                   "int_mm_gops": ops / t_mm / 1e9, "int_mm_fraction_of_peak": ops / t_mm / peak,
+                   "w8a8_call_us": t_w8a8 * 1e6, "unfused_call_us": t_unfused * 1e6, "bf16_gemm_us": t_bf16 * 1e6,
+                   "bf16_gemm_gflops": ops / t_bf16 / 1e9, "unfused_over_w8a8": t_unfused / t_w8a8}
+            rows.append(row)
+            print(f"{name} {n}x{k}, {m} rows: _int_mm {t_mm * 1e6:.0f} us ({row['int_mm_gops']:.0f} GOP/s, "
+                  f"{100 * row['int_mm_fraction_of_peak']:.0f}% of the int8 peak); w8a8 call {t_w8a8 * 1e6:.0f} us; "
+                  f"unfused int8 call {t_unfused * 1e6:.0f} us (its bf16 GEMM {t_bf16 * 1e6:.0f} us, "
+                  f"{row['bf16_gemm_gflops']:.0f} GFLOP/s); unfused / w8a8 {row['unfused_over_w8a8']:.2f}x", flush=True)
+    if output_json:
+        out = {"run": env.run_metadata(), "int8_peak_gops": peak / 1e9, "int8_product": product,
+               "bf16_gemm_peak_gflops": bf16_peak / 1e9, "rows": rows}
+        Path(output_json).write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
+
+
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap = parser(__doc__, prog)
     ap.add_argument("--decode-pass", action="store_true")
     ap.add_argument("--w8a8", action="store_true")
+    ap.add_argument("--int8-peak", action="store_true")
+    ap.add_argument("--output-json", default=None, help="with --int8-peak: write its figures and the run's record here")
     args = ap.parse_args(argv)
     if args.decode_pass:
         decode_pass()
     elif args.w8a8:
         w8a8()
+    elif args.int8_peak:
+        int8_peak(args.output_json)
     else:
         kernel_table()
 

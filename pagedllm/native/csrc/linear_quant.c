@@ -104,6 +104,7 @@ typedef struct {
 #include "linear_quant_avx512.h"
 #include "amx.h"
 #include "linear_quant_amx.h"
+#include "linear_quant_vnni.h"
 #elif defined(LQ_AVX2)
 #include "linear_quant_avx2.h"
 #endif
@@ -252,6 +253,9 @@ int w8a8_linear(const void *x, int64_t M, const int8_t *codes, const float *scal
 #if HAVE_AMX_INT8
     if (M >= w8a8_amx_from_rows && amx_permitted()) return w8a8_linear_amx(x, M, codes, scales, N, K, y, f32);
 #endif
+#if defined(LQ_AVX512)
+    if (M >= w8a8_vnni_from_rows) return w8a8_linear_vnni(x, M, codes, scales, wsum, N, K, y, f32);
+#endif
     const int64_t KP = (K + 63) / 64 * 64, es = f32 ? 4 : 2;
     uint8_t *xq = (uint8_t *)aligned_alloc(64, (size_t)(M * KP));
     float *d = (float *)malloc(sizeof(float) * M);
@@ -283,7 +287,7 @@ int64_t w8a8_amx_rows(void) {
 }
 
 /* w8a8_linear calls of `rows` rows of x or more run on AMX tiles from now on (rows <= 0:
- * W8A8_AMX_MIN_ROWS, the default), fewer in the vpdpbusd form (the same bits either way; tests and
+ * W8A8_AMX_MIN_ROWS, the default), fewer in the vpdpbusd forms (the same bits either way; tests and
  * benchmarks compare the two). This library's setting, for every later call. Returns w8a8_amx_rows(). */
 int64_t w8a8_amx_from(int64_t rows) {
 #if HAVE_AMX_INT8
@@ -292,6 +296,29 @@ int64_t w8a8_amx_from(int64_t rows) {
     (void)rows;
 #endif
     return w8a8_amx_rows();
+}
+
+/* Rows of x from which w8a8_linear runs its vpdpbusd batch form (linear_quant_vnni.h) where the AMX
+ * tiles do not take the call (W8A8_VNNI_MIN_ROWS unless w8a8_vnni_from set another); 0 in builds
+ * without it (the AVX2 form, whose batches run outside the kernel). */
+int64_t w8a8_vnni_rows(void) {
+#if defined(LQ_AVX512)
+    return w8a8_vnni_from_rows;
+#else
+    return 0;
+#endif
+}
+
+/* w8a8_linear calls of `rows` rows of x or more (and not on AMX tiles) run the vpdpbusd batch form
+ * from now on (rows <= 0: W8A8_VNNI_MIN_ROWS, the default), fewer the row form (the same bits either
+ * way). This library's setting, for every later call. Returns w8a8_vnni_rows(). */
+int64_t w8a8_vnni_from(int64_t rows) {
+#if defined(LQ_AVX512)
+    w8a8_vnni_from_rows = rows > 0 ? rows : W8A8_VNNI_MIN_ROWS;
+#else
+    (void)rows;
+#endif
+    return w8a8_vnni_rows();
 }
 
 /*
@@ -304,9 +331,11 @@ int64_t w8a8_amx_from(int64_t rows) {
  *                       rounded to fp32 as torch rounds it, stored in fp32 or rounded to bf16.
  */
 /* Each row of x [M, K] (bf16 or fp32) quantized by w8a8_quantize_row, d[m] its scale, stored as signed
- * int8: rows of K bytes at xq, or, with xp (AMX-INT8 builds), TDPBSSD's packed second operand
- * (linear_quant_amx.h), zero rows up to a multiple of 16. 2 where a row's scratch cannot be had. */
-static int w8a8_quantize_each(const void *x, int64_t M, int64_t K, int f32, float *d, int8_t *xq, int32_t *xp) {
+ * int8 rows of K bytes at xq, or, with xp (AVX-512 builds), packed for the batch forms
+ * (w8a8_row_to_tiles: signed for AMX tiles with xp_signed, else q + 128 for vpdpbusd), rows of q = 0
+ * up to a multiple of 16. 2 where a row's scratch cannot be had. */
+static int w8a8_quantize_each(const void *x, int64_t M, int64_t K, int f32, float *d, int8_t *xq, int32_t *xp,
+                              int xp_signed) {
     const int64_t es = f32 ? 4 : 2, KP = (K + 63) / 64 * 64, rows = xp != NULL ? (M + 15) / 16 * 16 : M;
     int bad = 0;
 #pragma omp parallel if (M * K >= (1 << 17))
@@ -323,11 +352,13 @@ static int w8a8_quantize_each(const void *x, int64_t M, int64_t K, int f32, floa
                 d[m] = w8a8_quantize_row((const char *)x + m * K * es, f32, K, KP, row);
             else
                 memset(row, 128, (size_t)KP); /* q = 0 */
-#if HAVE_AMX_INT8
+#if defined(LQ_AVX512)
             if (xp != NULL) {
-                w8a8_row_to_tiles(row, KP / 64, xp + m / 16 * (KP / 64) * 256 + m % 16);
+                w8a8_row_to_tiles(row, KP / 64, xp + m / 16 * (KP / 64) * 256 + m % 16, xp_signed);
                 continue;
             }
+#else
+            (void)xp_signed;
 #endif
             w8a8_row_to_signed(row, xq + m * K, K);
         }
@@ -338,7 +369,7 @@ static int w8a8_quantize_each(const void *x, int64_t M, int64_t K, int f32, floa
 
 int w8a8_quantize_rows(const void *x, int64_t M, int64_t K, int f32, int8_t *xq, float *d) {
     if (M < 1 || K < 1) return 1;
-    return w8a8_quantize_each(x, M, K, f32, d, xq, NULL);
+    return w8a8_quantize_each(x, M, K, f32, d, xq, NULL, 0);
 }
 
 int w8a8_scale_rows(const int32_t *acc, int64_t M, int64_t N, const float *d, const float *scales, void *y, int f32) {
@@ -354,6 +385,47 @@ int64_t quant_set_parallel_min(int64_t elems) {
     const int64_t old = quant_parallel_min;
     quant_parallel_min_ = elems;
     return old;
+}
+
+/* The host's rate of the int8 products the kernels above use, for benchmarks (`pagedllm bench kernels
+ * quant --int8-peak`): each thread OpenMP gives runs `iters` rounds of 16 independent
+ * multiply-accumulate chains on registers only, with no memory traffic: vpdpbusd on 64 bytes
+ * (AVX-512 VNNI builds) or the AVX2 form's vpmaddubsw + vpmaddwd + vpaddd on 32 bytes. Returns the
+ * int8 multiplies made by all threads together (the caller times the call), or 0 for iters < 1. */
+#define PEAK_CHAINS 16
+static volatile int64_t int8_dot_peak_sink; /* the chains' sums land here, so none can be dropped */
+int64_t int8_dot_peak(int64_t iters) {
+    if (iters < 1) return 0;
+    int64_t total = 0, sink = 0;
+#pragma omp parallel reduction(+ : total, sink)
+    {
+#if defined(LQ_AVX512)
+        const __m512i a = _mm512_set1_epi8((char)(1 + (iters & 7))), b = _mm512_set1_epi8((char)(3 - (iters & 1)));
+        __m512i acc[PEAK_CHAINS];
+        for (int j = 0; j < PEAK_CHAINS; j++) acc[j] = _mm512_set1_epi32(j);
+        for (int64_t i = 0; i < iters; i++)
+#pragma GCC unroll 16
+            for (int j = 0; j < PEAK_CHAINS; j++) acc[j] = _mm512_dpbusd_epi32(acc[j], a, b);
+        for (int j = 0; j < PEAK_CHAINS; j++) sink += _mm512_reduce_add_epi32(acc[j]);
+        total += iters * PEAK_CHAINS * 64;
+#else
+        const __m256i a = _mm256_set1_epi8((char)(1 + (iters & 7))), b = _mm256_set1_epi8((char)(3 - (iters & 1)));
+        const __m256i ones = _mm256_set1_epi16(1);
+        __m256i acc[PEAK_CHAINS];
+        for (int j = 0; j < PEAK_CHAINS; j++) acc[j] = _mm256_set1_epi32(j);
+        for (int64_t i = 0; i < iters; i++)
+#pragma GCC unroll 16
+            for (int j = 0; j < PEAK_CHAINS; j++)
+                acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), ones));
+        for (int j = 0; j < PEAK_CHAINS; j++) {
+            const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(acc[j]), _mm256_extracti128_si256(acc[j], 1));
+            sink += _mm_cvtsi128_si32(h) + _mm_extract_epi32(h, 1) + _mm_extract_epi32(h, 2) + _mm_extract_epi32(h, 3);
+        }
+        total += iters * PEAK_CHAINS * 32;
+#endif
+    }
+    int8_dot_peak_sink = sink;
+    return total;
 }
 
 /* W [N, K] in bf16, or fp32 (w_f32), from the same layouts (for batches, where oneDNN's GEMM beats
