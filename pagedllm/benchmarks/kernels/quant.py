@@ -14,16 +14,19 @@ quantization + ``torch._int_mm``), and the int8 method's tiled kernel; 256 token
 path on the transposed copy [K, N] and on the transpose view of the row-major codes, and the cost
 of re-laying the codes out once (a transposed copy), which a single layout would pay per call;
 then per number of rows (1 to 64, 30 distinct weights) the w8a8 call as dispatched (AMX tiles
-from w8a8_amx_rows() rows where the CPU has AMX-INT8), its vpdpbusd form, and the batch path
+from w8a8_amx_rows() rows where the CPU has AMX-INT8, else the vpdpbusd batch form from
+w8a8_vnni_rows() rows), its vpdpbusd batch form, its row form, and the AVX2 form's batch path
 (``torch._int_mm`` between the kernel's passes).
 ``--int8-peak``: how close w8a8's batches run to this CPU's int8 rate, two threads. The peak: the
 kernels' own int8 product on registers only (``int8_dot_peak``: vpdpbusd on AVX-512 VNNI, the AVX2
 form's vpmaddubsw pairs elsewhere), beside the bf16 GEMM peak (``env.measure_matmul_peak``). Then
-per SmolLM2 layer shape and number of rows (128 to 1,024, the batches of the 128-request workload):
-``torch._int_mm`` alone (the GEMM of w8a8's batches) in GOP/s and as a fraction of the int8 peak,
-w8a8's whole batch call (``native.w8a8_batch_linear``), the unfused int8 path (the weight widened
-to bf16 on every call, then ``F.linear``) and its bf16 GEMM alone; the last column is the unfused
-call's time over w8a8's. ``--output-json`` writes the figures with the run's record.
+per SmolLM2 layer shape and number of rows (16 to 1,024, the batches of the 128-request workload):
+w8a8's call as dispatched (``native.w8a8_small_m_linear``: the AMX tiles or the vpdpbusd batch
+form where the kernel has one) in GOP/s and as a fraction of the int8 peak, ``torch._int_mm`` alone
+and with the kernel's two passes around it (``native.w8a8_batch_linear``, the AVX2 form's batch
+path), the unfused int8 path (the weight widened to bf16 on every call, then ``F.linear``) and its
+bf16 GEMM alone; the last column is the unfused call's time over w8a8's. ``--output-json`` writes
+the figures with the run's record.
 Run: flock /tmp/pagedllm-bench.lock pagedllm bench kernels quant [--decode-pass | --w8a8 | --int8-peak]
 """
 
@@ -173,22 +176,34 @@ def w8a8(reps: int = 15) -> None:
 
 def _w8a8_forms(layers, per_layer, k: int) -> list[str]:
     """Per number of rows (30 distinct weights): w8a8_linear as dispatched (AMX tiles from
-    w8a8_amx_rows() rows where there are any), its vpdpbusd form, and the batch path
+    w8a8_amx_rows() rows where there are any, else the vpdpbusd batch form from w8a8_vnni_rows()),
+    its vpdpbusd batch form, its row form, and the batch path of the AVX2 form
     (native.w8a8_batch_linear: torch._int_mm between the kernel's passes)."""
     lib = native.load_quant_kernel()
-    amx = lib.w8a8_amx_rows()
+    amx, vnni_from = lib.w8a8_amx_rows(), lib.w8a8_vnni_rows()
     out = []
-    for m in (1, 2, 4, 8, 16, 32, 64):
+    for m in (1, 2, 4, 5, 8, 16, 32, 64):
         x = torch.randn(m, k).bfloat16()
+
+        def kernel(amx_from: int, batch_from: int) -> float:
+            lib.w8a8_amx_from(amx_from)
+            lib.w8a8_vnni_from(batch_from)
+            try:
+                return per_layer(lambda q, s, ws, t: native.w8a8_small_m_linear(x, q, s, ws)) \
+                    if m <= native.w8a8_rows() else float("nan")
+            finally:
+                lib.w8a8_amx_from(amx)
+                lib.w8a8_vnni_from(vnni_from)
+
         call = per_layer(lambda q, s, ws, t: native.w8a8_small_m_linear(x, q, s, ws)
                          if m <= native.w8a8_rows() else native.w8a8_batch_linear(x, q, s))
-        lib.w8a8_amx_from(1 << 62)
-        vnni = per_layer(lambda q, s, ws, t: native.w8a8_small_m_linear(x, q, s, ws)) \
-            if m <= native.w8a8_rows() else float("nan")
-        lib.w8a8_amx_from(amx)
+        vnni = kernel(1 << 62, 1) if vnni_from else float("nan")
+        rows = kernel(1 << 62, 1 << 62)
         batch = per_layer(lambda q, s, ws, t: native.w8a8_batch_linear(x, q, s))
-        form = "tiles" if amx and m >= amx else "vpdpbusd" if m <= native.w8a8_rows() else "batch"
-        out.append(f"{m}: {call * 1e6:.1f} us ({form}), vpdpbusd {vnni * 1e6:.1f}, _int_mm {batch * 1e6:.1f}")
+        form = ("tiles" if amx and m >= amx else "vpdpbusd blocks" if vnni_from and m >= vnni_from
+                else "row form" if m <= native.w8a8_rows() else "_int_mm")
+        out.append(f"{m}: {call * 1e6:.1f} us ({form}), vpdpbusd blocks {vnni * 1e6:.1f}, row form {rows * 1e6:.1f}, "
+                   f"_int_mm {batch * 1e6:.1f}")
     return out
 
 
@@ -218,23 +233,31 @@ def int8_peak(output_json: str | None = None) -> None:
     rows = []
     for name, (n, k) in shapes.items():
         q, s = K.quantize_int8_per_channel(torch.randn(n, k) * 0.05)
+        ws = q.sum(dim=1, dtype=torch.int32)
         wb = (q.float() * s[:, None]).bfloat16()
-        for m in (128, 256, 512, 1024):
+        for m in (16, 64, 128, 256, 512, 1024):
             x = torch.randn(m, k).bfloat16()
             xq = torch.randint(-127, 128, (m, k), dtype=torch.int8)
-            reps = 9 if m <= 256 else 5
-            t_mm = statistics.median(env.call_times(lambda: torch._int_mm(xq, q.t()), reps))
-            t_w8a8 = statistics.median(env.call_times(lambda: native.w8a8_batch_linear(x, q, s), reps))
-            t_unfused = statistics.median(env.call_times(lambda: K.int8_dequant_linear(x, q, s), reps))
-            t_bf16 = statistics.median(env.call_times(lambda: F.linear(x, wb), reps))
+            reps = 15 if m <= 256 else 7
+
+            def med(fn) -> float:
+                return statistics.median(env.call_times(fn, reps))
+
+            call = (lambda: native.w8a8_small_m_linear(x, q, s, ws)) if m <= native.w8a8_rows() else \
+                (lambda: native.w8a8_batch_linear(x, q, s))
+            t_call, t_mm = med(call), med(lambda: torch._int_mm(xq, q.t()))
+            t_mm_path = med(lambda: native.w8a8_batch_linear(x, q, s))
+            t_unfused, t_bf16 = med(lambda: K.int8_dequant_linear(x, q, s)), med(lambda: F.linear(x, wb))
             ops = 2 * m * n * k
-            row = {"layer": name, "n": n, "k": k, "rows": m, "int_mm_us": t_mm * 1e6,
-                   "int_mm_gops": ops / t_mm / 1e9, "int_mm_fraction_of_peak": ops / t_mm / peak,
-                   "w8a8_call_us": t_w8a8 * 1e6, "unfused_call_us": t_unfused * 1e6, "bf16_gemm_us": t_bf16 * 1e6,
-                   "bf16_gemm_gflops": ops / t_bf16 / 1e9, "unfused_over_w8a8": t_unfused / t_w8a8}
+            row = {"layer": name, "n": n, "k": k, "rows": m, "w8a8_call_us": t_call * 1e6,
+                   "w8a8_call_gops": ops / t_call / 1e9, "w8a8_call_fraction_of_peak": ops / t_call / peak,
+                   "int_mm_us": t_mm * 1e6, "int_mm_gops": ops / t_mm / 1e9, "int_mm_fraction_of_peak": ops / t_mm / peak,
+                   "int_mm_path_us": t_mm_path * 1e6, "unfused_call_us": t_unfused * 1e6, "bf16_gemm_us": t_bf16 * 1e6,
+                   "bf16_gemm_gflops": ops / t_bf16 / 1e9, "unfused_over_w8a8": t_unfused / t_call}
             rows.append(row)
-            print(f"{name} {n}x{k}, {m} rows: _int_mm {t_mm * 1e6:.0f} us ({row['int_mm_gops']:.0f} GOP/s, "
-                  f"{100 * row['int_mm_fraction_of_peak']:.0f}% of the int8 peak); w8a8 call {t_w8a8 * 1e6:.0f} us; "
+            print(f"{name} {n}x{k}, {m} rows: w8a8 call {t_call * 1e6:.0f} us ({row['w8a8_call_gops']:.0f} GOP/s, "
+                  f"{100 * row['w8a8_call_fraction_of_peak']:.0f}% of the int8 peak); _int_mm {t_mm * 1e6:.0f} us "
+                  f"({100 * row['int_mm_fraction_of_peak']:.0f}%), with the passes {t_mm_path * 1e6:.0f} us; "
                   f"unfused int8 call {t_unfused * 1e6:.0f} us (its bf16 GEMM {t_bf16 * 1e6:.0f} us, "
                   f"{row['bf16_gemm_gflops']:.0f} GFLOP/s); unfused / w8a8 {row['unfused_over_w8a8']:.2f}x", flush=True)
     if output_json:

@@ -6,7 +6,8 @@ and the float32 GEMM on the float weight. Sets native.SMALL_M / E4M3_ROWS (docs:
     pagedllm bench kernels quant-rows [--threads 2] [--rows 16,32,64,128,256]
 
 Prints one line per (shape, rows): "bits:kernel_ms/batch_ms" for each kind, and the float32 GEMM;
-where w8a8_linear runs on AMX tiles, also "w8a8-vnni:ms", the same call in its vpdpbusd form.
+where w8a8_linear runs on AMX tiles, also "w8a8-vnni:ms", the same call in its vpdpbusd batch form;
+where it has that batch form, also "w8a8-rows:ms", the same call in its row form.
 """
 
 from __future__ import annotations
@@ -65,10 +66,17 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                                        y.data_ptr(), 1)
 
             row.append(f"w8a8:{_ms(w8a8):.3f}/{_ms(lambda: native.w8a8_batch_linear(x, codes8, s8)):.3f}")
-            if amx:  # the same call in the vpdpbusd form
+            if amx:  # the same call in the vpdpbusd batch form
                 lib.w8a8_amx_from(1 << 62)
                 row.append(f"w8a8-vnni:{_ms(w8a8):.3f}")
                 lib.w8a8_amx_from(amx)
+            if lib.w8a8_vnni_rows():  # and in the row form
+                vnni_from = lib.w8a8_vnni_rows()
+                lib.w8a8_amx_from(1 << 62)
+                lib.w8a8_vnni_from(1 << 62)
+                row.append(f"w8a8-rows:{_ms(w8a8):.3f}")
+                lib.w8a8_amx_from(amx)
+                lib.w8a8_vnni_from(vnni_from)
             row.append(f"fp32:{_ms(lambda: torch.nn.functional.linear(x, w)):.2f}")
             print(*row, flush=True)
 
