@@ -22,7 +22,8 @@ kernels' own int8 product on registers only (``int8_dot_peak``: vpdpbusd on AVX-
 form's vpmaddubsw pairs elsewhere), beside the bf16 GEMM peak (``env.measure_matmul_peak``). Then
 per SmolLM2 layer shape and number of rows (16 to 1,024, the batches of the 128-request workload):
 w8a8's call as dispatched (``native.w8a8_small_m_linear``: the AMX tiles or the vpdpbusd batch
-form where the kernel has one) in GOP/s and as a fraction of the int8 peak, ``torch._int_mm`` alone
+form where the kernel has one) in GOP/s and as a fraction of the int8 peak (measured again right
+after the row's timings), ``torch._int_mm`` alone
 and with the kernel's two passes around it (``native.w8a8_batch_linear``, the AVX2 form's batch
 path), the unfused int8 path (the weight widened to bf16 on every call, then ``F.linear``) and its
 bf16 GEMM alone; the last column is the unfused call's time over w8a8's. ``--output-json`` writes
@@ -222,7 +223,7 @@ def int8_peak_ops(iters: int = 20_000_000, reps: int = 5) -> float:
 def int8_peak(output_json: str | None = None) -> None:
     torch.manual_seed(0)
     torch.set_num_threads(2)
-    peak = int8_peak_ops()
+    peak = first_peak = int8_peak_ops()
     bf16_peak = env.measure_matmul_peak(dtype="bfloat16")
     # linear_quant.c's AVX-512 form (vpdpbusd) builds where the CPU has AVX-512 BF16 (and so VNNI)
     product = "vpdpbusd (AVX-512 VNNI)" if {"avx512_bf16", "avx512_vnni"} <= cpu_flags() else \
@@ -249,19 +250,20 @@ def int8_peak(output_json: str | None = None) -> None:
             t_mm_path = med(lambda: native.w8a8_batch_linear(x, q, s))
             t_unfused, t_bf16 = med(lambda: K.int8_dequant_linear(x, q, s)), med(lambda: F.linear(x, wb))
             ops = 2 * m * n * k
-            row = {"layer": name, "n": n, "k": k, "rows": m, "w8a8_call_us": t_call * 1e6,
+            peak = int8_peak_ops(10_000_000, 3)  # again beside each row: this CPU's rate moves between minutes
+            row = {"layer": name, "n": n, "k": k, "rows": m, "int8_peak_gops": peak / 1e9, "w8a8_call_us": t_call * 1e6,
                    "w8a8_call_gops": ops / t_call / 1e9, "w8a8_call_fraction_of_peak": ops / t_call / peak,
                    "int_mm_us": t_mm * 1e6, "int_mm_gops": ops / t_mm / 1e9, "int_mm_fraction_of_peak": ops / t_mm / peak,
                    "int_mm_path_us": t_mm_path * 1e6, "unfused_call_us": t_unfused * 1e6, "bf16_gemm_us": t_bf16 * 1e6,
                    "bf16_gemm_gflops": ops / t_bf16 / 1e9, "unfused_over_w8a8": t_unfused / t_call}
             rows.append(row)
             print(f"{name} {n}x{k}, {m} rows: w8a8 call {t_call * 1e6:.0f} us ({row['w8a8_call_gops']:.0f} GOP/s, "
-                  f"{100 * row['w8a8_call_fraction_of_peak']:.0f}% of the int8 peak); _int_mm {t_mm * 1e6:.0f} us "
+                  f"{100 * row['w8a8_call_fraction_of_peak']:.0f}% of the int8 peak, {peak / 1e9:.0f} beside it); _int_mm {t_mm * 1e6:.0f} us "
                   f"({100 * row['int_mm_fraction_of_peak']:.0f}%), with the passes {t_mm_path * 1e6:.0f} us; "
                   f"unfused int8 call {t_unfused * 1e6:.0f} us (its bf16 GEMM {t_bf16 * 1e6:.0f} us, "
                   f"{row['bf16_gemm_gflops']:.0f} GFLOP/s); unfused / w8a8 {row['unfused_over_w8a8']:.2f}x", flush=True)
     if output_json:
-        out = {"run": env.run_metadata(), "int8_peak_gops": peak / 1e9, "int8_product": product,
+        out = {"run": env.run_metadata(), "int8_peak_gops": first_peak / 1e9, "int8_product": product,
                "bf16_gemm_peak_gflops": bf16_peak / 1e9, "rows": rows}
         Path(output_json).write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
 
