@@ -331,11 +331,9 @@ int64_t w8a8_vnni_from(int64_t rows) {
  *                       rounded to fp32 as torch rounds it, stored in fp32 or rounded to bf16.
  */
 /* Each row of x [M, K] (bf16 or fp32) quantized by w8a8_quantize_row, d[m] its scale, stored as signed
- * int8 rows of K bytes at xq, or, with xp (AVX-512 builds), packed for the batch forms
- * (w8a8_row_to_tiles: signed for AMX tiles with xp_signed, else q + 128 for vpdpbusd), rows of q = 0
- * up to a multiple of 16. 2 where a row's scratch cannot be had. */
-static int w8a8_quantize_each(const void *x, int64_t M, int64_t K, int f32, float *d, int8_t *xq, int32_t *xp,
-                              int xp_signed) {
+ * int8: rows of K bytes at xq, or, with xp (AMX-INT8 builds), TDPBSSD's packed second operand
+ * (linear_quant_amx.h), zero rows up to a multiple of 16. 2 where a row's scratch cannot be had. */
+static int w8a8_quantize_each(const void *x, int64_t M, int64_t K, int f32, float *d, int8_t *xq, int32_t *xp) {
     const int64_t es = f32 ? 4 : 2, KP = (K + 63) / 64 * 64, rows = xp != NULL ? (M + 15) / 16 * 16 : M;
     int bad = 0;
 #pragma omp parallel if (M * K >= (1 << 17))
@@ -352,13 +350,11 @@ static int w8a8_quantize_each(const void *x, int64_t M, int64_t K, int f32, floa
                 d[m] = w8a8_quantize_row((const char *)x + m * K * es, f32, K, KP, row);
             else
                 memset(row, 128, (size_t)KP); /* q = 0 */
-#if defined(LQ_AVX512)
+#if HAVE_AMX_INT8
             if (xp != NULL) {
-                w8a8_row_to_tiles(row, KP / 64, xp + m / 16 * (KP / 64) * 256 + m % 16, xp_signed);
+                w8a8_row_to_tiles(row, KP / 64, xp + m / 16 * (KP / 64) * 256 + m % 16);
                 continue;
             }
-#else
-            (void)xp_signed;
 #endif
             w8a8_row_to_signed(row, xq + m * K, K);
         }
@@ -369,7 +365,7 @@ static int w8a8_quantize_each(const void *x, int64_t M, int64_t K, int f32, floa
 
 int w8a8_quantize_rows(const void *x, int64_t M, int64_t K, int f32, int8_t *xq, float *d) {
     if (M < 1 || K < 1) return 1;
-    return w8a8_quantize_each(x, M, K, f32, d, xq, NULL, 0);
+    return w8a8_quantize_each(x, M, K, f32, d, xq, NULL);
 }
 
 int w8a8_scale_rows(const int32_t *acc, int64_t M, int64_t N, const float *d, const float *scales, void *y, int f32) {

@@ -4,8 +4,8 @@
  *
  * The first operand is 16 code rows x 64 inputs straight from the codes [N, K] (K bytes apart), so
  * w8a8 keeps its one copy of the codes; x is quantized once per call (w8a8_quantize_row, the torch
- * path's formula) and packed as the second operand (w8a8_row_to_tiles, signed): per 16 x rows and 64
- * inputs, 16 lines of 16 dwords, line p word j = q[j][4p .. 4p + 3], zero past row M and input K. An output block
+ * path's formula) and packed as the second operand: per 16 x rows and 64 inputs, 16 lines of 16
+ * dwords, line p word j = q[j][4p .. 4p + 3], signed, zero past row M and input K. An output block
  * is up to 2 x 2 tiles of [16 code rows, 16 x rows] int32 sums (amx.h's amx_tile_block, the k-loop
  * of the bf16 GEMM's tiles too), x taken in chunks of 128 rows. The sums are exact (wrapping in
  * int32 as the vpdpbusd form's do), so they equal the VNNI form's sum((q + 128) c) - 128 sum(c)
@@ -23,6 +23,21 @@
 static int64_t w8a8_amx_from_rows = W8A8_AMX_MIN_ROWS;
 /* x rows per chunk of a call (a multiple of 32) */
 #define W8A8_AMX_CHUNK 128
+
+/* A row quantized by w8a8_quantize_row (q + 128, KC * 64 bytes) as signed bytes into its column of
+ * TDPBSSD's packed second operand: t is word j of line 0 of the row's first 64 inputs (j: the row
+ * within its 16), words 16 apart per line, 1 KiB per 64 inputs. */
+static inline void w8a8_row_to_tiles(const uint8_t *row, int64_t KC, int32_t *t) {
+    const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32(16));
+    for (int64_t kc = 0; kc < KC; kc++) {
+        const __m512i q = _mm512_xor_si512(_mm512_load_si512((const void *)(row + kc * 64)), _mm512_set1_epi8((char)0x80));
+        _mm512_i32scatter_epi32(t + kc * 256, idx, q, 4);
+    }
+}
+
+/* linear_quant.c: x's rows quantized and stored as signed rows (xq) or as the packed operand (xp). */
+static int w8a8_quantize_each(const void *x, int64_t M, int64_t K, int f32, float *d, int8_t *xq, int32_t *xp);
 
 /* y[m0 + j][n0 + i] = (float(c[i][j]) * d[m0 + j]) * scales[n0 + i], j < mr, i < nr: one tile's sums
  * ([16 code rows, 16 x rows]), a column of it per row of y. */
@@ -45,7 +60,7 @@ static int w8a8_linear_amx(const void *x, int64_t M, const int8_t *codes, const 
     const int64_t KC = (K + 63) / 64, KP = KC * 64, MB = (M + 15) / 16, NB = (N + 31) / 32;
     int32_t *xp = (int32_t *)aligned_alloc(64, (size_t)(MB * KC * 1024));
     float *d = (float *)malloc(sizeof(float) * M);
-    if (xp == NULL || d == NULL || w8a8_quantize_each(x, M, K, f32, d, NULL, xp, 1) != 0) {
+    if (xp == NULL || d == NULL || w8a8_quantize_each(x, M, K, f32, d, NULL, xp) != 0) {
         free(xp), free(d);
         return 2;
     }

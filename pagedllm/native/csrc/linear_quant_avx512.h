@@ -256,26 +256,6 @@ static inline void w8a8_tile(const uint8_t *xq, int64_t KP, const int8_t *codes,
                           (m0 + m) * N + n0, rows, f32);
 }
 
-/* A row quantized by w8a8_quantize_row (q + 128, KC * 64 bytes) into its column of the packed x of
- * w8a8's batch forms: per 16 x rows, one dword per row and 4 inputs, the 16 rows' dwords of inputs
- * 4p .. 4p + 3 side by side (64 bytes), so that t is row j's dword of inputs 0..3 (j: the row within
- * its 16) and its later dwords follow 16 words apart, 1 KiB per 64 inputs. As signed q (q_signed:
- * TDPBSSD's second operand on AMX tiles) or as the q + 128 it is (the unsigned operand of vpdpbusd). */
-static inline void w8a8_row_to_tiles(const uint8_t *row, int64_t KC, int32_t *t, int q_signed) {
-    const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                           _mm512_set1_epi32(16));
-    const __m512i flip = _mm512_set1_epi8(q_signed ? (char)0x80 : 0);
-    for (int64_t kc = 0; kc < KC; kc++) {
-        const __m512i q = _mm512_xor_si512(_mm512_load_si512((const void *)(row + kc * 64)), flip);
-        _mm512_i32scatter_epi32(t + kc * 256, idx, q, 4);
-    }
-}
-
-/* linear_quant.c: x's rows quantized and stored as signed rows (xq) or packed (xp) by w8a8_row_to_tiles,
- * signed for the AMX tiles (xp_signed) or as q + 128 for vpdpbusd. */
-static int w8a8_quantize_each(const void *x, int64_t M, int64_t K, int f32, float *d, int8_t *xq, int32_t *xp,
-                              int xp_signed);
-
 /* r[0..15] (16 x 16 int32, r[i] lane j) transposed in place: r[j] lane i. */
 static inline void transpose16_epi32(__m512i r[16]) {
     __m512i t[16], u[16];

@@ -5,8 +5,8 @@
  * The row form (w8a8_tile) reads every code row once per 4 rows of x and sums each dot product
  * across a register at the end; for batches this form keeps a panel of 16 code rows in the L1 cache
  * and passes every 16 rows of x over it. x is quantized once per call (w8a8_quantize_row) and packed
- * unsigned (q + 128, w8a8_row_to_tiles): per 4 inputs, one 64-byte vector holds the 16 rows' 4
- * bytes. Each of the panel's code rows meets it as one dword broadcast to every lane (vpdpbusd's
+ * unsigned (q + 128, in w8a8_row_to_tiles' layout, 16 rows at a time by a transpose): per 4 inputs,
+ * one 64-byte vector holds the 16 rows' 4 bytes. Each of the panel's code rows meets it as one dword broadcast to every lane (vpdpbusd's
  * signed operand), so register r's lane j sums (q[j] + 128) c[r] over K: 16 x rows x 16 code rows in
  * 16 registers, no sums across lanes. A 16 x 16 transpose turns them into 16 outputs per row of y,
  * the +128 comes off as 128 wsum[n] (exact in int32, as in the row form), and the same two fp32
@@ -79,39 +79,77 @@ static inline void w8a8_vnni_block(const int32_t *xb, const int8_t *w, int64_t K
                           f32);
 }
 
-/* w8a8_linear's result in this form: 0, or 2 where scratch cannot be had (nothing written to y). */
+/* 16 rows quantized by w8a8_quantize_row (q + 128, KP bytes each, KP = KC * 64, at blk) into their
+ * block of the packed x (w8a8_row_to_tiles' layout, unsigned): per 64 inputs, the 16 rows' 16 dwords
+ * transposed in registers, 1 KiB. */
+static inline void w8a8_pack16(const uint8_t *blk, int64_t KC, int32_t *xb) {
+    __m512i r[16];
+    for (int64_t kc = 0; kc < KC; kc++) {
+        for (int j = 0; j < 16; j++) r[j] = _mm512_load_si512((const void *)(blk + j * KC * 64 + kc * 64));
+        transpose16_epi32(r);
+        for (int p = 0; p < 16; p++) _mm512_store_si512((void *)(xb + kc * 256 + p * 16), r[p]);
+    }
+}
+
+/* w8a8_linear's result in this form: 0, or 2 where scratch cannot be had (nothing written to y).
+ * One parallel region: each thread quantizes and packs its share of x's 16-row blocks, then (after
+ * the barrier) computes its share of every chunk's code panels. */
 static int w8a8_linear_vnni(const void *x, int64_t M, const int8_t *codes, const float *scales, const int32_t *wsum,
                             int64_t N, int64_t K, void *y, int f32) {
-    const int64_t KC = (K + 63) / 64, MB = (M + 15) / 16, NB = (N + 15) / 16;
+    const int64_t KC = (K + 63) / 64, KP = KC * 64, MB = (M + 15) / 16, NB = (N + 15) / 16, es = f32 ? 4 : 2;
     int32_t *xp = (int32_t *)aligned_alloc(64, (size_t)(MB * KC * 1024));
     float *d = (float *)malloc(sizeof(float) * M);
     /* the 16 code rows of the last panel where it is short: rows past N read as zeros */
-    int8_t *pad = (int8_t *)calloc((size_t)(16 * K + 4), 1);
-    if (xp == NULL || d == NULL || pad == NULL || w8a8_quantize_each(x, M, K, f32, d, NULL, xp, 0) != 0) {
+    int8_t *pad = (int8_t *)calloc((size_t)(16 * K), 1);
+    if (xp == NULL || d == NULL || pad == NULL) {
         free(xp), free(d), free(pad);
         return 2;
     }
     const int64_t last = (N - 1) / 16 * 16;
     if (N % 16) memcpy(pad, codes + last * K, (size_t)((N - last) * K));
+    int bad = 0;
 #pragma omp parallel if (N * K * MB >= quant_parallel_min)
-    for (int64_t mc = 0; mc < MB; mc += W8A8_VNNI_CHUNK / 16) {
-        const int64_t mc_end = mc + W8A8_VNNI_CHUNK / 16 < MB ? mc + W8A8_VNNI_CHUNK / 16 : MB;
+    {
+        uint8_t *blk = (uint8_t *)aligned_alloc(64, (size_t)(16 * KP));
+        if (blk == NULL) {
+#pragma omp atomic write
+            bad = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t mb = 0; mb < MB; mb++) {
+            if (blk == NULL) continue;
+            for (int64_t j = 0; j < 16; j++) {
+                const int64_t m = mb * 16 + j;
+                if (m < M)
+                    d[m] = w8a8_quantize_row((const char *)x + m * K * es, f32, K, KP, blk + j * KP);
+                else
+                    memset(blk + j * KP, 128, (size_t)KP); /* q = 0 */
+            }
+            w8a8_pack16(blk, KC, xp + mb * KC * 256);
+        }
+        free(blk);
+        int failed;
+#pragma omp atomic read
+        failed = bad;
+        for (int64_t mc = 0; mc < MB && !failed; mc += W8A8_VNNI_CHUNK / 16) {
+            const int64_t mc_end = mc + W8A8_VNNI_CHUNK / 16 < MB ? mc + W8A8_VNNI_CHUNK / 16 : MB;
 #pragma omp for schedule(static) nowait
-        for (int64_t nb = 0; nb < NB; nb++) {
-            const int64_t n0 = nb * 16, nr = N - n0 < 16 ? N - n0 : 16;
-            const int8_t *w = nr < 16 ? pad : codes + n0 * K;
-            int32_t tail[16] = {0};
-            for (int r = 0; r < 16 && K % 4; r++) memcpy(&tail[r], w + r * K + K / 4 * 4, (size_t)(K % 4));
-            const __mmask16 rows = (__mmask16)((1u << nr) - 1);
-            const __m512i off = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(rows, wsum + n0), 7);
-            const __m512 s = _mm512_maskz_loadu_ps(rows, scales + n0);
-            for (int64_t mb = mc; mb < mc_end; mb++) {
-                const int64_t m0 = mb * 16;
-                w8a8_vnni_block(xp + mb * KC * 256, w, K, tail, m0, M - m0 < 16 ? M - m0 : 16, n0, nr, N, d, off, s, y,
-                                f32);
+            for (int64_t nb = 0; nb < NB; nb++) {
+                const int64_t n0 = nb * 16, nr = N - n0 < 16 ? N - n0 : 16;
+                const int8_t *w = nr < 16 ? pad : codes + n0 * K;
+                int32_t tail[16] = {0};
+                for (int r = 0; r < 16 && K % 4; r++) memcpy(&tail[r], w + r * K + K / 4 * 4, (size_t)(K % 4));
+                const __mmask16 rows = (__mmask16)((1u << nr) - 1);
+                const __m512i off = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(rows, wsum + n0), 7);
+                const __m512 s = _mm512_maskz_loadu_ps(rows, scales + n0);
+                for (int64_t mb = mc; mb < mc_end; mb++) {
+                    const int64_t m0 = mb * 16;
+                    w8a8_vnni_block(xp + mb * KC * 256, w, K, tail, m0, M - m0 < 16 ? M - m0 : 16, n0, nr, N, d, off,
+                                    s, y, f32);
+                }
             }
         }
     }
     free(xp), free(d), free(pad);
-    return 0;
+    return bad ? 2 : 0;
 }
