@@ -263,7 +263,7 @@ def int8_peak(output_json: str | None = None) -> None:
                   f"unfused int8 call {t_unfused * 1e6:.0f} us (its bf16 GEMM {t_bf16 * 1e6:.0f} us, "
                   f"{row['bf16_gemm_gflops']:.0f} GFLOP/s); unfused / w8a8 {row['unfused_over_w8a8']:.2f}x", flush=True)
     if output_json:
-        out = {"run": env.run_metadata(), "int8_peak_gops": first_peak / 1e9, "int8_product": product,
+        out = {"meta": env.run_metadata(), "int8_peak_gops": first_peak / 1e9, "int8_product": product,
                "bf16_gemm_peak_gflops": bf16_peak / 1e9, "rows": rows}
         Path(output_json).write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
 
