@@ -15,6 +15,8 @@ from pagedllm.native import kernels
 from pagedllm.quantization import kernels as K
 from pagedllm.quantization import native
 
+from tests.unit.w8a8_reference import edge_rows, w8a8_exact
+
 pytestmark = pytest.mark.skipif(native.load_quant_kernel() is None, reason="no C compiler, or neither AVX-512 BF16 nor AVX2 + FMA")
 
 
@@ -136,16 +138,6 @@ def test_fp8_kernel_matches_the_float_reference(m: int) -> None:
     assert ((y - x @ ref_w.T).abs() <= _bound(x, ref_w.abs())).all()
 
 
-def _w8a8_exact(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """w8a8 by its definition, with the int32 sums taken in float64 (exact: |sum| < 2^53): each row of
-    x quantized with one scale d = max(max|x| / 127, 1e-12), q = round(x / d); y = (sum q c * d) * s."""
-    xf = x.reshape(-1, x.shape[-1]).float()
-    d = (xf.abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=1e-12)
-    q = torch.round(xf / d).clamp(-127, 127)
-    acc = (q.double() @ codes.double().T).float()
-    return (acc * d * scales).to(x.dtype).reshape(*x.shape[:-1], -1)
-
-
 @pytest.mark.parametrize("n,k", [(70, 576), (33, 1536), (5, 100), (9, 3)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_w8a8_kernel_equals_the_torch_path_to_the_bit(n: int, k: int, dtype: torch.dtype) -> None:
@@ -160,16 +152,11 @@ def test_w8a8_kernel_equals_the_torch_path_to_the_bit(n: int, k: int, dtype: tor
     w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)
     codes, scales = K.quantize_int8_per_channel(w)
     wsum = codes.sum(dim=1, dtype=torch.int32)
-    x = torch.randn(native.SMALL_M, k, generator=g) * 4
-    x[1] = 0
-    x[2] = torch.randn(k, generator=g) * 1e-14  # max|x| / 127 below the floor
-    if k >= 4:
-        x[3] = 0.5 * torch.arange(k) % 5 - 2.0  # x / d = x: ties at ±0.5, ±1.5, 2.5
-        x[3, 0] = 127.0
+    x = edge_rows(torch.randn(native.SMALL_M, k, generator=g) * 4, g)
     for m in (1, 5, native.SMALL_M):
         xm = x[:m].to(dtype)
         y = native.w8a8_small_m_linear(xm, codes, scales, wsum)
-        assert y.dtype == dtype and torch.equal(y, _w8a8_exact(xm, codes, scales))
+        assert y.dtype == dtype and torch.equal(y, w8a8_exact(xm, codes, scales))
         assert torch.equal(y, K.int8_dynamic_linear(xm, codes.t(), scales))
     assert native.w8a8_small_m_linear(x.to(dtype), codes, scales, wsum) is not None
     # more rows than SMALL_M: the batch path's, unless the kernel runs on AMX tiles (then it takes them all)
@@ -181,7 +168,7 @@ def test_w8a8_kernel_equals_the_torch_path_to_the_bit(n: int, k: int, dtype: tor
     for m in (native.SMALL_M + 1, 300):
         y = native.w8a8_batch_linear(xb[:m], codes, scales)
         assert y.dtype == dtype and torch.equal(y, K.int8_dynamic_linear(xb[:m], codes.t(), scales))
-        assert torch.equal(y, _w8a8_exact(xb[:m], codes, scales))
+        assert torch.equal(y, w8a8_exact(xb[:m], codes, scales))
     y3 = native.w8a8_batch_linear(xb[:300].reshape(3, 100, k), codes, scales)  # leading dims kept
     assert y3.shape == (3, 100, n) and torch.equal(y3.reshape(300, n), y)
     assert native.w8a8_batch_linear(xb[:0], codes, scales).shape == (0, n)

@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.quantization import kernels as K
 from pagedllm.quantization import native
+
+from tests.unit.w8a8_reference import check_batch_form, check_sums_wrap
 
 _LIB = native.load_quant_kernel()
 pytestmark = pytest.mark.skipif(_LIB is None or _LIB.w8a8_vnni_rows() == 0,
@@ -25,14 +26,6 @@ def _no_amx_tiles():
     yield
     _LIB.w8a8_amx_from(0)
     _LIB.w8a8_vnni_from(0)
-
-
-def _exact(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """w8a8 by its definition, the int32 sums in float64 (exact)."""
-    xf = x.float()
-    d = (xf.abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=1e-12)
-    q = torch.round(xf / d).clamp(-127, 127)
-    return ((q.double() @ codes.double().T).float() * d * scales).to(x.dtype)
 
 
 def _row_form(fn):
@@ -50,36 +43,13 @@ def _row_form(fn):
 @pytest.mark.parametrize("n,k", [(960, 576), (48, 1536), (37, 100), (17, 64), (5, 3), (33, 130), (16, 7)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_w8a8_vnni_batches_equal_row_form_torch_and_definition(n: int, k: int, dtype: torch.dtype) -> None:
-    g = torch.Generator().manual_seed(n * k + 1)
-    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)
-    codes, scales = K.quantize_int8_per_channel(w)
-    wsum = codes.sum(dim=1, dtype=torch.int32)
-    x = torch.randn(530, k, generator=g) * 4
-    x[1] = 0
-    x[2] = torch.randn(k, generator=g) * 1e-14  # max|x| / 127 below the 1e-12 floor
-    x[3] = 0.5 * torch.arange(k) % 5 - 2.0  # x / d = x: ties at ±0.5, ±1.5
-    x[3, 0] = 127.0
-    x = x.to(dtype)
-    assert _LIB.w8a8_vnni_rows() == 5 and native.w8a8_rows() > 530
-    for m in (5, 6, 16, 17, 33, 256, 257, 530):
-        y = native.w8a8_small_m_linear(x[:m], codes, scales, wsum)
-        assert y.dtype == dtype
-        assert torch.equal(y, _row_form(lambda: native.w8a8_small_m_linear(x[:m], codes, scales, wsum)))
-        assert torch.equal(y, K.int8_dynamic_linear(x[:m], codes.t(), scales))
-        assert torch.equal(y, _exact(x[:m], codes, scales))
+    assert _LIB.w8a8_vnni_rows() == 5
+    check_batch_form(n, k, dtype, n * k + 1, (5, 6, 16, 17, 33, 256, 257, 530), _row_form)
 
 
 def test_w8a8_vnni_int32_sums_wrap_as_the_row_form() -> None:
-    """Codes and activations at ±127 over K = 140,002 inputs: sums past 2^31, which both forms wrap
-    the same way (the bits, not the value, are the contract here)."""
-    k, n = 140_002, 20
-    codes = torch.full((n, k), 127, dtype=torch.int8)
-    codes[1::2] = -127
-    scales = torch.ones(n)
-    wsum = codes.sum(dim=1, dtype=torch.int32)
-    x = torch.ones(8, k)
-    y = native.w8a8_small_m_linear(x, codes, scales, wsum)
-    assert torch.equal(y, _row_form(lambda: native.w8a8_small_m_linear(x, codes, scales, wsum)))
+    """K = 140,002 inputs at ±127 (K % 4 = 2: the padded dword too): sums past 2^31."""
+    check_sums_wrap(140_002, _row_form)
 
 
 def test_w8a8_vnni_threshold_is_this_librarys_setting() -> None:

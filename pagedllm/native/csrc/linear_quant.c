@@ -384,7 +384,7 @@ int64_t quant_set_parallel_min(int64_t elems) {
 }
 
 /* The host's rate of the int8 products the kernels above use, for benchmarks (`pagedllm bench kernels
- * quant --int8-peak`): each thread OpenMP gives runs `iters` rounds of 16 independent
+ * quant --int8-peak`): each thread OpenMP gives runs `iters` rounds of independent
  * multiply-accumulate chains on registers only, with no memory traffic: 16 of vpdpbusd on 64 bytes
  * (AVX-512 VNNI builds) or 12 of the AVX2 form's vpmaddubsw + vpmaddwd + vpaddd on 32 bytes (its 16
  * registers hold 12 chains and their operands), each chain's bytes its own running sums there, so
@@ -398,40 +398,43 @@ int64_t int8_dot_peak(int64_t iters) {
     int64_t total = 0, sink = 0;
 #define PEAK_12(F) F(0) F(1) F(2) F(3) F(4) F(5) F(6) F(7) F(8) F(9) F(10) F(11)
 #define PEAK_16(F) PEAK_12(F) F(12) F(13) F(14) F(15)
-#pragma omp parallel reduction(+ : total, sink)
-    {
 #if defined(LQ_AVX512)
-        const __m512i a = _mm512_set1_epi8((char)(1 + (iters & 7))), b = _mm512_set1_epi8((char)(3 - (iters & 1)));
+#define PEAK_CHAINS PEAK_16
+#define PEAK_BYTES (16 * 64) /* int8 products per round and thread */
 #define PEAK_INIT(j) __m512i c##j = _mm512_set1_epi32(j);
 #define PEAK_STEP(j) __asm__("vpdpbusd %[b], %[a], %[c]" : [c] "+v"(c##j) : [a] "v"(a), [b] "v"(b));
 #define PEAK_SUM(j) sink += _mm512_reduce_add_epi32(c##j);
-        PEAK_16(PEAK_INIT)
-        for (int64_t i = 0; i < iters; i++) {
-            PEAK_16(PEAK_STEP)
-        }
-        PEAK_16(PEAK_SUM)
-        total += iters * 16 * 64;
 #else
-        const __m256i b = _mm256_set1_epi8((char)(3 - (iters & 1))), ones = _mm256_set1_epi16(1);
+#define PEAK_CHAINS PEAK_12
+#define PEAK_BYTES (12 * 32)
 #define PEAK_INIT(j) __m256i c##j = _mm256_set1_epi32(j);
 #define PEAK_STEP(j) { __m256i t; \
         __asm__("vpmaddubsw %[b], %[c], %[t]\n\tvpmaddwd %[o], %[t], %[t]\n\tvpaddd %[t], %[c], %[c]" \
                 : [c] "+x"(c##j), [t] "=&x"(t) : [b] "x"(b), [o] "x"(ones)); }
 #define PEAK_SUM(j) { const __m128i h = _mm_add_epi32(_mm256_castsi256_si128(c##j), _mm256_extracti128_si256(c##j, 1)); \
         sink += _mm_cvtsi128_si32(h) + _mm_extract_epi32(h, 1) + _mm_extract_epi32(h, 2) + _mm_extract_epi32(h, 3); }
-        PEAK_12(PEAK_INIT)
-        for (int64_t i = 0; i < iters; i++) {
-            PEAK_12(PEAK_STEP)
-        }
-        PEAK_12(PEAK_SUM)
-        total += iters * 12 * 32;
 #endif
-#undef PEAK_INIT
-#undef PEAK_STEP
-#undef PEAK_SUM
+#pragma omp parallel reduction(+ : total, sink)
+    {
+#if defined(LQ_AVX512)
+        const __m512i a = _mm512_set1_epi8((char)(1 + (iters & 7))), b = _mm512_set1_epi8((char)(3 - (iters & 1)));
+#else
+        const __m256i b = _mm256_set1_epi8((char)(3 - (iters & 1))), ones = _mm256_set1_epi16(1);
+#endif
+        PEAK_CHAINS(PEAK_INIT)
+        for (int64_t i = 0; i < iters; i++) {
+            PEAK_CHAINS(PEAK_STEP)
+        }
+        PEAK_CHAINS(PEAK_SUM)
+        total += iters * PEAK_BYTES;
     }
 #undef PEAK_12
 #undef PEAK_16
+#undef PEAK_CHAINS
+#undef PEAK_BYTES
+#undef PEAK_INIT
+#undef PEAK_STEP
+#undef PEAK_SUM
     int8_dot_peak_sink = sink;
     return total;
 }
