@@ -108,8 +108,9 @@ class W8A8LinearMethod(_FromFloat):
     One copy of the codes, [N, K] row-major. The native kernel takes every call where it has a batch
     form (AVX-512 builds: AMX tiles, or vpdpbusd over 16 x 16 blocks, from 5 rows; up to 4 rows its
     row form), else up to ``native.w8a8_rows()`` rows (the AVX2 form: 256), with the same
-    activation quantization and the same result to the bit as the torch formula; ``wsum`` (int32 row sums of the codes, 4 bytes per output row) is the kernel's. Larger
-    batches of the AVX2 form quantize their rows and scale the int32 sums in the kernel, around
+    activation quantization and the same result to the bit as the torch formula; ``wsum`` (int32
+    row sums of the codes, 4 bytes per output row) is the kernel's. Larger batches of the AVX2
+    form quantize their rows and scale the int32 sums in the kernel, around
     ``torch._int_mm`` (or exact float32 GEMMs without VNNI) on the codes' transpose (a view).
     Without the kernel the torch formula (kernels.int8_dynamic_linear) runs."""
 

@@ -159,10 +159,11 @@ def small_m_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, z
 def w8a8_rows() -> int:
     """Most rows of x :func:`w8a8_small_m_linear` takes: every number where the kernel has a batch
     form, that is on AVX-512 builds: AMX tiles from 5 rows where the CPU has AMX-INT8
-    (linear_quant_amx.h), else vpdpbusd over 16 x 16 blocks from 5 rows (linear_quant_vnni.h). Both
-    beat ``torch._int_mm`` (oneDNN's int8 GEMM) between the batch path's passes on SmolLM2's layers
-    from 5 to 1,024 rows (docs/quantization.md), but for the AMX tiles on the 576 x 1536 down
-    projection from 512 rows, where the two are within 10%. Elsewhere (the AVX2 form) SMALL_M."""
+    (linear_quant_amx.h), else vpdpbusd over 16 x 16 blocks from 5 rows (linear_quant_vnni.h). On
+    SmolLM2's layers both beat :func:`w8a8_batch_linear` (``torch._int_mm`` between the kernel's
+    passes) from 5 rows, by 1.2-2.6x at 16-64 rows; from 128 rows they are within 10% of it on
+    the 576-wide layers in some runs, faster on the others (docs/quantization.md, "w8a8 on AMX
+    tiles" and "w8a8 batches in the vpdpbusd form"). Elsewhere (the AVX2 form) SMALL_M."""
     lib = load_quant_kernel()
     batch = lib is not None and (lib.w8a8_amx_rows() > 0 or lib.w8a8_vnni_rows() > 0)
     return sys.maxsize if batch else SMALL_M

@@ -59,9 +59,11 @@ MAX_ROWS = 256
 # 0.97-1.01x at 48, 0.84x at 64. From about 96 rows the kernel's GEMMs are slower than oneDNN's
 # (0.85-0.92x its speed at 128 rows), which the one call's saved per-op dispatch and elementwise
 # passes make up for up to 256 rows in bf16. With quantized layers, the rows the quantized kernels
-# take (pagedllm.quantization.native.kernel_rows: 16 on AVX-512 BF16, up to 256 on AVX2), beyond
-# which the torch path takes their batch paths, and with dense layers beside them no more than
-# the dtype's rows (quantized_rows). On CPUs with AVX2 + FMA but no AVX-512, where the small-M
+# take (pagedllm.quantization.native.kernel_rows: 16 on AVX-512 BF16, up to 256 on AVX2; w8a8's any
+# number where its kernel has a batch form, every AVX-512 build), beyond which the torch path takes
+# their batch paths, and with dense layers beside them no more than the dtype's rows
+# (quantized_rows); all of it capped at MAX_ROWS. w8a8 steps of up to 256 rows in the fused call
+# ran level with 16 on the 128-request workload (Zen 4 class, docs/quantization.md). On CPUs with AVX2 + FMA but no AVX-512, where the small-M
 # kernel's float32 form beats oneDNN's GEMM up to 128 rows (native_linear.SMALL_M), the float32
 # step does so too (2-core Zen 1 host, same benchmark, the torch path's GEMMs through that kernel
 # up to 128 rows: 1.50x at 16 rows, 1.18x at 32, 1.16-1.18x at 48-64, 1.13x at 96, 1.04x at 128,
