@@ -5,8 +5,9 @@
  * The row form (w8a8_tile) reads every code row once per 4 rows of x and sums each dot product
  * across a register at the end; for batches this form keeps a panel of 16 code rows in the L1 cache
  * and passes every 16 rows of x over it. x is quantized once per call (w8a8_quantize_row) and packed
- * unsigned (q + 128, in w8a8_row_to_tiles' layout, 16 rows at a time by a transpose): per 4 inputs,
- * one 64-byte vector holds the 16 rows' 4 bytes. Each of the panel's code rows meets it as one dword broadcast to every lane (vpdpbusd's
+ * unsigned (q + 128) 16 rows at a time by a transpose, in the layout of the AMX form's packed x
+ * (linear_quant_amx.h): per 4 inputs, one 64-byte vector holds the 16 rows' 4 bytes. Each of the
+ * panel's code rows meets it as one dword broadcast to every lane (vpdpbusd's
  * signed operand), so register r's lane j sums (q[j] + 128) c[r] over K: 16 x rows x 16 code rows in
  * 16 registers, no sums across lanes. A 16 x 16 transpose turns them into 16 outputs per row of y,
  * the +128 comes off as 128 wsum[n] (exact in int32, as in the row form), and the same two fp32
@@ -24,25 +25,18 @@ static int64_t w8a8_vnni_from_rows = W8A8_VNNI_MIN_ROWS;
  * the code panels pass over them */
 #define W8A8_VNNI_CHUNK 256
 
-static inline int32_t load_dword(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return v;
-}
-
 /* The int32 sums of 16 code rows (w, K bytes apart) with 16 packed x rows (xb) over K, acc[r] lane j
- * for code row r and x row j. The 16 sums are named registers rather than an array, which the
- * compiler would copy from register to register on every step of the loop. */
+ * for code row r and x row j. The 16 sums are named registers, and a step is one vpdpbusd with the
+ * code dword as its broadcast memory operand, in inline assembly: written as the intrinsic over an
+ * array, the compiler copied every accumulator to another register on every step and spilled two. */
 static void w8a8_vnni_sums(const int32_t *xb, const int8_t *w, int64_t K, const int32_t *tail, __m512i acc[16]) {
+#define W8A8_16(F) F(0) F(1) F(2) F(3) F(4) F(5) F(6) F(7) F(8) F(9) F(10) F(11) F(12) F(13) F(14) F(15)
 #define W8A8_ACC(r) __m512i a##r = _mm512_setzero_si512();
-#define W8A8_STEP(r, b) a##r = _mm512_dpbusd_epi32(a##r, xv, _mm512_set1_epi32(b));
-#define W8A8_16(F, ...) F(0 __VA_ARGS__) F(1 __VA_ARGS__) F(2 __VA_ARGS__) F(3 __VA_ARGS__) F(4 __VA_ARGS__) \
-    F(5 __VA_ARGS__) F(6 __VA_ARGS__) F(7 __VA_ARGS__) F(8 __VA_ARGS__) F(9 __VA_ARGS__) F(10 __VA_ARGS__) \
-    F(11 __VA_ARGS__) F(12 __VA_ARGS__) F(13 __VA_ARGS__) F(14 __VA_ARGS__) F(15 __VA_ARGS__)
-/* vpdpbusd with the code dword as its broadcast memory operand (one instruction, the accumulator
- * tied to its register: the intrinsic's form made the compiler copy every accumulator each step) */
-#define W8A8_MAIN(r) __asm__("vpdpbusd %[m]%{1to16%}, %[x], %[a]" : [a] "+v"(a##r) : [x] "v"(xv), [m] "m"(*(const int32_t *)(wp + r * K)));
-#define W8A8_TAIL(r) W8A8_STEP(r, tail[r])
+#define W8A8_MAIN(r) \
+    __asm__("vpdpbusd %[m]%{1to16%}, %[x], %[a]" \
+            : [a] "+v"(a##r) \
+            : [x] "v"(xv), [m] "m"(*(const int32_t *)(wp + r * K)));
+#define W8A8_TAIL(r) a##r = _mm512_dpbusd_epi32(a##r, xv, _mm512_set1_epi32(tail[r]));
 #define W8A8_OUT(r) acc[r] = a##r;
     W8A8_16(W8A8_ACC)
     const int64_t K4 = K / 4;
@@ -56,9 +50,8 @@ static void w8a8_vnni_sums(const int32_t *xb, const int8_t *w, int64_t K, const 
         W8A8_16(W8A8_TAIL)
     }
     W8A8_16(W8A8_OUT)
-#undef W8A8_ACC
-#undef W8A8_STEP
 #undef W8A8_16
+#undef W8A8_ACC
 #undef W8A8_MAIN
 #undef W8A8_TAIL
 #undef W8A8_OUT
