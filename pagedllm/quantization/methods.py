@@ -130,10 +130,7 @@ class W8A8LinearMethod(_FromFloat):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layer.native:
-            y = native.w8a8_small_m_linear(x, layer.qweight, layer.wscale, layer.wsum)
-            if y is None:
-                y = native.w8a8_batch_linear(x, layer.qweight, layer.wscale)
-            return _bias(y, bias)
+            return _bias(native.w8a8_linear(x, layer.qweight, layer.wscale, layer.wsum), bias)
         return _bias(K.int8_dynamic_linear(x, layer.qweight.t(), layer.wscale), bias)
 
 

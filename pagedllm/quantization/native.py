@@ -207,6 +207,14 @@ def w8a8_small_m_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tens
     return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
+def w8a8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, wsum: torch.Tensor) -> torch.Tensor:
+    """w8a8's x [..., K] @ (codes * scales)^T as W8A8LinearMethod runs it: the kernel where it
+    takes x's rows (:func:`w8a8_small_m_linear`: every number on AVX-512 builds), else the batch
+    path (:func:`w8a8_batch_linear`). The same bits either way."""
+    y = w8a8_small_m_linear(x, codes, scales, wsum)
+    return y if y is not None else w8a8_batch_linear(x, codes, scales)
+
+
 def w8a8_batch_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """w8a8's x [..., K] @ (codes * scales)^T for any number of rows where the kernel has no batch
     form of its own (the AVX2 form, past :func:`w8a8_rows`), equal to

@@ -21,8 +21,8 @@ w8a8_vnni_rows() rows), its vpdpbusd batch form, its row form, and the AVX2 form
 kernels' own int8 product on registers only (``int8_dot_peak``: vpdpbusd on AVX-512 VNNI, the AVX2
 form's vpmaddubsw pairs elsewhere), beside the bf16 GEMM peak (``env.measure_matmul_peak``). Then
 per SmolLM2 layer shape and number of rows (16 to 1,024, the batches of the 128-request workload):
-w8a8's call as dispatched (``native.w8a8_small_m_linear``: the AMX tiles or the vpdpbusd batch
-form where the kernel has one) in GOP/s and as a fraction of the int8 peak (measured again right
+w8a8's call as dispatched (``native.w8a8_linear``: the AMX tiles or the vpdpbusd batch form
+where the kernel has one) in GOP/s and as a fraction of the int8 peak (measured again right
 after the row's timings), ``torch._int_mm`` alone
 and with the kernel's two passes around it (``native.w8a8_batch_linear``, the AVX2 form's batch
 path), the unfused int8 path (the weight widened to bf16 on every call, then ``F.linear``) and its
@@ -46,7 +46,6 @@ from pagedllm.quantization import kernels as K
 from pagedllm.quantization import native
 from pagedllm.benchmarks import env
 from pagedllm.benchmarks.script import parser
-from pagedllm.hardware import cpu_flags
 
 
 def best(fn, reps: int = 20) -> float:
@@ -196,8 +195,7 @@ def _w8a8_forms(layers, per_layer, k: int) -> list[str]:
                 lib.w8a8_amx_from(amx)
                 lib.w8a8_vnni_from(vnni_from)
 
-        call = per_layer(lambda q, s, ws, t: native.w8a8_small_m_linear(x, q, s, ws)
-                         if m <= native.w8a8_rows() else native.w8a8_batch_linear(x, q, s))
+        call = per_layer(lambda q, s, ws, t: native.w8a8_linear(x, q, s, ws))
         vnni = kernel(1 << 62, 1) if vnni_from else float("nan")
         rows = kernel(1 << 62, 1 << 62)
         batch = per_layer(lambda q, s, ws, t: native.w8a8_batch_linear(x, q, s))
@@ -225,8 +223,8 @@ def int8_peak(output_json: str | None = None) -> None:
     torch.set_num_threads(2)
     peak = first_peak = int8_peak_ops()
     bf16_peak = env.measure_matmul_peak(dtype="bfloat16")
-    # linear_quant.c's AVX-512 form (vpdpbusd) builds where the CPU has AVX-512 BF16 (and so VNNI)
-    product = "vpdpbusd (AVX-512 VNNI)" if {"avx512_bf16", "avx512_vnni"} <= cpu_flags() else \
+    # the build's form: only the AVX-512 one (vpdpbusd) has the w8a8 batch form
+    product = "vpdpbusd (AVX-512 VNNI)" if native.load_quant_kernel().w8a8_vnni_rows() else \
         "vpmaddubsw + vpmaddwd (AVX2)"
     print(f"int8 peak, {product} on registers, 2 threads: {peak / 1e9:.0f} GOP/s; "
           f"bf16 GEMM peak (1024^3): {bf16_peak / 1e9:.0f} GFLOP/s", flush=True)
@@ -244,9 +242,7 @@ def int8_peak(output_json: str | None = None) -> None:
             def med(fn) -> float:
                 return statistics.median(env.call_times(fn, reps))
 
-            call = (lambda: native.w8a8_small_m_linear(x, q, s, ws)) if m <= native.w8a8_rows() else \
-                (lambda: native.w8a8_batch_linear(x, q, s))
-            t_call, t_mm = med(call), med(lambda: torch._int_mm(xq, q.t()))
+            t_call, t_mm = med(lambda: native.w8a8_linear(x, q, s, ws)), med(lambda: torch._int_mm(xq, q.t()))
             t_mm_path = med(lambda: native.w8a8_batch_linear(x, q, s))
             t_unfused, t_bf16 = med(lambda: K.int8_dequant_linear(x, q, s)), med(lambda: F.linear(x, wb))
             ops = 2 * m * n * k
