@@ -98,6 +98,17 @@ def amx_rows_from(rows: int) -> None:
     _amx_from = rows
 
 
+def row1_reads(on: bool | None = None) -> bool:
+    """Whether a single row of x reads W row after row (the AVX-512 form's one-row path) rather than
+    in the tiles' 4-row blocks; `on` sets it from now on in both libraries that hold the kernel
+    (this module's and the fused decode step's). By default on AMD CPUs with AVX-512, where it reads
+    W faster, and off on Intel's (small_m_gemm.c); the same bits either way. False where the build
+    has no such form."""
+    libs = [lib for lib in (load_linear_kernel(), native.load(kernels.DECODE)) if lib is not None]
+    arg = -1 if on is None else int(on)
+    return bool([lib.small_m_row1(arg) for lib in libs][0]) if libs else False
+
+
 @lru_cache(maxsize=None)
 def small_m_rows(dtype: torch.dtype) -> int:
     """The most rows of x the kernel takes in `dtype` (0: none), by the form the library was built in."""

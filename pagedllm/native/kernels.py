@@ -52,9 +52,10 @@ ENCODER_ATTENTION = Library("encoder_attention.c", (ENCODER_ATTENTION_F32, ENCOD
 SMALL_M_AVAILABLE = Kernel("small_m_available", I32)
 SMALL_M_AMX_ROWS = Kernel("small_m_amx_rows", I64)
 SMALL_M_AMX_FROM = Kernel("small_m_amx_from", I64, (i64("rows"),))
+SMALL_M_ROW1 = Kernel("small_m_row1", I64, (i64("on"),))
 SMALL_M_LINEAR = Kernel("small_m_linear", I32, (
     ptr("x"), i64("M"), ptr("w"), ptr("bias"), i64("N"), i64("K"), ptr("y"), i64("dt")))
-LINEAR = Library("small_m_gemm.c", (SMALL_M_AVAILABLE, SMALL_M_LINEAR, SMALL_M_AMX_ROWS, SMALL_M_AMX_FROM),
+LINEAR = Library("small_m_gemm.c", (SMALL_M_AVAILABLE, SMALL_M_LINEAR, SMALL_M_AMX_ROWS, SMALL_M_AMX_FROM, SMALL_M_ROW1),
                  lambda: envs.PAGEDLLM_NATIVE_LINEAR)
 
 # elementwise_bf16.c: RMSNorm, SiLU·mul and RoPE rows; the float32 forms wherever the file builds
@@ -166,7 +167,7 @@ LLAMA_DECODE_HEAD = Kernel("llama_decode_head", I32, (
     *_STEP_ARGS, i64("S"), ptr("sample_rows"), ptr("logits"), ptr("tokens"), ptr("mask"), i64("ldm"),
     ptr("mask_rows")))
 ARGMAX_ROWS = Kernel("argmax_rows", I32, (ptr("x"), i64("ldx"), i64("S"), i64("V"), i32("dt"), ptr("out")))
-DECODE = Library("llama_decode.c", (SMALL_M_AVAILABLE, SMALL_M_AMX_FROM, LLAMA_DECODE_STEP, LLAMA_DECODE_HEAD,
+DECODE = Library("llama_decode.c", (SMALL_M_AVAILABLE, SMALL_M_AMX_FROM, SMALL_M_ROW1, LLAMA_DECODE_STEP, LLAMA_DECODE_HEAD,
                                     ARGMAX_ROWS),
                  lambda: envs.PAGEDLLM_NATIVE_DECODE)
 

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from pagedllm import native
 from pagedllm.hardware import cpu_flags
 from pagedllm.layers.native_linear import (_DTYPE_CODES, AVX512_FORM, F16_ROWS_AVX2, amx_rows, amx_rows_from,
-                                          kernel_dtypes, load_linear_kernel, small_m_linear, small_m_rows)
+                                          kernel_dtypes, load_linear_kernel, row1_reads, small_m_linear,
+                                          small_m_rows)
 from pagedllm.native import kernels
 
 pytestmark = pytest.mark.skipif(load_linear_kernel() is None, reason="no C compiler, or neither AVX-512 nor AVX2 + FMA")
@@ -59,13 +60,46 @@ def test_kernel_declines_what_it_does_not_cover():
     assert small_m_linear(torch.randn(1, 40), torch.randn(8, 40), None) is None  # K % 16
 
 
+@pytest.fixture
+def one_row_form(request):
+    """The one-row path the test runs in (row after row, or the tiles' 4-row blocks), put back after."""
+    if request.param and not AVX512_FORM:
+        pytest.skip("the row-after-row form is the AVX-512 build's")
+    default = row1_reads()
+    row1_reads(request.param)
+    yield request.param
+    row1_reads(default)
+
+
+def test_the_one_row_form_follows_the_cpu_vendor():
+    assert row1_reads() == (AVX512_FORM and "AuthenticAMD" in open("/proc/cpuinfo").read())
+
+
+@pytest.mark.parametrize("one_row_form", [False, True], indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("N,K", [(37, 576), (150, 1536), (20, 2048), (17, 4096)])
+def test_one_row_gives_the_same_bits_in_both_forms(one_row_form, dtype, N, K):
+    """A single row read row after row and in the tiles' blocks sums in the same order (K up to
+    ROW1_MAX_K = 2048 takes the row form where it is on; 4096 the tiles in both)."""
+    if dtype not in kernel_dtypes():
+        pytest.skip(f"no {dtype} kernel in this build{F16_NOTE if dtype == torch.float16 else ''}")
+    g = torch.Generator().manual_seed(N)
+    x = torch.randn(1, K, generator=g).to(dtype)
+    w = torch.randn(N, K, generator=g).to(dtype)
+    b = torch.randn(N, generator=g).to(dtype)
+    y = small_m_linear(x, w, b)
+    row1_reads(not one_row_form)
+    assert torch.equal(y, small_m_linear(x, w, b))
+
+
+@pytest.mark.parametrize("one_row_form", [False, True], indirect=True)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("N", [13, 37, 150])
-def test_a_rows_result_does_not_depend_on_its_place_in_the_batch(dtype, with_bias, N):
+def test_a_rows_result_does_not_depend_on_its_place_in_the_batch(one_row_form, dtype, with_bias, N):
     """Whole 4 x 4 tiles sum their 16 accumulators in one shuffle tree, partial tiles each alone,
-    and a single row of x reads W row after row (16-row blocks summed in one tree, then single
-    rows): all pair the lanes alike, so a row gives the same bits as the only row, as a row of a
+    and a single row of x reads W row after row where that form is on (16-row blocks summed in one
+    tree, then single rows; run with it on and off): all pair the lanes alike, so a row gives the same bits as the only row, as a row of a
     whole tile and as the odd row of a partial one, in every column (N = 13: whole and short W
     blocks; 37: two 16-row blocks of the one-row path and a tail; 150: split over the threads)."""
     if dtype not in kernel_dtypes():

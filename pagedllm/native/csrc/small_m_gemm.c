@@ -99,6 +99,17 @@ _Static_assert(MR * NR == 16, "a whole tile's sums are one lane_sums16");
  * tiles -> row by row: float16 K = 4096 34.5 -> 29.7, K = 8192 54.8 -> 24.7; float32 K = 4096 31.3
  * -> 27.1; bf16 level from K = 4096). Either gives the same bits. */
 #define ROW1_MAX_K 2048
+/* Whether a single row of x reads W row after row (gemm_row1) in this library: by default on AMD
+ * CPUs only. On the 2-core Xeon with AMX (AVX-512 BF16 rows) the tiles' four rows side by side read
+ * W faster than one row after the other (the default model, one stream, bf16: 13.9 against 19.2 ms
+ * a token; docs/perf-history.md, round 10), the reverse of the Zen 4 class host. Both give the same
+ * bits. Set when the library loads; small_m_row1 changes it. */
+static int row1_reads;
+
+__attribute__((constructor)) static void row1_default(void) {
+    __builtin_cpu_init();
+    row1_reads = __builtin_cpu_is("amd") ? 1 : 0;
+}
 /* GEMMs with fewer weight elements than this run on one thread. */
 #define GEMM_PARALLEL_MIN (1 << 16)
 
@@ -156,12 +167,12 @@ static void gemm_rows(const void *x, int64_t M, const void *w, const void *bias,
             for (int64_t i = 0; i < M * K; i += 16)
                 _mm512_store_ps(xf + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i))));
     }
-    if (M == 1 && K <= ROW1_MAX_K && (dt != LD_F16 || xf != NULL) && gemm_row1(dt == LD_F16 ? xf : x, w, bias, K, y, dt, n_lo, n_hi) == 0) {
+    if (M == 1 && K <= ROW1_MAX_K && row1_reads && (dt != LD_F16 || xf != NULL) && gemm_row1(dt == LD_F16 ? xf : x, w, bias, K, y, dt, n_lo, n_hi) == 0) {
         free(xf);
         return;
     }
 #elif HAVE_AVX512
-    if (M == 1 && K <= ROW1_MAX_K && gemm_row1(x, w, bias, K, y, dt, n_lo, n_hi) == 0) return;
+    if (M == 1 && K <= ROW1_MAX_K && row1_reads && gemm_row1(x, w, bias, K, y, dt, n_lo, n_hi) == 0) return;
 #endif
 #if HAVE_AVX2_F32
     /* bf16 and float16 on AVX2: x widened once, and a float32 panel of the W block where passes
@@ -308,6 +319,19 @@ int64_t small_m_amx_from(int64_t rows) {
     (void)rows;
 #endif
     return small_m_amx_rows();
+}
+
+/* Whether a single row of x reads W row after row (1) or in the tiles' 4-row blocks (0) from now on
+ * (on < 0: leave it). Only AVX-512 builds have the row-after-row form; 0 elsewhere. Returns the
+ * setting in force. */
+int64_t small_m_row1(int64_t on) {
+#if HAVE_AVX512
+    if (on >= 0) row1_reads = on ? 1 : 0;
+    return row1_reads;
+#else
+    (void)on;
+    return 0;
+#endif
 }
 
 /* y = x W^T (+ bias): 0, or 1 for what it does not take (K not a multiple of its step, no kernel). */
