@@ -126,13 +126,15 @@ def test_amx_is_used_where_the_cpu_has_it():
 
 @pytest.mark.skipif(not amx_rows(), reason="no AMX-BF16 on this CPU (or the OS does not lend the tiles)")
 @pytest.mark.parametrize("N", [13, 130, 960])
-def test_amx_rows_do_not_depend_on_the_batch(N):
+@pytest.mark.parametrize("K", [576, 1536])
+def test_amx_rows_do_not_depend_on_the_batch(N, K):
     """On AMX tiles every element of y is the same sequence of tile products wherever its x row sits
     in a 16-row block, whichever block it is in, and whether its W rows are a whole 16-row block or a
-    short one padded with zeros (N = 13: one short block; 130: eight whole blocks and a short one):
-    a row gives the same bits in every batch of amx_rows() rows or more."""
+    short one padded with zeros (N = 13: one short block; 130: eight whole blocks and a short one),
+    however the call splits x into blocks of rows (K = 1536: blocks of 96 rows, so the 128-row
+    call and the 100-row part run as two): a row gives the same bits in every batch of amx_rows()
+    rows or more."""
     g = torch.Generator().manual_seed(N)
-    K = 576
     x = torch.randn(200, K, generator=g).bfloat16()
     w = (torch.randn(N, K, generator=g) / K**0.5).bfloat16()
     b = torch.randn(N, generator=g).bfloat16()

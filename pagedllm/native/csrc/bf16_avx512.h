@@ -1,5 +1,5 @@
-/* bf16.h's 16-lane forms (AVX-512): bf16 loads and stores, e^x, bf16 rounding and lane sums.
- * Included by bf16.h where the build has AVX-512F. */
+/* bf16.h's 16-lane forms (AVX-512): bf16 loads and stores, e^x, bf16 rounding, lane sums and a 16 x 16
+ * transpose of 32-bit words. Included by bf16.h where the build has AVX-512F. */
 #include <immintrin.h>
 
 /* 16 bf16 values widened to float32 (exact). */
@@ -67,4 +67,28 @@ static inline __attribute__((always_inline)) __m512 lane_sums16(const __m512 a[1
     const __m512 f = _mm512_add_ps(_mm512_shuffle_ps(r[0], r[1], _MM_SHUFFLE(2, 0, 2, 0)),
                                    _mm512_shuffle_ps(r[0], r[1], _MM_SHUFFLE(3, 1, 3, 1)));
     return _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), f);
+}
+
+/* r[0..15] (16 x 16 int32, r[i] lane j) transposed in place: r[j] lane i. */
+static inline void transpose16_epi32(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    /* u[4g + c], 128-bit lane L: rows 4g .. 4g + 3 of column 4L + c */
+    for (int g = 0; g < 16; g += 4) {
+        u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+        u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+        u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+        u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+        const __m512i v2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44), v3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+        r[c] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+        r[4 + c] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+        r[8 + c] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+        r[12 + c] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+    }
 }

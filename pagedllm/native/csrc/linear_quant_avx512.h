@@ -256,30 +256,6 @@ static inline void w8a8_tile(const uint8_t *xq, int64_t KP, const int8_t *codes,
                           (m0 + m) * N + n0, rows, f32);
 }
 
-/* r[0..15] (16 x 16 int32, r[i] lane j) transposed in place: r[j] lane i. */
-static inline void transpose16_epi32(__m512i r[16]) {
-    __m512i t[16], u[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    /* u[4g + c], 128-bit lane L: rows 4g .. 4g + 3 of column 4L + c */
-    for (int g = 0; g < 16; g += 4) {
-        u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
-        u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
-        u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
-        u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
-    }
-    for (int c = 0; c < 4; c++) {
-        const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
-        const __m512i v2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44), v3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
-        r[c] = _mm512_shuffle_i32x4(v0, v2, 0x88);
-        r[4 + c] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
-        r[8 + c] = _mm512_shuffle_i32x4(v1, v3, 0x88);
-        r[12 + c] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
-    }
-}
-
 /* A row quantized by w8a8_quantize_row (q + 128, KP bytes) as signed int8 q, K bytes: the top bit flipped. */
 static inline void w8a8_row_to_signed(const uint8_t *row, int8_t *q, int64_t K) {
     for (int64_t k = 0; k < K; k += 64) {
