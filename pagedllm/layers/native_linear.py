@@ -42,7 +42,11 @@ BF16_ROWS_AVX512, BF16_ROWS_AVX2 = 64, 256
 # multiplies on AMX tiles, reading each W row once as the tiles' first operand. Against oneDNN's
 # AMX GEMM, same benchmark, 2-core Xeon with AMX-BF16: 1 row (AVX-512 BF16 form) 8.1 against 17.2
 # ms, 8 rows 9.3 against 17.6, 16 rows 9.7 against 17.9, 32 rows 13.1 against 19.2, 64 rows 19.2
-# against 27.8, 128 rows 29.4 against 28.8, 256 rows 49.3 against 42.5. It takes up to 128 rows.
+# against 27.8, 128 rows 29.4 against 28.8, 256 rows 49.3 against 42.5. Since its sums go to y
+# through a register transpose and x is packed the same way (1ee0889; two alternating runs on a
+# host whose speed halved and doubled within minutes, so only the ratios in each run compare):
+# 32 rows 1.55-1.56x, 64 rows 1.36-1.41x, 128 rows 1.18-1.19x (0.68-0.91x before), 256 rows
+# 0.96-1.07x, 512 rows 0.93x. It takes up to 128 rows.
 BF16_ROWS_AMX = 128
 # float16 on AVX2 + FMA + F16C: the bf16 form's loop on F16C-widened values, same limit. On AVX-512
 # (gemm_tile_f16: W widened by vcvtph2ps, float32 FMAs) up to F16_ROWS_AVX512 rows.
