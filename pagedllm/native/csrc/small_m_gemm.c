@@ -28,8 +28,9 @@
  * 84.3 -> 72.3 ms one row, 254.8 -> 225.3 ms 8 rows; float32 160.4 -> 144.9 ms one row;
  * docs/perf-history.md, round 8). Results are the same bits either way.
  * A single row of x (one stream's decode step) with W rows of at most ROW1_MAX_K reads W row after
- * row instead (gemm_row1 in the AVX-512 form): one sequential stream per thread, which short rows
- * get from memory faster than 4 streams side by side, with each row's sums in the tiles' order.
+ * row instead on AMD CPUs (gemm_row1 in the AVX-512 form, row1_reads): one sequential stream per
+ * thread, which short rows get from memory faster there than 4 streams side by side (on Intel's the
+ * reverse), with each row's sums in the tiles' order.
  * W row blocks are split between the OpenMP threads; small GEMMs run on one thread (waking the
  * team costs more than reading a few hundred KB). CPUs without AVX-512 but with AVX2 and FMA get
  * the kernel in 8-lane vectors (gemm_tile_avx2), bf16 and (with F16C) float16 widened to float32
@@ -107,9 +108,12 @@ _Static_assert(MR * NR == 16, "a whole tile's sums are one lane_sums16");
 static int row1_reads;
 
 __attribute__((constructor)) static void row1_default(void) {
+#if defined(__x86_64__) || defined(__i386__)
     __builtin_cpu_init();
     row1_reads = __builtin_cpu_is("amd") ? 1 : 0;
+#endif
 }
+
 /* GEMMs with fewer weight elements than this run on one thread. */
 #define GEMM_PARALLEL_MIN (1 << 16)
 
