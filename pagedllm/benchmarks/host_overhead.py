@@ -7,8 +7,9 @@ For each batch size N it runs LLM.generate on N greedy requests (random prompts 
 tokens, ignore_eos) and times, with perf_counter, every engine step in which all N requests
 decode one token. The parts are timed by wrapping the functions that do them; a part that does
 not exist in the code being measured is left out. `host` is the step's wall time minus the model
-forward (the forward paths' `run` that return hidden states, or `_forward` in older trees;
-attention included) and the LM head (`compute_logits`).
+forward (the forward paths' `run`, or `_forward` in older trees; attention included; a step the
+native decode path runs on through the LM head counts its head there) and the torch LM head
+(`compute_logits`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ PARTS: dict[str, list[str]] = {
     "update_states": ["pagedllm.worker.model_runner:ModelRunner._update_states"],
     "build_batch": ["pagedllm.worker.model_runner:build_batch",
                     "pagedllm.worker.input_batch:InputBatch.prepare"],
-    "forward": ["pagedllm.worker.forward:EagerPath.run,NativeDecodePath.run,CudaGraphPath.run,PipelinePath.run",
+    "forward": ["pagedllm.worker.forward:EagerPath.run,NativeDecodePath.run,NativeHeadPath.run,CudaGraphPath.run,"
+                "PipelinePath.run",
+                "pagedllm.worker.forward:EagerPath.run,NativeDecodePath.run,CudaGraphPath.run,PipelinePath.run",
                 "pagedllm.worker.model_runner:ModelRunner._forward"],
     "compute_logits": ["pagedllm.models.llama:LlamaForCausalLM.compute_logits"],
     "sampling_metadata": ["pagedllm.worker.model_runner:ModelRunner._sampling_metadata",
