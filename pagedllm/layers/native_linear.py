@@ -81,6 +81,12 @@ def amx_rows() -> int:
     return lib.small_m_amx_rows() if lib is not None else 0
 
 
+def _kernel_libs() -> list[Binding]:
+    """Both libraries that hold the kernel, where they load: this module's and the fused decode
+    step's (llama_decode.c includes the kernel), each with its own settings."""
+    return [lib for lib in (load_linear_kernel(), native.load(kernels.DECODE)) if lib is not None]
+
+
 # What both libraries that hold the kernel were last given by amx_rows_from (None: nothing yet).
 _amx_from: int | None = None
 
@@ -96,21 +102,19 @@ def amx_rows_from(rows: int) -> None:
     global _amx_from
     if _amx_from == rows or not amx_rows():  # amx_rows() first: its cache holds the default
         return
-    for lib in (load_linear_kernel(), native.load(kernels.DECODE)):
-        if lib is not None:
-            lib.small_m_amx_from(rows)
+    for lib in _kernel_libs():
+        lib.small_m_amx_from(rows)
     _amx_from = rows
 
 
 def row1_reads(on: bool | None = None) -> bool:
     """Whether a single row of x reads W row after row (the AVX-512 form's one-row path) rather than
-    in the tiles' 4-row blocks; `on` sets it from now on in both libraries that hold the kernel
-    (this module's and the fused decode step's). By default on AMD CPUs with AVX-512, where it reads
-    W faster, and off on Intel's (small_m_gemm.c); the same bits either way. False where the build
-    has no such form."""
-    libs = [lib for lib in (load_linear_kernel(), native.load(kernels.DECODE)) if lib is not None]
+    in the tiles' 4-row blocks; `on` sets it from now on in both libraries that hold the kernel.
+    By default on AMD CPUs with AVX-512, where it reads W faster, and off on Intel's
+    (small_m_gemm.c); the same bits either way. False where the build has no such form."""
     arg = -1 if on is None else int(on)
-    return bool([lib.small_m_row1(arg) for lib in libs][0]) if libs else False
+    settings = [lib.small_m_row1(arg) for lib in _kernel_libs()]
+    return bool(settings[0]) if settings else False
 
 
 @lru_cache(maxsize=None)

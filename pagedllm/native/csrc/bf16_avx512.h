@@ -1,5 +1,6 @@
-/* bf16.h's 16-lane forms (AVX-512): bf16 loads and stores, e^x, bf16 rounding, lane sums and a 16 x 16
- * transpose of 32-bit words. Included by bf16.h where the build has AVX-512F. */
+/* bf16.h's 16-lane forms (AVX-512): bf16 loads and stores, e^x, bf16 rounding, lane sums, a 16 x 16
+ * transpose of 32-bit words and the packing of 16 rows built on it. Included by bf16.h where the
+ * build has AVX-512F. */
 #include <immintrin.h>
 
 /* 16 bf16 values widened to float32 (exact). */
@@ -90,5 +91,21 @@ static inline void transpose16_epi32(__m512i r[16]) {
         r[4 + c] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
         r[8 + c] = _mm512_shuffle_i32x4(v1, v3, 0x88);
         r[12 + c] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+    }
+}
+
+/* 16 rows of KC * 64 bytes (row j at src + j * stride bytes for j < n; rows from n on read as
+ * zeros) packed as the tile units' and vpdpbusd's second operand: per 64 bytes kc, 16 lines of 16
+ * 32-bit words at dst + kc * 256, line p word j = row j's word p of those 64 bytes (a pair of bf16,
+ * or 4 int8), every byte xor flip (0x80 turns the q + 128 of a quantized row into signed q). */
+static inline void pack16_dwords(const void *src, int64_t stride, int64_t n, int64_t KC, char flip, int32_t *dst) {
+    const __m512i f = _mm512_set1_epi8(flip);
+    for (int64_t kc = 0; kc < KC; kc++) {
+        __m512i r[16];
+        for (int64_t j = 0; j < 16; j++)
+            r[j] = j < n ? _mm512_xor_si512(_mm512_loadu_si512((const void *)((const char *)src + j * stride + kc * 64)), f)
+                         : _mm512_setzero_si512();
+        transpose16_epi32(r);
+        for (int p = 0; p < 16; p++) _mm512_store_si512((void *)(dst + kc * 256 + p * 16), r[p]);
     }
 }

@@ -332,31 +332,30 @@ int64_t w8a8_vnni_from(int64_t rows) {
  */
 /* Each row of x [M, K] (bf16 or fp32) quantized by w8a8_quantize_row, d[m] its scale, stored as signed
  * int8: rows of K bytes at xq, or, with xp (AMX-INT8 builds), TDPBSSD's packed second operand
- * (linear_quant_amx.h), zero rows up to a multiple of 16. 2 where a row's scratch cannot be had. */
+ * (w8a8_quantize_pack16, 16 rows at a time), zero rows up to a multiple of 16. 2 where a thread's
+ * scratch cannot be had. */
 static int w8a8_quantize_each(const void *x, int64_t M, int64_t K, int f32, float *d, int8_t *xq, int32_t *xp) {
-    const int64_t es = f32 ? 4 : 2, KP = (K + 63) / 64 * 64, rows = xp != NULL ? (M + 15) / 16 * 16 : M;
+    const int64_t es = f32 ? 4 : 2, KP = (K + 63) / 64 * 64;
+    const int64_t units = xp != NULL ? (M + 15) / 16 : M, scratch = xp != NULL ? 16 * KP : KP;
     int bad = 0;
 #pragma omp parallel if (M * K >= (1 << 17))
     {
-        uint8_t *row = (uint8_t *)aligned_alloc(64, (size_t)KP);
+        uint8_t *row = (uint8_t *)aligned_alloc(64, (size_t)scratch);
         if (row == NULL) {
 #pragma omp atomic write
             bad = 1;
         }
 #pragma omp for schedule(static)
-        for (int64_t m = 0; m < rows; m++) {
+        for (int64_t u = 0; u < units; u++) {
             if (row == NULL) continue;
-            if (m < M)
-                d[m] = w8a8_quantize_row((const char *)x + m * K * es, f32, K, KP, row);
-            else
-                memset(row, 128, (size_t)KP); /* q = 0 */
 #if HAVE_AMX_INT8
             if (xp != NULL) {
-                w8a8_row_to_tiles(row, KP / 64, xp + m / 16 * (KP / 64) * 256 + m % 16);
+                w8a8_quantize_pack16(x, M, K, f32, u, d, row, (char)0x80, xp + u * (KP / 64) * 256);
                 continue;
             }
 #endif
-            w8a8_row_to_signed(row, xq + m * K, K);
+            d[u] = w8a8_quantize_row((const char *)x + u * K * es, f32, K, KP, row);
+            w8a8_row_to_signed(row, xq + u * K, K);
         }
         free(row);
     }

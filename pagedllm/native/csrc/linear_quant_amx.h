@@ -24,18 +24,6 @@ static int64_t w8a8_amx_from_rows = W8A8_AMX_MIN_ROWS;
 /* x rows per chunk of a call (a multiple of 32) */
 #define W8A8_AMX_CHUNK 128
 
-/* A row quantized by w8a8_quantize_row (q + 128, KC * 64 bytes) as signed bytes into its column of
- * TDPBSSD's packed second operand: t is word j of line 0 of the row's first 64 inputs (j: the row
- * within its 16), words 16 apart per line, 1 KiB per 64 inputs. */
-static inline void w8a8_row_to_tiles(const uint8_t *row, int64_t KC, int32_t *t) {
-    const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                           _mm512_set1_epi32(16));
-    for (int64_t kc = 0; kc < KC; kc++) {
-        const __m512i q = _mm512_xor_si512(_mm512_load_si512((const void *)(row + kc * 64)), _mm512_set1_epi8((char)0x80));
-        _mm512_i32scatter_epi32(t + kc * 256, idx, q, 4);
-    }
-}
-
 /* linear_quant.c: x's rows quantized and stored as signed rows (xq) or as the packed operand (xp). */
 static int w8a8_quantize_each(const void *x, int64_t M, int64_t K, int f32, float *d, int8_t *xq, int32_t *xp);
 

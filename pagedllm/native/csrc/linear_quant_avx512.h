@@ -256,6 +256,22 @@ static inline void w8a8_tile(const uint8_t *xq, int64_t KP, const int8_t *codes,
                           (m0 + m) * N + n0, rows, f32);
 }
 
+/* x rows mb * 16 .. mb * 16 + 15 of M quantized by w8a8_quantize_row into blk (16 rows of KP
+ * bytes, q + 128; rows past M q = 0, no d) and packed 16 rows at a time into xb (pack16_dwords, KP / 64
+ * KiB): signed q for the AMX tiles' TDPBSSD (flip 0x80), q + 128 for vpdpbusd (flip 0). */
+static inline void w8a8_quantize_pack16(const void *x, int64_t M, int64_t K, int f32, int64_t mb, float *d,
+                                        uint8_t *blk, char flip, int32_t *xb) {
+    const int64_t KP = (K + 63) / 64 * 64, es = f32 ? 4 : 2;
+    for (int64_t j = 0; j < 16; j++) {
+        const int64_t m = mb * 16 + j;
+        if (m < M)
+            d[m] = w8a8_quantize_row((const char *)x + m * K * es, f32, K, KP, blk + j * KP);
+        else
+            memset(blk + j * KP, 128, (size_t)KP); /* q = 0 */
+    }
+    pack16_dwords(blk, KP, 16, KP / 64, flip, xb);
+}
+
 /* A row quantized by w8a8_quantize_row (q + 128, KP bytes) as signed int8 q, K bytes: the top bit flipped. */
 static inline void w8a8_row_to_signed(const uint8_t *row, int8_t *q, int64_t K) {
     for (int64_t k = 0; k < K; k += 64) {

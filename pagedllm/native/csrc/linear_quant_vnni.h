@@ -5,8 +5,8 @@
  * The row form (w8a8_tile) reads every code row once per 4 rows of x and sums each dot product
  * across a register at the end; for batches this form keeps a panel of 16 code rows in the L1 cache
  * and passes every 16 rows of x over it. x is quantized once per call (w8a8_quantize_row) and packed
- * unsigned (q + 128) 16 rows at a time by a transpose, in the layout of the AMX form's packed x
- * (linear_quant_amx.h): per 4 inputs, one 64-byte vector holds the 16 rows' 4 bytes. Each of the
+ * unsigned (q + 128) 16 rows at a time by a transpose (w8a8_quantize_pack16), in the layout of the
+ * AMX form's packed x (linear_quant_amx.h): per 4 inputs, one 64-byte vector holds the 16 rows' 4 bytes. Each of the
  * panel's code rows meets it as one dword broadcast to every lane (vpdpbusd's
  * signed operand), so register r's lane j sums (q[j] + 128) c[r] over K: 16 x rows x 16 code rows in
  * 16 registers, no sums across lanes. A 16 x 16 transpose turns them into 16 outputs per row of y,
@@ -78,24 +78,12 @@ static inline void w8a8_vnni_block(const int32_t *xb, const int8_t *w, int64_t K
                           f32);
 }
 
-/* 16 rows quantized by w8a8_quantize_row (q + 128, KP bytes each, KP = KC * 64, at blk) into their
- * block of the packed x (w8a8_row_to_tiles' layout, unsigned): per 64 inputs, the 16 rows' 16 dwords
- * transposed in registers, 1 KiB. */
-static inline void w8a8_pack16(const uint8_t *blk, int64_t KC, int32_t *xb) {
-    __m512i r[16];
-    for (int64_t kc = 0; kc < KC; kc++) {
-        for (int j = 0; j < 16; j++) r[j] = _mm512_load_si512((const void *)(blk + j * KC * 64 + kc * 64));
-        transpose16_epi32(r);
-        for (int p = 0; p < 16; p++) _mm512_store_si512((void *)(xb + kc * 256 + p * 16), r[p]);
-    }
-}
-
 /* w8a8_linear's result in this form: 0, or 2 where scratch cannot be had (nothing written to y).
  * One parallel region: each thread quantizes and packs its share of x's 16-row blocks, then (after
  * the barrier) computes its share of every chunk's code panels. */
 static int w8a8_linear_vnni(const void *x, int64_t M, const int8_t *codes, const float *scales, const int32_t *wsum,
                             int64_t N, int64_t K, void *y, int f32) {
-    const int64_t KC = (K + 63) / 64, KP = KC * 64, MB = (M + 15) / 16, NB = (N + 15) / 16, es = f32 ? 4 : 2;
+    const int64_t KC = (K + 63) / 64, KP = KC * 64, MB = (M + 15) / 16, NB = (N + 15) / 16;
     int32_t *xp = (int32_t *)aligned_alloc(64, (size_t)(MB * KC * 1024));
     float *d = (float *)malloc(sizeof(float) * M);
     /* the 16 code rows of the last panel where it is short: rows past N read as zeros */
@@ -117,14 +105,7 @@ static int w8a8_linear_vnni(const void *x, int64_t M, const int8_t *codes, const
 #pragma omp for schedule(static)
         for (int64_t mb = 0; mb < MB; mb++) {
             if (blk == NULL) continue;
-            for (int64_t j = 0; j < 16; j++) {
-                const int64_t m = mb * 16 + j;
-                if (m < M)
-                    d[m] = w8a8_quantize_row((const char *)x + m * K * es, f32, K, KP, blk + j * KP);
-                else
-                    memset(blk + j * KP, 128, (size_t)KP); /* q = 0 */
-            }
-            w8a8_pack16(blk, KC, xp + mb * KC * 256);
+            w8a8_quantize_pack16(x, M, K, f32, mb, d, blk, 0, xp + mb * KC * 256);
         }
         free(blk);
         int failed;

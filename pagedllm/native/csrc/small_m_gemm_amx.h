@@ -30,20 +30,11 @@ static __thread int64_t amx_wpad_elems;
 
 /* Rows [m_lo, m_lo + Mb) of x [M, K] bf16 as TDPBF16PS's second operand: for each block of 16 x
  * rows (mb) and 32 columns of K (kc), 16 lines of 16 32-bit words, line p word j = x[m_lo + mb * 16 +
- * j][kc * 32 + 2p, + 2p + 1] (zero past row M): the 16 x 16 transpose of the block's 32-bit pairs. */
+ * j][kc * 32 + 2p, + 2p + 1] (zero past row M): pack16_dwords of each 16 rows. */
 static void amx_pack_x(const uint16_t *x, int64_t m_lo, int64_t Mb, int64_t K, uint32_t *xp) {
-    const int64_t KC = K / 32, MB = (Mb + 15) / 16;
-    for (int64_t mb = 0; mb < MB; mb++)
-        for (int64_t kc = 0; kc < KC; kc++) {
-            __m512i r[16];
-            for (int64_t j = 0; j < 16; j++) {
-                const int64_t m = mb * 16 + j;
-                r[j] = m < Mb ? _mm512_loadu_si512((const void *)(x + (m_lo + m) * K + kc * 32)) : _mm512_setzero_si512();
-            }
-            transpose16_epi32(r);
-            uint32_t *t = xp + (mb * KC + kc) * 256;
-            for (int64_t p = 0; p < 16; p++) _mm512_store_si512((void *)(t + p * 16), r[p]);
-        }
+    const int64_t KC = K / 32;
+    for (int64_t mb = 0; mb < (Mb + 15) / 16; mb++)
+        pack16_dwords(x + (m_lo + mb * 16) * K, K * 2, Mb - mb * 16, KC, 0, (int32_t *)xp + mb * KC * 256);
 }
 
 /* 16 W rows x 32 K columns times 16 x rows into accumulators: the k-loop of one output block of up
